@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""The one shader compiler driver: compiles every module declared in pagedvk/abi.py to SPIR-V.
+
+GLSL goes through glslangValidator, WGSL through naga (the `naga` CLI when on PATH, otherwise Node.js
+running the pinned npm package naga-wasm); every module is then checked with spirv-val. A manifest records
+what each module was built from, so the library can refuse a module older than its source.
+
+    python build_shaders.py                  # into pagedvk/spv/, for development
+    python build_shaders.py --out DIR        # what CMake calls during `pip install .`
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+SHADER_DIR = ROOT / "shaders"
+DEFAULT_OUT = ROOT / "pagedvk" / "spv"
+MANIFEST = "manifest.json"
+TARGET_ENV = "vulkan1.1"
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def load_abi():
+    # By path, not by import: building must not need the package's run-time dependencies.
+    spec = importlib.util.spec_from_file_location("pagedvk_abi", ROOT / "pagedvk" / "abi.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def require_tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise BuildError(f"{name} not found on PATH: install {package} (Debian/Ubuntu: apt-get install {package})")
+    return path
+
+
+def run(cmd: list, what: str) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise BuildError(f"{what} failed:\n$ {' '.join(map(str, cmd))}\n{result.stdout}{result.stderr}")
+
+
+def compile_glsl(source: Path, out: Path, defines: dict) -> None:
+    glslang = require_tool("glslangValidator", "glslang-tools")
+    cmd = [glslang, "-V", "--target-env", TARGET_ENV, "-I" + str(SHADER_DIR)]
+    cmd += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    run(cmd + ["-o", str(out), str(source)], f"glslangValidator {source.name}")
+
+
+def naga_command(source: Path, out: Path) -> list:
+    naga = shutil.which("naga")
+    if naga:
+        return [naga, str(source), str(out)]
+    node = shutil.which("node")
+    wasm = ROOT / "node_modules" / "naga-wasm"
+    if node is None or not wasm.is_dir():
+        raise BuildError(
+            "WGSL needs naga: put the naga CLI on PATH (cargo install naga-cli), or install Node.js "
+            "(apt-get install nodejs npm) and run `npm ci` in the project root for the pinned naga-wasm"
+        )
+    return [node, str(ROOT / "tools" / "naga_wasm.mjs"), str(source), str(out)]
+
+
+def compile_wgsl(source: Path, out: Path, defines: dict) -> None:
+    if defines:
+        raise BuildError(f"{source.name}: WGSL has no preprocessor; variants need their own source")
+    run(naga_command(source, out), f"naga {source.name}")
+
+
+def validate(spv: Path) -> None:
+    spirv_val = require_tool("spirv-val", "spirv-tools")
+    run([spirv_val, "--target-env", TARGET_ENV, str(spv)], f"spirv-val {spv.name}")
+
+
+def build(out_dir: Path, backends: tuple, verbose: bool = True) -> dict:
+    abi = load_abi()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = {}
+    compilers = {"glsl": compile_glsl, "wgsl": compile_wgsl}
+    for kernel in abi.KERNELS:
+        for module, backend, variant in kernel.modules():
+            if backend not in backends:
+                continue
+            source = SHADER_DIR / (kernel.op + abi.SOURCE_SUFFIX[backend])
+            target = out_dir / (module + ".spv")
+            # Write to a temporary file first so a failed build never leaves a half-written module.
+            with tempfile.TemporaryDirectory() as tmp:
+                tmp_spv = Path(tmp) / target.name
+                compilers[backend](source, tmp_spv, variant.defines)
+                validate(tmp_spv)
+                shutil.move(tmp_spv, target)
+            manifest[module] = {
+                "source": source.name,
+                "digest": abi.source_digest(SHADER_DIR, kernel, backend, variant),
+            }
+            if verbose:
+                print(f"built {target.relative_to(out_dir.parent) if out_dir.parent in target.parents else target}")
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: pagedvk/spv)")
+    parser.add_argument("--backend", choices=("glsl", "wgsl", "all"), default="all")
+    parser.add_argument("-q", "--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    backends = ("glsl", "wgsl") if args.backend == "all" else (args.backend,)
+    try:
+        build(args.out.resolve(), backends, verbose=not args.quiet)
+    except BuildError as e:
+        print(f"build_shaders.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Kernel interfaces, declared once.
+
+Every op's interface to the GPU lives here as data: its descriptor bindings in order, its push-constant
+block, its specialization constants, its workgroup size and the shader modules (one per backend and
+storage variant) that implement it. The launcher reads these declarations to build pipeline layouts and
+pack push constants; ``build_shaders.py`` reads them (by file path, so this module must stay stdlib-only)
+to know what to compile; a test reflects every compiled module and compares it with what is declared here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BACKENDS = ("glsl", "wgsl")
+SOURCE_SUFFIX = {"glsl": ".comp", "wgsl": ".wgsl"}
+# Files that GLSL sources may #include; a change to any of them makes every GLSL module stale.
+GLSL_INCLUDE_SUFFIX = ".glsl"
+
+
+@dataclass(frozen=True)
+class Binding:
+    name: str
+    readonly: bool
+
+
+@dataclass(frozen=True)
+class PushField:
+    name: str
+    kind: str  # "u32" | "i32" | "f32": every field is one 4-byte scalar, so offsets are 4 * index
+
+    @property
+    def format(self) -> str:
+        return {"u32": "I", "i32": "i", "f32": "f"}[self.kind]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled module of an op: a storage type, and the preprocessor defines that select it."""
+
+    name: str
+    defines: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KernelABI:
+    op: str  # shader source base name in shaders/, and module name prefix
+    bindings: tuple
+    push: tuple
+    workgroup_size: tuple
+    variants: tuple
+    backends: tuple = ("glsl",)
+    spec_constants: tuple = ()  # (spec id, name) pairs; none yet
+
+    @property
+    def push_size(self) -> int:
+        return 4 * len(self.push)
+
+    def push_offsets(self) -> dict:
+        return {f.name: 4 * i for i, f in enumerate(self.push)}
+
+    def pack_push(self, **values) -> bytes:
+        missing = {f.name for f in self.push} - values.keys()
+        extra = values.keys() - {f.name for f in self.push}
+        if missing or extra:
+            raise KeyError(f"{self.op}: push constants missing {sorted(missing)}, unknown {sorted(extra)}")
+        fmt = "<" + "".join(f.format for f in self.push)
+        return struct.pack(fmt, *(values[f.name] for f in self.push))
+
+    def module_name(self, variant: str, backend: str) -> str:
+        return f"{self.op}.{variant}.{backend}"
+
+    def modules(self):
+        """(module name, backend, variant) for every module this op needs built."""
+        for backend in self.backends:
+            for v in self.variants:
+                yield self.module_name(v.name, backend), backend, v
+
+
+# Decode attention, one query token per sequence, vLLM cache layout. Grid: (num_heads, num_seqs, 1).
+# Key and value caches are bound as arrays of 16-byte chunks whatever the element type, so the same
+# indexing serves every storage type: a key chunk holds x = 16 / itemsize consecutive head dims of one
+# token, a value chunk 16 / itemsize consecutive tokens of one head dim.
+PAGED_DECODE = KernelABI(
+    op="paged_decode",
+    bindings=(
+        Binding("query", readonly=True),
+        Binding("key_cache", readonly=True),
+        Binding("value_cache", readonly=True),
+        Binding("block_tables", readonly=True),
+        Binding("seq_lens", readonly=True),
+        Binding("out", readonly=False),
+    ),
+    push=(
+        PushField("num_heads", "u32"),
+        PushField("num_kv_heads", "u32"),
+        PushField("head_size", "u32"),
+        PushField("block_size", "u32"),
+        PushField("max_blocks_per_seq", "u32"),
+        PushField("num_blocks", "u32"),
+        PushField("scale", "f32"),
+    ),
+    workgroup_size=(128, 1, 1),
+    variants=(Variant("f32", {"KV_F32": 1}),),
+)
+
+KERNELS = (PAGED_DECODE,)
+
+
+def source_files(shader_dir: Path, abi: KernelABI, backend: str) -> list:
+    """The files a module is built from: its source, and for GLSL every include file."""
+    files = [shader_dir / (abi.op + SOURCE_SUFFIX[backend])]
+    if backend == "glsl":
+        files += sorted(shader_dir.glob("*" + GLSL_INCLUDE_SUFFIX))
+    return files
+
+
+def source_digest(shader_dir: Path, abi: KernelABI, backend: str, variant: Variant) -> str:
+    """Identifies what a module was built from, so a module built from older sources is detected."""
+    h = hashlib.sha256()
+    for path in source_files(shader_dir, abi, backend):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(repr(sorted(variant.defines.items())).encode())
+    return h.hexdigest()

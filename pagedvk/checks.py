@@ -1,0 +1,58 @@
+"""Argument checks shared by the ops: each error names the argument and what is allowed."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .array import DeviceArray
+
+
+def kind(name: str, a) -> None:
+    if not isinstance(a, (np.ndarray, DeviceArray)):
+        raise TypeError(f"{name} must be a numpy array or a pagedvk.DeviceArray, not {type(a).__name__}")
+    if isinstance(a, np.ndarray) and not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+
+
+def ndim(name: str, a, n: int, layout: str) -> None:
+    if len(a.shape) != n:
+        raise ValueError(f"{name} must have {n} dimensions {layout}, got shape {tuple(a.shape)}")
+
+
+def dtype(name: str, a, allowed) -> None:
+    allowed = tuple(np.dtype(t) for t in allowed)
+    if np.dtype(a.dtype) not in allowed:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, allowed))}, got {a.dtype}")
+
+
+def dim(name: str, a, axis: int, expected: int, what: str) -> None:
+    if a.shape[axis] != expected:
+        raise ValueError(f"{name}.shape[{axis}] ({what}) must be {expected}, got {a.shape[axis]} (shape {tuple(a.shape)})")
+
+
+def one_of(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value}")
+
+
+def host(a) -> np.ndarray:
+    """A host view of a small array (block tables, lengths) for value checks."""
+    return a.numpy() if isinstance(a, DeviceArray) else a
+
+
+def block_table_values(block_tables, seq_lens, block_size: int, num_blocks: int) -> None:
+    """seq_lens in [0, max_blocks_per_seq * block_size]; each sequence's used block ids in [0, num_blocks)."""
+    bt, lens = host(block_tables), host(seq_lens)
+    capacity = bt.shape[1] * block_size
+    bad = np.flatnonzero((lens < 0) | (lens > capacity))
+    if bad.size:
+        s = int(bad[0])
+        raise ValueError(f"seq_lens[{s}] = {int(lens[s])} is outside [0, {capacity}] "
+                         f"(max_blocks_per_seq {bt.shape[1]} x block_size {block_size})")
+    used = (lens.astype(np.int64) + block_size - 1) // block_size
+    in_use = np.arange(bt.shape[1])[None, :] < used[:, None]
+    bad_ids = in_use & ((bt < 0) | (bt >= num_blocks))
+    if bad_ids.any():
+        s, j = map(int, np.argwhere(bad_ids)[0])
+        raise ValueError(f"block_tables[{s}, {j}] = {int(bt[s, j])} is outside [0, {num_blocks}) "
+                         f"(sequence {s} uses its first {int(used[s])} blocks)")

@@ -1,0 +1,244 @@
+"""Paged-attention decode: one query token per sequence over a paged KV cache in vLLM's layout.
+
+Follows FlashInfer's plan/run split. A decode step runs the same attention for every layer with the same
+block tables, so ``DecodePlan`` does the per-step work once (checks, block tables and lengths on the
+device, the pipeline) and ``run`` does the per-layer work: bind that layer's cache and submit a command
+buffer recorded the first time those buffers were seen.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from . import checks, kernels
+from .abi import PAGED_DECODE
+from .array import DeviceArray, asarray, empty
+from .selection import get_device
+
+BLOCK_SIZES = (8, 16, 32)
+MAX_HEAD_SIZE = 256
+KV_DTYPES = {np.dtype(np.float32): "f32"}   # storage variant of each cache dtype
+RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
+
+
+def backend_name(backend) -> str:
+    name = backend if backend is not None else os.environ.get("PAGEDVK_BACKEND", "glsl") or "glsl"
+    if name not in PAGED_DECODE.backends:
+        source = "backend" if backend is not None else "PAGEDVK_BACKEND"
+        raise ValueError(f"{source} must be one of {', '.join(PAGED_DECODE.backends)}, got {name!r}")
+    return name
+
+
+def cache_shapes(key_cache, value_cache) -> dict:
+    """Check both caches against each other; return the dims they imply."""
+    checks.kind("key_cache", key_cache)
+    checks.kind("value_cache", value_cache)
+    checks.ndim("key_cache", key_cache, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x]")
+    checks.ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, head_size, block_size]")
+    checks.dtype("key_cache", key_cache, KV_DTYPES)
+    checks.dtype("value_cache", value_cache, [key_cache.dtype])
+    num_blocks, num_kv_heads, head_chunks, block_size, x = key_cache.shape
+    itemsize = np.dtype(key_cache.dtype).itemsize
+    if x != 16 // itemsize:
+        raise ValueError(f"key_cache.shape[4] (x) must be 16 // itemsize = {16 // itemsize} for {key_cache.dtype}, got {x}")
+    head_size = head_chunks * x
+    checks.one_of("block_size (key_cache.shape[3])", block_size, BLOCK_SIZES)
+    if not 0 < head_size <= MAX_HEAD_SIZE:
+        raise ValueError(f"head_size (key_cache.shape[2] * x) must be in [{x}, {MAX_HEAD_SIZE}], got {head_size}")
+    if num_kv_heads < 1:
+        raise ValueError(f"key_cache.shape[1] (num_kv_heads) must be at least 1, got {num_kv_heads}")
+    for axis, (expected, what) in enumerate([(num_blocks, "num_blocks"), (num_kv_heads, "num_kv_heads"),
+                                             (head_size, "head_size"), (block_size, "block_size")]):
+        checks.dim("value_cache", value_cache, axis, expected, what)
+    return dict(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
+                dtype=np.dtype(key_cache.dtype))
+
+
+def _device_of(*arrays, device=None):
+    devices = {id(a.device): a.device for a in arrays if isinstance(a, DeviceArray)}
+    if device is not None:
+        devices.setdefault(id(get_device(device)), get_device(device))
+    if len(devices) > 1:
+        raise ValueError("all device arrays (and device=) must be on one device, got "
+                         + ", ".join(d.info.name for d in devices.values()))
+    return next(iter(devices.values())) if devices else get_device(None)
+
+
+class DecodePlan:
+    """The per-step part of decode attention, reused by every layer's ``run``.
+
+    block_tables  int32 [num_seqs, max_blocks_per_seq]: physical block ids; only each sequence's first
+                  ceil(seq_len / block_size) entries are read.
+    seq_lens      int32 [num_seqs]: tokens cached per sequence (0 gives an output of zeros).
+    The caches passed to ``run`` must match num_kv_heads, head_size, block_size and dtype, and hold
+    more than every block id used (checked at plan time against num_blocks).
+    """
+
+    def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
+                 block_size: int, num_blocks: int, dtype=np.float32, scale: float | None = None,
+                 device=None, backend: str | None = None):
+        checks.kind("block_tables", block_tables)
+        checks.kind("seq_lens", seq_lens)
+        checks.ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+        checks.ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+        checks.dtype("block_tables", block_tables, [np.int32])
+        checks.dtype("seq_lens", seq_lens, [np.int32])
+        checks.dim("seq_lens", seq_lens, 0, block_tables.shape[0], "num_seqs, from block_tables")
+        if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
+        self.backend = backend_name(backend)
+        self.device = _device_of(block_tables, seq_lens, device=device)
+        self.num_seqs = block_tables.shape[0]
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, np.dtype(dtype)
+        self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
+        if not math.isfinite(self.scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+        self.block_tables = asarray(block_tables, device=self.device)
+        self.seq_lens = asarray(seq_lens, device=self.device)
+        self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
+                       if a is not given]
+        self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, KV_DTYPES[self.dtype], self.backend)
+        self._launches = OrderedDict()  # (query, key, value, out buffers) -> (descriptor set, command buffer)
+
+    @classmethod
+    def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, **kw) -> "DecodePlan":
+        dims = cache_shapes(key_cache, value_cache)
+        device = _device_of(key_cache, value_cache, block_tables, seq_lens, device=kw.pop("device", None))
+        return cls(block_tables, seq_lens, num_heads=num_heads, **dims, **kw, device=device)
+
+    def _check_run(self, query, key_cache, value_cache, out) -> None:
+        checks.kind("query", query)
+        checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
+        dims = cache_shapes(key_cache, value_cache)
+        for name in ("num_kv_heads", "head_size", "block_size", "dtype"):
+            if dims[name] != getattr(self, name):
+                raise ValueError(f"key_cache {name} is {dims[name]} but the plan was made for {getattr(self, name)}")
+        if dims["num_blocks"] < self.num_blocks:
+            raise ValueError(f"key_cache.shape[0] (num_blocks) is {dims['num_blocks']}, but the plan's block_tables "
+                             f"were checked against {self.num_blocks} blocks")
+        checks.dtype("query", query, [self.dtype])
+        for axis, (n, what) in enumerate([(self.num_seqs, "num_seqs"), (self.num_heads, "num_heads"),
+                                          (self.head_size, "head_size")]):
+            checks.dim("query", query, axis, n, what)
+        if out is not None:
+            checks.kind("out", out)
+            checks.dtype("out", out, [self.dtype])
+            if tuple(out.shape) != tuple(query.shape):
+                raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+
+    def run(self, query, key_cache, value_cache, out=None):
+        """Attention of each sequence's query over its cached tokens. query [num_seqs, num_heads,
+        head_size] -> [num_seqs, num_heads, head_size]; numpy query in gives numpy out, DeviceArray in
+        gives DeviceArray out (``out`` is written and returned when given)."""
+        self._check_run(query, key_cache, value_cache, out)
+        _device_of(query, key_cache, value_cache, out, device=self.device)
+        temporaries = []
+
+        def on_device(a):
+            d = asarray(a, device=self.device)
+            if d is not a:
+                temporaries.append(d)
+            return d
+
+        try:
+            q, k, v = on_device(query), on_device(key_cache), on_device(value_cache)
+            o = out if isinstance(out, DeviceArray) else empty(query.shape, self.dtype, self.device)
+            if o is not out:
+                temporaries.append(o)
+            self._launch(q, k, v, o, num_blocks=key_cache.shape[0], cache=not temporaries)
+            if isinstance(out, np.ndarray):
+                out[...] = o.numpy()
+                return out
+            if out is not None:
+                return out
+            if isinstance(query, np.ndarray):
+                return o.numpy()
+            temporaries.remove(o)
+            return o
+        finally:
+            for a in temporaries:
+                a.close()
+
+    def _launch(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool = False):
+        buffers = (q.buffer, k.buffer, v.buffer, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
+        key = tuple(id(b) for b in buffers) + (timed,)
+        launch = self._launches.get(key)
+        if launch is not None and any(b.closed for b in launch[0].buffers):
+            self._forget(key)
+            launch = None
+        if launch is None:
+            launch = self._record(buffers, num_blocks, timed)
+            if cache:
+                self._launches[key] = launch
+                while len(self._launches) > RECORDED_LAUNCHES:
+                    self._forget(next(iter(self._launches)))
+        else:
+            self._launches.move_to_end(key)
+        try:
+            launch[1].submit()
+            return launch[1].elapsed_ns() if timed else None
+        finally:
+            if not cache:
+                for obj in launch:
+                    obj.close()
+
+    def _record(self, buffers, num_blocks: int, timed: bool):
+        dset = self.pipeline.descriptor_set(buffers)
+        push = PAGED_DECODE.pack_push(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+            block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1], num_blocks=num_blocks,
+            scale=self.scale)
+        cmd = self.device.command_buffer()
+        grid = (self.num_heads, self.num_seqs, 1)
+        cmd.record(lambda c: self.pipeline.record_dispatch(c, dset, push, grid), timestamps=timed)
+        return dset, cmd
+
+    def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
+        """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""
+        self._check_run(query, key_cache, value_cache, out)
+        if not all(isinstance(a, DeviceArray) for a in (query, key_cache, value_cache, out)):
+            raise TypeError("time_ns takes device arrays only")
+        return self._launch(query, key_cache, value_cache, out, key_cache.shape[0], cache=True, timed=True)
+
+    def _forget(self, key) -> None:
+        for obj in self._launches.pop(key):
+            obj.close()
+
+    def close(self) -> None:
+        for key in list(self._launches):
+            self._forget(key)
+        for a in self._owned:
+            a.close()
+        self._owned = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, backend=None):
+    """Decode attention over a paged KV cache (vLLM layout).
+
+    query        [num_seqs, num_heads, head_size]
+    key_cache    [num_blocks, num_kv_heads, head_size // x, block_size, x], x = 16 // itemsize
+    value_cache  [num_blocks, num_kv_heads, head_size, block_size]
+    block_tables int32 [num_seqs, max_blocks_per_seq]
+    seq_lens     int32 [num_seqs]
+    scale        softmax scale, default 1 / sqrt(head_size)
+    Returns [num_seqs, num_heads, head_size]: numpy for a numpy query, a DeviceArray for a DeviceArray.
+    For many layers with the same block tables, make one DecodePlan and call its run() per layer.
+    """
+    checks.kind("query", query)
+    checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
+    with DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
+                               scale=scale, backend=backend,
+                               device=_device_of(query, key_cache, value_cache, block_tables, seq_lens, out)) as plan:
+        return plan.run(query, key_cache, value_cache, out=out)

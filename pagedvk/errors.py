@@ -1,0 +1,41 @@
+"""Exceptions raised by pagedvk. Bad arguments raise the built-in ValueError / TypeError."""
+
+
+class PagedVKError(RuntimeError):
+    """Base of the errors that come from Vulkan or the library's own state, not from an argument."""
+
+
+class VulkanError(PagedVKError):
+    """A Vulkan call returned an error code."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class DeviceLostError(VulkanError):
+    """VK_ERROR_DEVICE_LOST: the device (or its driver) stopped; everything created on it is gone."""
+
+
+class TimeoutError_(PagedVKError, TimeoutError):
+    """A fence was not signalled within PAGEDVK_TIMEOUT seconds."""
+
+
+class OutOfMemoryError(PagedVKError, MemoryError):
+    """A device or host allocation failed; nothing was allocated."""
+
+
+class ValidationError(PagedVKError):
+    """The Khronos validation layer reported a problem (PAGEDVK_VALIDATION=1)."""
+
+
+class ShaderModuleError(PagedVKError):
+    """A SPIR-V module is missing, or was built from older shader sources."""
+
+
+class ClosedError(PagedVKError):
+    """A device or array was used after close()."""
+
+
+class DeviceNotFoundError(PagedVKError, LookupError):
+    """PAGEDVK_DEVICE (or a device argument) matched no Vulkan device."""

@@ -1,0 +1,67 @@
+"""Finds the SPIR-V module of an op for a backend and storage variant, and its pipeline on a device.
+
+Modules are built ahead of time (build_shaders.py, run by `pip install`); nothing compiles at run time.
+In a source checkout the module's recorded source digest is compared with the shaders on disk, so a
+module built from older sources is refused instead of silently running stale code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+from . import abi as abi_mod
+from .errors import ShaderModuleError
+from .runtime.pipeline import Pipeline
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SPV_DIR = Path(os.environ.get("PAGEDVK_SPV_DIR", PACKAGE_DIR / "spv"))
+SOURCE_SHADER_DIR = PACKAGE_DIR.parent / "shaders"  # present in a source checkout only
+REBUILD_HINT = "rebuild with `python build_shaders.py` (or reinstall with `pip install .`)"
+
+_manifest = None
+_lock = threading.Lock()
+
+
+def manifest() -> dict:
+    global _manifest
+    if _manifest is None:
+        path = SPV_DIR / "manifest.json"
+        if not path.is_file():
+            raise ShaderModuleError(f"no SPIR-V modules in {SPV_DIR} (manifest.json missing): {REBUILD_HINT}")
+        _manifest = json.loads(path.read_text())
+    return _manifest
+
+
+def module_path(name: str) -> Path:
+    return SPV_DIR / f"{name}.spv"
+
+
+def load_spirv(abi: abi_mod.KernelABI, variant: str, backend: str) -> bytes:
+    if backend not in abi.backends:
+        raise ShaderModuleError(f"{abi.op} has no {backend} module (backends: {', '.join(abi.backends)})")
+    variants = {v.name: v for v in abi.variants}
+    if variant not in variants:
+        raise ShaderModuleError(f"{abi.op} has no {variant!r} variant (variants: {', '.join(variants)})")
+    name = abi.module_name(variant, backend)
+    path = module_path(name)
+    entry = manifest().get(name)
+    if entry is None or not path.is_file():
+        raise ShaderModuleError(f"SPIR-V module {name} is missing ({path}): {REBUILD_HINT}")
+    source = SOURCE_SHADER_DIR / entry["source"]
+    if source.is_file() and entry["digest"] != abi_mod.source_digest(
+            SOURCE_SHADER_DIR, abi, backend, variants[variant]):
+        raise ShaderModuleError(f"SPIR-V module {name} is stale: {source} changed after it was built; {REBUILD_HINT}")
+    return path.read_bytes()
+
+
+def pipeline(device, abi: abi_mod.KernelABI, variant: str, backend: str) -> Pipeline:
+    """The device's pipeline for this module, created on first use and kept until the device closes."""
+    key = abi.module_name(variant, backend)
+    with _lock:
+        cached = device._pipelines.get(key)
+        if cached is None or cached.handle is None:
+            cached = device._pipelines[key] = Pipeline(device, abi, load_spirv(abi, variant, backend), key)
+        return cached

@@ -1,0 +1,389 @@
+"""A logical device: its compute queue, memory, buffers, command buffers, descriptor sets and timestamps.
+
+Knows nothing of attention. Every object it creates is destroyed by close(), which also runs at exit.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import vulkan as vk
+
+from ..errors import ClosedError, DeviceLostError, OutOfMemoryError, TimeoutError_, VulkanError
+from .instance import DeviceInfo, get_instance, query_features, register_closer
+
+DEFAULT_TIMEOUT_S = 60.0
+DESCRIPTORS_PER_POOL = 4096
+
+
+def timeout_ns() -> int:
+    """Fences are waited on with a timeout (PAGEDVK_TIMEOUT seconds), never forever."""
+    return int(float(os.environ.get("PAGEDVK_TIMEOUT", DEFAULT_TIMEOUT_S)) * 1e9)
+
+
+def raise_vk(e: Exception, what: str, nbytes: int | None = None, budget: int | None = None):
+    if isinstance(e, (vk.VkErrorOutOfDeviceMemory, vk.VkErrorOutOfHostMemory)):
+        kind = "device" if isinstance(e, vk.VkErrorOutOfDeviceMemory) else "host"
+        raise OutOfMemoryError(f"{what}: out of {kind} memory asking for {nbytes} bytes"
+                               + (f" (budget {budget} bytes)" if budget is not None else "")) from e
+    if isinstance(e, vk.VkErrorDeviceLost):
+        raise DeviceLostError(f"{what}: the Vulkan device was lost (VK_ERROR_DEVICE_LOST)") from e
+    raise VulkanError(f"{what} failed: {type(e).__name__}") from e
+
+
+class Buffer:
+    """A storage buffer in device memory. `nbytes` is what was asked for; at least 16 bytes are allocated
+    because Vulkan has no empty buffers and kernels read in 16-byte chunks."""
+
+    def __init__(self, device: "Device", nbytes: int, host_visible: bool = False):
+        self.device = device
+        self.nbytes = nbytes
+        self.size = max(16, (nbytes + 15) // 16 * 16)
+        self.handle = self.memory = self.mapped = None
+        usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                 | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+        d = device.handle
+        try:
+            self.handle = vk.vkCreateBuffer(d, vk.VkBufferCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=self.size, usage=usage,
+                sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
+            req = vk.vkGetBufferMemoryRequirements(d, self.handle)
+            type_index, mappable = device.memory_type(req.memoryTypeBits, host_visible)
+            self.memory = vk.vkAllocateMemory(d, vk.VkMemoryAllocateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, allocationSize=req.size,
+                memoryTypeIndex=type_index), None)
+            vk.vkBindBufferMemory(d, self.handle, self.memory, 0)
+            if mappable:
+                self.mapped = vk.vkMapMemory(d, self.memory, 0, self.size, 0)
+        except vk.VkError as e:
+            self._destroy()
+            raise_vk(e, "allocating a buffer", nbytes, device.info.device_local_bytes)
+        device._track(self)
+
+    @property
+    def closed(self) -> bool:
+        return self.handle is None
+
+    def _destroy(self) -> None:
+        d = self.device.handle
+        if self.mapped is not None:
+            vk.vkUnmapMemory(d, self.memory)
+            self.mapped = None
+        if self.handle is not None:
+            vk.vkDestroyBuffer(d, self.handle, None)
+            self.handle = None
+        if self.memory is not None:
+            vk.vkFreeMemory(d, self.memory, None)
+            self.memory = None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.device._untrack(self)
+            self._destroy()
+
+
+class Device:
+    """One Vulkan logical device with one compute queue. Thread-safe: queue submission is serialized."""
+
+    def __init__(self, info: DeviceInfo):
+        self.info = info
+        self.instance = get_instance()
+        self.lock = threading.RLock()
+        self._live = {}  # id -> object with _destroy(), destroyed at close()
+        self.handle = None
+        pd = info.handle
+        families = list(vk.vkGetPhysicalDeviceQueueFamilyProperties(pd))
+        # A compute family; prefer one without graphics (a dedicated compute queue), with timestamps.
+        candidates = [i for i, f in enumerate(families) if f.queueFlags & vk.VK_QUEUE_COMPUTE_BIT]
+        if not candidates:
+            raise VulkanError(f"{info.name} has no compute queue")
+        candidates.sort(key=lambda i: (families[i].timestampValidBits == 0,
+                                       bool(families[i].queueFlags & vk.VK_QUEUE_GRAPHICS_BIT)))
+        self.queue_family = candidates[0]
+        self.timestamp_bits = families[self.queue_family].timestampValidBits
+        self.timestamp_period_ns = vk.vkGetPhysicalDeviceProperties(pd).limits.timestampPeriod
+
+        # Turn on the optional features the kernels may use, where the device has them.
+        have11, have12 = query_features(pd)
+        f12 = vk.VkPhysicalDeviceVulkan12Features(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+            shaderFloat16=have12.shaderFloat16, shaderInt8=have12.shaderInt8,
+            storageBuffer8BitAccess=have12.storageBuffer8BitAccess)
+        f11 = vk.VkPhysicalDeviceVulkan11Features(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12,
+            storageBuffer16BitAccess=have11.storageBuffer16BitAccess)
+        base = vk.vkGetPhysicalDeviceFeatures(pd)
+        features = vk.VkPhysicalDeviceFeatures(shaderInt16=base.shaderInt16, shaderInt64=base.shaderInt64)
+        extensions = [e for e in ("VK_KHR_portability_subset",) if e in info.extensions]
+        queue_info = vk.VkDeviceQueueCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO, queueFamilyIndex=self.queue_family,
+            queueCount=1, pQueuePriorities=[1.0])
+        try:
+            self.handle = vk.vkCreateDevice(pd, vk.VkDeviceCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=f11, queueCreateInfoCount=1,
+                pQueueCreateInfos=[queue_info], enabledExtensionCount=len(extensions),
+                ppEnabledExtensionNames=extensions, pEnabledFeatures=features), None)
+        except vk.VkError as e:
+            raise_vk(e, f"creating a logical device on {info.name}")
+        self.queue = vk.vkGetDeviceQueue(self.handle, self.queue_family, 0)
+        self.memory_properties = vk.vkGetPhysicalDeviceMemoryProperties(pd)
+        self.command_pool = vk.vkCreateCommandPool(self.handle, vk.VkCommandPoolCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, queueFamilyIndex=self.queue_family,
+            flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT), None)
+        self.pipeline_cache = vk.vkCreatePipelineCache(self.handle, vk.VkPipelineCacheCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO), None)
+        self._descriptor_pools = []
+        self._staging = None
+        self._pipelines = {}
+        # Where device memory is the host's (CPU drivers, integrated GPUs), buffers are mapped directly
+        # and need no staging copy.
+        self.unified_memory = info.type in ("cpu", "integrated")
+        register_closer(self.close)
+        self.check()
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+
+    def _track(self, obj) -> None:
+        with self.lock:
+            self._live[id(obj)] = obj
+
+    def _untrack(self, obj) -> None:
+        with self.lock:
+            self._live.pop(id(obj), None)
+
+    @property
+    def closed(self) -> bool:
+        return self.handle is None
+
+    def require_open(self) -> None:
+        if self.handle is None:
+            raise ClosedError(f"device {self.info.name} is closed")
+
+    def check(self) -> None:
+        """Raise any validation message the calls so far produced."""
+        self.instance.raise_validation_messages()
+
+    def live_objects(self) -> int:
+        return len(self._live)
+
+    def close(self) -> None:
+        """Destroy everything made on this device. Safe to call twice."""
+        with self.lock:
+            if self.handle is None:
+                return
+            vk.vkDeviceWaitIdle(self.handle)
+            for obj in list(self._live.values()):
+                obj._destroy()
+            self._live.clear()
+            for pool in self._descriptor_pools:
+                vk.vkDestroyDescriptorPool(self.handle, pool, None)
+            self._descriptor_pools.clear()
+            vk.vkDestroyPipelineCache(self.handle, self.pipeline_cache, None)
+            vk.vkDestroyCommandPool(self.handle, self.command_pool, None)
+            vk.vkDestroyDevice(self.handle, None)
+            self.handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- memory --------------------------------------------------------------------------------------
+
+    def memory_type(self, type_bits: int, host_visible: bool) -> tuple:
+        """(memory type index, whether to map it) for a buffer; device-local unless host_visible."""
+        mp = self.memory_properties
+        local = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+        mappable = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+        if host_visible:
+            wants = [mappable | vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, mappable]
+        elif self.unified_memory:
+            wants = [local | mappable, local]
+        else:
+            wants = [local]
+        for want in wants:
+            for i in range(mp.memoryTypeCount):
+                if type_bits & (1 << i) and (mp.memoryTypes[i].propertyFlags & want) == want:
+                    return i, (want & mappable) == mappable
+        raise VulkanError(f"{self.info.name}: no memory type with flags {wants[-1]:#x} for bits {type_bits:#x}")
+
+    def buffer(self, nbytes: int) -> Buffer:
+        self.require_open()
+        return Buffer(self, nbytes)
+
+    def _staging_buffer(self, nbytes: int) -> Buffer:
+        # One staging buffer, grown as needed and reused; callers hold self.lock.
+        if self._staging is None or self._staging.size < nbytes:
+            if self._staging is not None:
+                self._staging.close()
+            self._staging = Buffer(self, max(nbytes, 1 << 20), host_visible=True)
+        return self._staging
+
+    def upload(self, buf: Buffer, data: np.ndarray, offset: int = 0) -> None:
+        src = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if offset + src.nbytes > buf.size:
+            raise ValueError(f"upload of {src.nbytes} bytes at {offset} overflows a {buf.size}-byte buffer")
+        if src.nbytes == 0:
+            return
+        with self.lock:
+            self.require_open()
+            if buf.mapped is not None:
+                np.frombuffer(buf.mapped, np.uint8)[offset:offset + src.nbytes] = src
+                return
+            staging = self._staging_buffer(src.nbytes)
+            np.frombuffer(staging.mapped, np.uint8)[:src.nbytes] = src
+            self.copy(staging, buf, src.nbytes, dst_offset=offset)
+
+    def download(self, buf: Buffer, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
+        """The buffer's bytes as a new uint8 array."""
+        nbytes = buf.nbytes - offset if nbytes is None else nbytes
+        with self.lock:
+            self.require_open()
+            if buf.mapped is not None:
+                return np.frombuffer(buf.mapped, np.uint8)[offset:offset + nbytes].copy()
+            staging = self._staging_buffer(nbytes)
+            if nbytes:
+                self.copy(buf, staging, nbytes, src_offset=offset)
+            return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
+
+    def copy(self, src: Buffer, dst: Buffer, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> None:
+        region = vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=nbytes)
+        self.run_once(lambda cmd: vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [region]))
+
+    def fill(self, buf: Buffer, value: int = 0) -> None:
+        """Set every 32-bit word of the buffer to `value`."""
+        self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, 0, vk.VK_WHOLE_SIZE, value))
+
+    # -- commands ------------------------------------------------------------------------------------
+
+    def command_buffer(self) -> "CommandBuffer":
+        self.require_open()
+        return CommandBuffer(self)
+
+    def run_once(self, record) -> None:
+        """Record `record(cmd)` into a fresh command buffer, submit it and wait."""
+        cmd = self.command_buffer()
+        try:
+            cmd.record(record)
+            cmd.submit()
+        finally:
+            cmd.close()
+
+    # -- descriptor sets -----------------------------------------------------------------------------
+
+    def allocate_descriptor_set(self, layout) -> tuple:
+        """(set, pool) from the first pool with room; a new pool when all are full."""
+        with self.lock:
+            self.require_open()
+            for pool in reversed(self._descriptor_pools):
+                try:
+                    return self._allocate_set(pool, layout), pool
+                except (vk.VkErrorOutOfPoolMemory, vk.VkErrorFragmentedPool):
+                    continue
+            size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                           descriptorCount=DESCRIPTORS_PER_POOL)
+            pool = vk.vkCreateDescriptorPool(self.handle, vk.VkDescriptorPoolCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
+                flags=vk.VK_DESCRIPTOR_POOL_CREATE_FREE_DESCRIPTOR_SET_BIT,
+                maxSets=DESCRIPTORS_PER_POOL // 4, poolSizeCount=1, pPoolSizes=[size]), None)
+            self._descriptor_pools.append(pool)
+            return self._allocate_set(pool, layout), pool
+
+    def _allocate_set(self, pool, layout):
+        return vk.vkAllocateDescriptorSets(self.handle, vk.VkDescriptorSetAllocateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO, descriptorPool=pool,
+            descriptorSetCount=1, pSetLayouts=[layout]))[0]
+
+
+class CommandBuffer:
+    """A primary command buffer with its own fence, recorded once and submitted any number of times."""
+
+    def __init__(self, device: Device):
+        self.device = device
+        d = device.handle
+        self.handle = vk.vkAllocateCommandBuffers(d, vk.VkCommandBufferAllocateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, commandPool=device.command_pool,
+            level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
+        self.fence = vk.vkCreateFence(d, vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO), None)
+        self._submit_info = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
+                                            pCommandBuffers=[self.handle])
+        self.query_pool = None
+        device._track(self)
+
+    def record(self, body, timestamps: bool = False) -> None:
+        """Record body(cmd) between barriers that order it after earlier submissions and before host
+        reads; with timestamps, bracket it with two GPU timestamps (see elapsed_ns)."""
+        cmd = self.handle
+        vk.vkBeginCommandBuffer(cmd, vk.VkCommandBufferBeginInfo(sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
+        memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
+                       vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT,
+                       vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT)
+        if timestamps:
+            if self.query_pool is None:
+                self.query_pool = vk.vkCreateQueryPool(self.device.handle, vk.VkQueryPoolCreateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=vk.VK_QUERY_TYPE_TIMESTAMP,
+                    queryCount=2), None)
+            vk.vkCmdResetQueryPool(cmd, self.query_pool, 0, 2)
+            vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, self.query_pool, 0)
+        body(cmd)
+        if timestamps:
+            vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self.query_pool, 1)
+        memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
+                       vk.VK_PIPELINE_STAGE_HOST_BIT, vk.VK_ACCESS_HOST_READ_BIT)
+        vk.vkEndCommandBuffer(cmd)
+
+    def submit(self, wait: bool = True) -> None:
+        dev = self.device
+        with dev.lock:
+            dev.require_open()
+            try:
+                vk.vkQueueSubmit(dev.queue, 1, [self._submit_info], self.fence)
+            except vk.VkError as e:
+                raise_vk(e, "vkQueueSubmit")
+            if wait:
+                self.wait()
+        dev.check()
+
+    def wait(self) -> None:
+        d = self.device.handle
+        try:
+            result = vk.vkWaitForFences(d, 1, [self.fence], vk.VK_TRUE, timeout_ns())
+        except vk.VkError as e:
+            raise_vk(e, "vkWaitForFences")
+        if result == vk.VK_TIMEOUT:
+            raise TimeoutError_(f"the GPU did not finish within PAGEDVK_TIMEOUT={timeout_ns() / 1e9:g} s")
+        vk.vkResetFences(d, 1, [self.fence])
+
+    def elapsed_ns(self) -> float:
+        """GPU time between the two timestamps of the last submission (after it finished)."""
+        data = vk.ffi.new("uint64_t[2]")
+        vk.vkGetQueryPoolResults(self.device.handle, self.query_pool, 0, 2, vk.ffi.sizeof(data), data, 8,
+                                 vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
+        bits = self.device.timestamp_bits
+        mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
+        return ((data[1] - data[0]) & mask) * self.device.timestamp_period_ns
+
+    def _destroy(self) -> None:
+        d = self.device.handle
+        if self.handle is None:
+            return
+        if self.query_pool is not None:
+            vk.vkDestroyQueryPool(d, self.query_pool, None)
+        vk.vkDestroyFence(d, self.fence, None)
+        vk.vkFreeCommandBuffers(d, self.device.command_pool, 1, [self.handle])
+        self.handle = None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            with self.device.lock:
+                self.device._untrack(self)
+                self._destroy()
+
+
+def memory_barrier(cmd, src_stage, src_access, dst_stage, dst_access) -> None:
+    barrier = vk.VkMemoryBarrier(sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=src_access,
+                                 dstAccessMask=dst_access)
+    vk.vkCmdPipelineBarrier(cmd, src_stage, dst_stage, 0, 1, [barrier], 0, None, 0, None)

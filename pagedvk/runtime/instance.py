@@ -1,0 +1,219 @@
+"""The Vulkan instance, the validation layer, and what each physical device offers."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from dataclasses import dataclass, field
+
+import vulkan as vk
+
+from ..errors import PagedVKError, ValidationError, VulkanError
+
+VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
+DEVICE_TYPES = {
+    vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "discrete",
+    vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: "integrated",
+    vk.VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: "virtual",
+    vk.VK_PHYSICAL_DEVICE_TYPE_CPU: "cpu",
+    vk.VK_PHYSICAL_DEVICE_TYPE_OTHER: "other",
+}
+# default_device() prefers earlier entries
+TYPE_PREFERENCE = ("discrete", "integrated", "virtual", "cpu", "other")
+VENDORS = {0x1002: "AMD", 0x1010: "ImgTec", 0x10DE: "NVIDIA", 0x13B5: "ARM", 0x5143: "Qualcomm",
+           0x8086: "Intel", 0x106B: "Apple", 0x10005: "Mesa"}
+
+
+def version_string(v: int) -> str:
+    return f"{vk.VK_VERSION_MAJOR(v)}.{vk.VK_VERSION_MINOR(v)}.{vk.VK_VERSION_PATCH(v)}"
+
+
+def check(result: int, what: str) -> None:
+    if result != vk.VK_SUCCESS:
+        raise VulkanError(f"{what} failed with VkResult {result}", result)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What one physical device is and offers; `pagedvk.devices()` returns one per device."""
+
+    index: int
+    name: str
+    type: str
+    vendor: str
+    driver: str
+    driver_version: str
+    api_version: str
+    device_local_bytes: int
+    subgroup_size: int
+    fp16: bool               # shaderFloat16 arithmetic
+    storage16: bool          # 16-bit storage buffer access
+    storage8: bool           # 8-bit storage buffer access
+    bf16: bool               # VK_KHR_shader_bfloat16
+    cooperative_matrix: bool  # VK_KHR_cooperative_matrix
+    max_storage_buffer_range: int
+    max_allocation_bytes: int
+    extensions: frozenset = field(repr=False)
+    handle: object = field(default=None, repr=False, compare=False)  # VkPhysicalDevice
+
+    def __str__(self) -> str:
+        return f"[{self.index}] {self.name} ({self.type}, {self.driver})"
+
+
+class Instance:
+    """The process-wide VkInstance; with PAGEDVK_VALIDATION=1 it carries the Khronos validation layer."""
+
+    def __init__(self, validation: bool):
+        self.validation = validation
+        self.messages: list[str] = []  # validation messages not yet raised
+        self._lock = threading.Lock()
+        self._messenger = None
+        layers, extensions = [], []
+        available_exts = {e.extensionName for e in vk.vkEnumerateInstanceExtensionProperties(None)}
+        if "VK_KHR_portability_enumeration" in available_exts:  # MoltenVK lists itself only when asked
+            extensions.append("VK_KHR_portability_enumeration")
+        if validation:
+            if VALIDATION_LAYER not in {l.layerName for l in vk.vkEnumerateInstanceLayerProperties()}:
+                raise PagedVKError(
+                    f"PAGEDVK_VALIDATION=1 but {VALIDATION_LAYER} is not installed "
+                    "(Debian/Ubuntu: apt-get install vulkan-validationlayers)")
+            layers.append(VALIDATION_LAYER)
+            extensions.append(vk.VK_EXT_DEBUG_UTILS_EXTENSION_NAME)
+        app = vk.VkApplicationInfo(
+            sType=vk.VK_STRUCTURE_TYPE_APPLICATION_INFO, pApplicationName="pagedvk", applicationVersion=1,
+            pEngineName="pagedvk", engineVersion=1, apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
+        features = None
+        if validation:
+            self._enabled_features = vk.ffi.new(
+                "VkValidationFeatureEnableEXT[1]",
+                [vk.VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT])
+            features = vk.VkValidationFeaturesEXT(
+                sType=vk.VK_STRUCTURE_TYPE_VALIDATION_FEATURES_EXT, enabledValidationFeatureCount=1,
+                pEnabledValidationFeatures=self._enabled_features)
+        info = vk.VkInstanceCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, pNext=features or vk.ffi.NULL,
+            flags=(vk.VK_INSTANCE_CREATE_ENUMERATE_PORTABILITY_BIT_KHR
+                   if "VK_KHR_portability_enumeration" in extensions else 0),
+            pApplicationInfo=app, enabledLayerCount=len(layers), ppEnabledLayerNames=layers,
+            enabledExtensionCount=len(extensions), ppEnabledExtensionNames=extensions)
+        try:
+            self.handle = vk.vkCreateInstance(info, None)
+        except vk.VkError as e:
+            raise VulkanError(f"vkCreateInstance failed ({type(e).__name__}): is a Vulkan driver installed? "
+                              "(Debian/Ubuntu: apt-get install mesa-vulkan-drivers libvulkan1)") from e
+        if validation:
+            self._install_messenger()
+        self._infos = None
+
+    def _install_messenger(self) -> None:
+        # cffi swallows exceptions raised inside callbacks, so the callback only records the message and
+        # raise_validation_messages() raises it after the call that caused it returns.
+        def callback(severity, types, data, user_data):
+            msg = vk.ffi.string(data.pMessage).decode(errors="replace")
+            with self._lock:
+                self.messages.append(msg)
+            return vk.VK_FALSE
+
+        self._callback = callback
+        create = vk.vkGetInstanceProcAddr(self.handle, "vkCreateDebugUtilsMessengerEXT")
+        info = vk.VkDebugUtilsMessengerCreateInfoEXT(
+            sType=vk.VK_STRUCTURE_TYPE_DEBUG_UTILS_MESSENGER_CREATE_INFO_EXT,
+            messageSeverity=(vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT
+                             | vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT),
+            messageType=(vk.VK_DEBUG_UTILS_MESSAGE_TYPE_GENERAL_BIT_EXT
+                         | vk.VK_DEBUG_UTILS_MESSAGE_TYPE_VALIDATION_BIT_EXT
+                         | vk.VK_DEBUG_UTILS_MESSAGE_TYPE_PERFORMANCE_BIT_EXT),
+            pfnUserCallback=callback)
+        self._messenger = create(self.handle, info, None)
+
+    def take_messages(self) -> list:
+        with self._lock:
+            messages, self.messages = self.messages, []
+        return messages
+
+    def raise_validation_messages(self) -> None:
+        if self.messages:
+            messages = self.take_messages()
+            raise ValidationError("Vulkan validation: " + "\n".join(messages))
+
+    def physical_devices(self) -> list:
+        if self._infos is None:
+            self._infos = [describe(i, pd) for i, pd in enumerate(vk.vkEnumeratePhysicalDevices(self.handle))]
+        return self._infos
+
+    def close(self) -> None:
+        if self.handle is None:
+            return
+        if self._messenger is not None:
+            vk.vkGetInstanceProcAddr(self.handle, "vkDestroyDebugUtilsMessengerEXT")(
+                self.handle, self._messenger, None)
+            self._messenger = None
+        vk.vkDestroyInstance(self.handle, None)
+        self.handle = None
+
+
+def describe(index: int, pd) -> DeviceInfo:
+    props = vk.vkGetPhysicalDeviceProperties(pd)
+    extensions = frozenset(e.extensionName for e in vk.vkEnumerateDeviceExtensionProperties(pd, None))
+    subgroup = vk.VkPhysicalDeviceSubgroupProperties(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES)
+    driver = vk.VkPhysicalDeviceDriverProperties(
+        sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES, pNext=subgroup)
+    maint3 = vk.VkPhysicalDeviceMaintenance3Properties(
+        sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES, pNext=driver)
+    props2 = vk.VkPhysicalDeviceProperties2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=maint3)
+    vk.vkGetPhysicalDeviceProperties2(pd, props2)
+    f11, f12 = query_features(pd)
+    memory = vk.vkGetPhysicalDeviceMemoryProperties(pd)
+    local = sum(memory.memoryHeaps[i].size for i in range(memory.memoryHeapCount)
+                if memory.memoryHeaps[i].flags & vk.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
+    driver_name = vk.ffi.string(driver.driverName).decode(errors="replace") or "unknown"
+    driver_info = vk.ffi.string(driver.driverInfo).decode(errors="replace")
+    return DeviceInfo(
+        index=index, name=props.deviceName, type=DEVICE_TYPES.get(props.deviceType, "other"),
+        vendor=VENDORS.get(props.vendorID, f"0x{props.vendorID:04x}"), driver=driver_name,
+        driver_version=driver_info or str(props.driverVersion), api_version=version_string(props.apiVersion),
+        device_local_bytes=local, subgroup_size=subgroup.subgroupSize,
+        fp16=bool(f12.shaderFloat16), storage16=bool(f11.storageBuffer16BitAccess),
+        storage8=bool(f12.storageBuffer8BitAccess), bf16="VK_KHR_shader_bfloat16" in extensions,
+        cooperative_matrix="VK_KHR_cooperative_matrix" in extensions,
+        max_storage_buffer_range=props.limits.maxStorageBufferRange,
+        max_allocation_bytes=maint3.maxMemoryAllocationSize, extensions=extensions, handle=pd)
+
+
+def query_features(pd, f11=None, f12=None):
+    """The Vulkan 1.1 and 1.2 feature structs of a device (filled in); pass structs to chain them."""
+    f12 = f12 or vk.VkPhysicalDeviceVulkan12Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES)
+    f11 = f11 or vk.VkPhysicalDeviceVulkan11Features(
+        sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12)
+    feats = vk.VkPhysicalDeviceFeatures2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=f11)
+    vk.vkGetPhysicalDeviceFeatures2(pd, feats)
+    return f11, f12
+
+
+_instance: Instance | None = None
+_instance_lock = threading.Lock()
+_closers = []  # devices register here so they go before the instance at exit
+
+
+def get_instance() -> Instance:
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = Instance(validation=os.environ.get("PAGEDVK_VALIDATION", "") == "1")
+        return _instance
+
+
+def register_closer(close) -> None:
+    _closers.append(close)
+
+
+@atexit.register
+def _shutdown() -> None:
+    global _instance
+    for close in reversed(_closers):
+        close()
+    _closers.clear()
+    if _instance is not None:
+        _instance.close()
+        _instance = None

@@ -1,0 +1,93 @@
+"""Compute pipelines built from a SPIR-V module and its declared interface (pagedvk.abi.KernelABI)."""
+
+from __future__ import annotations
+
+import vulkan as vk
+
+from .device import Device, raise_vk
+
+STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
+
+
+class Pipeline:
+    """A compute pipeline, its descriptor-set layout (one storage buffer per declared binding) and its
+    pipeline layout (one push-constant range of the declared size)."""
+
+    def __init__(self, device: Device, abi, spirv: bytes, name: str):
+        self.device, self.abi, self.name = device, abi, name
+        self.handle = self.layout = self.set_layout = self.module = None
+        d = device.handle
+        try:
+            bindings = [vk.VkDescriptorSetLayoutBinding(
+                binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, descriptorCount=1,
+                stageFlags=STAGE) for i in range(len(abi.bindings))]
+            self.set_layout = vk.vkCreateDescriptorSetLayout(d, vk.VkDescriptorSetLayoutCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=len(bindings),
+                pBindings=bindings), None)
+            ranges = [vk.VkPushConstantRange(stageFlags=STAGE, offset=0, size=abi.push_size)] if abi.push else []
+            self.layout = vk.vkCreatePipelineLayout(d, vk.VkPipelineLayoutCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1,
+                pSetLayouts=[self.set_layout], pushConstantRangeCount=len(ranges),
+                pPushConstantRanges=ranges or None), None)
+            self.module = vk.vkCreateShaderModule(d, vk.VkShaderModuleCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(spirv), pCode=spirv), None)
+            stage = vk.VkPipelineShaderStageCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, stage=STAGE, module=self.module,
+                pName="main")
+            self.handle = vk.vkCreateComputePipelines(d, device.pipeline_cache, 1, [vk.VkComputePipelineCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=self.layout)], None)[0]
+        except vk.VkError as e:
+            self._destroy()
+            raise_vk(e, f"creating the pipeline of {name}")
+        device._track(self)
+        device.check()
+
+    def descriptor_set(self, buffers) -> "DescriptorSet":
+        return DescriptorSet(self, buffers)
+
+    def record_dispatch(self, cmd, descriptor_set: "DescriptorSet", push: bytes, grid: tuple) -> None:
+        vk.vkCmdBindPipeline(cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.handle)
+        vk.vkCmdBindDescriptorSets(cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.layout, 0, 1,
+                                   [descriptor_set.handle], 0, None)
+        if push:
+            vk.vkCmdPushConstants(cmd, self.layout, STAGE, 0, len(push), vk.ffi.new("char[]", push))
+        vk.vkCmdDispatch(cmd, *grid)
+
+    def _destroy(self) -> None:
+        d = self.device.handle
+        for obj, destroy in ((self.handle, vk.vkDestroyPipeline), (self.module, vk.vkDestroyShaderModule),
+                             (self.layout, vk.vkDestroyPipelineLayout),
+                             (self.set_layout, vk.vkDestroyDescriptorSetLayout)):
+            if obj is not None:
+                destroy(d, obj, None)
+        self.handle = self.module = self.layout = self.set_layout = None
+
+
+class DescriptorSet:
+    """The buffers of one launch, bound in the order the op declares them."""
+
+    def __init__(self, pipeline: Pipeline, buffers):
+        device = pipeline.device
+        if len(buffers) != len(pipeline.abi.bindings):
+            raise ValueError(f"{pipeline.name} takes {len(pipeline.abi.bindings)} buffers, got {len(buffers)}")
+        self.device = device
+        self.buffers = tuple(buffers)  # keeps them alive while the set may be used
+        self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
+        infos = [vk.VkDescriptorBufferInfo(buffer=b.handle, offset=0, range=b.size) for b in buffers]
+        writes = [vk.VkWriteDescriptorSet(
+            sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=self.handle, dstBinding=i, descriptorCount=1,
+            descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[info]) for i, info in enumerate(infos)]
+        vk.vkUpdateDescriptorSets(device.handle, len(writes), writes, 0, None)
+        device._track(self)
+
+    def _destroy(self) -> None:
+        if self.handle is not None:
+            vk.vkFreeDescriptorSets(self.device.handle, self.pool, 1, [self.handle])
+            self.handle = None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            with self.device.lock:
+                self.device._untrack(self)
+                if self.device.handle is not None:
+                    self._destroy()

@@ -1,0 +1,74 @@
+"""Which Vulkan device pagedvk runs on: PAGEDVK_DEVICE, or the best kind of device there is."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .errors import DeviceNotFoundError
+from .runtime.device import Device
+from .runtime.instance import TYPE_PREFERENCE, DeviceInfo, get_instance
+
+_open: dict = {}  # device index -> Device
+_lock = threading.Lock()
+
+
+def devices() -> list:
+    """Every Vulkan physical device, as DeviceInfo records."""
+    return list(get_instance().physical_devices())
+
+
+def _listing(infos) -> str:
+    return "\n".join(f"  {info}" for info in infos) or "  (none: is a Vulkan driver installed?)"
+
+
+def select(spec: str | int | None = None) -> tuple:
+    """(DeviceInfo, reason) for a device index or case-insensitive name substring; with no spec, the
+    PAGEDVK_DEVICE variable, else the first device of the most preferred type."""
+    infos = devices()
+    source = "argument"
+    if spec is None and os.environ.get("PAGEDVK_DEVICE", "").strip():
+        spec, source = os.environ["PAGEDVK_DEVICE"].strip(), "PAGEDVK_DEVICE"
+    if spec is None:
+        if not infos:
+            raise DeviceNotFoundError("no Vulkan devices found: install a Vulkan driver "
+                                      "(Debian/Ubuntu: apt-get install mesa-vulkan-drivers libvulkan1)")
+        best = min(infos, key=lambda i: (TYPE_PREFERENCE.index(i.type), i.index))
+        return best, f"most preferred type ({' > '.join(TYPE_PREFERENCE)})"
+    text = str(spec).strip()
+    if text.isdigit():
+        index = int(text)
+        if index < len(infos):
+            return infos[index], f"{source} index {index}"
+        raise DeviceNotFoundError(f"{source}={text!r}: no device with index {text}; devices:\n{_listing(infos)}")
+    matches = [i for i in infos if text.lower() in i.name.lower()]
+    if not matches:
+        raise DeviceNotFoundError(f"{source}={text!r} matches no device name; devices:\n{_listing(infos)}")
+    return matches[0], f"{source} name match {text!r}"
+
+
+def open_device(info: DeviceInfo) -> Device:
+    with _lock:
+        device = _open.get(info.index)
+        if device is None or device.closed:
+            device = _open[info.index] = Device(info)
+        return device
+
+
+def default_device() -> Device:
+    """The device pagedvk uses when none is given (see select())."""
+    return open_device(select()[0])
+
+
+def get_device(device=None) -> Device:
+    """A Device from None (the default), a Device, a DeviceInfo, an index or a name substring."""
+    if device is None:
+        return default_device()
+    if isinstance(device, Device):
+        device.require_open()
+        return device
+    if isinstance(device, DeviceInfo):
+        return open_device(device)
+    if isinstance(device, (int, str)) and not isinstance(device, bool):
+        return open_device(select(device)[0])
+    raise TypeError(f"device must be None, a Device, an index or a name, not {type(device).__name__}")
