@@ -11,13 +11,13 @@ def gather_kv(key_cache, value_cache, block_table_row, seq_len):
     key_cache [num_blocks, num_kv_heads, head_size // x, block_size, x] -> keys [seq_len, num_kv_heads, head_size]
     value_cache [num_blocks, num_kv_heads, head_size, block_size]      -> values [seq_len, num_kv_heads, head_size]
     """
-    num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
+    num_blocks, num_kv_heads, head_chunks, block_size, x = key_cache.shape
     used = -(-seq_len // block_size)
     blocks = np.asarray(block_table_row[:used], dtype=np.int64)
     k = key_cache[blocks].astype(np.float64)           # [used, kv_heads, head_size/x, block_size, x]
-    k = k.transpose(0, 3, 1, 2, 4).reshape(used * block_size, num_kv_heads, -1)
+    k = k.transpose(0, 3, 1, 2, 4).reshape(used * block_size, num_kv_heads, head_chunks * x)
     v = value_cache[blocks].astype(np.float64)         # [used, kv_heads, head_size, block_size]
-    v = v.transpose(0, 3, 1, 2).reshape(used * block_size, num_kv_heads, -1)
+    v = v.transpose(0, 3, 1, 2).reshape(used * block_size, num_kv_heads, head_chunks * x)
     return k[:seq_len], v[:seq_len]
 
 

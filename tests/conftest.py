@@ -1,0 +1,61 @@
+"""Shared test helpers: random paged caches in vLLM's layout, poisoned outputs, the error measure."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+import pagedvk
+
+
+def rel_error(out, ref) -> float:
+    out = np.asarray(out, dtype=np.float64)
+    assert np.isfinite(out).all(), "output has NaN or inf (unwritten, or poisoned and never overwritten)"
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+class Case:
+    """A random decode problem: caches, a shuffled block table, lengths, queries."""
+
+    def __init__(self, rng, *, num_seqs=3, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                 seq_lens=None, max_len=300, spare_blocks=3, shared_prefix_blocks=0, dtype=np.float32):
+        x = 16 // np.dtype(dtype).itemsize
+        if seq_lens is None:
+            seq_lens = rng.integers(1, max_len + 1, size=num_seqs)
+        self.seq_lens = np.asarray(seq_lens, dtype=np.int32)
+        num_seqs = len(self.seq_lens)
+        blocks_per_seq = [-(-int(n) // block_size) for n in self.seq_lens]
+        max_blocks = max(blocks_per_seq + [1]) + 2     # padding columns the kernel must not read
+        own = [max(b - shared_prefix_blocks, 0) for b in blocks_per_seq]
+        num_blocks = shared_prefix_blocks + sum(own) + spare_blocks
+        ids = rng.permutation(num_blocks).astype(np.int32)           # shuffled physical blocks
+        shared, pool = ids[:shared_prefix_blocks], list(ids[shared_prefix_blocks:])
+        self.block_tables = np.full((num_seqs, max_blocks), -1, np.int32)  # unused entries: invalid ids
+        for s, b in enumerate(blocks_per_seq):
+            row = list(shared[:min(b, shared_prefix_blocks)]) + [pool.pop() for _ in range(own[s])]
+            self.block_tables[s, :b] = row
+        self.key_cache = rng.standard_normal((num_blocks, num_kv_heads, head_size // x, block_size, x)).astype(dtype)
+        self.value_cache = rng.standard_normal((num_blocks, num_kv_heads, head_size, block_size)).astype(dtype)
+        self.query = rng.standard_normal((num_seqs, num_heads, head_size)).astype(dtype)
+        self.num_kv_heads, self.block_size = num_kv_heads, block_size
+
+    def args(self):
+        return self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens
+
+    def reference(self, scale=None):
+        return pagedvk.reference.paged_attention(*self.args(), scale=scale)
+
+    def poisoned_out(self):
+        return np.full(self.query.shape, np.nan, self.query.dtype)
+
+
+@pytest.fixture
+def rng(request):
+    # A fresh, reproducible stream per test: seeded from the test's name.
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def device():
+    return pagedvk.default_device()

@@ -1,0 +1,144 @@
+"""Decode attention against the float64 reference, on random data with poisoned outputs."""
+
+import numpy as np
+import pytest
+
+import pagedvk
+from conftest import Case, rel_error
+
+TOL = 1e-5  # float32 storage
+HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+BLOCK_SIZES = (8, 16, 32)
+
+
+def check(case, **kw):
+    out = case.poisoned_out()
+    result = pagedvk.paged_attention(*case.args(), out=out, **kw)
+    assert result is out
+    assert rel_error(out, case.reference(kw.get("scale"))) <= TOL
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+def test_head_and_block_sizes(rng, head_size, block_size):
+    check(Case(rng, head_size=head_size, block_size=block_size, num_seqs=3, max_len=200))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 4), (8, 2), (8, 1), (32, 8), (12, 3)])
+def test_mha_gqa_mqa(rng, num_heads, num_kv_heads):
+    check(Case(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64, num_seqs=4, max_len=150))
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 7, 64])
+def test_batches(rng, num_seqs):
+    check(Case(rng, num_seqs=num_seqs, num_heads=4, num_kv_heads=1, head_size=64, max_len=260))
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 7, 8, 127, 128, 129, 255, 1000, 4096])
+def test_lengths(rng, seq_len):
+    check(Case(rng, seq_lens=[seq_len, max(seq_len // 3, 1)], num_heads=4, num_kv_heads=2, head_size=128))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seq_len", [16384, 32768])
+def test_long_sequences(rng, seq_len):
+    check(Case(rng, seq_lens=[seq_len], num_heads=2, num_kv_heads=1, head_size=128, block_size=32))
+
+
+def test_shared_prefix_blocks(rng):
+    # Sequences that share their first physical blocks (prefix caching), the rest shuffled.
+    case = Case(rng, seq_lens=[100, 64, 33, 200], shared_prefix_blocks=2, block_size=16)
+    assert (case.block_tables[:, :2] == case.block_tables[0, :2]).all()
+    check(case)
+
+
+def test_same_blocks_different_lengths(rng):
+    case = Case(rng, seq_lens=[90, 90], block_size=8)
+    case.block_tables[1] = case.block_tables[0]
+    case.seq_lens[1] = 41
+    check(case)
+
+
+def test_zero_length_gives_zeros(rng):
+    case = Case(rng, seq_lens=[0, 50, 0])
+    out = case.poisoned_out()
+    pagedvk.paged_attention(*case.args(), out=out)
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+    assert rel_error(out, case.reference()) <= TOL
+
+
+def test_custom_scale(rng):
+    check(Case(rng, head_size=64), scale=0.37)
+
+
+def test_nan_in_unused_cache_slots_does_not_leak(rng):
+    # Slots past a sequence's length (and blocks nobody uses) may hold anything.
+    case = Case(rng, seq_lens=[21, 3], block_size=16, spare_blocks=2)
+    for s, n in enumerate(case.seq_lens):
+        last = case.block_tables[s, (n - 1) // 16]
+        case.key_cache[last, :, :, n % 16:] = np.nan
+        case.value_cache[last, :, :, n % 16:] = np.nan
+    used = set(case.block_tables[case.block_tables >= 0].tolist())
+    for b in set(range(case.key_cache.shape[0])) - used:
+        case.key_cache[b] = np.nan
+        case.value_cache[b] = np.nan
+    check(case)
+
+
+def test_numpy_in_numpy_out(rng):
+    case = Case(rng)
+    out = pagedvk.paged_attention(*case.args())
+    assert isinstance(out, np.ndarray) and out.shape == case.query.shape and out.dtype == np.float32
+    assert rel_error(out, case.reference()) <= TOL
+
+
+def test_device_arrays_in_device_array_out(rng, device):
+    case = Case(rng)
+    dev = [pagedvk.asarray(a) for a in case.args()]
+    out = pagedvk.paged_attention(*dev)
+    assert isinstance(out, pagedvk.DeviceArray) and out.device is device
+    assert rel_error(out.numpy(), case.reference()) <= TOL
+    poisoned = pagedvk.asarray(case.poisoned_out())
+    assert pagedvk.paged_attention(*dev, out=poisoned) is poisoned
+    assert rel_error(poisoned.numpy(), case.reference()) <= TOL
+
+
+def test_resident_cache_plan_runs_every_layer(rng):
+    # One plan per step, one run per layer, caches resident on the device.
+    case = Case(rng, num_seqs=5, max_len=180)
+    layers = []
+    for _ in range(3):
+        k = rng.standard_normal(case.key_cache.shape).astype(np.float32)
+        v = rng.standard_normal(case.value_cache.shape).astype(np.float32)
+        layers.append((k, v, pagedvk.asarray(k), pagedvk.asarray(v)))
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=128,
+                            block_size=16, num_blocks=case.key_cache.shape[0]) as plan:
+        for step in range(2):
+            for k, v, dk, dv in layers:
+                q = rng.standard_normal(case.query.shape).astype(np.float32)
+                out = pagedvk.asarray(np.full(q.shape, np.nan, np.float32))
+                plan.run(pagedvk.asarray(q), dk, dv, out=out)
+                ref = pagedvk.reference.paged_attention(q, k, v, case.block_tables, case.seq_lens)
+                assert rel_error(out.numpy(), ref) <= TOL
+
+
+def test_cache_updated_on_device_is_seen(rng):
+    case = Case(rng)
+    dk, dv = pagedvk.asarray(case.key_cache), pagedvk.asarray(case.value_cache)
+    with pagedvk.DecodePlan.for_caches(dk, dv, case.block_tables, case.seq_lens, num_heads=8) as plan:
+        q = pagedvk.asarray(case.query)
+        out = pagedvk.empty(case.query.shape)
+        plan.run(q, dk, dv, out=out)
+        case.value_cache[...] = rng.standard_normal(case.value_cache.shape)
+        dv.write(case.value_cache)
+        plan.run(q, dk, dv, out=out)   # same buffers: the recorded launch is reused
+        assert rel_error(out.numpy(), case.reference()) <= TOL
+
+
+def test_vllm_spelling(rng):
+    case = Case(rng, num_kv_heads=2, block_size=16)
+    out = case.poisoned_out()
+    q, k, v, bt, sl = case.args()
+    r = pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, int(sl.max()))
+    assert r is out
+    assert rel_error(out, case.reference(0.125)) <= TOL
