@@ -255,7 +255,7 @@ class Device:
 
     def fill(self, buf: Buffer, value: int = 0) -> None:
         """Set every 32-bit word of the buffer to `value`."""
-        self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, 0, vk.VK_WHOLE_SIZE, value))
+        self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, 0, buf.size, value))
 
     # -- commands ------------------------------------------------------------------------------------
 

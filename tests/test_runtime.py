@@ -1,0 +1,173 @@
+"""The Vulkan layer: devices and their selection, device arrays, timestamps, validation, close()."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import pagedvk
+from pagedvk import selection
+from pagedvk.runtime.instance import DeviceInfo
+
+
+def test_devices_describe_each_device():
+    infos = pagedvk.devices()
+    assert infos, "no Vulkan device"
+    for i, info in enumerate(infos):
+        assert info.index == i and info.name
+        assert info.type in ("discrete", "integrated", "virtual", "cpu", "other")
+        assert info.subgroup_size >= 1 and info.max_storage_buffer_range > 0
+        assert info.device_local_bytes > 0 and info.api_version.startswith("1.")
+        for flag in ("fp16", "storage16", "storage8", "bf16", "cooperative_matrix"):
+            assert isinstance(getattr(info, flag), bool)
+
+
+def test_select_by_index_and_name(monkeypatch):
+    first = pagedvk.devices()[0]
+    monkeypatch.setenv("PAGEDVK_DEVICE", "0")
+    assert pagedvk.select()[0] == first
+    monkeypatch.setenv("PAGEDVK_DEVICE", first.name[2:9].upper())
+    info, reason = pagedvk.select()
+    assert info.name == first.name and "name match" in reason
+
+
+def test_unmatched_device_lists_the_devices(monkeypatch):
+    monkeypatch.setenv("PAGEDVK_DEVICE", "no-such-gpu-xyz")
+    with pytest.raises(pagedvk.DeviceNotFoundError, match="no-such-gpu-xyz") as e:
+        pagedvk.default_device()
+    assert pagedvk.devices()[0].name in str(e.value)
+    monkeypatch.setenv("PAGEDVK_DEVICE", "97")
+    with pytest.raises(pagedvk.DeviceNotFoundError, match="no device with index 97"):
+        pagedvk.select()
+
+
+def fake(index, type_):
+    return DeviceInfo(index=index, name=f"fake {type_} {index}", type=type_, vendor="x", driver="x",
+                      driver_version="1", api_version="1.3.0", device_local_bytes=1, subgroup_size=32, fp16=False,
+                      storage16=False, storage8=False, bf16=False, cooperative_matrix=False,
+                      max_storage_buffer_range=1, max_allocation_bytes=1, extensions=frozenset())
+
+
+@pytest.mark.parametrize("types,expected", [
+    (["cpu", "integrated", "discrete"], 2), (["cpu", "virtual"], 1), (["cpu", "integrated", "integrated"], 1),
+    (["other", "cpu"], 1)])
+def test_default_prefers_discrete_integrated_virtual_cpu(monkeypatch, types, expected):
+    monkeypatch.delenv("PAGEDVK_DEVICE", raising=False)
+    monkeypatch.setattr(selection, "devices", lambda: [fake(i, t) for i, t in enumerate(types)])
+    assert selection.select()[0].index == expected
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32, np.uint8])
+def test_array_round_trip(rng, dtype, device):
+    host = (rng.standard_normal((3, 5, 7)) * 50).astype(dtype)
+    a = pagedvk.asarray(host)
+    assert a.shape == (3, 5, 7) and a.dtype == np.dtype(dtype) and a.nbytes == host.nbytes
+    assert a.device is device and a.ndim == 3 and a.size == host.size
+    np.testing.assert_array_equal(a.numpy(), host)
+    np.testing.assert_array_equal(np.asarray(a), host)
+    a.close()
+    a.close()   # idempotent
+    with pytest.raises(pagedvk.ClosedError):
+        a.numpy()
+
+
+def test_empty_zeros_write(rng):
+    z = pagedvk.zeros((4, 33), np.float16)
+    assert (z.numpy() == 0).all()
+    host = rng.standard_normal((4, 33)).astype(np.float16)
+    z.write(host)
+    np.testing.assert_array_equal(z.numpy(), host)
+    with pytest.raises(ValueError, match="shape"):
+        z.write(host[:2])
+    e = pagedvk.empty(0, np.int32)
+    assert e.numpy().shape == (0,)
+
+
+def test_array_rejects_bad_dtype_and_shape():
+    with pytest.raises(TypeError, match="float64 is not supported"):
+        pagedvk.asarray(np.zeros(3))
+    with pytest.raises(ValueError, match="shape must be non-negative"):
+        pagedvk.empty((2, -1))
+
+
+def test_binding_range_limit_is_a_clear_error(device):
+    too_big = device.info.max_storage_buffer_range // 4 + 1
+    with pytest.raises(ValueError, match="maxStorageBufferRange"):
+        pagedvk.empty((too_big,), np.float32)
+
+
+def test_timestamps_time_a_launch(rng):
+    from conftest import Case
+    case = Case(rng, seq_lens=[300, 200])
+    q, k, v = (pagedvk.asarray(a) for a in case.args()[:3])
+    out = pagedvk.empty(case.query.shape)
+    with pagedvk.DecodePlan.for_caches(k, v, case.block_tables, case.seq_lens, num_heads=8) as plan:
+        t = [plan.time_ns(q, k, v, out) for _ in range(3)]
+    assert all(x > 0 for x in t)
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=dict(os.environ, **env), timeout=300)
+
+
+def validation_available() -> bool:
+    return any(os.path.exists(os.path.join(d, "VkLayer_khronos_validation.json"))
+               for d in ("/usr/share/vulkan/explicit_layer.d", "/etc/vulkan/explicit_layer.d",
+                         "/usr/local/share/vulkan/explicit_layer.d"))
+
+
+def test_validation_messages_are_raised():
+    if not validation_available():
+        pytest.fail("VK_LAYER_KHRONOS_validation missing: install vulkan-validationlayers")
+    # A barrier whose access mask does not fit its stage is invalid (and harmless to run): the layer
+    # must report it and pagedvk must raise it after the call.
+    result = run_python("""
+        import vulkan as vk, pagedvk
+        from pagedvk.runtime.device import memory_barrier
+        dev = pagedvk.default_device()
+        cmd = dev.command_buffer()
+        cmd.record(lambda c: memory_barrier(c, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
+                                            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT))
+        try:
+            cmd.submit()
+        except pagedvk.ValidationError as e:
+            print("raised:", str(e)[:200])
+        """, PAGEDVK_VALIDATION="1")
+    assert "raised: Vulkan validation" in result.stdout, result.stdout + result.stderr
+
+
+def test_decode_is_clean_under_validation():
+    if not validation_available():
+        pytest.fail("VK_LAYER_KHRONOS_validation missing: install vulkan-validationlayers")
+    result = run_python("""
+        import numpy as np, pagedvk
+        rng = np.random.default_rng(1)
+        k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
+        v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)
+        q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+        bt = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+        sl = np.array([40, 17], np.int32)
+        out = pagedvk.paged_attention(q, k, v, bt, sl)
+        ref = pagedvk.reference.paged_attention(q, k, v, bt, sl)
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+        pagedvk.default_device().close()
+        pagedvk.default_device().instance.raise_validation_messages()
+        print("clean")
+        """, PAGEDVK_VALIDATION="1")
+    assert result.returncode == 0 and "clean" in result.stdout, result.stdout + result.stderr
+
+
+def test_device_close_is_idempotent_and_final():
+    info = pagedvk.devices()[0]
+    dev = pagedvk.Device(info)
+    a = pagedvk.asarray(np.arange(10, dtype=np.int32), device=dev)
+    assert dev.live_objects() >= 1
+    dev.close()
+    dev.close()
+    with pytest.raises(pagedvk.ClosedError):
+        pagedvk.empty(4, device=dev)
+    assert a.closed

@@ -1,0 +1,122 @@
+"""The SPIR-V modules: present, valid, built from the current sources, and matching their declared ABI."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pagedvk
+from pagedvk import abi, kernels, spirv
+
+REPO = Path(__file__).resolve().parent.parent
+MODULES = [(k, name, backend, variant) for k in abi.KERNELS for name, backend, variant in k.modules()]
+IDS = [m[1] for m in MODULES]
+
+
+def spirv_val():
+    tool = shutil.which("spirv-val")
+    if tool is None:
+        pytest.fail("spirv-val not found: install spirv-tools")
+    return tool
+
+
+@pytest.mark.parametrize("kernel,name,backend,variant", MODULES, ids=IDS)
+def test_module_installed_and_valid(kernel, name, backend, variant):
+    path = kernels.module_path(name)
+    assert path.is_file(), f"{path} missing"
+    result = subprocess.run([spirv_val(), "--target-env", "vulkan1.1", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("kernel,name,backend,variant", MODULES, ids=IDS)
+def test_module_matches_declared_abi(kernel, name, backend, variant):
+    r = spirv.reflect_file(kernels.module_path(name))
+    assert "main" in r.entry_points
+    assert r.local_size == kernel.workgroup_size
+    assert [(b.set, b.binding) for b in r.bindings] == [(0, i) for i in range(len(kernel.bindings))]
+    assert all(b.kind == "storage_buffer" for b in r.bindings)
+    assert [b.readonly for b in r.bindings] == [b.readonly for b in kernel.bindings], \
+        f"read-only flags differ from {[b.name for b in kernel.bindings]}"
+    assert r.push_constant_size == kernel.push_size
+    assert [m.offset for m in r.push_constant_members] == list(kernel.push_offsets().values())
+    assert all(m.size == 4 for m in r.push_constant_members)
+    assert set(r.spec_constants) == {i for i, _ in kernel.spec_constants}
+
+
+def test_modules_are_current():
+    """In a source checkout every module must have been built from the shaders as they are now."""
+    if not kernels.SOURCE_SHADER_DIR.is_dir():
+        pytest.skip("installed package without shader sources: staleness cannot apply")
+    for kernel, name, backend, variant in MODULES:
+        kernels.load_spirv(kernel, variant.name, backend)
+
+
+@pytest.fixture
+def spv_copy(tmp_path, monkeypatch):
+    """A private copy of the module folder, with the repo's shader sources for the staleness check."""
+    copy = tmp_path / "spv"
+    shutil.copytree(kernels.SPV_DIR, copy)
+    monkeypatch.setattr(kernels, "SPV_DIR", copy)
+    monkeypatch.setattr(kernels, "SOURCE_SHADER_DIR", REPO / "shaders")
+    monkeypatch.setattr(kernels, "_manifest", None)
+    yield copy
+    kernels._manifest = None
+
+
+def test_stale_module_is_refused(spv_copy):
+    manifest = json.loads((spv_copy / "manifest.json").read_text())
+    manifest["paged_decode.f32.glsl"]["digest"] = "0" * 64
+    (spv_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.f32\.glsl is stale"):
+        kernels.load_spirv(abi.PAGED_DECODE, "f32", "glsl")
+
+
+def test_missing_module_is_named(spv_copy):
+    (spv_copy / "paged_decode.f32.glsl.spv").unlink()
+    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.f32\.glsl is missing"):
+        kernels.load_spirv(abi.PAGED_DECODE, "f32", "glsl")
+
+
+def test_missing_manifest_is_reported(spv_copy):
+    (spv_copy / "manifest.json").unlink()
+    with pytest.raises(pagedvk.ShaderModuleError, match="manifest.json missing"):
+        kernels.load_spirv(abi.PAGED_DECODE, "f32", "glsl")
+
+
+def test_unknown_variant_is_named():
+    with pytest.raises(pagedvk.ShaderModuleError, match="no 'bf16' variant"):
+        kernels.load_spirv(abi.PAGED_DECODE, "bf16", "glsl")
+
+
+def test_build_without_glslang_names_the_package(tmp_path):
+    env = dict(os.environ, PATH=str(tmp_path))  # no glslangValidator there
+    result = subprocess.run([sys.executable, str(REPO / "build_shaders.py"), "--backend", "glsl", "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, env=env)
+    assert result.returncode == 1
+    assert "glslangValidator not found" in result.stderr and "glslang-tools" in result.stderr
+
+
+def test_build_reports_compile_errors(tmp_path, monkeypatch):
+    # A broken shader fails the build with the compiler's message and leaves no module behind.
+    sys.path.insert(0, str(REPO))
+    try:
+        import build_shaders
+    finally:
+        sys.path.pop(0)
+    bad = tmp_path / "broken.comp"
+    bad.write_text("#version 450\nvoid main() { undefined_name = 1; }\n")
+    with pytest.raises(build_shaders.BuildError, match="undefined_name"):
+        build_shaders.compile_glsl(bad, tmp_path / "broken.spv", {})
+    assert not (tmp_path / "broken.spv").exists()
+
+
+def test_push_constant_packing():
+    packed = abi.PAGED_DECODE.pack_push(num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                                         max_blocks_per_seq=4, num_blocks=10, scale=0.5)
+    assert len(packed) == abi.PAGED_DECODE.push_size == 28
+    with pytest.raises(KeyError, match="missing"):
+        abi.PAGED_DECODE.pack_push(num_heads=8)
