@@ -104,7 +104,7 @@ class DecodePlan:
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
                        if a is not given]
         self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, KV_DTYPES[self.dtype], self.backend)
-        self._launches = OrderedDict()  # (query, key, value, out buffers) -> (descriptor set, command buffer)
+        self._launches = OrderedDict()  # buffer ids -> recorded Launch, least recently used first
 
     @classmethod
     def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, **kw) -> "DecodePlan":
@@ -169,11 +169,15 @@ class DecodePlan:
         buffers = (q.buffer, k.buffer, v.buffer, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
         key = tuple(id(b) for b in buffers) + (timed,)
         launch = self._launches.get(key)
-        if launch is not None and any(b.closed for b in launch[0].buffers):
+        if launch is not None and any(b.closed for b in launch.buffers):
             self._forget(key)
             launch = None
         if launch is None:
-            launch = self._record(buffers, num_blocks, timed)
+            push = PAGED_DECODE.pack_push(
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1], num_blocks=num_blocks,
+                scale=self.scale)
+            launch = self.pipeline.launch(buffers, push, (self.num_heads, self.num_seqs, 1), timestamps=timed)
             if cache:
                 self._launches[key] = launch
                 while len(self._launches) > RECORDED_LAUNCHES:
@@ -181,23 +185,10 @@ class DecodePlan:
         else:
             self._launches.move_to_end(key)
         try:
-            launch[1].submit()
-            return launch[1].elapsed_ns() if timed else None
+            return launch.submit()
         finally:
             if not cache:
-                for obj in launch:
-                    obj.close()
-
-    def _record(self, buffers, num_blocks: int, timed: bool):
-        dset = self.pipeline.descriptor_set(buffers)
-        push = PAGED_DECODE.pack_push(
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-            block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1], num_blocks=num_blocks,
-            scale=self.scale)
-        cmd = self.device.command_buffer()
-        grid = (self.num_heads, self.num_seqs, 1)
-        cmd.record(lambda c: self.pipeline.record_dispatch(c, dset, push, grid), timestamps=timed)
-        return dset, cmd
+                launch.close()
 
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
         """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""
@@ -207,8 +198,7 @@ class DecodePlan:
         return self._launch(query, key_cache, value_cache, out, key_cache.shape[0], cache=True, timed=True)
 
     def _forget(self, key) -> None:
-        for obj in self._launches.pop(key):
-            obj.close()
+        self._launches.pop(key).close()
 
     def close(self) -> None:
         for key in list(self._launches):

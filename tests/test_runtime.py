@@ -130,10 +130,9 @@ def test_validation_messages_are_raised():
         from pagedvk.runtime.device import memory_barrier
         dev = pagedvk.default_device()
         cmd = dev.command_buffer()
-        cmd.record(lambda c: memory_barrier(c, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
-                                            vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT))
         try:
-            cmd.submit()
+            cmd.record(lambda c: memory_barrier(c, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
+                                                vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT))
         except pagedvk.ValidationError as e:
             print("raised:", str(e)[:200])
         """, PAGEDVK_VALIDATION="1")

@@ -334,6 +334,7 @@ class CommandBuffer:
         memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
                        vk.VK_PIPELINE_STAGE_HOST_BIT, vk.VK_ACCESS_HOST_READ_BIT)
         vk.vkEndCommandBuffer(cmd)
+        self.device.check()
 
     def submit(self, wait: bool = True) -> None:
         dev = self.device

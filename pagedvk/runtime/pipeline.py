@@ -45,6 +45,10 @@ class Pipeline:
     def descriptor_set(self, buffers) -> "DescriptorSet":
         return DescriptorSet(self, buffers)
 
+    def launch(self, buffers, push: bytes, grid: tuple, timestamps: bool = False) -> "Launch":
+        """A dispatch over these buffers, recorded once; submit it as often as needed."""
+        return Launch(self, buffers, push, grid, timestamps)
+
     def record_dispatch(self, cmd, descriptor_set: "DescriptorSet", push: bytes, grid: tuple) -> None:
         vk.vkCmdBindPipeline(cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.handle)
         vk.vkCmdBindDescriptorSets(cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.layout, 0, 1,
@@ -91,3 +95,27 @@ class DescriptorSet:
                 self.device._untrack(self)
                 if self.device.handle is not None:
                     self._destroy()
+
+
+class Launch:
+    """One recorded dispatch: its descriptor set and command buffer (with timestamps when asked)."""
+
+    def __init__(self, pipeline: Pipeline, buffers, push: bytes, grid: tuple, timestamps: bool):
+        self.descriptor_set = pipeline.descriptor_set(buffers)
+        self.command_buffer = pipeline.device.command_buffer()
+        self.command_buffer.record(lambda c: pipeline.record_dispatch(c, self.descriptor_set, push, grid),
+                                   timestamps=timestamps)
+        self.timestamps = timestamps
+
+    @property
+    def buffers(self):
+        return self.descriptor_set.buffers
+
+    def submit(self) -> float | None:
+        """Run it and wait; returns the GPU time in ns when recorded with timestamps."""
+        self.command_buffer.submit()
+        return self.command_buffer.elapsed_ns() if self.timestamps else None
+
+    def close(self) -> None:
+        self.command_buffer.close()
+        self.descriptor_set.close()
