@@ -106,7 +106,16 @@ PAGED_DECODE = KernelABI(
     variants=(Variant("f32", {"KV_F32": 1}),),
 )
 
-KERNELS = (PAGED_DECODE,)
+# The device's read bandwidth (benchmarks' ceiling). Grid: (workgroups, 1, 1), grid-stride loop.
+READ_BANDWIDTH = KernelABI(
+    op="read_bandwidth",
+    bindings=(Binding("src", readonly=True), Binding("dst", readonly=False)),
+    push=(PushField("num_chunks", "u32"),),
+    workgroup_size=(256, 1, 1),
+    variants=(Variant("u32"),),
+)
+
+KERNELS = (PAGED_DECODE, READ_BANDWIDTH)
 
 
 def source_files(shader_dir: Path, abi: KernelABI, backend: str) -> list:
