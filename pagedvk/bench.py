@@ -1,0 +1,148 @@
+"""Decode benchmarks timed on the GPU, against the device's own read bandwidth measured in the same run.
+
+Times come from timestamp queries (ticks x timestampPeriod), after warm-up, as medians of many launches.
+Several layers' caches are rotated so that one layer's cache is not simply re-read from the GPU's cache,
+and the result of the first layer is checked against the float64 reference before anything is timed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import kernels, reference
+from .abi import READ_BANDWIDTH
+from .array import asarray, empty
+from .decode import DecodePlan
+from .selection import get_device
+
+ROTATE_BYTES = 512 << 20  # caches rotated per timing loop: several times any GPU's last-level cache
+CHECKED_SEQS = 4          # sequences checked against the float64 reference (it is slow on long contexts)
+
+
+@dataclass
+class DecodeShape:
+    num_seqs: int = 8
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    block_size: int = 16
+    context: int = 1024
+    dtype: str = "float32"
+
+    @property
+    def kv_bytes(self) -> int:
+        """K and V bytes one decode launch must read."""
+        return 2 * self.num_seqs * self.context * self.num_kv_heads * self.head_size * np.dtype(self.dtype).itemsize
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency for a bar)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.label, self.done = total, label, 0
+        self.enabled = enabled and total > 0 and sys.stderr.isatty()
+        self._last = 0.0
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+            self._last = now
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def percentiles(ns) -> dict:
+    a = np.asarray(ns, dtype=np.float64)
+    return {"median_us": float(np.median(a)) / 1e3, "p10_us": float(np.percentile(a, 10)) / 1e3,
+            "p90_us": float(np.percentile(a, 90)) / 1e3}
+
+
+def read_bandwidth(device=None, nbytes: int = 1 << 30, iters: int = 20, progress: bool = False) -> dict:
+    """Bytes per second one plain read kernel achieves over a buffer of nbytes (capped by the binding
+    limit), median of iters launches."""
+    device = get_device(device)
+    nbytes = min(nbytes, device.info.max_storage_buffer_range) // 16 * 16
+    src = empty((nbytes // 4,), np.uint32, device)
+    device.fill(src.buffer, 0x3F800000)
+    threads = 256 * 1024
+    dst = empty((threads,), np.uint32, device)
+    pipeline = kernels.pipeline(device, READ_BANDWIDTH, "u32", "glsl")
+    launch = pipeline.launch((src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=nbytes // 16),
+                             (threads // 256, 1, 1), timestamps=True)
+    bar = Progress(iters + 2, "read bandwidth", progress)
+    try:
+        times = []
+        for i in range(iters + 2):
+            t = launch.submit()
+            if i >= 2:   # warm-up
+                times.append(t)
+            bar.step()
+    finally:
+        launch.close()
+        src.close()
+        dst.close()
+    median = float(np.median(times))
+    return {"bytes": nbytes, "GBps": nbytes / median, **percentiles(times)}
+
+
+def decode(shape: DecodeShape, iters: int = 50, warmup: int = 5, layers: int | None = None, device=None,
+           backend: str | None = None, seed: int = 0, progress: bool = False) -> dict:
+    """Time decode attention for one shape; returns a dict of the figures (see percentiles)."""
+    device = get_device(device)
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(shape.dtype)
+    x = 16 // dtype.itemsize
+    blocks_per_seq = math.ceil(shape.context / shape.block_size)
+    num_blocks = shape.num_seqs * blocks_per_seq
+    if layers is None:
+        layers = max(1, min(8, math.ceil(ROTATE_BYTES / max(shape.kv_bytes, 1))))
+    block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(shape.num_seqs, blocks_per_seq)
+    seq_lens = np.full(shape.num_seqs, shape.context, np.int32)
+    bar = Progress(layers + warmup + iters, "decode", progress)
+    caches = []
+    for _ in range(layers):
+        k = rng.standard_normal((num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size, x),
+                                dtype=np.float32).astype(dtype, copy=False)
+        v = rng.standard_normal((num_blocks, shape.num_kv_heads, shape.head_size, shape.block_size),
+                                dtype=np.float32).astype(dtype, copy=False)
+        caches.append((k, v, asarray(k, device), asarray(v, device)))
+        bar.step()
+    query_host = rng.standard_normal((shape.num_seqs, shape.num_heads, shape.head_size), dtype=np.float32).astype(dtype)
+    query, out = asarray(query_host, device), empty(query_host.shape, dtype, device)
+    plan = DecodePlan(block_tables, seq_lens, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                      head_size=shape.head_size, block_size=shape.block_size, num_blocks=num_blocks, dtype=dtype,
+                      device=device, backend=backend)
+    try:
+        k, v, dk, dv = caches[0]
+        plan.run(query, dk, dv, out=out)
+        n = min(CHECKED_SEQS, shape.num_seqs)
+        ref = reference.paged_attention(query_host[:n], k, v, block_tables[:n], seq_lens[:n])
+        got = out.numpy()[:n].astype(np.float64)
+        error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        times = []
+        for i in range(warmup + iters):
+            _, _, dk, dv = caches[i % layers]
+            t = plan.time_ns(query, dk, dv, out)
+            if i >= warmup:
+                times.append(t)
+            bar.step()
+    finally:
+        plan.close()
+        for *_, dk, dv in caches:
+            dk.close()
+            dv.close()
+        query.close()
+        out.close()
+    stats = percentiles(times)
+    return {**asdict(shape), "backend": plan.backend, "device": device.info.name, "layers": layers,
+            "iters": iters, "rel_error": error, "checked_seqs": n, "kv_bytes": shape.kv_bytes,
+            "GBps": shape.kv_bytes / (stats["median_us"] * 1e3), **stats}
