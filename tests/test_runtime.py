@@ -3,7 +3,9 @@
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,8 +112,11 @@ def test_timestamps_time_a_launch(rng):
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    # `import pagedvk` there must find the package these tests import (installed, or a checkout on the path).
+    package_root = str(Path(pagedvk.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=dict(os.environ, **env), timeout=300)
+                          env=dict(os.environ, PYTHONPATH=path, **env), timeout=300, cwd=tempfile.gettempdir())
 
 
 def validation_available() -> bool:

@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Decode sweep for BENCHMARKS.md: the device's read bandwidth, then each shape's GPU-timed decode.
+
+    python benchmarks/decode.py                       # the sweep sized for a datacenter GPU
+    python benchmarks/decode.py --small               # a sweep lavapipe finishes in a minute or two
+    python benchmarks/decode.py --json out.json       # also write every figure
+"""
+
+import argparse
+import json
+import sys
+
+from pagedvk import bench
+
+# The reference shapes of shared/device/README.md: 32 query heads, 8 KV heads, head 128, block 16.
+FULL = [(1, 4096), (8, 4096), (64, 4096), (256, 2048), (32, 16384)]
+SMALL = [(1, 1024), (8, 512), (32, 256)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--backend", default=None)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    ceiling = bench.read_bandwidth(iters=args.iters)
+    rows = []
+    for num_seqs, context in (SMALL if args.small else FULL):
+        shape = bench.DecodeShape(num_seqs=num_seqs, context=context, block_size=args.block_size)
+        r = bench.decode(shape, iters=args.iters, backend=args.backend)
+        r["fraction_of_read"] = r["GBps"] / ceiling["GBps"]
+        rows.append(r)
+        print(f"{num_seqs:>5} x {context:>6}: {r['median_us']:10.1f} us  {r['GBps']:8.1f} GB/s "
+              f"({100 * r['fraction_of_read']:.0f}% of read)  err {r['rel_error']:.1e}", flush=True)
+    device = rows[0]["device"]
+    print(f"\ndevice: {device}; read kernel {ceiling['GBps']:.1f} GB/s over {ceiling['bytes'] / 2**30:.2f} GiB "
+          f"(median of {args.iters}); backend {rows[0]['backend']}\n")
+    print("| batch | context | dtype | median | p10-p90 | KV GB/s | of read BW | rel. error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['num_seqs']} | {r['context']} | {r['dtype']} | {r['median_us']:.1f} us | "
+              f"{r['p10_us']:.1f}-{r['p90_us']:.1f} us | {r['GBps']:.1f} | {100 * r['fraction_of_read']:.0f}% | "
+              f"{r['rel_error']:.1e} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"read": ceiling, "decode": rows}, f, indent=1)
+    return 0 if all(r["rel_error"] <= 1e-5 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
