@@ -175,8 +175,8 @@ class DecodePlan:
         if launch is None:
             push = PAGED_DECODE.pack_push(
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1], num_blocks=num_blocks,
-                scale=self.scale)
+                block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
+                num_blocks=self._blocks_held(k, v, num_blocks), scale=self.scale)
             launch = self.pipeline.launch(buffers, push, (self.num_heads, self.num_seqs, 1), timestamps=timed)
             if cache:
                 self._launches[key] = launch
@@ -189,6 +189,11 @@ class DecodePlan:
         finally:
             if not cache:
                 launch.close()
+
+    def _blocks_held(self, k, v, num_blocks: int) -> int:
+        """The kernel's bound on block ids: what the bound buffers really hold, whatever was claimed."""
+        block_bytes = self.num_kv_heads * self.head_size * self.block_size * self.dtype.itemsize
+        return min(num_blocks, k.buffer.size // block_bytes, v.buffer.size // block_bytes)
 
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
         """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""

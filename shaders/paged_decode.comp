@@ -85,9 +85,10 @@ void main() {
     const uint q_base = (seq * pc.num_heads + head) * hs;
     if (q_base + hs > uint(query.length()) || q_base + hs > uint(out_.length())) return;
 
-    // Block ids must address whole blocks inside both caches, whatever num_blocks claims.
-    const uint cache_chunks = min(uint(key_cache.length()), uint(value_cache.length()));
-    const uint num_blocks = min(pc.num_blocks, cache_chunks / chunks_per_block);
+    // num_blocks is set by the launcher from the bound buffers' sizes, not taken from the caller: the
+    // caches' own length() is not used because NVIDIA's driver (580) returns a wrong one for bindings of
+    // 2 GiB and more.
+    const uint num_blocks = pc.num_blocks;
     const uint row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(row), 0)));
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
