@@ -62,6 +62,6 @@ def pipeline(device, abi: abi_mod.KernelABI, variant: str, backend: str) -> Pipe
     key = abi.module_name(variant, backend)
     with _lock:
         cached = device._pipelines.get(key)
-        if cached is None or cached.handle is None:
+        if cached is None or cached.closed:
             cached = device._pipelines[key] = Pipeline(device, abi, load_spirv(abi, variant, backend), key)
         return cached

@@ -175,3 +175,21 @@ def test_device_close_is_idempotent_and_final():
     with pytest.raises(pagedvk.ClosedError):
         pagedvk.empty(4, device=dev)
     assert a.closed
+
+
+def test_dropped_objects_are_freed(rng, device):
+    import gc
+    from conftest import Case
+    case = Case(rng)
+    pagedvk.paged_attention(*case.args())   # the pipeline is made once and kept by the device
+    gc.collect()
+    before = device.live_objects()
+    arrays = [pagedvk.asarray(rng.standard_normal(100).astype(np.float32)) for _ in range(20)]
+    assert device.live_objects() == before + 20
+    del arrays
+    gc.collect()
+    assert device.live_objects() == before
+    for _ in range(5):
+        pagedvk.paged_attention(*case.args())   # plans, launches and temporaries all go
+    gc.collect()
+    assert device.live_objects() == before

@@ -5,8 +5,11 @@ Knows nothing of attention. Every object it creates is destroyed by close(), whi
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import threading
+import weakref
 
 import numpy as np
 import vulkan as vk
@@ -35,7 +38,8 @@ def raise_vk(e: Exception, what: str, nbytes: int | None = None, budget: int | N
 
 class Buffer:
     """A storage buffer in device memory. `nbytes` is what was asked for; at least 16 bytes are allocated
-    because Vulkan has no empty buffers and kernels read in 16-byte chunks."""
+    because Vulkan has no empty buffers and kernels read in 16-byte chunks. Freed by close(), when garbage
+    collected, or when its device closes, whichever comes first."""
 
     def __init__(self, device: "Device", nbytes: int, host_visible: bool = False):
         self.device = device
@@ -58,30 +62,25 @@ class Buffer:
             if mappable:
                 self.mapped = vk.vkMapMemory(d, self.memory, 0, self.size, 0)
         except vk.VkError as e:
-            self._destroy()
-            raise_vk(e, "allocating a buffer", nbytes, device.info.device_local_bytes)
-        device._track(self)
+            _free_buffer(d, self.handle, self.memory)
+            raise_vk(e, "allocating a buffer", nbytes, device.memory_budget())
+        self._finalizer = device.own(self, functools.partial(_free_buffer, d, self.handle, self.memory))
 
     @property
     def closed(self) -> bool:
-        return self.handle is None
-
-    def _destroy(self) -> None:
-        d = self.device.handle
-        if self.mapped is not None:
-            vk.vkUnmapMemory(d, self.memory)
-            self.mapped = None
-        if self.handle is not None:
-            vk.vkDestroyBuffer(d, self.handle, None)
-            self.handle = None
-        if self.memory is not None:
-            vk.vkFreeMemory(d, self.memory, None)
-            self.memory = None
+        return not self._finalizer.alive
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.device._untrack(self)
-            self._destroy()
+        self._finalizer()
+        self.handle = self.memory = self.mapped = None
+
+
+def _free_buffer(d, handle, memory) -> None:
+    # Freeing mapped memory unmaps it.
+    if handle is not None:
+        vk.vkDestroyBuffer(d, handle, None)
+    if memory is not None:
+        vk.vkFreeMemory(d, memory, None)
 
 
 class Device:
@@ -91,7 +90,8 @@ class Device:
         self.info = info
         self.instance = get_instance()
         self.lock = threading.RLock()
-        self._live = {}  # id -> object with _destroy(), destroyed at close()
+        self._live = {}  # key -> weakref.finalize that destroys one object made on this device
+        self._keys = itertools.count()
         self.handle = None
         pd = info.handle
         families = list(vk.vkGetPhysicalDeviceQueueFamilyProperties(pd))
@@ -145,13 +145,21 @@ class Device:
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
-    def _track(self, obj) -> None:
+    def own(self, obj, destroy) -> weakref.finalize:
+        """Tie destroy() (which must not refer to obj) to obj: it runs once, at the first of the returned
+        finalizer being called (obj.close()), obj being garbage collected, or this device closing."""
+        key = next(self._keys)
+        finalizer = weakref.finalize(obj, self._release, key, destroy)
+        finalizer.atexit = False  # the device's own close at exit runs it, before the device goes
         with self.lock:
-            self._live[id(obj)] = obj
+            self._live[key] = finalizer
+        return finalizer
 
-    def _untrack(self, obj) -> None:
+    def _release(self, key, destroy) -> None:
         with self.lock:
-            self._live.pop(id(obj), None)
+            self._live.pop(key, None)
+            if self.handle is not None:
+                destroy()
 
     @property
     def closed(self) -> bool:
@@ -166,7 +174,12 @@ class Device:
         self.instance.raise_validation_messages()
 
     def live_objects(self) -> int:
+        """How many Vulkan objects made through this device are alive (buffers, pipelines, ...)."""
         return len(self._live)
+
+    def memory_budget(self) -> int:
+        """Device-local bytes (the heaps' sizes; what is still free is not known without memory_budget)."""
+        return self.info.device_local_bytes
 
     def close(self) -> None:
         """Destroy everything made on this device. Safe to call twice."""
@@ -174,9 +187,8 @@ class Device:
             if self.handle is None:
                 return
             vk.vkDeviceWaitIdle(self.handle)
-            for obj in list(self._live.values()):
-                obj._destroy()
-            self._live.clear()
+            for finalizer in list(self._live.values()):
+                finalizer()
             for pool in self._descriptor_pools:
                 vk.vkDestroyDescriptorPool(self.handle, pool, None)
             self._descriptor_pools.clear()
@@ -311,7 +323,9 @@ class CommandBuffer:
         self._submit_info = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
                                             pCommandBuffers=[self.handle])
         self.query_pool = None
-        device._track(self)
+        self._query_pools = []  # the finalizer's view of the query pool, made on first timed record
+        self._finalizer = device.own(self, functools.partial(
+            _free_command_buffer, d, device.command_pool, self.handle, self.fence, self._query_pools))
 
     def record(self, body, timestamps: bool = False) -> None:
         """Record body(cmd) between barriers that order it after earlier submissions and before host
@@ -326,6 +340,7 @@ class CommandBuffer:
                 self.query_pool = vk.vkCreateQueryPool(self.device.handle, vk.VkQueryPoolCreateInfo(
                     sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=vk.VK_QUERY_TYPE_TIMESTAMP,
                     queryCount=2), None)
+                self._query_pools.append(self.query_pool)
             vk.vkCmdResetQueryPool(cmd, self.query_pool, 0, 2)
             vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, self.query_pool, 0)
         body(cmd)
@@ -367,21 +382,16 @@ class CommandBuffer:
         mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
         return ((data[1] - data[0]) & mask) * self.device.timestamp_period_ns
 
-    def _destroy(self) -> None:
-        d = self.device.handle
-        if self.handle is None:
-            return
-        if self.query_pool is not None:
-            vk.vkDestroyQueryPool(d, self.query_pool, None)
-        vk.vkDestroyFence(d, self.fence, None)
-        vk.vkFreeCommandBuffers(d, self.device.command_pool, 1, [self.handle])
+    def close(self) -> None:
+        self._finalizer()
         self.handle = None
 
-    def close(self) -> None:
-        if self.handle is not None:
-            with self.device.lock:
-                self.device._untrack(self)
-                self._destroy()
+
+def _free_command_buffer(d, pool, handle, fence, query_pools) -> None:
+    for query_pool in query_pools:
+        vk.vkDestroyQueryPool(d, query_pool, None)
+    vk.vkDestroyFence(d, fence, None)
+    vk.vkFreeCommandBuffers(d, pool, 1, [handle])
 
 
 def memory_barrier(cmd, src_stage, src_access, dst_stage, dst_access) -> None:

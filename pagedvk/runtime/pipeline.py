@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import vulkan as vk
 
 from .device import Device, raise_vk
@@ -37,9 +39,10 @@ class Pipeline:
             self.handle = vk.vkCreateComputePipelines(d, device.pipeline_cache, 1, [vk.VkComputePipelineCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=self.layout)], None)[0]
         except vk.VkError as e:
-            self._destroy()
+            _destroy_pipeline(d, self.handle, self.module, self.layout, self.set_layout)
             raise_vk(e, f"creating the pipeline of {name}")
-        device._track(self)
+        self._finalizer = device.own(self, functools.partial(
+            _destroy_pipeline, d, self.handle, self.module, self.layout, self.set_layout))
         device.check()
 
     def descriptor_set(self, buffers) -> "DescriptorSet":
@@ -57,14 +60,16 @@ class Pipeline:
             vk.vkCmdPushConstants(cmd, self.layout, STAGE, 0, len(push), vk.ffi.new("char[]", push))
         vk.vkCmdDispatch(cmd, *grid)
 
-    def _destroy(self) -> None:
-        d = self.device.handle
-        for obj, destroy in ((self.handle, vk.vkDestroyPipeline), (self.module, vk.vkDestroyShaderModule),
-                             (self.layout, vk.vkDestroyPipelineLayout),
-                             (self.set_layout, vk.vkDestroyDescriptorSetLayout)):
-            if obj is not None:
-                destroy(d, obj, None)
-        self.handle = self.module = self.layout = self.set_layout = None
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+
+def _destroy_pipeline(d, pipeline, module, layout, set_layout) -> None:
+    for obj, destroy in ((pipeline, vk.vkDestroyPipeline), (module, vk.vkDestroyShaderModule),
+                         (layout, vk.vkDestroyPipelineLayout), (set_layout, vk.vkDestroyDescriptorSetLayout)):
+        if obj is not None:
+            destroy(d, obj, None)
 
 
 class DescriptorSet:
@@ -82,19 +87,12 @@ class DescriptorSet:
             sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=self.handle, dstBinding=i, descriptorCount=1,
             descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[info]) for i, info in enumerate(infos)]
         vk.vkUpdateDescriptorSets(device.handle, len(writes), writes, 0, None)
-        device._track(self)
-
-    def _destroy(self) -> None:
-        if self.handle is not None:
-            vk.vkFreeDescriptorSets(self.device.handle, self.pool, 1, [self.handle])
-            self.handle = None
+        self._finalizer = device.own(self, functools.partial(
+            vk.vkFreeDescriptorSets, device.handle, self.pool, 1, [self.handle]))
 
     def close(self) -> None:
-        if self.handle is not None:
-            with self.device.lock:
-                self.device._untrack(self)
-                if self.device.handle is not None:
-                    self._destroy()
+        self._finalizer()
+        self.handle = None
 
 
 class Launch:
