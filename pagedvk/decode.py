@@ -76,11 +76,14 @@ class DecodePlan:
     seq_lens      int32 [num_seqs]: tokens cached per sequence (0 gives an output of zeros).
     The caches passed to ``run`` must match num_kv_heads, head_size, block_size and dtype, and hold
     more than every block id used (checked at plan time against num_blocks).
+    validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
+    tables back to the host. The kernel bounds every index itself, so bad values then give wrong
+    attention for the sequences that hold them, never a read outside the caches.
     """
 
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
                  block_size: int, num_blocks: int, dtype=np.float32, scale: float | None = None,
-                 device=None, backend: str | None = None):
+                 device=None, backend: str | None = None, validate: bool = True):
         checks.kind("block_tables", block_tables)
         checks.kind("seq_lens", seq_lens)
         checks.ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
@@ -90,7 +93,8 @@ class DecodePlan:
         checks.dim("seq_lens", seq_lens, 0, block_tables.shape[0], "num_seqs, from block_tables")
         if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-        checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
+        if validate:  # reads device-resident tables back; engines that trust their tables can skip it
+            checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
         self.backend = backend_name(backend)
         self.device = _device_of(block_tables, seq_lens, device=device)
         self.num_seqs = block_tables.shape[0]
@@ -219,7 +223,8 @@ class DecodePlan:
         self.close()
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, backend=None):
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, backend=None,
+                    validate=True):
     """Decode attention over a paged KV cache (vLLM layout).
 
     query        [num_seqs, num_heads, head_size]
@@ -230,10 +235,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     scale        softmax scale, default 1 / sqrt(head_size)
     Returns [num_seqs, num_heads, head_size]: numpy for a numpy query, a DeviceArray for a DeviceArray.
     For many layers with the same block tables, make one DecodePlan and call its run() per layer.
+    validate=False skips the block-table value checks (see DecodePlan).
     """
     checks.kind("query", query)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     with DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
-                               scale=scale, backend=backend,
+                               scale=scale, backend=backend, validate=validate,
                                device=_device_of(query, key_cache, value_cache, block_tables, seq_lens, out)) as plan:
         return plan.run(query, key_cache, value_cache, out=out)

@@ -45,9 +45,10 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
     return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out)
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, backend=None):
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, backend=None,
+                    validate=True):
     return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out,
-                            backend=backend)
+                            backend=backend, validate=validate)
 
 
 paged_attention.__doc__ = _paged_attention.__doc__

@@ -164,3 +164,19 @@ def test_vllm_argument_mismatches(case):
     with pytest.raises(ValueError, match="max_seq_len"):
         pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 16, 63)
     assert np.isnan(out).all()
+
+
+def test_unchecked_bad_ids_stay_inside_the_cache(case):
+    # With validation off, out-of-range and negative ids reach the kernel, which must treat those blocks
+    # as empty: the other sequences stay right, the cache is untouched, the device lives on.
+    bt = case.block_tables.copy()
+    bt[1, 0], bt[1, 1] = -5, 10**9
+    dk, dv = pagedvk.asarray(case.key_cache), pagedvk.asarray(case.value_cache)
+    out = pagedvk.paged_attention(case.query, dk, dv, pagedvk.asarray(bt), case.seq_lens, validate=False)
+    ref = case.reference()
+    assert np.isfinite(out).all()
+    for s in (0, 2):
+        assert np.linalg.norm(out[s] - ref[s]) / np.linalg.norm(ref[s]) < 1e-5
+    np.testing.assert_array_equal(dk.numpy(), case.key_cache)
+    np.testing.assert_array_equal(dv.numpy(), case.value_cache)
+    assert np.isfinite(pagedvk.paged_attention(*case.args())).all()   # still usable
