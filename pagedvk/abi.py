@@ -79,10 +79,12 @@ class KernelABI:
                 yield self.module_name(v.name, backend), backend, v
 
 
-# Decode attention, one query token per sequence, vLLM cache layout. Grid: (num_heads, num_seqs, 1).
-# Key and value caches are bound as arrays of 16-byte chunks whatever the element type, so the same
-# indexing serves every storage type: a key chunk holds x = 16 / itemsize consecutive head dims of one
-# token, a value chunk 16 / itemsize consecutive tokens of one head dim.
+# Decode attention, one query token per sequence, vLLM cache layout. Grid: (num_heads / group_size,
+# num_seqs, num_partitions). Key and value caches are bound as arrays of 16-byte chunks whatever the
+# element type, so the same indexing serves every storage type: a key chunk holds x = 16 / itemsize
+# consecutive head dims of one token, a value chunk 16 / itemsize consecutive tokens of one head dim.
+# With one partition the result goes to `out`; with more, to the partial buffers, and PAGED_DECODE_REDUCE
+# merges them into `out`.
 PAGED_DECODE = KernelABI(
     op="paged_decode",
     bindings=(
@@ -92,6 +94,8 @@ PAGED_DECODE = KernelABI(
         Binding("block_tables", readonly=True),
         Binding("seq_lens", readonly=True),
         Binding("out", readonly=False),
+        Binding("partial_out", readonly=False),
+        Binding("partial_stats", readonly=False),
     ),
     push=(
         PushField("num_heads", "u32"),
@@ -101,9 +105,31 @@ PAGED_DECODE = KernelABI(
         PushField("max_blocks_per_seq", "u32"),
         PushField("num_blocks", "u32"),
         PushField("scale", "f32"),
+        PushField("group_size", "u32"),
+        PushField("partition_size", "u32"),
+        PushField("num_partitions", "u32"),
     ),
     workgroup_size=(128, 1, 1),
     variants=(Variant("f32", {"KV_F32": 1}),),
+)
+
+# Merges a split decode's partitions. Grid: (num_heads, num_seqs, 1).
+PAGED_DECODE_REDUCE = KernelABI(
+    op="paged_decode_reduce",
+    bindings=(
+        Binding("seq_lens", readonly=True),
+        Binding("partial_out", readonly=True),
+        Binding("partial_stats", readonly=True),
+        Binding("out", readonly=False),
+    ),
+    push=(
+        PushField("num_heads", "u32"),
+        PushField("head_size", "u32"),
+        PushField("partition_size", "u32"),
+        PushField("num_partitions", "u32"),
+    ),
+    workgroup_size=(128, 1, 1),
+    variants=(Variant("f32"),),
 )
 
 # The device's read bandwidth (benchmarks' ceiling). Grid: (workgroups, 1, 1), grid-stride loop.
@@ -115,7 +141,7 @@ READ_BANDWIDTH = KernelABI(
     variants=(Variant("u32"),),
 )
 
-KERNELS = (PAGED_DECODE, READ_BANDWIDTH)
+KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH)
 
 
 def source_files(shader_dir: Path, abi: KernelABI, backend: str) -> list:

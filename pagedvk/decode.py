@@ -15,14 +15,39 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checks, kernels
-from .abi import PAGED_DECODE
+from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
+from .runtime.pipeline import Launch
 from .selection import get_device
 
 BLOCK_SIZES = (8, 16, 32)
 MAX_HEAD_SIZE = 256
 KV_DTYPES = {np.dtype(np.float32): "f32"}   # storage variant of each cache dtype
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
+MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
+LOGIT_SLOTS = 4096                           # heads per workgroup x partition size (LOGIT_SLOTS in the kernel)
+MIN_PARTITION = 128
+TARGET_WORKGROUPS = 1024                     # enough to fill any GPU of today several times over
+
+
+def group_size(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads one workgroup serves: the largest divisor of the GQA group that is at most MAX_GROUP."""
+    group = num_heads // num_kv_heads
+    return max(g for g in range(1, MAX_GROUP + 1) if group % g == 0)
+
+
+def partitioning(num_seqs: int, workgroups_per_seq: int, heads_per_workgroup: int, max_seq_len: int) -> tuple:
+    """(partition_size, num_partitions): the one rule for splitting contexts (vLLM's v1/v2 choice).
+
+    Partitions start as long as the kernel's shared memory allows (4096 / heads per workgroup tokens,
+    rounded down to a power of two) and halve, down to 128 tokens, until the launch has TARGET_WORKGROUPS workgroups. A context that fits
+    one partition needs no reduce pass.
+    """
+    size = 1 << ((LOGIT_SLOTS // heads_per_workgroup).bit_length() - 1)  # a power of two: whole blocks
+    base = num_seqs * workgroups_per_seq
+    while size > MIN_PARTITION and max_seq_len > size // 2 and base * -(-max_seq_len // size) < TARGET_WORKGROUPS:
+        size //= 2
+    return size, max(1, -(-max_seq_len // size))
 
 
 def backend_name(backend) -> str:
@@ -79,11 +104,13 @@ class DecodePlan:
     validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
     tables back to the host. The kernel bounds every index itself, so bad values then give wrong
     attention for the sequences that hold them, never a read outside the caches.
+    partition_size (tokens) overrides the split-K rule of ``partitioning``; it must be a multiple of
+    block_size, at least 4 and at most 4096 / (query heads per workgroup).
     """
 
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
                  block_size: int, num_blocks: int, dtype=np.float32, scale: float | None = None,
-                 device=None, backend: str | None = None, validate: bool = True):
+                 device=None, backend: str | None = None, validate: bool = True, partition_size: int | None = None):
         checks.kind("block_tables", block_tables)
         checks.kind("seq_lens", seq_lens)
         checks.ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
@@ -108,6 +135,29 @@ class DecodePlan:
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
                        if a is not given]
         self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, KV_DTYPES[self.dtype], self.backend)
+        self.group_size = group_size(num_heads, num_kv_heads)
+        lens = checks.host(seq_lens)
+        max_seq_len = min(int(lens.max(initial=0)), block_tables.shape[1] * block_size)
+        workgroups_per_seq = num_heads // self.group_size
+        if partition_size is None:
+            self.partition_size, self.num_partitions = partitioning(
+                self.num_seqs, workgroups_per_seq, self.group_size, max_seq_len)
+        else:
+            limit = LOGIT_SLOTS // self.group_size
+            if partition_size % block_size or not 4 <= partition_size <= limit:
+                raise ValueError(f"partition_size must be a multiple of block_size ({block_size}) in [4, {limit}], "
+                                 f"got {partition_size}")
+            self.partition_size, self.num_partitions = partition_size, max(1, -(-max_seq_len // partition_size))
+        self.grid = (workgroups_per_seq, self.num_seqs, self.num_partitions)
+        split = self.num_partitions > 1
+        # Scratch for split contexts; 16-byte placeholders keep the bindings valid when there is no split.
+        self.partial_out = empty((self.num_seqs, num_heads, self.num_partitions, head_size) if split else (4,),
+                                 np.float32, self.device)
+        self.partial_stats = empty((self.num_seqs, num_heads, self.num_partitions, 2) if split else (4,),
+                                   np.float32, self.device)
+        self._owned += [self.partial_out, self.partial_stats]
+        self.reduce_pipeline = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, "f32", self.backend)
+                                if split else None)
         self._launches = OrderedDict()  # buffer ids -> recorded Launch, least recently used first
 
     @classmethod
@@ -177,11 +227,7 @@ class DecodePlan:
             self._forget(key)
             launch = None
         if launch is None:
-            push = PAGED_DECODE.pack_push(
-                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
-                num_blocks=self._blocks_held(k, v, num_blocks), scale=self.scale)
-            launch = self.pipeline.launch(buffers, push, (self.num_heads, self.num_seqs, 1), timestamps=timed)
+            launch = Launch(self.device, self._steps(q, k, v, o, num_blocks), timestamps=timed)
             if cache:
                 self._launches[key] = launch
                 while len(self._launches) > RECORDED_LAUNCHES:
@@ -193,6 +239,26 @@ class DecodePlan:
         finally:
             if not cache:
                 launch.close()
+
+    def _steps(self, q, k, v, o, num_blocks: int) -> list:
+        """The dispatches of one run: decode, and the reduce of its partitions when split."""
+        tables = (self.block_tables.buffer, self.seq_lens.buffer)
+        partials = (self.partial_out.buffer, self.partial_stats.buffer)
+        decode = (self.pipeline, (q.buffer, k.buffer, v.buffer, *tables, o.buffer, *partials),
+                  PAGED_DECODE.pack_push(
+                      num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                      block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
+                      num_blocks=self._blocks_held(k, v, num_blocks), scale=self.scale, group_size=self.group_size,
+                      partition_size=self.partition_size, num_partitions=self.num_partitions),
+                  self.grid)
+        if self.reduce_pipeline is None:
+            return [decode]
+        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer),
+                  PAGED_DECODE_REDUCE.pack_push(num_heads=self.num_heads, head_size=self.head_size,
+                                                partition_size=self.partition_size,
+                                                num_partitions=self.num_partitions),
+                  (self.num_heads, self.num_seqs, 1))
+        return [decode, reduce]
 
     def _blocks_held(self, k, v, num_blocks: int) -> int:
         """The kernel's bound on block ids: what the bound buffers really hold, whatever was claimed."""

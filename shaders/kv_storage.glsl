@@ -9,20 +9,16 @@
 
 #if defined(KV_F32)
 #define CHUNK 4u
-// dot(chunk, a[base .. base + CHUNK)) with a in shared memory
-#define CHUNK_DOT(c, a, base) dot(uintBitsToFloat(c), vec4(a[(base)], a[(base) + 1u], a[(base) + 2u], a[(base) + 3u]))
-// The same, but only the first n (<= CHUNK) elements count: positions past the end of a sequence may hold
-// anything, NaN included, and 0 * NaN is NaN.
-float chunk_dot_first(uvec4 c, vec4 w, uint n) {
-    vec4 v = uintBitsToFloat(c);
-    float s = 0.0;
-    for (uint i = 0u; i < n; i++) s += v[i] * w[i];
-    return s;
-}
-#define CHUNK_DOT_N(c, a, base, n) ((n) == CHUNK ? CHUNK_DOT(c, a, base) \
-    : chunk_dot_first(c, vec4(a[(base)], a[(base) + 1u], a[(base) + 2u], a[(base) + 3u]), n))
+#define CHUNK_VEC4(c) uintBitsToFloat(c)
 #else
 #error "no KV storage type defined (KV_F32)"
 #endif
+
+// A chunk's first n (<= CHUNK) elements, the rest zero: elements past the end of a sequence may hold
+// anything, NaN included, and 0 * NaN is NaN.
+vec4 chunk_first(vec4 v, uint n) {
+    return vec4(v.x, n > 1u ? v.y : 0.0, n > 2u ? v.z : 0.0, n > 3u ? v.w : 0.0);
+}
+#define CHUNK_VEC4_FIRST(c, n) chunk_first(CHUNK_VEC4(c), n)
 
 #endif

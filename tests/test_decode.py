@@ -142,3 +142,33 @@ def test_vllm_spelling(rng):
     r = pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, int(sl.max()))
     assert r is out
     assert rel_error(out, case.reference(0.125)) <= TOL
+
+
+@pytest.mark.parametrize("partition_size", [16, 64, 128, 512, None])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (12, 4), (32, 2)])
+def test_split_contexts(rng, partition_size, num_heads, num_kv_heads):
+    # Partitions merged by the reduce pass, including partitions past a short sequence's end and
+    # GQA groups wider than one workgroup (16 heads per kv head: two workgroups of 8).
+    case = Case(rng, seq_lens=[0, 5, 300, 1000], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64)
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_size=64, block_size=16, num_blocks=case.key_cache.shape[0],
+                            partition_size=partition_size) as plan:
+        out = plan.run(case.query, case.key_cache, case.value_cache, out=case.poisoned_out())
+        if partition_size is not None:
+            assert plan.num_partitions == -(-1000 // partition_size)
+    assert rel_error(out, case.reference()) <= TOL
+
+
+def test_partition_size_is_checked(rng):
+    case = Case(rng, head_size=64)
+    with pytest.raises(ValueError, match="partition_size must be a multiple of block_size"):
+        pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                           block_size=16, num_blocks=case.key_cache.shape[0], partition_size=24)
+
+
+def test_partitioning_rule():
+    from pagedvk.decode import group_size, partitioning
+    assert group_size(32, 8) == 4 and group_size(64, 4) == 8 and group_size(12, 1) == 6 and group_size(7, 7) == 1
+    assert partitioning(256, 8, 4, 2048) == (1024, 2)       # a big batch: long partitions
+    assert partitioning(1, 8, 4, 4096) == (128, 32)         # one sequence: as many workgroups as allowed
+    assert partitioning(64, 8, 4, 100) == (1024, 1)         # short contexts need no reduce

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -117,7 +118,9 @@ def test_build_reports_compile_errors(tmp_path, monkeypatch):
 
 def test_push_constant_packing():
     packed = abi.PAGED_DECODE.pack_push(num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                                         max_blocks_per_seq=4, num_blocks=10, scale=0.5)
-    assert len(packed) == abi.PAGED_DECODE.push_size == 28
+                                         max_blocks_per_seq=4, num_blocks=10, scale=0.5, group_size=4,
+                                         partition_size=512, num_partitions=1)
+    assert len(packed) == abi.PAGED_DECODE.push_size == 40
+    assert packed[24:28] == struct.pack("<f", 0.5)
     with pytest.raises(KeyError, match="missing"):
         abi.PAGED_DECODE.pack_push(num_heads=8)

@@ -6,7 +6,7 @@ import functools
 
 import vulkan as vk
 
-from .device import Device, raise_vk
+from .device import Device, memory_barrier, raise_vk
 
 STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
 
@@ -50,7 +50,7 @@ class Pipeline:
 
     def launch(self, buffers, push: bytes, grid: tuple, timestamps: bool = False) -> "Launch":
         """A dispatch over these buffers, recorded once; submit it as often as needed."""
-        return Launch(self, buffers, push, grid, timestamps)
+        return Launch(self.device, [(self, buffers, push, grid)], timestamps)
 
     def record_dispatch(self, cmd, descriptor_set: "DescriptorSet", push: bytes, grid: tuple) -> None:
         vk.vkCmdBindPipeline(cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, self.handle)
@@ -96,18 +96,29 @@ class DescriptorSet:
 
 
 class Launch:
-    """One recorded dispatch: its descriptor set and command buffer (with timestamps when asked)."""
+    """Dispatches recorded once into one command buffer, each ordered after the one before (with
+    timestamps around all of them when asked), and their descriptor sets.
 
-    def __init__(self, pipeline: Pipeline, buffers, push: bytes, grid: tuple, timestamps: bool):
-        self.descriptor_set = pipeline.descriptor_set(buffers)
-        self.command_buffer = pipeline.device.command_buffer()
-        self.command_buffer.record(lambda c: pipeline.record_dispatch(c, self.descriptor_set, push, grid),
-                                   timestamps=timestamps)
+    steps: (pipeline, buffers, push constants, grid) per dispatch.
+    """
+
+    def __init__(self, device, steps, timestamps: bool = False):
+        self.descriptor_sets = [pipeline.descriptor_set(buffers) for pipeline, buffers, _, _ in steps]
+        self.command_buffer = device.command_buffer()
         self.timestamps = timestamps
+
+        def record(cmd):
+            for i, ((pipeline, _, push, grid), dset) in enumerate(zip(steps, self.descriptor_sets)):
+                if i:
+                    memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
+                                   vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT)
+                pipeline.record_dispatch(cmd, dset, push, grid)
+
+        self.command_buffer.record(record, timestamps=timestamps)
 
     @property
     def buffers(self):
-        return self.descriptor_set.buffers
+        return tuple(b for dset in self.descriptor_sets for b in dset.buffers)
 
     def submit(self) -> float | None:
         """Run it and wait; returns the GPU time in ns when recorded with timestamps."""
@@ -116,4 +127,5 @@ class Launch:
 
     def close(self) -> None:
         self.command_buffer.close()
-        self.descriptor_set.close()
+        for dset in self.descriptor_sets:
+            dset.close()
