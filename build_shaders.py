@@ -74,10 +74,9 @@ def naga_command(source: Path, out: Path) -> list:
     return [node, str(ROOT / "tools" / "naga_wasm.mjs"), str(source), str(out)]
 
 
-def compile_wgsl(source: Path, out: Path, defines: dict) -> None:
-    if defines:
-        raise BuildError(f"{source.name}: WGSL has no preprocessor; variants need their own source")
-    run(naga_command(source, out), f"naga {source.name}")
+def compile_wgsl(source: Path, out: Path, constants: dict) -> None:
+    overrides = [arg for k, v in sorted(constants.items()) for arg in ("--override", f"{k}={v}")]
+    run(naga_command(source, out) + overrides, f"naga {source.name}")
 
 
 def validate(spv: Path) -> None:
@@ -89,7 +88,6 @@ def build(out_dir: Path, backends: tuple, verbose: bool = True) -> dict:
     abi = load_abi()
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = {}
-    compilers = {"glsl": compile_glsl, "wgsl": compile_wgsl}
     for kernel in abi.KERNELS:
         for module, backend, variant in kernel.modules():
             if backend not in backends:
@@ -99,7 +97,10 @@ def build(out_dir: Path, backends: tuple, verbose: bool = True) -> dict:
             # Write to a temporary file first so a failed build never leaves a half-written module.
             with tempfile.TemporaryDirectory() as tmp:
                 tmp_spv = Path(tmp) / target.name
-                compilers[backend](source, tmp_spv, variant.defines)
+                if backend == "glsl":
+                    compile_glsl(source, tmp_spv, {**variant.defines, **variant.constants})
+                else:
+                    compile_wgsl(source, tmp_spv, variant.constants)
                 validate(tmp_spv)
                 shutil.move(tmp_spv, target)
             manifest[module] = {

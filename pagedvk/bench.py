@@ -18,6 +18,7 @@ from . import kernels, reference
 from .abi import READ_BANDWIDTH
 from .array import asarray, empty
 from .decode import DecodePlan
+from .runtime.pipeline import Launch
 from .selection import get_device
 
 ROTATE_BYTES = 512 << 20  # caches rotated per timing loop: several times any GPU's last-level cache
@@ -68,7 +69,7 @@ def percentiles(ns) -> dict:
 
 def read_bandwidth(device=None, nbytes: int = 1 << 30, iters: int = 20, progress: bool = False) -> dict:
     """Bytes per second one plain read kernel achieves over a buffer of nbytes (capped by the binding
-    limit), median of iters launches."""
+    limit): the median of 2 x iters runs, each submission running iters of them back to back."""
     device = get_device(device)
     nbytes = min(nbytes, device.info.max_storage_buffer_range) // 16 * 16
     src = empty((nbytes // 4,), np.uint32, device)
@@ -76,15 +77,16 @@ def read_bandwidth(device=None, nbytes: int = 1 << 30, iters: int = 20, progress
     threads = 256 * 1024
     dst = empty((threads,), np.uint32, device)
     pipeline = kernels.pipeline(device, READ_BANDWIDTH, "u32", "glsl")
-    launch = pipeline.launch((src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=nbytes // 16),
-                             (threads // 256, 1, 1), timestamps=True)
-    bar = Progress(iters + 2, "read bandwidth", progress)
+    step = (pipeline, (src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=nbytes // 16),
+            (threads // 256, 1, 1))
+    launch = Launch(device, [step] * iters, timestamps=1)   # back to back, a timestamp after each
+    bar = Progress(3, "read bandwidth", progress)
     try:
         times = []
-        for i in range(iters + 2):
+        for i in range(3):
             t = launch.submit()
-            if i >= 2:   # warm-up
-                times.append(t)
+            if i:   # the first submission warms up
+                times.extend(t)
             bar.step()
     finally:
         launch.close()
@@ -94,9 +96,10 @@ def read_bandwidth(device=None, nbytes: int = 1 << 30, iters: int = 20, progress
     return {"bytes": nbytes, "GBps": nbytes / median, **percentiles(times)}
 
 
-def decode(shape: DecodeShape, iters: int = 50, warmup: int = 5, layers: int | None = None, device=None,
-           backend: str | None = None, seed: int = 0, progress: bool = False) -> dict:
-    """Time decode attention for one shape; returns a dict of the figures (see percentiles)."""
+def decode(shape: DecodeShape, iters: int = 50, warmup: int = 1, repeats: int = 3, layers: int | None = None,
+           device=None, backend: str | None = None, seed: int = 0, progress: bool = False) -> dict:
+    """Time decode attention for one shape: `iters` runs back to back in one submission, rotating over
+    `layers` caches, submitted warmup + repeats times; the figures are over the repeats' runs."""
     device = get_device(device)
     rng = np.random.default_rng(seed)
     dtype = np.dtype(shape.dtype)
@@ -107,7 +110,7 @@ def decode(shape: DecodeShape, iters: int = 50, warmup: int = 5, layers: int | N
         layers = max(1, min(8, math.ceil(ROTATE_BYTES / max(shape.kv_bytes, 1))))
     block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(shape.num_seqs, blocks_per_seq)
     seq_lens = np.full(shape.num_seqs, shape.context, np.int32)
-    bar = Progress(layers + warmup + iters, "decode", progress)
+    bar = Progress(layers + warmup + repeats, "decode", progress)
     caches = []
     for _ in range(layers):
         k = rng.standard_normal((num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size, x),
@@ -128,13 +131,22 @@ def decode(shape: DecodeShape, iters: int = 50, warmup: int = 5, layers: int | N
         ref = reference.paged_attention(query_host[:n], k, v, block_tables[:n], seq_lens[:n])
         got = out.numpy()[:n].astype(np.float64)
         error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        times = []
-        for i in range(warmup + iters):
+        # All timed runs go into one command buffer, a timestamp after each, as a model's layers follow
+        # one another: the GPU stays busy (and clocked up) between runs, and host overhead stays out.
+        steps = []
+        for i in range(iters):
             _, _, dk, dv = caches[i % layers]
-            t = plan.time_ns(query, dk, dv, out)
-            if i >= warmup:
-                times.append(t)
-            bar.step()
+            steps += plan._steps(query, dk, dv, out, num_blocks)
+        launch = Launch(device, steps, timestamps=len(steps) // iters)
+        try:
+            times = []
+            for i in range(warmup + repeats):
+                t = launch.submit()
+                if i >= warmup:
+                    times.extend(t)
+                bar.step()
+        finally:
+            launch.close()
     finally:
         plan.close()
         for *_, dk, dv in caches:
@@ -144,5 +156,5 @@ def decode(shape: DecodeShape, iters: int = 50, warmup: int = 5, layers: int | N
         out.close()
     stats = percentiles(times)
     return {**asdict(shape), "backend": plan.backend, "device": device.info.name, "layers": layers,
-            "iters": iters, "rel_error": error, "checked_seqs": n, "kv_bytes": shape.kv_bytes,
+            "iters": iters * repeats, "partitions": plan.num_partitions, "partition_size": plan.partition_size, "rel_error": error, "checked_seqs": n, "kv_bytes": shape.kv_bytes,
             "GBps": shape.kv_bytes / (stats["median_us"] * 1e3), **stats}

@@ -40,7 +40,7 @@ def cmd_bench(args) -> int:
                               head_size=args.head_size, block_size=args.block_size, context=args.context,
                               dtype=args.dtype)
     ceiling = bench.read_bandwidth(args.device, iters=args.iters, progress=not args.json)
-    r = bench.decode(shape, iters=args.iters, warmup=args.warmup, layers=args.layers, device=args.device,
+    r = bench.decode(shape, iters=args.iters, repeats=args.repeats, layers=args.layers, device=args.device,
                      backend=args.backend, progress=not args.json)
     r["read_GBps"] = ceiling["GBps"]
     r["fraction_of_read"] = r["GBps"] / ceiling["GBps"]
@@ -54,7 +54,8 @@ def cmd_bench(args) -> int:
         print(f"check        rel. error {r['rel_error']:.2e} vs float64 on {r['checked_seqs']} seqs: "
               f"{'ok' if ok else 'FAILED'}")
         print(f"latency      median {r['median_us']:.1f} us (p10 {r['p10_us']:.1f}, p90 {r['p90_us']:.1f}), "
-              f"{r['iters']} launches over {r['layers']} rotated caches, GPU timestamps")
+              f"{r['iters']} runs over {r['layers']} rotated caches, GPU timestamps; "
+              f"{r['partitions']} partition(s) of {r['partition_size']} tokens")
         print(f"KV bandwidth {r['GBps']:.1f} GB/s effective = {100 * r['fraction_of_read']:.0f}% of the "
               f"device's read kernel ({ceiling['GBps']:.1f} GB/s over {gib(ceiling['bytes'])})")
     return 0 if ok else 1
@@ -74,8 +75,8 @@ def main(argv=None) -> int:
     b.add_argument("--block-size", type=int, default=d.block_size)
     b.add_argument("--context", type=int, default=d.context, help="tokens cached per sequence")
     b.add_argument("--dtype", choices=sorted(TOLERANCE), default=d.dtype)
-    b.add_argument("--iters", type=int, default=30)
-    b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--iters", type=int, default=20, help="runs back to back in one submission")
+    b.add_argument("--repeats", type=int, default=3, help="timed submissions (after one warm-up)")
     b.add_argument("--layers", type=int, default=None, help="caches rotated (default: enough for 512 MiB)")
     b.add_argument("--backend", default=None, help="glsl or wgsl (default: PAGEDVK_BACKEND or glsl)")
     b.add_argument("--device", default=None, help="index or name (default: PAGEDVK_DEVICE or the best)")

@@ -15,7 +15,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checks, kernels
-from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
+from .abi import DECODE_HEAD_SIZES, PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
 from .runtime.pipeline import Launch
 from .selection import get_device
@@ -134,7 +134,9 @@ class DecodePlan:
         self.seq_lens = asarray(seq_lens, device=self.device)
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
                        if a is not given]
-        self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, KV_DTYPES[self.dtype], self.backend)
+        storage = KV_DTYPES[self.dtype]
+        variant = f"{storage}_h{head_size}" if head_size in DECODE_HEAD_SIZES else storage
+        self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, variant, self.backend)
         self.group_size = group_size(num_heads, num_kv_heads)
         lens = checks.host(seq_lens)
         max_seq_len = min(int(lens.max(initial=0)), block_tables.shape[1] * block_size)

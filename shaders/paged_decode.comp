@@ -53,7 +53,7 @@ layout(push_constant) uniform Params {
 } pc;
 
 shared vec4 s_q[MAX_GROUP * MAX_HEAD_SIZE / 4];      // the group's queries * scale, [group][chunk]
-shared float s_p[LOGIT_SLOTS];                       // logits, then weights, [group][token]
+shared vec4 s_p[LOGIT_SLOTS / 4];                    // logits, then weights, [group][token] (4 tokens a vec4)
 shared float s_red[MAX_GROUP * WG];                  // reduction scratch, [group][thread]
 shared int s_phys[LOGIT_SLOTS / MIN_BLOCK_SIZE];     // the partition's physical blocks, -1 where invalid
 
@@ -81,7 +81,11 @@ void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint seq = gl_WorkGroupID.y;
     const uint part = gl_WorkGroupID.z;
+#ifdef HEAD_SIZE
+    const uint hs = HEAD_SIZE;          // a compile-time head size lets the dot-product loops unroll
+#else
     const uint hs = pc.head_size;
+#endif
     const uint bs = pc.block_size;
     const uint group = pc.group_size;
     const uint P = pc.partition_size;
@@ -125,7 +129,7 @@ void main() {
         for (uint g = 0u; g < MAX_GROUP; g++) {
             if (g < group) {
                 const float logit = phys >= 0 ? s[g] : NEG_INF;
-                s_p[g * P + t] = logit;
+                s_p[(g * P + t) >> 2][t & 3u] = logit;
                 m[g] = max(m[g], logit);
             }
         }
@@ -138,9 +142,9 @@ void main() {
     for (uint t = tid; t < part_len; t += WG) {
         for (uint g = 0u; g < MAX_GROUP; g++) {
             if (g < group) {
-                const float logit = s_p[g * P + t];
+                const float logit = s_p[(g * P + t) >> 2][t & 3u];
                 const float p = logit == NEG_INF ? 0.0 : exp(logit - m[g]);
-                s_p[g * P + t] = p;
+                s_p[(g * P + t) >> 2][t & 3u] = p;
                 l[g] += p;
             }
         }
@@ -165,9 +169,7 @@ void main() {
             const vec4 v1 = d1 < hs ? CHUNK_VEC4_FIRST(value_cache[v_dim0 + d1 * chunks_per_dim + j], n) : vec4(0.0);
             for (uint g = 0u; g < MAX_GROUP; g++) {
                 if (g < group) {
-                    const uint w = g * P + t0;
-                    const vec4 p = vec4(s_p[w], n > 1u ? s_p[w + 1u] : 0.0, n > 2u ? s_p[w + 2u] : 0.0,
-                                        n > 3u ? s_p[w + 3u] : 0.0);
+                    const vec4 p = chunk_first(s_p[(g * P + t0) >> 2], n);
                     acc0[g] += dot(v0, p);
                     acc1[g] += dot(v1, p);
                 }

@@ -322,34 +322,45 @@ class CommandBuffer:
         self.fence = vk.vkCreateFence(d, vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO), None)
         self._submit_info = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
                                             pCommandBuffers=[self.handle])
-        self.query_pool = None
-        self._query_pools = []  # the finalizer's view of the query pool, made on first timed record
+        self.query_pool, self.queries = None, 0
+        self._query_pools = []  # the finalizer's view of the query pools made by timed records
         self._finalizer = device.own(self, functools.partial(
             _free_command_buffer, d, device.command_pool, self.handle, self.fence, self._query_pools))
 
-    def record(self, body, timestamps: bool = False) -> None:
+    def record(self, body, timestamps: int = 0) -> None:
         """Record body(cmd) between barriers that order it after earlier submissions and before host
-        reads; with timestamps, bracket it with two GPU timestamps (see elapsed_ns)."""
+        reads. With timestamps=n (n >= 2), a GPU timestamp is written before body and one after it, and
+        body may write the n - 2 between by calling stamp(cmd); read them with timestamps_ns()."""
         cmd = self.handle
         vk.vkBeginCommandBuffer(cmd, vk.VkCommandBufferBeginInfo(sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
         memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
                        vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT,
                        vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT)
-        if timestamps:
-            if self.query_pool is None:
-                self.query_pool = vk.vkCreateQueryPool(self.device.handle, vk.VkQueryPoolCreateInfo(
-                    sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=vk.VK_QUERY_TYPE_TIMESTAMP,
-                    queryCount=2), None)
-                self._query_pools.append(self.query_pool)
-            vk.vkCmdResetQueryPool(cmd, self.query_pool, 0, 2)
+        self.queries, self._stamped = int(timestamps), 0
+        if self.queries:
+            if self.queries < 2:
+                raise ValueError("timestamps must be 0 or at least 2")
+            self.query_pool = vk.vkCreateQueryPool(self.device.handle, vk.VkQueryPoolCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=vk.VK_QUERY_TYPE_TIMESTAMP,
+                queryCount=self.queries), None)
+            self._query_pools.append(self.query_pool)
+            vk.vkCmdResetQueryPool(cmd, self.query_pool, 0, self.queries)
             vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, self.query_pool, 0)
+            self._stamped = 1
         body(cmd)
-        if timestamps:
-            vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self.query_pool, 1)
+        if self.queries:
+            self.stamp(cmd)
+            if self._stamped != self.queries:
+                raise ValueError(f"recorded {self._stamped} timestamps of the {self.queries} asked for")
         memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
                        vk.VK_PIPELINE_STAGE_HOST_BIT, vk.VK_ACCESS_HOST_READ_BIT)
         vk.vkEndCommandBuffer(cmd)
         self.device.check()
+
+    def stamp(self, cmd) -> None:
+        """Write the next timestamp once everything recorded before it has finished."""
+        vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self.query_pool, self._stamped)
+        self._stamped += 1
 
     def submit(self, wait: bool = True) -> None:
         dev = self.device
@@ -373,14 +384,19 @@ class CommandBuffer:
             raise TimeoutError_(f"the GPU did not finish within PAGEDVK_TIMEOUT={timeout_ns() / 1e9:g} s")
         vk.vkResetFences(d, 1, [self.fence])
 
-    def elapsed_ns(self) -> float:
-        """GPU time between the two timestamps of the last submission (after it finished)."""
-        data = vk.ffi.new("uint64_t[2]")
-        vk.vkGetQueryPoolResults(self.device.handle, self.query_pool, 0, 2, vk.ffi.sizeof(data), data, 8,
-                                 vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
+    def timestamps_ns(self) -> np.ndarray:
+        """The last submission's timestamps (after it finished), in ns from the first."""
+        data = vk.ffi.new(f"uint64_t[{self.queries}]")
+        vk.vkGetQueryPoolResults(self.device.handle, self.query_pool, 0, self.queries, vk.ffi.sizeof(data), data,
+                                 8, vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
         bits = self.device.timestamp_bits
         mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
-        return ((data[1] - data[0]) & mask) * self.device.timestamp_period_ns
+        return np.array([((data[i] - data[0]) & mask) * self.device.timestamp_period_ns
+                         for i in range(self.queries)])
+
+    def elapsed_ns(self) -> float:
+        """GPU time from the first to the last timestamp of the last submission."""
+        return float(self.timestamps_ns()[-1])
 
     def close(self) -> None:
         self._finalizer()

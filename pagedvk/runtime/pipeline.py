@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import vulkan as vk
 
 from .device import Device, memory_barrier, raise_vk
@@ -96,34 +97,47 @@ class DescriptorSet:
 
 
 class Launch:
-    """Dispatches recorded once into one command buffer, each ordered after the one before (with
-    timestamps around all of them when asked), and their descriptor sets.
+    """Dispatches recorded once into one command buffer, each ordered after the one before, and their
+    descriptor sets.
 
     steps: (pipeline, buffers, push constants, grid) per dispatch.
+    timestamps: False, or True for the GPU time of all steps (submit() returns it), or an int k to also
+    stamp after every k steps (submit() then returns each group's time: many runs in one submission
+    keep the GPU busy between them, as a model's layers do).
     """
 
-    def __init__(self, device, steps, timestamps: bool = False):
+    def __init__(self, device, steps, timestamps: bool | int = False):
         self.descriptor_sets = [pipeline.descriptor_set(buffers) for pipeline, buffers, _, _ in steps]
-        self.command_buffer = device.command_buffer()
-        self.timestamps = timestamps
+        self.command_buffer = cmd_buffer = device.command_buffer()
+        self.group = len(steps) if timestamps is True else int(timestamps)
+        self.per_group = self.group and timestamps is not True
+        groups = len(steps) // self.group if self.group else 0
+        if self.group and len(steps) % self.group:
+            raise ValueError(f"{len(steps)} steps do not make groups of {self.group}")
 
         def record(cmd):
             for i, ((pipeline, _, push, grid), dset) in enumerate(zip(steps, self.descriptor_sets)):
                 if i:
                     memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
                                    vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT)
+                    if self.group and i % self.group == 0:
+                        cmd_buffer.stamp(cmd)
                 pipeline.record_dispatch(cmd, dset, push, grid)
 
-        self.command_buffer.record(record, timestamps=timestamps)
+        cmd_buffer.record(record, timestamps=groups + 1 if groups else 0)
 
     @property
     def buffers(self):
         return tuple(b for dset in self.descriptor_sets for b in dset.buffers)
 
-    def submit(self) -> float | None:
-        """Run it and wait; returns the GPU time in ns when recorded with timestamps."""
+    def submit(self):
+        """Run it and wait. Returns the GPU time in ns when recorded with timestamps=True, each group's
+        times (an array) with timestamps=k, else None."""
         self.command_buffer.submit()
-        return self.command_buffer.elapsed_ns() if self.timestamps else None
+        if not self.group:
+            return None
+        stamps = self.command_buffer.timestamps_ns()
+        return np.diff(stamps) if self.per_group else float(stamps[-1])
 
     def close(self) -> None:
         self.command_buffer.close()
