@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -74,9 +75,27 @@ def naga_command(source: Path, out: Path) -> list:
     return [node, str(ROOT / "tools" / "naga_wasm.mjs"), str(source), str(out)]
 
 
+OVERRIDE = re.compile(r"(?:@id\(\d+\)\s*)?override\s+(\w+)\s*:\s*(\w+)\s*=\s*([^;]+);")
+
+
+def fix_overrides(text: str, constants: dict, name: str) -> str:
+    """WGSL `override NAME: T = default;` declarations rewritten as constants (the given value, else the
+    default): naga's SPIR-V writer emits no specialization constants, so they are fixed here."""
+    unknown = set(constants) - set(override_names(text))
+    if unknown:
+        raise BuildError(f"{name}: no `override` declaration for {sorted(unknown)}")
+    return OVERRIDE.sub(lambda m: f"const {m[1]}: {m[2]} = {constants.get(m[1], m[3].strip())};", text)
+
+
+def override_names(text: str) -> list:
+    return [m[1] for m in OVERRIDE.finditer(text)]
+
+
 def compile_wgsl(source: Path, out: Path, constants: dict) -> None:
-    overrides = [arg for k, v in sorted(constants.items()) for arg in ("--override", f"{k}={v}")]
-    run(naga_command(source, out) + overrides, f"naga {source.name}")
+    with tempfile.TemporaryDirectory() as tmp:
+        fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
+        fixed.write_text(fix_overrides(source.read_text(), constants, source.name))
+        run(naga_command(fixed, out), f"naga {source.name}")
 
 
 def validate(spv: Path) -> None:

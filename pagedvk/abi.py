@@ -120,6 +120,7 @@ PAGED_DECODE = KernelABI(
     variants=tuple(v for storage, define in (("f32", "KV_F32"),)
                    for v in [Variant(storage, {define: 1})] + [Variant(f"{storage}_h{hs}", {define: 1}, {"HEAD_SIZE": hs})
                                                                for hs in DECODE_HEAD_SIZES]),
+    backends=("glsl", "wgsl"),
 )
 
 # Merges a split decode's partitions. Grid: (num_heads, num_seqs, 1).
@@ -139,6 +140,7 @@ PAGED_DECODE_REDUCE = KernelABI(
     ),
     workgroup_size=(128, 1, 1),
     variants=(Variant("f32"),),
+    backends=("glsl", "wgsl"),
 )
 
 # The device's read bandwidth (benchmarks' ceiling). Grid: (workgroups, 1, 1), grid-stride loop.

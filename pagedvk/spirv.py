@@ -260,7 +260,12 @@ def reflect(spirv: bytes) -> Reflection:
         if storage == SC_PUSH_CONSTANT:
             # Vulkan allows one push block per entry point; several entry points' blocks
             # are merged, which is the range a shared pipeline layout needs anyway.
-            push += [PushConstantMember(n, off, m.size(t)) for n, off, t in m.members(block)]
+            members = m.members(block)
+            # naga wraps the WGSL struct in a one-member Block struct: report the inner struct's fields.
+            if len(members) == 1 and m.type(members[0][2])[0] == OP_TYPE_STRUCT:
+                base = members[0][1]
+                members = [(n, base + off, t) for n, off, t in m.members(members[0][2])]
+            push += [PushConstantMember(n, off, m.size(t)) for n, off, t in members]
             continue
         deco, var_deco = m.decos.get(block, {}), m.decos.get(var, {})
         # SPIR-V 1.0 has no StorageBuffer class: SSBOs are Uniform + BufferBlock there.

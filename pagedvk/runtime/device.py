@@ -377,11 +377,11 @@ class CommandBuffer:
     def wait(self) -> None:
         d = self.device.handle
         try:
-            result = vk.vkWaitForFences(d, 1, [self.fence], vk.VK_TRUE, timeout_ns())
+            vk.vkWaitForFences(d, 1, [self.fence], vk.VK_TRUE, timeout_ns())
+        except vk.VkTimeout:   # the binding raises for VK_TIMEOUT, a success code
+            raise TimeoutError_(f"the GPU did not finish within PAGEDVK_TIMEOUT={timeout_ns() / 1e9:g} s") from None
         except vk.VkError as e:
             raise_vk(e, "vkWaitForFences")
-        if result == vk.VK_TIMEOUT:
-            raise TimeoutError_(f"the GPU did not finish within PAGEDVK_TIMEOUT={timeout_ns() / 1e9:g} s")
         vk.vkResetFences(d, 1, [self.fence])
 
     def timestamps_ns(self) -> np.ndarray:
