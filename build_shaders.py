@@ -111,8 +111,10 @@ def build(out_dir: Path, backends: tuple, verbose: bool = True) -> dict:
         for module, backend, variant in kernel.modules():
             if backend not in backends:
                 continue
-            source = SHADER_DIR / (kernel.op + abi.SOURCE_SUFFIX[backend])
+            source = SHADER_DIR / abi.source_name(kernel, backend, variant)
             target = out_dir / (module + ".spv")
+            # A variant's defines select it in the GLSL source (WGSL storage variants are sources of their
+            # own); its constants go to both backends.
             # Write to a temporary file first so a failed build never leaves a half-written module.
             with tempfile.TemporaryDirectory() as tmp:
                 tmp_spv = Path(tmp) / target.name

@@ -152,12 +152,108 @@ READ_BANDWIDTH = KernelABI(
     variants=(Variant("u32"),),
 )
 
-KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH)
+# Prefill attention and its backward (pagedvk/prefill.py). The three kernels share one push block: the
+# shapes, the causal flag, the scale and the caches' strides in floats, which is how one module reads both
+# cache layouts ("nhd" [num_blocks, block_size, num_kv_heads, head_size] and vLLM's decode layout).
+PREFILL_PUSH = (
+    PushField("num_heads", "u32"),
+    PushField("num_kv_heads", "u32"),
+    PushField("head_size", "u32"),
+    PushField("block_size", "u32"),
+    PushField("max_blocks_per_seq", "u32"),
+    PushField("num_blocks", "u32"),
+    PushField("q_len", "u32"),
+    PushField("causal", "u32"),
+    PushField("scale", "f32"),
+    PushField("k_block_stride", "u32"),
+    PushField("k_head_stride", "u32"),
+    PushField("k_token_stride", "u32"),
+    PushField("k_chunk_stride", "u32"),   # between chunks of 4 consecutive head dims of one token
+    PushField("v_block_stride", "u32"),
+    PushField("v_head_stride", "u32"),
+    PushField("v_token_stride", "u32"),
+    PushField("v_dim_stride", "u32"),
+)
+
+# Forward: out and the log-sum-exp. Grid: (ceil(num_heads / num_kv_heads * q_len / 8), num_kv_heads, num_seqs).
+PAGED_PREFILL = KernelABI(
+    op="paged_prefill",
+    bindings=(
+        Binding("query", readonly=True),
+        Binding("key_cache", readonly=True),
+        Binding("value_cache", readonly=True),
+        Binding("block_tables", readonly=True),
+        Binding("seq_lens", readonly=True),
+        Binding("out", readonly=False),
+        Binding("lse", readonly=False),
+    ),
+    push=PREFILL_PUSH,
+    workgroup_size=(128, 1, 1),
+    variants=(Variant("f32"),),
+    backends=("glsl", "wgsl"),
+)
+
+# Backward, dq. Grid: (ceil(num_heads / num_kv_heads * q_len / 8), num_kv_heads, num_seqs).
+PAGED_BACKWARD_DQ = KernelABI(
+    op="paged_backward_dq",
+    bindings=(
+        Binding("query", readonly=True),
+        Binding("key_cache", readonly=True),
+        Binding("value_cache", readonly=True),
+        Binding("block_tables", readonly=True),
+        Binding("seq_lens", readonly=True),
+        Binding("dout", readonly=True),
+        Binding("out", readonly=True),
+        Binding("lse", readonly=True),
+        Binding("dq", readonly=False),
+    ),
+    push=PREFILL_PUSH,
+    workgroup_size=(128, 1, 1),
+    variants=(Variant("f32"),),
+    backends=("glsl", "wgsl"),
+)
+
+# Backward, dk and dv in cache layout: one workgroup per (physical block, kv head, 8 tokens of the block)
+# loops over the (sequence, block-table slot) pairs that read the block, listed in block_readers (int32:
+# num_blocks + 1 offsets, then sequence * max_blocks_per_seq + slot for each pair), so blocks shared by
+# several sequences sum their gradients in a fixed order, without atomics.
+# Grid: (min(num_blocks, 65535), num_kv_heads, block_size / 8), grid-stride over blocks.
+PAGED_BACKWARD_DKDV = KernelABI(
+    op="paged_backward_dkdv",
+    bindings=(
+        Binding("query", readonly=True),
+        Binding("key_cache", readonly=True),
+        Binding("value_cache", readonly=True),
+        Binding("block_readers", readonly=True),
+        Binding("seq_lens", readonly=True),
+        Binding("dout", readonly=True),
+        Binding("out", readonly=True),
+        Binding("lse", readonly=True),
+        Binding("dk_cache", readonly=False),
+        Binding("dv_cache", readonly=False),
+    ),
+    push=PREFILL_PUSH,
+    workgroup_size=(128, 1, 1),
+    variants=(Variant("f32"),),
+    backends=("glsl", "wgsl"),
+)
+
+KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DQ,
+           PAGED_BACKWARD_DKDV)
 
 
-def source_files(shader_dir: Path, abi: KernelABI, backend: str) -> list:
+def source_name(abi: KernelABI, backend: str, variant: Variant | None = None) -> str:
+    """The source file of one module. GLSL: one source per op, the variant chosen by its defines. WGSL has
+    no preprocessor, so the defines are not used: variants with the first variant's defines (differing
+    only in constants) are built from {op}.wgsl, any other variant from its own {op}.{variant}.wgsl."""
+    if backend == "wgsl" and variant is not None and variant.defines != abi.variants[0].defines:
+        return f"{abi.op}.{variant.name}{SOURCE_SUFFIX[backend]}"
+    return abi.op + SOURCE_SUFFIX[backend]
+
+
+def source_files(shader_dir: Path, abi: KernelABI, backend: str, variant: Variant | None = None) -> list:
     """The files a module is built from: its source, and for GLSL every include file."""
-    files = [shader_dir / (abi.op + SOURCE_SUFFIX[backend])]
+    files = [shader_dir / source_name(abi, backend, variant)]
     if backend == "glsl":
         files += sorted(shader_dir.glob("*" + GLSL_INCLUDE_SUFFIX))
     return files
@@ -166,7 +262,7 @@ def source_files(shader_dir: Path, abi: KernelABI, backend: str) -> list:
 def source_digest(shader_dir: Path, abi: KernelABI, backend: str, variant: Variant) -> str:
     """Identifies what a module was built from, so a module built from older sources is detected."""
     h = hashlib.sha256()
-    for path in source_files(shader_dir, abi, backend):
+    for path in source_files(shader_dir, abi, backend, variant):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(repr(sorted(variant.defines.items())).encode() + repr(sorted(variant.constants.items())).encode())
     return h.hexdigest()

@@ -45,3 +45,107 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         for h in range(num_heads):
             out[s, h] = attention(query[s, h][None], k[:, h // group], v[:, h // group], scale)[0][0]
     return out
+
+
+# -- prefill and its backward: q_len queries per sequence, either cache layout -----------------------------
+
+def caches_as_nhd(key_cache, value_cache, layout):
+    """Both caches as float64 [num_blocks, block_size, num_kv_heads, head_size] ("nhd"), from either layout.
+
+    "nhd":  key and value [num_blocks, block_size, num_kv_heads, head_size]
+    "vllm": key [num_blocks, num_kv_heads, head_size // x, block_size, x], value [num_blocks, num_kv_heads,
+            head_size, block_size]
+    """
+    k, v = np.asarray(key_cache, np.float64), np.asarray(value_cache, np.float64)
+    if layout == "nhd":
+        return k, v
+    num_blocks, num_kv_heads, head_chunks, block_size, x = k.shape
+    return (k.transpose(0, 3, 1, 2, 4).reshape(num_blocks, block_size, num_kv_heads, head_chunks * x),
+            v.transpose(0, 3, 1, 2))
+
+
+def nhd_as_cache(k, v, layout, key_shape):
+    """The inverse of caches_as_nhd: [num_blocks, block_size, num_kv_heads, head_size] arrays in `layout`."""
+    if layout == "nhd":
+        return k, v
+    num_blocks, num_kv_heads, head_chunks, block_size, x = key_shape
+    return (k.reshape(num_blocks, block_size, num_kv_heads, head_chunks, x).transpose(0, 2, 3, 1, 4),
+            v.transpose(0, 2, 3, 1))
+
+
+def token_slots(block_table_row, seq_len, block_size):
+    """(physical block, offset in block) of each of a sequence's seq_len tokens."""
+    pos = np.arange(seq_len)
+    return np.asarray(block_table_row, np.int64)[pos // block_size], pos % block_size
+
+
+def visible(q_len, seq_len, causal):
+    """[q_len, seq_len] mask: the queries are the sequence's last q_len tokens, so with causal masking
+    query i sees keys 0 .. seq_len - q_len + i."""
+    if not causal:
+        return np.ones((q_len, seq_len), bool)
+    return np.arange(seq_len)[None, :] <= seq_len - q_len + np.arange(q_len)[:, None]
+
+
+def softmax_rows(logits):
+    """(probabilities, log-sum-exp) of each row of logits, -inf where masked; a row with no visible key
+    gives zero probabilities and lse -inf."""
+    m = logits.max(axis=1, keepdims=True, initial=-np.inf)
+    seen = np.isfinite(m)
+    p = np.exp(logits - np.where(seen, m, 0.0))
+    denom = np.where(seen, p.sum(axis=1, keepdims=True), 1.0)
+    return p / denom, np.where(seen, m + np.log(denom), -np.inf)[:, 0]
+
+
+def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, scale=None, causal=True,
+                            layout="nhd"):
+    """query [num_seqs, num_heads, q_len, head_size] -> (out like query, lse [num_seqs, num_heads, q_len]).
+    lse is the natural-log sum of exp(scale q.k) over the keys a query sees (-inf, with zeros out, if none)."""
+    q = np.asarray(query, np.float64)
+    num_seqs, num_heads, q_len, head_size = q.shape
+    k_nhd, v_nhd = caches_as_nhd(key_cache, value_cache, layout)
+    block_size, num_kv_heads = k_nhd.shape[1], k_nhd.shape[2]
+    group = num_heads // num_kv_heads
+    scale = 1.0 / np.sqrt(head_size) if scale is None else scale
+    out, lse = np.zeros_like(q), np.zeros((num_seqs, num_heads, q_len))
+    for s in range(num_seqs):
+        n = int(seq_lens[s])
+        blocks, offsets = token_slots(block_tables[s], n, block_size)
+        k, v = k_nhd[blocks, offsets], v_nhd[blocks, offsets]        # [n, num_kv_heads, head_size]
+        mask = visible(q_len, n, causal)
+        for h in range(num_heads):
+            p, lse[s, h] = softmax_rows(np.where(mask, scale * (q[s, h] @ k[:, h // group].T), -np.inf))
+            out[s, h] = p @ v[:, h // group]
+    return out, lse
+
+
+def paged_attention_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, scale=None, causal=True,
+                             layout="nhd"):
+    """Gradients of sum(dout * out) for out = paged_attention_prefill(...): (dq like query, dk_cache and
+    dv_cache like the caches). Tokens of a physical block that several sequences read add up; blocks and
+    slots nobody reads get zero. Probabilities are recomputed here in float64 (FlashAttention's backward:
+    dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q)."""
+    q, do = np.asarray(query, np.float64), np.asarray(dout, np.float64)
+    num_seqs, num_heads, q_len, head_size = q.shape
+    k_nhd, v_nhd = caches_as_nhd(key_cache, value_cache, layout)
+    block_size, num_kv_heads = k_nhd.shape[1], k_nhd.shape[2]
+    group = num_heads // num_kv_heads
+    scale = 1.0 / np.sqrt(head_size) if scale is None else scale
+    dq, dk_nhd, dv_nhd = np.zeros_like(q), np.zeros_like(k_nhd), np.zeros_like(v_nhd)
+    for s in range(num_seqs):
+        n = int(seq_lens[s])
+        blocks, offsets = token_slots(block_tables[s], n, block_size)
+        k, v = k_nhd[blocks, offsets], v_nhd[blocks, offsets]
+        dk, dv = np.zeros_like(k), np.zeros_like(v)
+        mask = visible(q_len, n, causal)
+        for h in range(num_heads):
+            kh = h // group
+            p, _ = softmax_rows(np.where(mask, scale * (q[s, h] @ k[:, kh].T), -np.inf))
+            dp = do[s, h] @ v[:, kh].T
+            ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))     # rowsum(P dP) == rowsum(dO * O)
+            dq[s, h] = scale * ds @ k[:, kh]
+            dk[:, kh] += scale * ds.T @ q[s, h]
+            dv[:, kh] += p.T @ do[s, h]
+        np.add.at(dk_nhd, (blocks, offsets), dk)
+        np.add.at(dv_nhd, (blocks, offsets), dv)
+    return (dq,) + nhd_as_cache(dk_nhd, dv_nhd, layout, np.shape(key_cache))

@@ -11,6 +11,13 @@ HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
 
 
+@pytest.fixture(autouse=True, params=("glsl", "wgsl"))
+def backend(request, monkeypatch):
+    """Every decode test runs on both modules: the GLSL kernel and its WGSL translation."""
+    monkeypatch.setenv("PAGEDVK_BACKEND", request.param)
+    return request.param
+
+
 def check(case, **kw):
     out = case.poisoned_out()
     result = pagedvk.paged_attention(*case.args(), out=out, **kw)

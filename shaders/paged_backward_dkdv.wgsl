@@ -1,0 +1,235 @@
+// Paged-attention backward, the key and value gradients, WGSL: shaders/paged_backward_dkdv.comp
+// translated statement for statement, with the same interface (PAGED_BACKWARD_DKDV in pagedvk/abi.py).
+// The algorithm is explained there and in attention_common.glsl, whose helpers are repeated here (WGSL
+// has no includes).
+
+struct Params {
+    num_heads: u32,
+    num_kv_heads: u32,
+    head_size: u32,
+    block_size: u32,
+    max_blocks_per_seq: u32,
+    num_blocks: u32,
+    q_len: u32,
+    causal: u32,
+    scale: f32,
+    k_block_stride: u32,
+    k_head_stride: u32,
+    k_token_stride: u32,
+    k_chunk_stride: u32,
+    v_block_stride: u32,
+    v_head_stride: u32,
+    v_token_stride: u32,
+    v_dim_stride: u32,
+}
+
+@group(0) @binding(0) var<storage, read> query: array<vec4<f32>>;          // [seqs, heads, q_len, head_size]
+@group(0) @binding(1) var<storage, read> key_cache: array<vec4<f32>>;      // 4-dim chunks, see key_chunk()
+@group(0) @binding(2) var<storage, read> value_cache: array<f32>;          // see value_index()
+@group(0) @binding(3) var<storage, read> block_readers: array<i32>;        // see PAGED_BACKWARD_DKDV
+@group(0) @binding(4) var<storage, read> seq_lens: array<i32>;             // [seqs]
+@group(0) @binding(5) var<storage, read> dout: array<vec4<f32>>;           // like query
+@group(0) @binding(6) var<storage, read> out: array<vec4<f32>>;            // like query
+@group(0) @binding(7) var<storage, read> lse: array<f32>;                  // [seqs, heads, q_len]
+@group(0) @binding(8) var<storage, read_write> dk_cache: array<f32>;       // like key_cache
+@group(0) @binding(9) var<storage, read_write> dv_cache: array<f32>;       // like value_cache
+var<immediate> pc: Params;
+
+const WG: u32 = 128u;
+const MAX_HEAD_SIZE: u32 = 256u;
+const KEYS: u32 = 8u;               // block tokens per workgroup: two vec4s (_a, _b) in the accumulators
+const ROWS: u32 = 8u;               // query rows per step
+const PAIRS: u32 = 64u;             // ROWS * KEYS == WG / 2
+
+var<workgroup> s_p: array<f32, PAIRS>;     // [row][key]: P
+var<workgroup> s_dd: array<f32, PAIRS>;    // [row][key]: dP - D
+
+fn visible_keys(i: u32, seq_len: u32) -> u32 {
+    if (pc.causal == 0u) {
+        return seq_len;
+    }
+    return u32(clamp(i32(seq_len) - i32(pc.q_len) + i32(i) + 1, 0, i32(seq_len)));
+}
+
+fn row_base(seq: u32, kv_head: u32, gr: u32) -> u32 {
+    let group = pc.num_heads / pc.num_kv_heads;
+    return ((seq * pc.num_heads + kv_head * group + gr % group) * pc.q_len + gr / group) * pc.head_size;
+}
+
+fn key_chunk(b: u32, h: u32, t: u32, c: u32) -> u32 {
+    return (b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride + c * pc.k_chunk_stride) >> 2u;
+}
+
+fn key_index(b: u32, h: u32, t: u32, d: u32) -> u32 {
+    return b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride + (d >> 2u) * pc.k_chunk_stride
+        + (d & 3u);
+}
+
+fn value_index(b: u32, h: u32, t: u32, d: u32) -> u32 {
+    return b * pc.v_block_stride + h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
+}
+
+fn s_p4(i: u32) -> vec4<f32> {
+    return vec4<f32>(s_p[i], s_p[i + 1u], s_p[i + 2u], s_p[i + 3u]);
+}
+
+fn s_dd4(i: u32) -> vec4<f32> {
+    return vec4<f32>(s_dd[i], s_dd[i + 1u], s_dd[i + 2u], s_dd[i + 3u]);
+}
+
+@compute @workgroup_size(128, 1, 1)
+fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+    let tid = lid.x;
+    let kv_head = wid.y;
+    let sub = wid.z;
+    let hs = pc.head_size;
+    let hc = hs / 4u;
+    let bs = pc.block_size;
+    let group = pc.num_heads / pc.num_kv_heads;
+    let rows = group * pc.q_len;
+    let max_blocks = pc.max_blocks_per_seq;
+    if (hs > MAX_HEAD_SIZE || (sub + 1u) * KEYS > bs) {
+        return;
+    }
+
+    let num_blocks = pc.num_blocks;   // see attention_common.glsl
+    let row_floats = min(min(arrayLength(&query), arrayLength(&dout)), arrayLength(&out)) * 4u;
+    let first_entry = pc.num_blocks + 1u;
+    let entries = u32(max(i32(arrayLength(&block_readers)) - i32(first_entry), 0));
+
+    let pair = tid % PAIRS;
+    let pr = pair / KEYS;
+    let pk = pair % KEYS;
+    let takes_p = tid < PAIRS;
+    let d0 = tid;
+    let d1 = tid + WG;
+    let kstep = pc.k_chunk_stride >> 2u;
+
+    for (var b = wid.x; b < num_blocks; b += nwg.x) {
+        var dk0_a = vec4<f32>(0.0);
+        var dk0_b = vec4<f32>(0.0);
+        var dk1_a = vec4<f32>(0.0);
+        var dk1_b = vec4<f32>(0.0);
+        var dv0_a = vec4<f32>(0.0);
+        var dv0_b = vec4<f32>(0.0);
+        var dv1_a = vec4<f32>(0.0);
+        var dv1_b = vec4<f32>(0.0);
+        var e_begin = 0u;
+        var e_end = 0u;
+        if (b + 1u < arrayLength(&block_readers)) {
+            e_begin = min(u32(max(block_readers[b], 0)), entries);
+            e_end = min(u32(max(block_readers[b + 1u], 0)), entries);
+        }
+
+        for (var e = e_begin; e < e_end; e++) {
+            let reader = block_readers[first_entry + e];
+            if (reader < 0 || max_blocks == 0u) {
+                continue;
+            }
+            let seq = u32(reader) / max_blocks;
+            let slot = u32(reader) % max_blocks;
+            var seq_len = 0u;
+            if (seq < arrayLength(&seq_lens)) {
+                seq_len = min(u32(max(seq_lens[seq], 0)), max_blocks * bs);
+            }
+            let p0 = slot * bs + sub * KEYS;
+            if (p0 >= seq_len) {
+                continue;
+            }
+            var i_first = 0u;
+            if (pc.causal != 0u) {
+                i_first = u32(clamp(i32(p0) - (i32(seq_len) - i32(pc.q_len)), 0, i32(pc.q_len)));
+            }
+
+            for (var r0 = i_first * group; r0 < rows; r0 += ROWS) {
+                // A: P or dP - D of pair (pr, pk), 0 where the query does not see the token.
+                let gr = r0 + pr;
+                let q = row_base(seq, kv_head, gr);
+                let token = sub * KEYS + pk;
+                var val = 0.0;
+                if (gr < rows && p0 + pk < visible_keys(gr / group, seq_len) && q + hs <= row_floats
+                        && q / hs < arrayLength(&lse)) {
+                    var s = 0.0;
+                    var t = 0.0;
+                    if (takes_p) {
+                        let k0 = key_chunk(b, kv_head, token, 0u);
+                        for (var c = 0u; c < hc; c++) {
+                            s += dot(query[q / 4u + c], key_cache[k0 + c * kstep]);
+                        }
+                        val = exp(s * pc.scale - lse[q / hs]);
+                    } else {
+                        let v0 = value_index(b, kv_head, token, 0u);
+                        let vs = pc.v_dim_stride;
+                        for (var c = 0u; c < hc; c++) {
+                            let vi = v0 + 4u * c * vs;
+                            let v = vec4<f32>(value_cache[vi], value_cache[vi + vs], value_cache[vi + 2u * vs],
+                                              value_cache[vi + 3u * vs]);
+                            let g = dout[q / 4u + c];
+                            s += dot(g, v);
+                            t += dot(g, out[q / 4u + c]);
+                        }
+                        val = s - t;
+                    }
+                }
+                if (takes_p) {
+                    s_p[pair] = val;
+                } else {
+                    s_dd[pair] = val;
+                }
+                workgroupBarrier();
+
+                // C: this thread's head dims of dV and dK, for the KEYS tokens.
+                for (var r = 0u; r < ROWS; r++) {
+                    let qr = row_base(seq, kv_head, r0 + r);
+                    if (r0 + r >= rows || qr + hs > row_floats) {
+                        break;
+                    }
+                    let i = r * KEYS;
+                    let p_a = s_p4(i);
+                    let p_b = s_p4(i + 4u);
+                    let ds_a = p_a * s_dd4(i);
+                    let ds_b = p_b * s_dd4(i + 4u);
+                    let c0 = qr / 4u + d0 / 4u;
+                    let c1 = qr / 4u + d1 / 4u;
+                    var q0 = 0.0;
+                    var g0 = 0.0;
+                    var q1 = 0.0;
+                    var g1 = 0.0;
+                    if (d0 < hs) {
+                        q0 = query[c0][d0 % 4u];
+                        g0 = dout[c0][d0 % 4u];
+                    }
+                    if (d1 < hs) {
+                        q1 = query[c1][d1 % 4u];
+                        g1 = dout[c1][d1 % 4u];
+                    }
+                    dv0_a += p_a * g0;
+                    dv0_b += p_b * g0;
+                    dk0_a += ds_a * q0;
+                    dk0_b += ds_b * q0;
+                    if (hs > WG) {
+                        dv1_a += p_a * g1;
+                        dv1_b += p_b * g1;
+                        dk1_a += ds_a * q1;
+                        dk1_b += ds_b * q1;
+                    }
+                }
+                workgroupBarrier();
+            }
+        }
+
+        for (var k = 0u; k < KEYS; k++) {
+            let token = sub * KEYS + k;
+            let lo = k < 4u;
+            if (d0 < hs) {
+                dk_cache[key_index(b, kv_head, token, d0)] = pc.scale * select(dk0_b[k % 4u], dk0_a[k % 4u], lo);
+                dv_cache[value_index(b, kv_head, token, d0)] = select(dv0_b[k % 4u], dv0_a[k % 4u], lo);
+            }
+            if (d1 < hs) {
+                dk_cache[key_index(b, kv_head, token, d1)] = pc.scale * select(dk1_b[k % 4u], dk1_a[k % 4u], lo);
+                dv_cache[value_index(b, kv_head, token, d1)] = select(dv1_b[k % 4u], dv1_a[k % 4u], lo);
+            }
+        }
+    }
+}

@@ -1,0 +1,201 @@
+#version 450
+// Paged-attention prefill forward: each sequence's last q_len tokens attend over its cached keys and
+// values (causal or not), giving the output and the log-sum-exp (natural log) the backward pass needs.
+// Grown from the seed's WGSL forward, which ran one thread per query row over the whole context with a
+// 512-float array per thread.
+//
+// One workgroup per (tile of ROWS query rows, kv head, sequence). The rows are (query, head) pairs of the
+// heads that share the kv head (GQA), query-major, so each key and value read serves ROWS rows. The
+// context is walked in tiles of TILE tokens with an online softmax, as in paged_decode.comp:
+//   A. each thread computes the logits of one token of the tile for every row (its key read once, in
+//      16-byte chunks; the query rows are read straight from their buffer: every thread reads the same
+//      address at once, which GPUs serve as one broadcast, and staging them in shared memory made
+//      lavapipe's compile of the WGSL module take seconds);
+//   B. the workgroup takes each row's tile max, rescales what it has accumulated, and turns logits into
+//      weights;
+//   C. each thread accumulates the weighted values of the head dims it owns, for every row.
+// Shared memory stays under 16 KiB, the least a Vulkan device may offer.
+//
+// Every index into a buffer is bounded here, not only in Python: block ids outside the caches, lengths
+// beyond the block-table row and rows beyond the table are treated as empty, never read.
+#extension GL_GOOGLE_include_directive : require
+
+layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
+
+layout(std430, set = 0, binding = 0) readonly buffer Query { vec4 query[]; };           // [seqs, heads, q_len, head_size]
+layout(std430, set = 0, binding = 1) readonly buffer KeyCache { vec4 key_cache[]; };     // 4-dim chunks, see key_chunk()
+layout(std430, set = 0, binding = 2) readonly buffer ValueCache { float value_cache[]; }; // see value_index()
+layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
+layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
+layout(std430, set = 0, binding = 5) writeonly buffer Out { float out_[]; };            // [seqs, heads, q_len, head_size]
+layout(std430, set = 0, binding = 6) writeonly buffer Lse { float lse[]; };             // [seqs, heads, q_len]
+
+#include "attention_common.glsl"
+
+// The eight rows of a workgroup travel as two vec4s (rows 0-3, rows 4-7) rather than as float[8]: loops
+// over a local array defeat some compilers (WGSL's guarded loops are not unrolled, and an array indexed
+// in a loop then becomes a chain of selects), vector arithmetic does not.
+const uint ROWS = 8u;                          // query rows per workgroup
+const uint TILE = WG;                          // tokens per tile: one per thread in A
+const uint LANES = WG / ROWS;                  // threads reducing one row in B
+const uint MAX_TILE_BLOCKS = TILE / MIN_BLOCK_SIZE;
+
+shared vec4 s_p[TILE * 2u];                  // [token][rows 0-3 | rows 4-7]: logits, then weights
+shared float s_red[WG];                      // per-lane partial results of a row reduction
+shared float s_row[ROWS];                    // a row reduction's result
+shared float s_m[ROWS];                      // running max of each row's logits
+shared float s_alpha[ROWS];                  // this tile's rescaling of each row's accumulators
+shared int s_phys[MAX_TILE_BLOCKS];          // the tile's physical block ids, -1 where out of range
+
+// Max or sum of each row of s_p (TILE values) into s_row: LANES threads per row, then one.
+void row_reduce(bool take_max) {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint r = tid / LANES, lane = tid % LANES;
+    float v = take_max ? NEG_INF : 0.0;
+    for (uint t = lane; t < TILE; t += LANES) {
+        float x = s_p[t * 2u + r / 4u][r % 4u];
+        v = take_max ? max(v, x) : v + x;
+    }
+    s_red[tid] = v;
+    barrier();
+    if (tid < ROWS) {
+        float w = take_max ? NEG_INF : 0.0;
+        for (uint i = 0u; i < LANES; i++) {
+            float x = s_red[tid * LANES + i];
+            w = take_max ? max(w, x) : w + x;
+        }
+        s_row[tid] = w;
+    }
+    barrier();
+}
+
+vec4 rows4(uint first, bool from_m) {   // s_m or s_alpha of rows first .. first + 3
+    return from_m ? vec4(s_m[first], s_m[first + 1u], s_m[first + 2u], s_m[first + 3u])
+                  : vec4(s_alpha[first], s_alpha[first + 1u], s_alpha[first + 2u], s_alpha[first + 3u]);
+}
+
+void main() {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint kv_head = gl_WorkGroupID.y;
+    const uint seq = gl_WorkGroupID.z;
+    const uint hs = pc.head_size;
+    const uint hc = hs / 4u;                   // head chunks
+    const uint bs = pc.block_size;
+    const uint group = pc.num_heads / pc.num_kv_heads;
+    const uint rows = group * pc.q_len;
+    const uint row0 = gl_WorkGroupID.x * ROWS;
+    if (row0 >= rows || hs > MAX_HEAD_SIZE) return;
+    const uint row_end = min(row0 + ROWS, rows);
+    if (row_base(seq, kv_head, row0) + hs > uint(query.length()) * 4u) return;
+
+    const uint num_blocks = pc.num_blocks;
+    const uint bt_row = seq * pc.max_blocks_per_seq;
+    const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(bt_row), 0)));
+    const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
+    // Rows are query-major, so the last row sees the most keys.
+    const uint kv_end = visible_keys((row_end - 1u) / group, seq_len);
+
+    // Keys each row sees; 0 for rows past the end (or past the query buffer).
+    uint keys[ROWS];
+    for (uint r = 0u; r < ROWS; r++) {
+        uint gr = row0 + r;
+        bool valid = gr < row_end && row_base(seq, kv_head, gr) + hs <= uint(query.length()) * 4u;
+        keys[r] = valid ? visible_keys(gr / group, seq_len) : 0u;
+    }
+    const uvec4 keys_a = uvec4(keys[0], keys[1], keys[2], keys[3]);
+    const uvec4 keys_b = uvec4(keys[4], keys[5], keys[6], keys[7]);
+    // Each row's first query chunk; rows that see nothing read row 0's (in bounds) and are masked.
+    uint qb[ROWS];
+    for (uint r = 0u; r < ROWS; r++) qb[r] = row_base(seq, kv_head, keys[r] > 0u ? row0 + r : row0) / 4u;
+    const uvec4 qb_a = uvec4(qb[0], qb[1], qb[2], qb[3]);
+    const uvec4 qb_b = uvec4(qb[4], qb[5], qb[6], qb[7]);
+    if (tid < ROWS) s_m[tid] = NEG_INF;
+
+    vec4 l_a = vec4(0.0), l_b = vec4(0.0);     // this thread's share of each row's softmax denominator
+    vec4 o0_a = vec4(0.0), o0_b = vec4(0.0);   // weighted values of head dim tid, per row
+    vec4 o1_a = vec4(0.0), o1_b = vec4(0.0);   // and of head dim tid + WG
+    const uint d0 = tid, d1 = tid + WG;
+
+    for (uint base = 0u; base < kv_end; base += TILE) {
+        const uint tile_len = min(TILE, kv_end - base);
+        const uint tile_blocks = (tile_len + bs - 1u) / bs;
+        if (tid < tile_blocks) {
+            int b = block_tables[bt_row + base / bs + tid];
+            s_phys[tid] = (b >= 0 && uint(b) < num_blocks) ? b : -1;
+        }
+        barrier();
+
+        // A: token base + tid's logit for every row, -inf where masked.
+        const uint token = base + tid;
+        const int phys = tid < tile_len ? s_phys[tid / bs] : -1;
+        vec4 x_a = vec4(0.0), x_b = vec4(0.0);
+        if (phys >= 0) {
+            const uint k0 = key_chunk(uint(phys), kv_head, token % bs, 0u);
+            const uint kstep = pc.k_chunk_stride >> 2;
+            for (uint c = 0u; c < hc; c++) {
+                vec4 k = key_cache[k0 + c * kstep];
+                x_a += vec4(dot(k, query[qb_a.x + c]), dot(k, query[qb_a.y + c]), dot(k, query[qb_a.z + c]),
+                            dot(k, query[qb_a.w + c]));
+                x_b += vec4(dot(k, query[qb_b.x + c]), dot(k, query[qb_b.y + c]), dot(k, query[qb_b.z + c]),
+                            dot(k, query[qb_b.w + c]));
+            }
+        }
+        x_a *= pc.scale;
+        x_b *= pc.scale;
+        // A token outside the cache is visible to no row.
+        x_a = mix(vec4(NEG_INF), x_a, lessThan(uvec4(token), phys >= 0 ? keys_a : uvec4(0u)));
+        x_b = mix(vec4(NEG_INF), x_b, lessThan(uvec4(token), phys >= 0 ? keys_b : uvec4(0u)));
+        s_p[tid * 2u] = x_a;
+        s_p[tid * 2u + 1u] = x_b;
+        barrier();
+
+        // B: online softmax across tiles, per row.
+        row_reduce(true);
+        if (tid < ROWS) {
+            float m_old = s_m[tid];
+            float m_new = max(m_old, s_row[tid]);
+            s_alpha[tid] = m_new == NEG_INF ? 1.0 : exp(m_old - m_new);
+            s_m[tid] = m_new;
+        }
+        barrier();
+        const vec4 alpha_a = rows4(0u, false), alpha_b = rows4(4u, false);
+        const vec4 p_a = mix(exp(x_a - rows4(0u, true)), vec4(0.0), equal(x_a, vec4(NEG_INF)));
+        const vec4 p_b = mix(exp(x_b - rows4(4u, true)), vec4(0.0), equal(x_b, vec4(NEG_INF)));
+        l_a = l_a * alpha_a + p_a;
+        l_b = l_b * alpha_b + p_b;
+        o0_a *= alpha_a; o0_b *= alpha_b;
+        o1_a *= alpha_a; o1_b *= alpha_b;
+        s_p[tid * 2u] = p_a;
+        s_p[tid * 2u + 1u] = p_b;
+        barrier();
+
+        // C: weighted values of this thread's head dims. Tokens past kv_end are never read: slots past a
+        // sequence's length may hold anything, NaN included, and 0 * NaN is NaN.
+        for (uint t = 0u; t < tile_len; t++) {
+            int b = s_phys[t / bs];
+            if (b < 0) continue;
+            uint v = value_index(uint(b), kv_head, (base + t) % bs, 0u);
+            float v0 = d0 < hs ? value_cache[v + d0 * pc.v_dim_stride] : 0.0;
+            float v1 = d1 < hs ? value_cache[v + d1 * pc.v_dim_stride] : 0.0;
+            vec4 w_a = s_p[t * 2u], w_b = s_p[t * 2u + 1u];
+            o0_a += w_a * v0; o0_b += w_b * v0;
+            if (hs > WG) { o1_a += w_a * v1; o1_b += w_b * v1; }   // uniform: head sizes up to 128 skip it
+        }
+        barrier();   // s_p and s_phys are rewritten by the next tile
+    }
+
+    // Each row's denominator, summed over the threads once at the end.
+    s_p[tid * 2u] = l_a;
+    s_p[tid * 2u + 1u] = l_b;
+    barrier();
+    row_reduce(false);
+    for (uint r = 0u; r < ROWS; r++) {
+        uint q = row_base(seq, kv_head, row0 + r);
+        if (row0 + r >= row_end || q + hs > uint(out_.length())) continue;
+        float denom = s_row[r];
+        float inv = denom > 0.0 ? 1.0 / denom : 0.0;   // a row that sees no key gives zeros
+        if (d0 < hs) out_[q + d0] = (r < 4u ? o0_a[r] : o0_b[r - 4u]) * inv;
+        if (d1 < hs) out_[q + d1] = (r < 4u ? o1_a[r] : o1_b[r - 4u]) * inv;
+        if (tid == 0u && q / hs < uint(lse.length())) lse[q / hs] = denom > 0.0 ? s_m[r] + log(denom) : NEG_INF;
+    }
+}

@@ -1,0 +1,276 @@
+// Paged-attention prefill forward, WGSL: shaders/paged_prefill.comp translated statement for statement,
+// with the same interface (PAGED_PREFILL in pagedvk/abi.py). The algorithm, the cache addressing by
+// strides and the bounds rules are explained in the GLSL sources (paged_prefill.comp and
+// attention_common.glsl); WGSL has no includes, so the common part is repeated here.
+
+struct Params {
+    num_heads: u32,
+    num_kv_heads: u32,
+    head_size: u32,
+    block_size: u32,
+    max_blocks_per_seq: u32,
+    num_blocks: u32,
+    q_len: u32,
+    causal: u32,
+    scale: f32,
+    k_block_stride: u32,
+    k_head_stride: u32,
+    k_token_stride: u32,
+    k_chunk_stride: u32,
+    v_block_stride: u32,
+    v_head_stride: u32,
+    v_token_stride: u32,
+    v_dim_stride: u32,
+}
+
+@group(0) @binding(0) var<storage, read> query: array<vec4<f32>>;        // [seqs, heads, q_len, head_size]
+@group(0) @binding(1) var<storage, read> key_cache: array<vec4<f32>>;    // 4-dim chunks, see key_chunk()
+@group(0) @binding(2) var<storage, read> value_cache: array<f32>;        // see value_index()
+@group(0) @binding(3) var<storage, read> block_tables: array<i32>;       // [seqs, max_blocks_per_seq]
+@group(0) @binding(4) var<storage, read> seq_lens: array<i32>;           // [seqs]
+@group(0) @binding(5) var<storage, read_write> out: array<f32>;          // [seqs, heads, q_len, head_size]
+@group(0) @binding(6) var<storage, read_write> lse: array<f32>;          // [seqs, heads, q_len]
+var<immediate> pc: Params;
+
+const WG: u32 = 128u;
+const MAX_HEAD_SIZE: u32 = 256u;
+const ROWS: u32 = 8u;               // as two vec4s: rows 0-3 (_a) and 4-7 (_b)
+const TILE: u32 = 128u;             // == WG
+const LANES: u32 = 16u;             // WG / ROWS
+const MAX_TILE_BLOCKS: u32 = 16u;   // TILE / smallest block size (8)
+// -inf cannot be a WGSL constant (constant expressions must be finite); bitcast it at run time.
+const NEG_INF_BITS: u32 = 0xff800000u;
+
+var<workgroup> s_p: array<vec4<f32>, 256>;   // TILE * 2: [token][rows 0-3 | rows 4-7], logits then weights
+var<workgroup> s_red: array<f32, WG>;
+var<workgroup> s_row: array<f32, ROWS>;
+var<workgroup> s_m: array<f32, ROWS>;
+var<workgroup> s_alpha: array<f32, ROWS>;
+var<workgroup> s_phys: array<i32, MAX_TILE_BLOCKS>;
+
+fn neg_inf() -> f32 {
+    return bitcast<f32>(NEG_INF_BITS);
+}
+
+fn visible_keys(i: u32, seq_len: u32) -> u32 {
+    if (pc.causal == 0u) {
+        return seq_len;
+    }
+    return u32(clamp(i32(seq_len) - i32(pc.q_len) + i32(i) + 1, 0, i32(seq_len)));
+}
+
+fn row_base(seq: u32, kv_head: u32, gr: u32) -> u32 {
+    let group = pc.num_heads / pc.num_kv_heads;
+    return ((seq * pc.num_heads + kv_head * group + gr % group) * pc.q_len + gr / group) * pc.head_size;
+}
+
+fn key_chunk(b: u32, h: u32, t: u32, c: u32) -> u32 {
+    return (b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride + c * pc.k_chunk_stride) >> 2u;
+}
+
+fn value_index(b: u32, h: u32, t: u32, d: u32) -> u32 {
+    return b * pc.v_block_stride + h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
+}
+
+fn row_reduce(take_max: bool, tid: u32) {
+    let r = tid / LANES;
+    let lane = tid % LANES;
+    var v = select(0.0, neg_inf(), take_max);
+    for (var t = lane; t < TILE; t += LANES) {
+        let x = s_p[t * 2u + r / 4u][r % 4u];
+        v = select(v + x, max(v, x), take_max);
+    }
+    s_red[tid] = v;
+    workgroupBarrier();
+    if (tid < ROWS) {
+        var w = select(0.0, neg_inf(), take_max);
+        for (var i = 0u; i < LANES; i++) {
+            let x = s_red[tid * LANES + i];
+            w = select(w + x, max(w, x), take_max);
+        }
+        s_row[tid] = w;
+    }
+    workgroupBarrier();
+}
+
+fn m4(first: u32) -> vec4<f32> {
+    return vec4<f32>(s_m[first], s_m[first + 1u], s_m[first + 2u], s_m[first + 3u]);
+}
+
+fn alpha4(first: u32) -> vec4<f32> {
+    return vec4<f32>(s_alpha[first], s_alpha[first + 1u], s_alpha[first + 2u], s_alpha[first + 3u]);
+}
+
+// Keys row gr sees; 0 for rows past the end (or past the query buffer).
+fn row_keys(seq: u32, kv_head: u32, gr: u32, row_end: u32, seq_len: u32) -> u32 {
+    let group = pc.num_heads / pc.num_kv_heads;
+    let valid = gr < row_end && row_base(seq, kv_head, gr) + pc.head_size <= arrayLength(&query) * 4u;
+    return select(0u, visible_keys(gr / group, seq_len), valid);
+}
+
+@compute @workgroup_size(128, 1, 1)
+fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let tid = lid.x;
+    let kv_head = wid.y;
+    let seq = wid.z;
+    let hs = pc.head_size;
+    let hc = hs / 4u;
+    let bs = pc.block_size;
+    let group = pc.num_heads / pc.num_kv_heads;
+    let rows = group * pc.q_len;
+    let row0 = wid.x * ROWS;
+    if (row0 >= rows || hs > MAX_HEAD_SIZE) {
+        return;
+    }
+    let row_end = min(row0 + ROWS, rows);
+    if (row_base(seq, kv_head, row0) + hs > arrayLength(&query) * 4u) {
+        return;
+    }
+
+    let num_blocks = pc.num_blocks;   // see attention_common.glsl
+    let bt_row = seq * pc.max_blocks_per_seq;
+    let row_blocks = min(pc.max_blocks_per_seq, u32(max(i32(arrayLength(&block_tables)) - i32(bt_row), 0)));
+    var seq_len = 0u;
+    if (seq < arrayLength(&seq_lens)) {
+        seq_len = min(u32(max(seq_lens[seq], 0)), row_blocks * bs);
+    }
+    let kv_end = visible_keys((row_end - 1u) / group, seq_len);
+
+    let keys_a = vec4<u32>(row_keys(seq, kv_head, row0, row_end, seq_len),
+                           row_keys(seq, kv_head, row0 + 1u, row_end, seq_len),
+                           row_keys(seq, kv_head, row0 + 2u, row_end, seq_len),
+                           row_keys(seq, kv_head, row0 + 3u, row_end, seq_len));
+    let keys_b = vec4<u32>(row_keys(seq, kv_head, row0 + 4u, row_end, seq_len),
+                           row_keys(seq, kv_head, row0 + 5u, row_end, seq_len),
+                           row_keys(seq, kv_head, row0 + 6u, row_end, seq_len),
+                           row_keys(seq, kv_head, row0 + 7u, row_end, seq_len));
+    // Each row's first query chunk; rows that see nothing read row 0's (in bounds) and are masked.
+    var qb_a = vec4<u32>(0u);
+    var qb_b = vec4<u32>(0u);
+    for (var r = 0u; r < 4u; r++) {
+        qb_a[r] = row_base(seq, kv_head, select(row0, row0 + r, keys_a[r] > 0u)) / 4u;
+        qb_b[r] = row_base(seq, kv_head, select(row0, row0 + 4u + r, keys_b[r] > 0u)) / 4u;
+    }
+    if (tid < ROWS) {
+        s_m[tid] = neg_inf();
+    }
+
+    var l_a = vec4<f32>(0.0);
+    var l_b = vec4<f32>(0.0);
+    var o0_a = vec4<f32>(0.0);
+    var o0_b = vec4<f32>(0.0);
+    var o1_a = vec4<f32>(0.0);
+    var o1_b = vec4<f32>(0.0);
+    let d0 = tid;
+    let d1 = tid + WG;
+    let ninf4 = vec4<f32>(neg_inf());
+
+    for (var base = 0u; base < kv_end; base += TILE) {
+        let tile_len = min(TILE, kv_end - base);
+        let tile_blocks = (tile_len + bs - 1u) / bs;
+        if (tid < tile_blocks) {
+            let b = block_tables[bt_row + base / bs + tid];
+            s_phys[tid] = select(-1, b, b >= 0 && u32(b) < num_blocks);
+        }
+        workgroupBarrier();
+
+        // A: token base + tid's logit for every row, -inf where masked.
+        let token = base + tid;
+        var phys = -1;
+        if (tid < tile_len) {
+            phys = s_phys[tid / bs];
+        }
+        var x_a = vec4<f32>(0.0);
+        var x_b = vec4<f32>(0.0);
+        if (phys >= 0) {
+            let k0 = key_chunk(u32(phys), kv_head, token % bs, 0u);
+            let kstep = pc.k_chunk_stride >> 2u;
+            for (var c = 0u; c < hc; c++) {
+                let k = key_cache[k0 + c * kstep];
+                x_a += vec4<f32>(dot(k, query[qb_a.x + c]), dot(k, query[qb_a.y + c]),
+                                 dot(k, query[qb_a.z + c]), dot(k, query[qb_a.w + c]));
+                x_b += vec4<f32>(dot(k, query[qb_b.x + c]), dot(k, query[qb_b.y + c]),
+                                 dot(k, query[qb_b.z + c]), dot(k, query[qb_b.w + c]));
+            }
+        }
+        x_a *= pc.scale;
+        x_b *= pc.scale;
+        // A token outside the cache is visible to no row.
+        x_a = select(ninf4, x_a, vec4<u32>(token) < select(vec4<u32>(0u), keys_a, phys >= 0));
+        x_b = select(ninf4, x_b, vec4<u32>(token) < select(vec4<u32>(0u), keys_b, phys >= 0));
+        s_p[tid * 2u] = x_a;
+        s_p[tid * 2u + 1u] = x_b;
+        workgroupBarrier();
+
+        // B: online softmax across tiles, per row.
+        row_reduce(true, tid);
+        if (tid < ROWS) {
+            let m_old = s_m[tid];
+            let m_new = max(m_old, s_row[tid]);
+            s_alpha[tid] = select(exp(m_old - m_new), 1.0, m_new == neg_inf());
+            s_m[tid] = m_new;
+        }
+        workgroupBarrier();
+        let alpha_a = alpha4(0u);
+        let alpha_b = alpha4(4u);
+        let p_a = select(exp(x_a - m4(0u)), vec4<f32>(0.0), x_a == ninf4);
+        let p_b = select(exp(x_b - m4(4u)), vec4<f32>(0.0), x_b == ninf4);
+        l_a = l_a * alpha_a + p_a;
+        l_b = l_b * alpha_b + p_b;
+        o0_a *= alpha_a;
+        o0_b *= alpha_b;
+        o1_a *= alpha_a;
+        o1_b *= alpha_b;
+        s_p[tid * 2u] = p_a;
+        s_p[tid * 2u + 1u] = p_b;
+        workgroupBarrier();
+
+        // C: weighted values of this thread's head dims; tokens past kv_end are never read.
+        for (var t = 0u; t < tile_len; t++) {
+            let b = s_phys[t / bs];
+            if (b < 0) {
+                continue;
+            }
+            let v = value_index(u32(b), kv_head, (base + t) % bs, 0u);
+            var v0 = 0.0;
+            var v1 = 0.0;
+            if (d0 < hs) {
+                v0 = value_cache[v + d0 * pc.v_dim_stride];
+            }
+            if (d1 < hs) {
+                v1 = value_cache[v + d1 * pc.v_dim_stride];
+            }
+            let w_a = s_p[t * 2u];
+            let w_b = s_p[t * 2u + 1u];
+            o0_a += w_a * v0;
+            o0_b += w_b * v0;
+            if (hs > WG) {
+                o1_a += w_a * v1;
+                o1_b += w_b * v1;
+            }
+        }
+        workgroupBarrier();
+    }
+
+    s_p[tid * 2u] = l_a;
+    s_p[tid * 2u + 1u] = l_b;
+    workgroupBarrier();
+    row_reduce(false, tid);
+    for (var r = 0u; r < ROWS; r++) {
+        let q = row_base(seq, kv_head, row0 + r);
+        if (row0 + r >= row_end || q + hs > arrayLength(&out)) {
+            continue;
+        }
+        let denom = s_row[r];
+        let inv = select(0.0, 1.0 / denom, denom > 0.0);
+        if (d0 < hs) {
+            out[q + d0] = select(o0_b[r % 4u], o0_a[r % 4u], r < 4u) * inv;
+        }
+        if (d1 < hs) {
+            out[q + d1] = select(o1_b[r % 4u], o1_a[r % 4u], r < 4u) * inv;
+        }
+        if (tid == 0u && q / hs < arrayLength(&lse)) {
+            lse[q / hs] = select(neg_inf(), s_m[r] + log(denom), denom > 0.0);
+        }
+    }
+}

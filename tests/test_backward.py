@@ -1,0 +1,180 @@
+"""The prefill backward (paged_attention_backward): the float64 reference against finite differences of the
+float64 forward, then both backends against the reference on random data with poisoned outputs."""
+
+import numpy as np
+import pytest
+
+import pagedvk
+from conftest import rel_error
+from test_prefill import HEAD_SIZES, LAYOUTS, Q_LENS, PrefillCase, backend, poisoned_outputs  # noqa: F401 (fixtures)
+
+# float32 storage. The kernels sum dK and dV over rows in a fixed order; measured errors stay below 1e-6,
+# so the forward's tolerance holds and is not loosened.
+TOL = 1e-5
+NAMES = ("dq", "dk_cache", "dv_cache")
+
+
+def check(case, rng, backend, **kw):
+    """Run the backward on the reference forward's out and lse (rounded to float32); compare every gradient."""
+    out, lse = case.reference(kw.get("scale"))
+    dout = rng.standard_normal(case.query.shape).astype(np.float32)
+    grads = pagedvk.paged_attention_backward(dout, *case.args(), out.astype(np.float32), lse.astype(np.float32),
+                                             backend=backend, **case.options(**kw))
+    refs = pagedvk.reference.paged_attention_backward(dout, *case.args(), **case.options(**kw))
+    for name, g, ref, like in zip(NAMES, grads, refs, (case.query, case.key_cache, case.value_cache)):
+        assert isinstance(g, np.ndarray) and g.shape == like.shape and g.dtype == np.float32, name
+        assert rel_error(g, ref) <= TOL, name
+    return grads
+
+
+# -- the reference itself, by central differences of the float64 forward ------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reference_gradient_matches_finite_differences(rng, layout, causal):
+    # Tiny: 2 sequences sharing physical block 0 (so dK and dV add up there), GQA 2:1, blocks 1 and 3 unread.
+    num_blocks, block_size, head_size, q_len = 5, 4, 4, 3
+    block_tables = np.array([[0, -1, -1], [0, 2, 4]], np.int32)
+    seq_lens = np.array([3, 10], np.int32)
+    if layout == "nhd":
+        k_shape = v_shape = (num_blocks, block_size, 1, head_size)
+    else:
+        k_shape, v_shape = (num_blocks, 1, head_size // 4, block_size, 4), (num_blocks, 1, head_size, block_size)
+    q, k, v = rng.standard_normal((2, 2, q_len, head_size)), rng.standard_normal(k_shape), rng.standard_normal(v_shape)
+    dout = rng.standard_normal(q.shape)
+    opts = dict(causal=causal, layout=layout, scale=0.7)
+
+    def loss(q, k, v):
+        return float(np.sum(dout * pagedvk.reference.paged_attention_prefill(q, k, v, block_tables, seq_lens, **opts)[0]))
+
+    grads = pagedvk.reference.paged_attention_backward(dout, q, k, v, block_tables, seq_lens, **opts)
+    h = 1e-6
+    for i, (name, grad) in enumerate(zip(NAMES, grads)):
+        x = (q, k, v)[i]
+        numeric = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            saved = x[idx]
+            x[idx] = saved + h
+            up = loss(q, k, v)
+            x[idx] = saved - h
+            down = loss(q, k, v)
+            x[idx] = saved
+            numeric[idx] = (up - down) / (2 * h)
+        assert rel_error(grad, numeric) <= 1e-6, name
+    dk, dv = grads[1], grads[2]
+    assert (dk[[1, 3]] == 0).all() and (dv[[1, 3]] == 0).all()
+
+
+# -- the kernels against the reference -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_len", Q_LENS)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_head_sizes_and_query_lengths(rng, backend, layout, head_size, q_len):
+    check(PrefillCase(rng, q_len=q_len, layout=layout, head_size=head_size, shared_prefix_blocks=1), rng, backend)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_block_sizes_causal_or_not(rng, backend, block_size, layout, causal):
+    case = PrefillCase(rng, q_len=9, layout=layout, causal=causal, block_size=block_size, shared_prefix_blocks=1)
+    check(case, rng, backend)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (8, 1), (12, 3)])
+def test_mha_gqa_mqa(rng, backend, num_heads, num_kv_heads):
+    check(PrefillCase(rng, q_len=5, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32), rng, backend)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shared_blocks_add_up(rng, backend, layout):
+    case = PrefillCase(rng, q_len=4, layout=layout, seq_lens=[70, 40, 33, 100], shared_prefix_blocks=2)
+    case.block_tables[2] = case.block_tables[3]   # two sequences on the same blocks, different lengths
+    case.block_tables[1, 2] = case.block_tables[1, 1]   # and one block read twice by one sequence
+    check(case, rng, backend)
+
+
+def test_unread_blocks_and_slots_get_zero(rng, backend):
+    case = PrefillCase(rng, q_len=3, seq_lens=[3, 21])
+    dq, dk, dv = check(case, rng, backend)
+    read = set(case.block_tables[case.block_tables >= 0].tolist())
+    unread = sorted(set(range(case.key_cache.shape[0])) - read)
+    assert unread and (dk[unread] == 0).all() and (dv[unread] == 0).all()
+    last = case.block_tables[1, 1]                 # tokens 16..20 of sequence 1: slots 5.. are past its end
+    assert (dk[last, 5:] == 0).all() and (dv[last, 5:] == 0).all()
+
+
+def test_empty_sequence(rng, backend):
+    dq, _, _ = check(PrefillCase(rng, q_len=2, seq_lens=[0, 30, 0]), rng, backend)
+    assert (dq[[0, 2]] == 0).all()
+
+
+def test_query_seeing_one_key_has_zero_dq(rng, backend):
+    # softmax over one key is constant: dq is exactly 0 in float64, and must not become float32 noise (the
+    # kernels sum D = rowsum(dout * out) in the order they sum dP, and out == v there).
+    case = PrefillCase(rng, q_len=3, seq_lens=[3, 1 + 2, 40])
+    case.query = case.query[:, :, :1].copy()
+    case.seq_lens[:] = [1, 1, 40]
+    dq, _, _ = check(case, rng, backend)
+    assert (dq[:2] == 0).all()
+
+
+def test_custom_scale_and_long_context(rng, backend):
+    check(PrefillCase(rng, q_len=24, seq_lens=[300, 24], block_size=32, num_heads=2, num_kv_heads=1), rng, backend,
+          scale=0.21)
+
+
+def test_deterministic(rng, backend):
+    case = PrefillCase(rng, q_len=8, seq_lens=[40, 60, 50], shared_prefix_blocks=2)
+    out, lse = (a.astype(np.float32) for a in case.reference())
+    dout = rng.standard_normal(case.query.shape).astype(np.float32)
+    first = pagedvk.paged_attention_backward(dout, *case.args(), out, lse, backend=backend)
+    again = pagedvk.paged_attention_backward(dout, *case.args(), out, lse, backend=backend)
+    for a, b in zip(first, again):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_then_backward_on_device(rng, backend, layout, device):
+    # A training step's shape: device arrays in, device arrays out, the backward fed the kernel's own out/lse.
+    case = PrefillCase(rng, q_len=16, layout=layout, shared_prefix_blocks=1)
+    dev = [pagedvk.asarray(a) for a in case.args()]
+    out, lse = pagedvk.paged_attention_prefill(*dev, layout=layout, backend=backend)
+    dout = rng.standard_normal(case.query.shape).astype(np.float32)
+    grads = pagedvk.paged_attention_backward(pagedvk.asarray(dout), *dev, out, lse, layout=layout, backend=backend)
+    refs = pagedvk.reference.paged_attention_backward(dout, *case.args(), layout=layout)
+    for name, g, ref in zip(NAMES, grads, refs):
+        assert isinstance(g, pagedvk.DeviceArray) and g.device is device, name
+        assert rel_error(g.numpy(), ref) <= TOL, name
+
+
+# -- rejected inputs -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def case(rng):
+    return PrefillCase(rng, q_len=4, seq_lens=[10, 30, 4])
+
+
+def rejects(case, exc, match, dout=None, out=None, lse=None, **options):
+    ref_out, ref_lse = (a.astype(np.float32) for a in case.reference())
+    dout = np.ones_like(case.query) if dout is None else dout
+    with pytest.raises(exc, match=match):
+        pagedvk.paged_attention_backward(dout, *case.args(), ref_out if out is None else out,
+                                         ref_lse if lse is None else lse, **case.options(**options))
+
+
+def test_rejects_bad_gradient_arguments(case):
+    q = case.query
+    rejects(case, ValueError, r"dout must have shape \(3, 4, 4, 64\)", dout=q[:, :, :2].copy())
+    rejects(case, TypeError, "dout must have dtype float32", dout=q.astype(np.float64))
+    rejects(case, ValueError, "out must be C-contiguous", out=np.asfortranarray(q))
+    rejects(case, ValueError, r"out must have 4 dimensions", out=q[0])
+    rejects(case, ValueError, r"lse must have shape \(3, 4, 4\)", lse=np.zeros((3, 4, 5), np.float32))
+    rejects(case, TypeError, "lse must be a numpy array", lse=0.0)
+
+
+def test_rejects_what_the_forward_rejects(case):
+    rejects(case, ValueError, "layout must be one of", layout="hnd")
+    case.seq_lens[0] = 2
+    rejects(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len")
