@@ -106,7 +106,10 @@ def validate(spv: Path) -> None:
 def build(out_dir: Path, backends: tuple, verbose: bool = True) -> dict:
     abi = load_abi()
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = {}
+    # Building one backend keeps what the manifest says of the other's modules.
+    path = out_dir / MANIFEST
+    manifest = {name: entry for name, entry in (json.loads(path.read_text()) if path.is_file() else {}).items()
+                if not any(name.endswith("." + b) for b in backends)}
     for kernel in abi.KERNELS:
         for module, backend, variant in kernel.modules():
             if backend not in backends:
@@ -130,7 +133,7 @@ def build(out_dir: Path, backends: tuple, verbose: bool = True) -> dict:
             }
             if verbose:
                 print(f"built {target.relative_to(out_dir.parent) if out_dir.parent in target.parents else target}")
-    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
 

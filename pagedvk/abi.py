@@ -45,6 +45,7 @@ class Variant:
     name: str
     defines: dict = field(default_factory=dict)
     constants: dict = field(default_factory=dict)
+    backends: tuple = BACKENDS  # the backends this variant is built for (the op's backends permitting)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,11 @@ class KernelABI:
         """(module name, backend, variant) for every module this op needs built."""
         for backend in self.backends:
             for v in self.variants:
-                yield self.module_name(v.name, backend), backend, v
+                if backend in v.backends:
+                    yield self.module_name(v.name, backend), backend, v
+
+    def has_module(self, variant: str, backend: str) -> bool:
+        return any(v.name == variant and backend in v.backends for v in self.variants) and backend in self.backends
 
 
 DECODE_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)  # vLLM's; others run the generic module
@@ -115,11 +120,13 @@ PAGED_DECODE = KernelABI(
         PushField("num_partitions", "u32"),
     ),
     workgroup_size=(128, 1, 1),
-    # Per storage type: one module for any head size, and one per common head size with HEAD_SIZE fixed at
-    # compile time (its loops unroll: about 1.4x faster on the H200).
+    # Per storage type: one module for any head size, and for GLSL one per common head size with HEAD_SIZE
+    # fixed at compile time (its loops unroll: about 1.4x faster on the H200). Not for WGSL: lavapipe
+    # takes up to a minute to compile naga's output with the loops unrolled (HEAD_SIZE 256).
     variants=tuple(v for storage, define in (("f32", "KV_F32"),)
-                   for v in [Variant(storage, {define: 1})] + [Variant(f"{storage}_h{hs}", {define: 1}, {"HEAD_SIZE": hs})
-                                                               for hs in DECODE_HEAD_SIZES]),
+                   for v in [Variant(storage, {define: 1})] + [
+                       Variant(f"{storage}_h{hs}", {define: 1}, {"HEAD_SIZE": hs}, backends=("glsl",))
+                       for hs in DECODE_HEAD_SIZES]),
     backends=("glsl", "wgsl"),
 )
 

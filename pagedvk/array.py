@@ -37,7 +37,14 @@ class DeviceArray:
             raise ValueError(
                 f"an array of {nbytes} bytes (shape {self.shape}, {self.dtype}) exceeds {self.device.info.name}'s "
                 f"maxStorageBufferRange of {limit} bytes: one kernel binding cannot address it")
-        self.buffer = self.device.buffer(nbytes)
+        self._buffer = self.device.buffer(nbytes)
+
+    @property
+    def buffer(self):
+        """The device buffer; ClosedError once the array is closed, so a closed array can never be bound to
+        a kernel (it would reach the GPU as a null descriptor)."""
+        self._require_open()
+        return self._buffer
 
     @property
     def size(self) -> int:
@@ -53,11 +60,13 @@ class DeviceArray:
 
     @property
     def closed(self) -> bool:
-        return self.buffer.closed
+        buffer = getattr(self, "_buffer", None)   # none when __init__ failed
+        return buffer is None or buffer.closed
 
     def _require_open(self) -> None:
-        if self.buffer.closed:
-            raise ClosedError(f"{self!r} is closed")
+        if self.closed:
+            raise ClosedError(f"{self!r} is closed"
+                              + (f" (its device {self.device.info.name} was closed)" if self.device.closed else ""))
 
     def numpy(self) -> np.ndarray:
         self._require_open()
@@ -78,7 +87,7 @@ class DeviceArray:
 
     def close(self) -> None:
         """Free the device memory now; safe to call twice."""
-        self.buffer.close()
+        self._buffer.close()
 
     def __enter__(self):
         return self

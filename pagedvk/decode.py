@@ -15,7 +15,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checks, kernels
-from .abi import DECODE_HEAD_SIZES, PAGED_DECODE, PAGED_DECODE_REDUCE
+from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
 from .runtime.pipeline import Launch
 from .selection import get_device
@@ -135,7 +135,8 @@ class DecodePlan:
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
                        if a is not given]
         storage = KV_DTYPES[self.dtype]
-        variant = f"{storage}_h{head_size}" if head_size in DECODE_HEAD_SIZES else storage
+        unrolled = f"{storage}_h{head_size}"
+        variant = unrolled if PAGED_DECODE.has_module(unrolled, self.backend) else storage
         self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, variant, self.backend)
         self.group_size = group_size(num_heads, num_kv_heads)
         lens = checks.host(seq_lens)

@@ -14,7 +14,8 @@ class VulkanError(PagedVKError):
 
 
 class DeviceLostError(VulkanError):
-    """VK_ERROR_DEVICE_LOST: the device (or its driver) stopped; everything created on it is gone."""
+    """VK_ERROR_DEVICE_LOST: the device (or its driver) stopped; everything created on it is gone. Every
+    later use of that Device raises it too; close it and open a new one."""
 
 
 class TimeoutError_(PagedVKError, TimeoutError):
@@ -22,7 +23,13 @@ class TimeoutError_(PagedVKError, TimeoutError):
 
 
 class OutOfMemoryError(PagedVKError, MemoryError):
-    """A device or host allocation failed; nothing was allocated."""
+    """A device or host allocation failed; nothing was allocated. `nbytes` is the size asked for and
+    `budget` what the heap could give (a pagedvk.runtime.device.HeapBudget: the driver's budget with
+    VK_EXT_memory_budget, else the heap's size), where known; the message states both."""
+
+    def __init__(self, message: str, nbytes: int | None = None, budget=None):
+        super().__init__(message)
+        self.nbytes, self.budget = nbytes, budget
 
 
 class ValidationError(PagedVKError):

@@ -42,9 +42,10 @@ def module_path(name: str) -> Path:
 def load_spirv(abi: abi_mod.KernelABI, variant: str, backend: str) -> bytes:
     if backend not in abi.backends:
         raise ShaderModuleError(f"{abi.op} has no {backend} module (backends: {', '.join(abi.backends)})")
-    variants = {v.name: v for v in abi.variants}
+    variants = {v.name: v for v in abi.variants if backend in v.backends}
     if variant not in variants:
-        raise ShaderModuleError(f"{abi.op} has no {variant!r} variant (variants: {', '.join(variants)})")
+        raise ShaderModuleError(f"{abi.op} has no {variant!r} variant for {backend} "
+                                f"(variants: {', '.join(variants)})")
     name = abi.module_name(variant, backend)
     path = module_path(name)
     entry = manifest().get(name)

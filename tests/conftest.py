@@ -1,5 +1,6 @@
 """Shared test helpers: random paged caches in vLLM's layout, poisoned outputs, the error measure."""
 
+import os
 import zlib
 
 import numpy as np
@@ -59,3 +60,46 @@ def rng(request):
 @pytest.fixture(scope="session")
 def device():
     return pagedvk.default_device()
+
+
+# -- validation in CI: `PAGEDVK_VALIDATION=1 pytest` fails any test after which the layer said anything --
+
+VALIDATING = os.environ.get("PAGEDVK_VALIDATION", "") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "provokes_validation: the test causes validation messages on purpose "
+                                       "(and checks them itself); the validation fixture ignores them")
+
+
+@pytest.fixture(autouse=True)
+def no_validation_messages(request):
+    """With PAGEDVK_VALIDATION=1, every message the layer reported during a test (warnings included, and
+    synchronization validation's) fails that test, even where no device.check() raised it."""
+    from pagedvk.runtime import instance
+    if VALIDATING and instance._instance is not None:
+        instance._instance.take_messages()   # anything left by a test that already failed, or its setup
+    yield
+    if not VALIDATING or instance._instance is None:
+        return
+    messages = instance._instance.take_messages()
+    if messages and request.node.get_closest_marker("provokes_validation") is None:
+        pytest.fail(f"{len(messages)} Vulkan validation message(s) during this test:\n" + "\n\n".join(messages),
+                    pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_validation_messages_at_close():
+    """With PAGEDVK_VALIDATION=1, close the devices the tests opened before the session ends and fail
+    on what the layer says then (objects destroyed while in use, say), which no test's teardown sees."""
+    yield
+    from pagedvk import selection
+    from pagedvk.runtime import instance
+    if not VALIDATING or instance._instance is None:
+        return
+    for device in list(selection._open.values()):
+        device.close()
+    messages = instance._instance.take_messages()
+    if messages:
+        pytest.fail(f"{len(messages)} Vulkan validation message(s) when the devices closed:\n" + "\n\n".join(messages),
+                    pytrace=False)

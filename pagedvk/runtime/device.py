@@ -10,6 +10,7 @@ import itertools
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import vulkan as vk
@@ -26,13 +27,48 @@ def timeout_ns() -> int:
     return int(float(os.environ.get("PAGEDVK_TIMEOUT", DEFAULT_TIMEOUT_S)) * 1e9)
 
 
-def raise_vk(e: Exception, what: str, nbytes: int | None = None, budget: int | None = None):
+MEMORY_BUDGET_EXTENSION = "VK_EXT_memory_budget"
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class HeapBudget:
+    """What one memory heap can still give. With VK_EXT_memory_budget (source "VK_EXT_memory_budget")
+    `budget` is the driver's estimate of what this process may use and `usage` what it uses now; without
+    it (source "heap size") `budget` is the heap's whole size and `usage` is unknown (None)."""
+
+    heap: int
+    size: int
+    budget: int
+    usage: int | None
+    source: str
+
+    def __str__(self) -> str:
+        if self.usage is None:
+            return (f"heap {self.heap} holds {gib(self.size)} ({self.size} bytes; the heap size: the device has no "
+                    f"{MEMORY_BUDGET_EXTENSION}, so what is still free is not known)")
+        return (f"heap {self.heap} budget {gib(self.budget)} ({self.budget} bytes), {gib(self.usage)} of it in use "
+                f"({MEMORY_BUDGET_EXTENSION}; heap size {gib(self.size)})")
+
+
+def raise_vk(e: Exception, what: str, nbytes: int | None = None, budget: HeapBudget | None = None,
+             device: "Device | None" = None):
+    """Raise the pagedvk error for a failed Vulkan call (a vk.VkError or vk.VkException)."""
     if isinstance(e, (vk.VkErrorOutOfDeviceMemory, vk.VkErrorOutOfHostMemory)):
         kind = "device" if isinstance(e, vk.VkErrorOutOfDeviceMemory) else "host"
-        raise OutOfMemoryError(f"{what}: out of {kind} memory asking for {nbytes} bytes"
-                               + (f" (budget {budget} bytes)" if budget is not None else "")) from e
+        asked = f" asking for {gib(nbytes)} ({nbytes} bytes)" if nbytes is not None else ""
+        raise OutOfMemoryError(f"{what}: out of {kind} memory (VK_ERROR_OUT_OF_{kind.upper()}_MEMORY){asked}"
+                               + (f"; {budget}" if budget is not None else ""), nbytes, budget) from e
     if isinstance(e, vk.VkErrorDeviceLost):
-        raise DeviceLostError(f"{what}: the Vulkan device was lost (VK_ERROR_DEVICE_LOST)") from e
+        message = (f"{what}: the Vulkan device was lost (VK_ERROR_DEVICE_LOST): the driver stopped it (a crash, "
+                   "a hang reset, or the GPU went away); everything made on it is gone. Close it and open a new one "
+                   "(device.close(), then pagedvk.default_device())")
+        if device is not None:
+            device.lost = message
+        raise DeviceLostError(message) from e
     raise VulkanError(f"{what} failed: {type(e).__name__}") from e
 
 
@@ -55,6 +91,15 @@ class Buffer:
                 sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
             req = vk.vkGetBufferMemoryRequirements(d, self.handle)
             type_index, mappable = device.memory_type(req.memoryTypeBits, host_visible)
+            heap = device.memory_properties.memoryTypes[type_index].heapIndex
+            if req.size > device.memory_properties.memoryHeaps[heap].size:
+                # Asking Vulkan for more than the heap is invalid usage (VUID-vkAllocateMemory-pAllocateInfo-01713),
+                # not an error code: refuse it here as the out-of-memory it is.
+                vk.vkDestroyBuffer(d, self.handle, None)
+                self.handle = None
+                budget = device.memory_budget(heap)
+                raise OutOfMemoryError(f"allocating a buffer: {gib(nbytes)} ({nbytes} bytes) is more than the "
+                                       f"whole memory heap; {budget}", nbytes, budget)
             self.memory = vk.vkAllocateMemory(d, vk.VkMemoryAllocateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, allocationSize=req.size,
                 memoryTypeIndex=type_index), None)
@@ -63,7 +108,7 @@ class Buffer:
                 self.mapped = vk.vkMapMemory(d, self.memory, 0, self.size, 0)
         except vk.VkError as e:
             _free_buffer(d, self.handle, self.memory)
-            raise_vk(e, "allocating a buffer", nbytes, device.memory_budget())
+            raise_vk(e, "allocating a buffer", nbytes, _budget_or_none(device, host_visible), device)
         self._finalizer = device.own(self, functools.partial(_free_buffer, d, self.handle, self.memory))
 
     @property
@@ -75,6 +120,13 @@ class Buffer:
         self.handle = self.memory = self.mapped = None
 
 
+def _budget_or_none(device, host_visible: bool) -> HeapBudget | None:
+    try:   # the figure for the error message; never let it hide the error itself
+        return device.memory_budget(device.heap_of(host_visible))
+    except Exception:
+        return None
+
+
 def _free_buffer(d, handle, memory) -> None:
     # Freeing mapped memory unmaps it.
     if handle is not None:
@@ -84,7 +136,13 @@ def _free_buffer(d, handle, memory) -> None:
 
 
 class Device:
-    """One Vulkan logical device with one compute queue. Thread-safe: queue submission is serialized."""
+    """One Vulkan logical device with one compute queue.
+
+    Thread-safe: `lock` serializes every use of the queue, the command pool and the descriptor pools
+    (Vulkan requires that of the host), and each submission holds it until its fence is signalled.
+    A submission whose wait timed out (PAGEDVK_TIMEOUT) is still running: it stays in `_in_flight`, and
+    until it finishes, objects dropped meanwhile are destroyed later rather than under it, and every
+    later submission or host copy first waits for it."""
 
     def __init__(self, info: DeviceInfo):
         self.info = info
@@ -92,6 +150,9 @@ class Device:
         self.lock = threading.RLock()
         self._live = {}  # key -> weakref.finalize that destroys one object made on this device
         self._keys = itertools.count()
+        self._in_flight = []   # fences of timed-out submissions that may still be running
+        self._deferred = []    # destroy() calls waiting for those submissions to finish
+        self.lost = None       # the message of the VK_ERROR_DEVICE_LOST that ended this device, if one did
         self.handle = None
         pd = info.handle
         families = list(vk.vkGetPhysicalDeviceQueueFamilyProperties(pd))
@@ -116,7 +177,9 @@ class Device:
             storageBuffer16BitAccess=have11.storageBuffer16BitAccess)
         base = vk.vkGetPhysicalDeviceFeatures(pd)
         features = vk.VkPhysicalDeviceFeatures(shaderInt16=base.shaderInt16, shaderInt64=base.shaderInt64)
-        extensions = [e for e in ("VK_KHR_portability_subset",) if e in info.extensions]
+        # VK_EXT_memory_budget: what each heap can still give, for out-of-memory errors (memory_budget()).
+        extensions = [e for e in ("VK_KHR_portability_subset", MEMORY_BUDGET_EXTENSION) if e in info.extensions]
+        self.has_memory_budget = MEMORY_BUDGET_EXTENSION in extensions
         queue_info = vk.VkDeviceQueueCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO, queueFamilyIndex=self.queue_family,
             queueCount=1, pQueuePriorities=[1.0])
@@ -158,8 +221,48 @@ class Device:
     def _release(self, key, destroy) -> None:
         with self.lock:
             self._live.pop(key, None)
-            if self.handle is not None:
+            if self.handle is None:
+                return
+            if self._in_flight and not self._settle(wait=False):
+                self._deferred.append(destroy)   # a timed-out submission may still use it
+            else:
                 destroy()
+
+    def _settle(self, wait: bool) -> bool:
+        """Whether every timed-out submission has finished (with wait, after waiting up to PAGEDVK_TIMEOUT
+        for them, raising TimeoutError_ if they still run). When all have, the destroys they held back
+        run. Callers hold self.lock."""
+        if self._in_flight:
+            try:
+                if wait:
+                    vk.vkWaitForFences(self.handle, len(self._in_flight), self._in_flight, vk.VK_TRUE, timeout_ns())
+                else:
+                    for fence in self._in_flight:
+                        vk.vkGetFenceStatus(self.handle, fence)
+            except (vk.VkTimeout, vk.VkNotReady):
+                if not wait:
+                    return False
+                raise TimeoutError_(f"{self.info.name}: work submitted earlier (whose wait timed out) is still "
+                                    f"running after another PAGEDVK_TIMEOUT={timeout_ns() / 1e9:g} s") from None
+            except vk.VkError as e:
+                # A lost device runs nothing more: its objects may go. (This also runs inside finalizers,
+                # which must not raise: without wait the loss is only recorded.)
+                self._in_flight.clear()
+                self._run_deferred()
+                try:
+                    raise_vk(e, "waiting for earlier work", device=self)
+                except DeviceLostError:
+                    if wait:
+                        raise
+                    return True
+            self._in_flight.clear()
+        self._run_deferred()
+        return True
+
+    def _run_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for destroy in deferred:
+            destroy()
 
     @property
     def closed(self) -> bool:
@@ -168,25 +271,50 @@ class Device:
     def require_open(self) -> None:
         if self.handle is None:
             raise ClosedError(f"device {self.info.name} is closed")
+        if self.lost is not None:
+            raise DeviceLostError(f"device {self.info.name} was lost earlier: {self.lost}")
 
     def check(self) -> None:
         """Raise any validation message the calls so far produced."""
         self.instance.raise_validation_messages()
 
     def live_objects(self) -> int:
-        """How many Vulkan objects made through this device are alive (buffers, pipelines, ...)."""
-        return len(self._live)
+        """How many Vulkan objects made through this device are alive (buffers, pipelines, ...), counting
+        those dropped while a timed-out submission still runs, which are destroyed once it finishes."""
+        with self.lock:
+            if self._in_flight and self.handle is not None:
+                self._settle(wait=False)
+            return len(self._live) + len(self._deferred)
 
-    def memory_budget(self) -> int:
-        """Device-local bytes (the heaps' sizes; what is still free is not known without memory_budget)."""
-        return self.info.device_local_bytes
+    def heap_of(self, host_visible: bool = False) -> int:
+        """The memory heap buffers are allocated from (device arrays: host_visible=False)."""
+        type_index, _ = self.memory_type((1 << self.memory_properties.memoryTypeCount) - 1, host_visible)
+        return self.memory_properties.memoryTypes[type_index].heapIndex
+
+    def memory_budget(self, heap: int | None = None) -> HeapBudget:
+        """What a memory heap (default: the one device arrays use) can still give: the driver's budget and
+        this process's usage with VK_EXT_memory_budget, else the heap's size (see HeapBudget)."""
+        heap = self.heap_of() if heap is None else heap
+        size = self.memory_properties.memoryHeaps[heap].size
+        if not self.has_memory_budget:
+            return HeapBudget(heap, size, size, None, "heap size")
+        budget = vk.VkPhysicalDeviceMemoryBudgetPropertiesEXT(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT)
+        vk.vkGetPhysicalDeviceMemoryProperties2(self.info.handle, vk.VkPhysicalDeviceMemoryProperties2(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2, pNext=budget))
+        return HeapBudget(heap, size, budget.heapBudget[heap], budget.heapUsage[heap], MEMORY_BUDGET_EXTENSION)
 
     def close(self) -> None:
         """Destroy everything made on this device. Safe to call twice."""
         with self.lock:
             if self.handle is None:
                 return
-            vk.vkDeviceWaitIdle(self.handle)
+            try:
+                vk.vkDeviceWaitIdle(self.handle)   # timed-out submissions too: nothing is destroyed under them
+            except vk.VkError:
+                pass   # a lost device runs nothing: destroying its objects is allowed
+            self._in_flight.clear()
+            self._run_deferred()
             for finalizer in list(self._live.values()):
                 finalizer()
             for pool in self._descriptor_pools:
@@ -242,6 +370,7 @@ class Device:
             return
         with self.lock:
             self.require_open()
+            self._settle(wait=True)   # the host must not write memory that timed-out work may still use
             if buf.mapped is not None:
                 np.frombuffer(buf.mapped, np.uint8)[offset:offset + src.nbytes] = src
                 return
@@ -254,6 +383,7 @@ class Device:
         nbytes = buf.nbytes - offset if nbytes is None else nbytes
         with self.lock:
             self.require_open()
+            self._settle(wait=True)   # nor read what it may still write
             if buf.mapped is not None:
                 return np.frombuffer(buf.mapped, np.uint8)[offset:offset + nbytes].copy()
             staging = self._staging_buffer(nbytes)
@@ -311,26 +441,57 @@ class Device:
 
 
 class CommandBuffer:
-    """A primary command buffer with its own fence, recorded once and submitted any number of times."""
+    """A primary command buffer with its own fence, recorded once and submitted any number of times.
+
+    Allocating, recording and freeing it use the device's command pool, which Vulkan requires the host to
+    serialize: all three hold device.lock. A submission holds it until its fence is signalled, so two
+    threads submitting one command buffer (a DecodePlan's cached launch) take turns."""
 
     def __init__(self, device: Device):
         self.device = device
         d = device.handle
-        self.handle = vk.vkAllocateCommandBuffers(d, vk.VkCommandBufferAllocateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, commandPool=device.command_pool,
-            level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
-        self.fence = vk.vkCreateFence(d, vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO), None)
+        with device.lock:
+            device.require_open()
+            self.handle = vk.vkAllocateCommandBuffers(d, vk.VkCommandBufferAllocateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, commandPool=device.command_pool,
+                level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
+            try:
+                self.fence = vk.vkCreateFence(d, vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO),
+                                              None)
+            except vk.VkError as e:
+                vk.vkFreeCommandBuffers(d, device.command_pool, 1, [self.handle])
+                raise_vk(e, "creating a fence", device=device)
         self._submit_info = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
                                             pCommandBuffers=[self.handle])
+        self.pending = False    # submitted, and its fence not yet seen signalled and reset
         self.query_pool, self.queries = None, 0
         self._query_pools = []  # the finalizer's view of the query pools made by timed records
+        self._elapsed = threading.local()  # each submitting thread's own timestamps (timestamps_ns)
         self._finalizer = device.own(self, functools.partial(
             _free_command_buffer, d, device.command_pool, self.handle, self.fence, self._query_pools))
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def _require_idle(self) -> None:
+        """Open, and not still running an earlier submission. Callers hold device.lock."""
+        self.device.require_open()
+        if self.closed:
+            raise ClosedError("the command buffer is closed")
+        if self.pending:
+            self.wait()   # its last wait timed out: it must finish before it is submitted or recorded again
 
     def record(self, body, timestamps: int = 0) -> None:
         """Record body(cmd) between barriers that order it after earlier submissions and before host
         reads. With timestamps=n (n >= 2), a GPU timestamp is written before body and one after it, and
         body may write the n - 2 between by calling stamp(cmd); read them with timestamps_ns()."""
+        with self.device.lock:
+            self._require_idle()
+            self._record(body, timestamps)
+        self.device.check()
+
+    def _record(self, body, timestamps: int) -> None:
         cmd = self.handle
         vk.vkBeginCommandBuffer(cmd, vk.VkCommandBufferBeginInfo(sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
         memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
@@ -355,7 +516,6 @@ class CommandBuffer:
         memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
                        vk.VK_PIPELINE_STAGE_HOST_BIT, vk.VK_ACCESS_HOST_READ_BIT)
         vk.vkEndCommandBuffer(cmd)
-        self.device.check()
 
     def stamp(self, cmd) -> None:
         """Write the next timestamp once everything recorded before it has finished."""
@@ -365,27 +525,46 @@ class CommandBuffer:
     def submit(self, wait: bool = True) -> None:
         dev = self.device
         with dev.lock:
-            dev.require_open()
+            self._require_idle()
+            dev._settle(wait=True)   # work whose wait timed out goes first, as it did on the queue
             try:
                 vk.vkQueueSubmit(dev.queue, 1, [self._submit_info], self.fence)
             except vk.VkError as e:
-                raise_vk(e, "vkQueueSubmit")
+                raise_vk(e, "vkQueueSubmit", device=dev)
+            self.pending = True
             if wait:
                 self.wait()
         dev.check()
 
     def wait(self) -> None:
-        d = self.device.handle
-        try:
-            vk.vkWaitForFences(d, 1, [self.fence], vk.VK_TRUE, timeout_ns())
-        except vk.VkTimeout:   # the binding raises for VK_TIMEOUT, a success code
-            raise TimeoutError_(f"the GPU did not finish within PAGEDVK_TIMEOUT={timeout_ns() / 1e9:g} s") from None
-        except vk.VkError as e:
-            raise_vk(e, "vkWaitForFences")
-        vk.vkResetFences(d, 1, [self.fence])
+        """Wait for the last submission, at most PAGEDVK_TIMEOUT seconds; TimeoutError_ past that (the
+        submission then stays pending: nothing it uses is freed or reused until it has finished)."""
+        dev = self.device
+        with dev.lock:
+            if not self.pending:
+                return
+            try:
+                result = vk.vkWaitForFences(dev.handle, 1, [self.fence], vk.VK_TRUE, timeout_ns())
+            except vk.VkTimeout:   # the binding raises VK_TIMEOUT (a success code) as an exception
+                result = vk.VK_TIMEOUT
+            except vk.VkError as e:
+                self._keep_in_flight()   # it may still run: free nothing under it
+                raise_vk(e, "vkWaitForFences", device=dev)
+            if result == vk.VK_TIMEOUT:
+                self._keep_in_flight()
+                raise TimeoutError_(f"{dev.info.name}: the GPU did not finish within PAGEDVK_TIMEOUT="
+                                    f"{timeout_ns() / 1e9:g} s; the work goes on, and later calls wait for it first")
+            vk.vkResetFences(dev.handle, 1, [self.fence])
+            self.pending = False
+            dev._in_flight[:] = [f for f in dev._in_flight if f != self.fence]   # reset: nothing to wait for
+            if self.query_pool is not None:
+                self._elapsed.stamps = self._read_timestamps()
 
-    def timestamps_ns(self) -> np.ndarray:
-        """The last submission's timestamps (after it finished), in ns from the first."""
+    def _keep_in_flight(self) -> None:
+        if not any(f == self.fence for f in self.device._in_flight):
+            self.device._in_flight.append(self.fence)
+
+    def _read_timestamps(self) -> np.ndarray:
         data = vk.ffi.new(f"uint64_t[{self.queries}]")
         vk.vkGetQueryPoolResults(self.device.handle, self.query_pool, 0, self.queries, vk.ffi.sizeof(data), data,
                                  8, vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
@@ -394,8 +573,14 @@ class CommandBuffer:
         return np.array([((data[i] - data[0]) & mask) * self.device.timestamp_period_ns
                          for i in range(self.queries)])
 
+    def timestamps_ns(self) -> np.ndarray:
+        """This thread's last submission's timestamps, in ns from the first (read when it finished, so
+        another thread's submission of the same command buffer does not change them)."""
+        stamps = getattr(self._elapsed, "stamps", None)
+        return self._read_timestamps() if stamps is None else stamps
+
     def elapsed_ns(self) -> float:
-        """GPU time from the first to the last timestamp of the last submission."""
+        """GPU time from the first to the last timestamp of this thread's last submission."""
         return float(self.timestamps_ns()[-1])
 
     def close(self) -> None:

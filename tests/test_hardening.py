@@ -1,0 +1,395 @@
+"""Hardening: bad tables that skip the Python checks, allocation failures, lost devices, timeouts, leaks
+over long runs, and closed objects. docs/RELIABILITY.md lists each case with the test that shows it."""
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import vulkan as vk
+
+import pagedvk
+from conftest import Case
+from pagedvk.errors import TimeoutError_
+
+SENTINEL = np.float32(-1234.5)   # a pattern no kernel writes by chance
+
+
+def rss_mib() -> float:
+    """Resident host memory of this process, from /proc/self/statm."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def sentinel(device, n=4096):
+    return pagedvk.asarray(np.full(n, SENTINEL, np.float32), device=device)
+
+
+def assert_untouched(*arrays):
+    for a in arrays:
+        assert (a.numpy() == SENTINEL).all(), "a kernel wrote outside its own buffers"
+
+
+def close_all(*arrays):
+    for a in arrays:
+        a.close()
+
+
+@pytest.fixture
+def warm(device):
+    """The decode pipeline made (it lives as long as the device), so live-object counts compare like
+    with like."""
+    case = Case(np.random.default_rng(0), num_seqs=1, head_size=32, max_len=20)
+    pagedvk.paged_attention(*case.args())
+    gc.collect()
+    return device
+
+
+# -- 2. kernels that cannot stray --------------------------------------------------------------------
+
+
+def bad_tables(case, num_blocks):
+    """Block tables and lengths where every other sequence is out of bounds in another way: ids at
+    num_blocks, huge, negative, lengths past the table and far past it, a negative length. Sequences
+    0, 2, 4, ... keep their valid rows."""
+    bt, sl = case.block_tables.copy(), case.seq_lens.copy()
+    capacity = bt.shape[1] * case.block_size
+    bt[1, 0] = num_blocks
+    bt[3, :] = 2**31 - 1
+    bt[5, 0], bt[5, 1] = -1, -2**31
+    sl[7] = capacity + 1
+    sl[9] = 2**31 - 1
+    sl[11] = -5
+    return bt, sl
+
+
+def test_unchecked_device_tables_stay_inside_their_buffers(rng, warm):
+    # An engine that trusts its tables runs with validate=False and updates them on the device in place:
+    # no Python check ever sees the values, so the kernel's own bounds are all that keep it inside the
+    # caches. Sentinel arrays allocated right before and after the caches and the output must keep their
+    # pattern (on a GPU a stray read or write past a buffer lands in its neighbours).
+    device = warm
+    live = device.live_objects()
+    case = Case(rng, num_seqs=12, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, max_len=100)
+    num_blocks = case.key_cache.shape[0]
+    guards = [sentinel(device)]
+    k = pagedvk.asarray(case.key_cache)
+    guards.append(sentinel(device))
+    v = pagedvk.asarray(case.value_cache)
+    guards.append(sentinel(device))
+    q = pagedvk.asarray(case.query)
+    out = pagedvk.empty(case.query.shape)
+    guards.append(sentinel(device))
+    bt, sl = pagedvk.asarray(case.block_tables), pagedvk.asarray(case.seq_lens)
+    ref = case.reference()
+    valid = list(range(0, 12, 2))
+
+    plan = pagedvk.DecodePlan(bt, sl, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                              num_blocks=num_blocks, validate=False)
+    plan.run(q, k, v, out)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+    bad_bt, bad_sl = bad_tables(case, num_blocks)
+    bt.write(bad_bt)   # the plan's tables, now bad: the plan reads them on the device at each run
+    sl.write(bad_sl)
+    for _ in range(3):
+        result = plan.run(q, k, v, out).numpy()
+        assert np.isfinite(result).all()
+        np.testing.assert_allclose(result[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    # The one-call op, with the bad tables given directly.
+    result = pagedvk.paged_attention(q, k, v, bt, sl, validate=False).numpy()
+    assert np.isfinite(result).all()
+    np.testing.assert_allclose(result[valid], ref[valid], rtol=1e-5, atol=1e-5)
+
+    np.testing.assert_array_equal(k.numpy(), case.key_cache)
+    np.testing.assert_array_equal(v.numpy(), case.value_cache)
+    assert_untouched(*guards)
+    plan.close()
+    # The device lives on: not lost, and a valid run is right.
+    assert device.lost is None
+    assert np.allclose(pagedvk.paged_attention(*case.args()), ref, rtol=1e-5, atol=1e-5)
+    close_all(k, v, q, out, bt, sl, *guards)
+    gc.collect()
+    assert device.live_objects() == live   # nothing the runs made is left behind
+
+
+def test_every_id_and_length_bad(rng, device):
+    # No sequence valid at all: every used id out of range or a length far past the table. The kernel
+    # must give zeros (no key in range), not NaN from an empty softmax, nor hang on a 2**31 - 1 length.
+    case = Case(rng, num_seqs=4, num_heads=2, num_kv_heads=1, head_size=32, block_size=8, max_len=40)
+    bt = np.where(np.arange(case.block_tables.size).reshape(case.block_tables.shape) % 2,
+                  -7, 10**6).astype(np.int32)
+    sl = np.array([2**31 - 1, 1, 8, case.block_tables.shape[1] * 8], np.int32)
+    guard = sentinel(device)
+    out = pagedvk.paged_attention(case.query, case.key_cache, case.value_cache, pagedvk.asarray(bt),
+                                  pagedvk.asarray(sl), validate=False)
+    assert (out == 0).all()
+    assert_untouched(guard)
+
+
+# -- 3. device errors: out of memory -------------------------------------------------------------------
+
+
+def test_allocation_larger_than_the_heap_is_out_of_memory(device):
+    # Asking Vulkan for more than a heap is invalid usage, so the library refuses it itself, naming the
+    # size and the heap (its size, or the driver's budget with VK_EXT_memory_budget).
+    budget = device.memory_budget()
+    live = device.live_objects()
+    nbytes = budget.size + (1 << 20)
+    with pytest.raises(pagedvk.OutOfMemoryError) as e:
+        device.buffer(nbytes)
+    assert isinstance(e.value, MemoryError)
+    assert str(nbytes) in str(e.value) and f"heap {budget.heap}" in str(e.value)
+    assert e.value.nbytes == nbytes and e.value.budget.source in ("heap size", "VK_EXT_memory_budget")
+    assert device.live_objects() == live
+
+
+def test_driver_out_of_memory_is_out_of_memory(device):
+    # 1 TiB: lavapipe's vkCreateBuffer itself returns VK_ERROR_OUT_OF_DEVICE_MEMORY (a real driver
+    # failure, no memory touched); a driver that makes the buffer hits the heap check instead.
+    live = device.live_objects()
+    with pytest.raises(pagedvk.OutOfMemoryError, match=str(2**40)) as e:
+        device.buffer(2**40)
+    assert "heap" in str(e.value)
+    assert device.live_objects() == live
+    a = pagedvk.asarray(np.arange(8, dtype=np.int32))
+    assert (a.numpy() == np.arange(8)).all()
+    a.close()
+
+
+def test_allocate_until_it_fails_then_recover(device):
+    # Chunks of a quarter of the budget, at most 8 (twice the budget), stopping at the first failure.
+    # lavapipe over-commits (its memory is the host's, untouched until used) and never fails inside this
+    # bound, so the loop also stops if the process grows by 1 GiB: the CI machine is never at risk.
+    budget = device.memory_budget()
+    chunk = max(budget.budget // 4, 1 << 20)
+    live, rss0 = device.live_objects(), rss_mib()
+    held, failure = [], None
+    for _ in range(8):
+        try:
+            held.append(device.buffer(chunk))
+        except pagedvk.OutOfMemoryError as e:
+            failure = e
+            break
+        if rss_mib() - rss0 > 1024:
+            break
+    if failure is not None:
+        assert str(chunk) in str(failure) and f"heap {budget.heap}" in str(failure)
+    assert device.live_objects() == live + len(held)   # the failed one left nothing behind
+    for b in held:
+        b.close()
+    assert device.live_objects() == live
+    again = device.buffer(chunk)   # the memory came back
+    again.close()
+
+
+@pytest.mark.parametrize("error", [vk.VkErrorOutOfDeviceMemory, vk.VkErrorOutOfHostMemory])
+def test_simulated_out_of_memory(device, monkeypatch, error):
+    # A driver that does run out: vkAllocateMemory fails. The half-made buffer is destroyed and the
+    # error names the size and the budget.
+    def fail(*args, **kw):
+        raise error()
+
+    live = device.live_objects()
+    monkeypatch.setattr(vk, "vkAllocateMemory", fail)
+    with pytest.raises(pagedvk.OutOfMemoryError) as e:
+        pagedvk.empty((1000, 1000))
+    kind = "device" if error is vk.VkErrorOutOfDeviceMemory else "host"
+    assert f"out of {kind} memory" in str(e.value) and "4000000 bytes" in str(e.value)
+    assert f"heap {device.memory_budget().heap}" in str(e.value) and e.value.budget is not None
+    assert device.live_objects() == live
+    monkeypatch.undo()
+    a = pagedvk.asarray(np.ones(1000, np.float32))
+    assert a.numpy().sum() == 1000
+    a.close()
+
+
+# -- 3. device errors: lost device ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["vkQueueSubmit", "vkWaitForFences"])
+def test_device_lost(rng, monkeypatch, call):
+    # Simulated on a device of its own (a real loss ends the device for good). The call raises
+    # DeviceLostError saying so, every later use does too, close() still frees everything, and a new
+    # device works.
+    dev = pagedvk.Device(pagedvk.devices()[0])
+    case = Case(rng, num_seqs=2, head_size=32, max_len=40)
+    k, v = pagedvk.asarray(case.key_cache, device=dev), pagedvk.asarray(case.value_cache, device=dev)
+
+    def lost(*args, **kw):
+        raise vk.VkErrorDeviceLost()
+
+    monkeypatch.setattr(vk, call, lost)
+    with pytest.raises(pagedvk.DeviceLostError, match="VK_ERROR_DEVICE_LOST.*open a new one"):
+        pagedvk.paged_attention(case.query, k, v, case.block_tables, case.seq_lens)
+    monkeypatch.undo()
+    assert dev.lost is not None
+    with pytest.raises(pagedvk.DeviceLostError, match="was lost earlier"):
+        pagedvk.empty(4, device=dev)
+    with pytest.raises(pagedvk.DeviceLostError):
+        k.numpy()
+    dev.close()
+    dev.close()
+    assert dev.live_objects() == 0 and k.closed
+    with pagedvk.Device(pagedvk.devices()[0]) as fresh:
+        out = pagedvk.paged_attention(case.query, pagedvk.asarray(case.key_cache, device=fresh),
+                                      pagedvk.asarray(case.value_cache, device=fresh), case.block_tables,
+                                      case.seq_lens)
+        np.testing.assert_allclose(out, case.reference(), rtol=1e-5, atol=1e-5)
+
+
+# -- 3. device errors: timeouts ------------------------------------------------------------------------
+
+
+def long_case(rng, device):
+    # Still running a nanosecond after its submission: milliseconds on lavapipe; on a GPU, half a GiB of
+    # cache per launch (a fraction of a millisecond, far longer than the few microseconds of Python
+    # between the submission and the wait).
+    if device.info.type == "cpu":
+        return Case(rng, num_seqs=4, num_heads=8, num_kv_heads=2, head_size=128, block_size=32, seq_lens=[2048] * 4)
+    return Case(rng, num_seqs=64, num_heads=8, num_kv_heads=1, head_size=128, block_size=32, seq_lens=[8192] * 64)
+
+
+def test_timeout_then_the_device_goes_on(rng, warm, monkeypatch):
+    # PAGEDVK_TIMEOUT=1e-9: the wait gives up at once with the TimeoutError subclass while the kernel
+    # still runs. The recorded launch is then still pending: the next run must wait for it before
+    # submitting it again, and nothing it uses may be freed under it (validation checks both).
+    device = warm
+    live = device.live_objects()
+    case = long_case(rng, device)
+    q, k, v, bt, sl = (pagedvk.asarray(a) for a in case.args())
+    out = pagedvk.empty(case.query.shape)
+    with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=8, validate=False) as plan:
+        expected = plan.run(q, k, v, out).numpy()
+        monkeypatch.setenv("PAGEDVK_TIMEOUT", "1e-9")
+        with pytest.raises(TimeoutError_, match="PAGEDVK_TIMEOUT=1e-09") as e:
+            plan.run(q, k, v, out)
+        assert isinstance(e.value, TimeoutError)
+        # A call made meanwhile times out too (waiting for the first, or for its own kernel); it frees its
+        # output and launch at once, but Vulkan destroys them only once nothing runs any more.
+        with pytest.raises(TimeoutError):
+            pagedvk.paged_attention(q, k, v, bt, sl, validate=False)
+        monkeypatch.delenv("PAGEDVK_TIMEOUT")
+        out.write(np.zeros(case.query.shape, np.float32))
+        np.testing.assert_array_equal(plan.run(q, k, v, out).numpy(), expected)
+    if device.info.type == "cpu":   # (the GPU-sized case is too big for a quick float64 reference)
+        np.testing.assert_allclose(expected, case.reference(), rtol=1e-5, atol=1e-5)
+    close_all(q, k, v, bt, sl, out)
+    gc.collect()
+    assert device.live_objects() == live
+
+
+def test_simulated_timeout(rng, warm, monkeypatch):
+    # A driver whose fence wait returns VK_TIMEOUT (the binding raises it as vk.VkTimeout), once.
+    real = vk.vkWaitForFences
+    calls = []
+
+    def times_out_once(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise vk.VkTimeout()
+        return real(*args)
+
+    case = Case(rng, num_seqs=2, head_size=32, max_len=40)
+    live = warm.live_objects()
+    monkeypatch.setattr(vk, "vkWaitForFences", times_out_once)
+    with pytest.raises(TimeoutError_):
+        pagedvk.paged_attention(*case.args())
+    out = pagedvk.paged_attention(*case.args())
+    np.testing.assert_allclose(out, case.reference(), rtol=1e-5, atol=1e-5)
+    gc.collect()
+    assert warm.live_objects() == live
+
+
+# -- 4. no leaks ---------------------------------------------------------------------------------------
+
+SOAK_LAUNCHES = 100_000
+# Host memory may grow this much after the warm-up. The validation layer keeps records of its own per
+# object made (31 MiB over the 10,000 arrays on NVIDIA's driver; none on lavapipe): more room under it.
+RSS_BOUND_MIB = 64 if os.environ.get("PAGEDVK_VALIDATION") == "1" else 20
+
+
+@pytest.mark.slow
+def test_soak_launches_hold_memory_flat(rng, device):
+    # 100,000 decode launches through one plan (about 13 s on lavapipe): host memory and the number of
+    # live Vulkan objects must not grow, measured after a warm-up.
+    case = Case(rng, num_seqs=1, num_heads=1, num_kv_heads=1, head_size=32, block_size=8, seq_lens=[9])
+    q, k, v = (pagedvk.asarray(a) for a in case.args()[:3])
+    bt, sl = pagedvk.asarray(case.block_tables), pagedvk.asarray(case.seq_lens)
+    out = pagedvk.empty(case.query.shape)
+    plan = pagedvk.DecodePlan(bt, sl, num_heads=1, num_kv_heads=1, head_size=32, block_size=8,
+                              num_blocks=case.key_cache.shape[0], validate=False)
+    for _ in range(1000):
+        plan.run(q, k, v, out)
+    gc.collect()
+    rss, live = rss_mib(), device.live_objects()
+    for _ in range(SOAK_LAUNCHES):
+        plan.run(q, k, v, out)
+    gc.collect()
+    assert device.live_objects() == live
+    assert rss_mib() - rss < RSS_BOUND_MIB, f"host memory grew {rss_mib() - rss:.1f} MiB over {SOAK_LAUNCHES} launches"
+    np.testing.assert_allclose(out.numpy(), case.reference(), rtol=1e-5, atol=1e-5)
+    plan.close()
+    close_all(q, k, v, bt, sl, out)
+
+
+@pytest.mark.slow
+def test_array_cycles_hold_memory_flat(device):
+    # 10,000 arrays made and freed, half by close() and half by dropping them (the garbage collector's
+    # finalizer), zeros() also recording and freeing a command buffer each time.
+    host = np.arange(256, dtype=np.float32)
+
+    def cycle(i):
+        a = pagedvk.asarray(host) if i % 2 else pagedvk.zeros(256)
+        if i % 4 < 2:
+            a.close()
+
+    for i in range(500):
+        cycle(i)
+    gc.collect()
+    rss, live = rss_mib(), device.live_objects()
+    for i in range(10_000):
+        cycle(i)
+    gc.collect()
+    assert device.live_objects() == live
+    assert rss_mib() - rss < RSS_BOUND_MIB, f"host memory grew {rss_mib() - rss:.1f} MiB over 10,000 arrays"
+
+
+# -- 4. closed objects ---------------------------------------------------------------------------------
+
+
+def test_closed_array_is_refused_by_the_ops(rng, device):
+    # A closed cache bound to a kernel would reach the GPU as a null descriptor: ClosedError instead.
+    case = Case(rng, num_seqs=2, head_size=32, max_len=40)
+    k = pagedvk.asarray(case.key_cache)
+    k.close()
+    with pytest.raises(pagedvk.ClosedError, match="closed"):
+        pagedvk.paged_attention(case.query, k, case.value_cache, case.block_tables, case.seq_lens)
+    bt = pagedvk.asarray(case.block_tables)
+    plan = pagedvk.DecodePlan(bt, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=32, block_size=16,
+                              num_blocks=case.key_cache.shape[0])
+    bt.close()   # the plan's own tables, closed under it
+    with pytest.raises(pagedvk.ClosedError):
+        plan.run(case.query, case.key_cache, case.value_cache)
+    with pytest.raises(pagedvk.ClosedError):
+        k.write(case.key_cache)
+    plan.close()
+    plan.close()   # idempotent
+
+
+def test_closed_device_is_refused_everywhere(rng):
+    dev = pagedvk.Device(pagedvk.devices()[0])
+    case = Case(rng, num_seqs=2, head_size=32, max_len=40)
+    k = pagedvk.asarray(case.key_cache, device=dev)
+    buf = dev.buffer(64)
+    cmd = dev.command_buffer()
+    dev.close()
+    for use in (lambda: dev.buffer(16), dev.command_buffer, lambda: dev.upload(buf, np.zeros(4, np.int32)),
+                lambda: dev.download(buf), lambda: pagedvk.zeros(4, device=dev), k.numpy,
+                cmd.submit, lambda: pagedvk.paged_attention(case.query, k, case.value_cache, case.block_tables,
+                                                           case.seq_lens)):
+        with pytest.raises(pagedvk.ClosedError):
+            use()
+    assert k.closed and buf.closed and dev.live_objects() == 0
+    k.close()   # closing what the device already freed is fine
+    cmd.close()
