@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -162,6 +163,7 @@ class DecodePlan:
         self.reduce_pipeline = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, "f32", self.backend)
                                 if split else None)
         self._launches = OrderedDict()  # buffer ids -> recorded Launch, least recently used first
+        self._lock = threading.Lock()
 
     @classmethod
     def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, **kw) -> "DecodePlan":
@@ -223,6 +225,13 @@ class DecodePlan:
                 a.close()
 
     def _launch(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool = False):
+        # One thread at a time per plan: its recorded launches are looked up, evicted and submitted under
+        # the lock, so no thread submits a launch another has just evicted (the device serializes
+        # submissions anyway).
+        with self._lock:
+            return self._launch_locked(q, k, v, o, num_blocks, cache, timed)
+
+    def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool):
         buffers = (q.buffer, k.buffer, v.buffer, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
         key = tuple(id(b) for b in buffers) + (timed,)
         launch = self._launches.get(key)
@@ -279,8 +288,9 @@ class DecodePlan:
         self._launches.pop(key).close()
 
     def close(self) -> None:
-        for key in list(self._launches):
-            self._forget(key)
+        with self._lock:
+            for key in list(self._launches):
+                self._forget(key)
         for a in self._owned:
             a.close()
         self._owned = []

@@ -18,7 +18,7 @@ class DeviceLostError(VulkanError):
     later use of that Device raises it too; close it and open a new one."""
 
 
-class TimeoutError_(PagedVKError, TimeoutError):
+class GPUTimeoutError(PagedVKError, TimeoutError):
     """A fence was not signalled within PAGEDVK_TIMEOUT seconds."""
 
 

@@ -61,7 +61,8 @@ def _strides(layout: str, block_size: int, num_kv_heads: int, head_size: int) ->
 class _Problem:
     """The checked arguments of one call: dims, device, backend and the push constants they give."""
 
-    def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend):
+    def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend,
+                 validate=True):
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
         if not isinstance(causal, (bool, np.bool_)):
@@ -87,10 +88,11 @@ class _Problem:
         checks.dtype("seq_lens", seq_lens, [np.int32])
         checks.dim("block_tables", block_tables, 0, self.num_seqs, "num_seqs, from query")
         checks.dim("seq_lens", seq_lens, 0, self.num_seqs, "num_seqs, from query")
-        checks.block_table_values(block_tables, seq_lens, self.block_size, self.num_blocks)
+        if validate:
+            checks.block_table_values(block_tables, seq_lens, self.block_size, self.num_blocks)
         lens = checks.host(seq_lens)
         short = np.flatnonzero((lens > 0) & (lens < self.q_len))
-        if short.size:
+        if validate and short.size:
             s = int(short[0])
             raise ValueError(f"seq_lens[{s}] = {int(lens[s])} is less than q_len (query.shape[2]) = {self.q_len}: "
                              f"the queries are each sequence's last q_len tokens (0, an empty sequence, is allowed)")
@@ -130,11 +132,14 @@ class _Problem:
     def block_readers(self) -> np.ndarray:
         """int32 [num_blocks + 1 offsets, then one entry per (sequence, slot) reading a block]: the pairs
         reading block b are entries offsets[b] .. offsets[b + 1], each sequence * max_blocks_per_seq + slot,
-        in sequence order. Built on the host, where the block tables were checked."""
+        in sequence order. Built on the host; unchecked tables (validate=False) are bounded here as the
+        kernels bound them: lengths clamped to [0, the row's capacity], ids outside the cache left out."""
         bt, lens = checks.host(self.block_tables), checks.host(self.seq_lens).astype(np.int64)
-        used = (lens + self.block_size - 1) // self.block_size
+        used = (np.clip(lens, 0, bt.shape[1] * self.block_size) + self.block_size - 1) // self.block_size
         seqs, slots = np.nonzero(np.arange(bt.shape[1])[None, :] < used[:, None])
         ids = bt[seqs, slots].astype(np.int64)
+        inside = (ids >= 0) & (ids < self.num_blocks)
+        seqs, slots, ids = seqs[inside], slots[inside], ids[inside]
         order = np.argsort(ids, kind="stable")
         offsets = np.concatenate([[0], np.cumsum(np.bincount(ids, minlength=self.num_blocks))])
         return np.concatenate([offsets, (seqs * bt.shape[1] + slots)[order]]).astype(np.int32)
@@ -170,7 +175,7 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
 
 
 def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, causal=True,
-                            layout="nhd", backend=None):
+                            layout="nhd", backend=None, validate=True):
     """Attention of each sequence's last q_len tokens over its paged KV cache.
 
     query        float32 [num_seqs, num_heads, q_len, head_size]; query i of sequence s is its token
@@ -185,8 +190,10 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_len
     Returns (out [num_seqs, num_heads, q_len, head_size], lse [num_seqs, num_heads, q_len]), lse the
     natural-log sum of exp(scale q.k) over the keys seen: numpy for a numpy query, DeviceArrays for a
     DeviceArray query.
+    validate=False skips the checks of the tables' values (as DecodePlan's): the kernels bound every
+    index themselves, so bad values give wrong rows for their sequences, never an access outside a buffer.
     """
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend)
+    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate)
     return _run(p, [(PAGED_PREFILL, p.grid(FORWARD_ROWS))],
                 dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                      seq_lens=seq_lens),
@@ -194,16 +201,16 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_len
 
 
 def paged_attention_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, *, scale=None,
-                             causal=True, layout="nhd", backend=None):
+                             causal=True, layout="nhd", backend=None, validate=True):
     """Gradients of paged_attention_prefill: (dq, dk_cache, dv_cache) for the upstream gradient dout.
 
     out and lse are what paged_attention_prefill returned for these arguments; dout and out have the
     query's shape, lse [num_seqs, num_heads, q_len]. dk_cache and dv_cache have the caches' shapes and
     layout: where several sequences read one physical block their gradients add up (in a fixed order,
     so results are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a
-    DeviceArray query gives DeviceArrays.
+    DeviceArray query gives DeviceArrays. validate as for paged_attention_prefill.
     """
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend)
+    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate)
     query_layout = "[num_seqs, num_heads, q_len, head_size] (the query's shape)"
     p.check_like("dout", dout, tuple(query.shape), query_layout)
     p.check_like("out", out, tuple(query.shape), query_layout)

@@ -50,6 +50,8 @@ def select(spec: str | int | None = None) -> tuple:
 def open_device(info: DeviceInfo) -> Device:
     with _lock:
         device = _open.get(info.index)
+        if device is not None and device.lost is not None:
+            device.close()   # a lost device runs nothing more: the next user gets a new one
         if device is None or device.closed:
             device = _open[info.index] = Device(info)
         return device

@@ -10,7 +10,7 @@ import vulkan as vk
 
 import pagedvk
 from conftest import Case
-from pagedvk.errors import TimeoutError_
+from pagedvk.errors import GPUTimeoutError
 
 SENTINEL = np.float32(-1234.5)   # a pattern no kernel writes by chance
 
@@ -262,7 +262,7 @@ def test_timeout_then_the_device_goes_on(rng, warm, monkeypatch):
     with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=8, validate=False) as plan:
         expected = plan.run(q, k, v, out).numpy()
         monkeypatch.setenv("PAGEDVK_TIMEOUT", "1e-9")
-        with pytest.raises(TimeoutError_, match="PAGEDVK_TIMEOUT=1e-09") as e:
+        with pytest.raises(GPUTimeoutError, match="PAGEDVK_TIMEOUT=1e-09") as e:
             plan.run(q, k, v, out)
         assert isinstance(e.value, TimeoutError)
         # A call made meanwhile times out too (waiting for the first, or for its own kernel); it frees its
@@ -293,7 +293,7 @@ def test_simulated_timeout(rng, warm, monkeypatch):
     case = Case(rng, num_seqs=2, head_size=32, max_len=40)
     live = warm.live_objects()
     monkeypatch.setattr(vk, "vkWaitForFences", times_out_once)
-    with pytest.raises(TimeoutError_):
+    with pytest.raises(GPUTimeoutError):
         pagedvk.paged_attention(*case.args())
     out = pagedvk.paged_attention(*case.args())
     np.testing.assert_allclose(out, case.reference(), rtol=1e-5, atol=1e-5)
@@ -393,3 +393,40 @@ def test_closed_device_is_refused_everywhere(rng):
     assert k.closed and buf.closed and dev.live_objects() == 0
     k.close()   # closing what the device already freed is fine
     cmd.close()
+
+
+@pytest.mark.parametrize("backend", ["glsl", "wgsl"])
+def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, device, backend):
+    # The same bad device-resident tables (validate=False) through the prefill forward and backward: the
+    # kernels treat bad blocks as empty and clamp lengths, so valid sequences stay right, the caches and
+    # the neighbouring sentinels are untouched, and nothing is written outside the gradient caches.
+    from test_prefill import PrefillCase
+    case = PrefillCase(rng, q_len=3, layout="vllm", seq_lens=[40, 17, 64, 33, 20, 50], num_heads=4,
+                       num_kv_heads=2, head_size=32)
+    num_blocks = case.key_cache.shape[0]
+    guards = [sentinel(device)]
+    k = pagedvk.asarray(case.key_cache)
+    guards.append(sentinel(device))
+    v = pagedvk.asarray(case.value_cache)
+    guards.append(sentinel(device))
+    q = pagedvk.asarray(case.query)
+    bad_bt, bad_sl = case.block_tables.copy(), case.seq_lens.copy()
+    bad_bt[1, 0], bad_bt[3, :], bad_sl[5] = num_blocks, -(2**31), 2**31 - 1
+    bt, sl = pagedvk.asarray(bad_bt), pagedvk.asarray(bad_sl)
+    opts = dict(layout="vllm", backend=backend, validate=False)
+    out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, sl, **opts)
+    ref_out, ref_lse = case.reference()
+    valid = [0, 2, 4]
+    got = out.numpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[valid], ref_out[valid], rtol=1e-5, atol=1e-5)
+    dout = pagedvk.asarray(rng.standard_normal(case.query.shape).astype(np.float32))
+    dq, dk, dv = pagedvk.paged_attention_backward(dout, q, k, v, bt, sl, out, lse, **opts)
+    assert np.isfinite(dq.numpy()).all() and np.isfinite(dk.numpy()).all() and np.isfinite(dv.numpy()).all()
+    ref_dq = pagedvk.reference.paged_attention_backward(dout.numpy(), *case.args(), **case.options())[0]
+    np.testing.assert_allclose(dq.numpy()[valid], ref_dq[valid], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(k.numpy(), case.key_cache)
+    np.testing.assert_array_equal(v.numpy(), case.value_cache)
+    assert_untouched(*guards)
+    assert device.lost is None
+    close_all(k, v, q, bt, sl, out, lse, dout, dq, dk, dv, *guards)

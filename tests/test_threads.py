@@ -150,3 +150,32 @@ def test_thread_results_do_not_depend_on_the_thread_count(rng, device, n):
     run_threads(body, n)
     for a, b in zip(results, serial):
         np.testing.assert_array_equal(a, b)
+
+
+def test_threads_sharing_a_plan_with_many_arrays(rng):
+    # More distinct (query, out) pairs than a plan keeps recorded launches (32): eviction under load
+    # must never close a launch another thread is about to submit.
+    from pagedvk.decode import RECORDED_LAUNCHES
+    case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, block_size=8, max_len=40)
+    k, v = pagedvk.asarray(case.key_cache), pagedvk.asarray(case.value_cache)
+    plan = pagedvk.DecodePlan.for_caches(k, v, case.block_tables, case.seq_lens, num_heads=4)
+    queries = [rng.standard_normal(case.query.shape).astype(np.float32) for _ in range(RECORDED_LAUNCHES + 8)]
+    refs = [pagedvk.reference.paged_attention(q, case.key_cache, case.value_cache, case.block_tables,
+                                              case.seq_lens) for q in queries]
+    pairs = [(pagedvk.asarray(q), pagedvk.empty(q.shape)) for q in queries]
+    errors = []
+
+    def work(offset):
+        for i in range(len(pairs)):
+            j = (i + offset) % len(pairs)
+            out = plan.run(pairs[j][0], k, v, out=pairs[j][1]).numpy()
+            if not np.allclose(out, refs[j], rtol=1e-5, atol=1e-5):
+                errors.append(j)
+
+    threads = [threading.Thread(target=work, args=(5 * t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    plan.close()
+    assert not errors

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import vulkan as vk
 
-from ..errors import ClosedError, DeviceLostError, OutOfMemoryError, TimeoutError_, VulkanError
+from ..errors import ClosedError, DeviceLostError, OutOfMemoryError, GPUTimeoutError, VulkanError
 from .instance import DeviceInfo, get_instance, query_features, register_closer
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -230,7 +230,7 @@ class Device:
 
     def _settle(self, wait: bool) -> bool:
         """Whether every timed-out submission has finished (with wait, after waiting up to PAGEDVK_TIMEOUT
-        for them, raising TimeoutError_ if they still run). When all have, the destroys they held back
+        for them, raising GPUTimeoutError if they still run). When all have, the destroys they held back
         run. Callers hold self.lock."""
         if self._in_flight:
             try:
@@ -242,7 +242,7 @@ class Device:
             except (vk.VkTimeout, vk.VkNotReady):
                 if not wait:
                     return False
-                raise TimeoutError_(f"{self.info.name}: work submitted earlier (whose wait timed out) is still "
+                raise GPUTimeoutError(f"{self.info.name}: work submitted earlier (whose wait timed out) is still "
                                     f"running after another PAGEDVK_TIMEOUT={timeout_ns() / 1e9:g} s") from None
             except vk.VkError as e:
                 # A lost device runs nothing more: its objects may go. (This also runs inside finalizers,
@@ -537,7 +537,7 @@ class CommandBuffer:
         dev.check()
 
     def wait(self) -> None:
-        """Wait for the last submission, at most PAGEDVK_TIMEOUT seconds; TimeoutError_ past that (the
+        """Wait for the last submission, at most PAGEDVK_TIMEOUT seconds; GPUTimeoutError past that (the
         submission then stays pending: nothing it uses is freed or reused until it has finished)."""
         dev = self.device
         with dev.lock:
@@ -552,7 +552,7 @@ class CommandBuffer:
                 raise_vk(e, "vkWaitForFences", device=dev)
             if result == vk.VK_TIMEOUT:
                 self._keep_in_flight()
-                raise TimeoutError_(f"{dev.info.name}: the GPU did not finish within PAGEDVK_TIMEOUT="
+                raise GPUTimeoutError(f"{dev.info.name}: the GPU did not finish within PAGEDVK_TIMEOUT="
                                     f"{timeout_ns() / 1e9:g} s; the work goes on, and later calls wait for it first")
             vk.vkResetFences(dev.handle, 1, [self.fence])
             self.pending = False
