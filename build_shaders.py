@@ -12,6 +12,7 @@ what each module was built from, so the library can refuse a module older than i
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import re
@@ -32,6 +33,7 @@ class BuildError(RuntimeError):
     pass
 
 
+@functools.lru_cache(maxsize=None)
 def load_abi():
     # By path, not by import: building must not need the package's run-time dependencies.
     spec = importlib.util.spec_from_file_location("pagedvk_abi", ROOT / "pagedvk" / "abi.py")
@@ -91,10 +93,24 @@ def override_names(text: str) -> list:
     return [m[1] for m in OVERRIDE.finditer(text)]
 
 
+def expand_includes(source: Path) -> str:
+    abi = load_abi()
+    lines = []
+    for line in source.read_text().splitlines(keepends=True):
+        if line.startswith(abi.WGSL_INCLUDE):
+            path = source.parent / line[len(abi.WGSL_INCLUDE):].strip()
+            if not path.is_file():
+                raise BuildError(f"{source.name}: included file {path.name} not found")
+            lines.append(path.read_text() + "\n")
+        else:
+            lines.append(line)
+    return "".join(lines)
+
+
 def compile_wgsl(source: Path, out: Path, constants: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
-        fixed.write_text(fix_overrides(source.read_text(), constants, source.name))
+        fixed.write_text(fix_overrides(expand_includes(source), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
 
 

@@ -258,11 +258,22 @@ def source_name(abi: KernelABI, backend: str, variant: Variant | None = None) ->
     return abi.op + SOURCE_SUFFIX[backend]
 
 
+WGSL_INCLUDE = "//!include "   # WGSL has no includes: build_shaders.py pastes the named file at such a line
+
+
+def wgsl_includes(source: Path) -> list:
+    """The files a WGSL source includes (one level: included files include nothing)."""
+    return [source.parent / line[len(WGSL_INCLUDE):].strip()
+            for line in source.read_text().splitlines() if line.startswith(WGSL_INCLUDE)]
+
+
 def source_files(shader_dir: Path, abi: KernelABI, backend: str, variant: Variant | None = None) -> list:
-    """The files a module is built from: its source, and for GLSL every include file."""
+    """The files a module is built from: its source, and its include files (for GLSL, every one)."""
     files = [shader_dir / source_name(abi, backend, variant)]
     if backend == "glsl":
         files += sorted(shader_dir.glob("*" + GLSL_INCLUDE_SUFFIX))
+    else:
+        files += wgsl_includes(files[0])
     return files
 
 

@@ -40,6 +40,22 @@ def host(a) -> np.ndarray:
     return a.numpy() if isinstance(a, DeviceArray) else a
 
 
+def tables(block_tables, seq_lens, num_seqs: int | None = None, source: str = "") -> None:
+    """Kinds, shapes and dtypes of a block table int32 [num_seqs, max_blocks_per_seq] and its lengths
+    int32 [num_seqs]; num_seqs from `source` when given, else from the block table."""
+    kind("block_tables", block_tables)
+    kind("seq_lens", seq_lens)
+    ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    ndim("seq_lens", seq_lens, 1, "[num_seqs]")
+    dtype("block_tables", block_tables, [np.int32])
+    dtype("seq_lens", seq_lens, [np.int32])
+    if num_seqs is not None:
+        dim("block_tables", block_tables, 0, num_seqs, f"num_seqs, from {source}")
+        dim("seq_lens", seq_lens, 0, num_seqs, f"num_seqs, from {source}")
+    else:
+        dim("seq_lens", seq_lens, 0, block_tables.shape[0], "num_seqs, from block_tables")
+
+
 def block_table_values(block_tables, seq_lens, block_size: int, num_blocks: int) -> None:
     """seq_lens in [0, max_blocks_per_seq * block_size]; each sequence's used block ids in [0, num_blocks)."""
     bt, lens = host(block_tables), host(seq_lens)

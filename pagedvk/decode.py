@@ -112,13 +112,7 @@ class DecodePlan:
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
                  block_size: int, num_blocks: int, dtype=np.float32, scale: float | None = None,
                  device=None, backend: str | None = None, validate: bool = True, partition_size: int | None = None):
-        checks.kind("block_tables", block_tables)
-        checks.kind("seq_lens", seq_lens)
-        checks.ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
-        checks.ndim("seq_lens", seq_lens, 1, "[num_seqs]")
-        checks.dtype("block_tables", block_tables, [np.int32])
-        checks.dtype("seq_lens", seq_lens, [np.int32])
-        checks.dim("seq_lens", seq_lens, 0, block_tables.shape[0], "num_seqs, from block_tables")
+        checks.tables(block_tables, seq_lens)
         if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
         if validate:  # reads device-resident tables back; engines that trust their tables can skip it

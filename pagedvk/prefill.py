@@ -80,14 +80,7 @@ class _Problem:
         if self.q_len < 1:
             raise ValueError(f"query.shape[2] (q_len) must be at least 1, got {self.q_len}")
 
-        checks.kind("block_tables", block_tables)
-        checks.kind("seq_lens", seq_lens)
-        checks.ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
-        checks.ndim("seq_lens", seq_lens, 1, "[num_seqs]")
-        checks.dtype("block_tables", block_tables, [np.int32])
-        checks.dtype("seq_lens", seq_lens, [np.int32])
-        checks.dim("block_tables", block_tables, 0, self.num_seqs, "num_seqs, from query")
-        checks.dim("seq_lens", seq_lens, 0, self.num_seqs, "num_seqs, from query")
+        checks.tables(block_tables, seq_lens, self.num_seqs, "query")
         if validate:
             checks.block_table_values(block_tables, seq_lens, self.block_size, self.num_blocks)
         lens = checks.host(seq_lens)

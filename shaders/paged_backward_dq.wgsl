@@ -1,26 +1,8 @@
 // Paged-attention backward, the query gradient, WGSL: shaders/paged_backward_dq.comp translated
 // statement for statement, with the same interface (PAGED_BACKWARD_DQ in pagedvk/abi.py). The algorithm
-// is explained there and in attention_common.glsl, whose helpers are repeated here (WGSL has no includes).
+// is explained there and in attention_common.glsl; the shared helpers are attention_common.wgsl.
 
-struct Params {
-    num_heads: u32,
-    num_kv_heads: u32,
-    head_size: u32,
-    block_size: u32,
-    max_blocks_per_seq: u32,
-    num_blocks: u32,
-    q_len: u32,
-    causal: u32,
-    scale: f32,
-    k_block_stride: u32,
-    k_head_stride: u32,
-    k_token_stride: u32,
-    k_chunk_stride: u32,
-    v_block_stride: u32,
-    v_head_stride: u32,
-    v_token_stride: u32,
-    v_dim_stride: u32,
-}
+//!include attention_common.wgsl
 
 @group(0) @binding(0) var<storage, read> query: array<vec4<f32>>;        // [seqs, heads, q_len, head_size]
 @group(0) @binding(1) var<storage, read> key_cache: array<vec4<f32>>;    // 4-dim chunks, see key_chunk()
@@ -41,31 +23,6 @@ const MAX_TILE_BLOCKS: u32 = 16u;   // TILE / smallest block size (8)
 
 var<workgroup> s_ds: array<vec4<f32>, 256>;   // TILE * 2: [token][rows 0-3 | rows 4-7], dS
 var<workgroup> s_phys: array<i32, MAX_TILE_BLOCKS>;
-
-fn visible_keys(i: u32, seq_len: u32) -> u32 {
-    if (pc.causal == 0u) {
-        return seq_len;
-    }
-    return u32(clamp(i32(seq_len) - i32(pc.q_len) + i32(i) + 1, 0, i32(seq_len)));
-}
-
-fn row_base(seq: u32, kv_head: u32, gr: u32) -> u32 {
-    let group = pc.num_heads / pc.num_kv_heads;
-    return ((seq * pc.num_heads + kv_head * group + gr % group) * pc.q_len + gr / group) * pc.head_size;
-}
-
-fn key_chunk(b: u32, h: u32, t: u32, c: u32) -> u32 {
-    return (b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride + c * pc.k_chunk_stride) >> 2u;
-}
-
-fn key_index(b: u32, h: u32, t: u32, d: u32) -> u32 {
-    return b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride + (d >> 2u) * pc.k_chunk_stride
-        + (d & 3u);
-}
-
-fn value_index(b: u32, h: u32, t: u32, d: u32) -> u32 {
-    return b * pc.v_block_stride + h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
-}
 
 fn dots(x: vec4<f32>, rows: vec4<u32>) -> vec4<f32> {
     return vec4<f32>(dot(x, query[rows.x]), dot(x, query[rows.y]), dot(x, query[rows.z]), dot(x, query[rows.w]));

@@ -124,3 +124,20 @@ def test_push_constant_packing():
     assert packed[24:28] == struct.pack("<f", 0.5)
     with pytest.raises(KeyError, match="missing"):
         abi.PAGED_DECODE.pack_push(num_heads=8)
+
+
+def test_wgsl_includes_are_pasted_and_tracked(tmp_path):
+    sys.path.insert(0, str(REPO))
+    try:
+        import build_shaders
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "common.wgsl").write_text("fn twice(x: u32) -> u32 { return 2u * x; }\n")
+    module = tmp_path / "m.wgsl"
+    module.write_text("// a module\n//!include common.wgsl\nfn f() -> u32 { return twice(1u); }\n")
+    text = build_shaders.expand_includes(module)
+    assert "fn twice" in text and "//!include" not in text
+    assert abi.wgsl_includes(module) == [tmp_path / "common.wgsl"]
+    module.write_text("//!include missing.wgsl\n")
+    with pytest.raises(build_shaders.BuildError, match="missing.wgsl not found"):
+        build_shaders.expand_includes(module)

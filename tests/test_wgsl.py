@@ -18,7 +18,8 @@ WGSL_KERNELS = [k for k in abi.KERNELS if "wgsl" in k.backends]
 
 
 def source(kernel):
-    return (SHADERS / abi.source_name(kernel, "wgsl", kernel.variants[0])).read_text()
+    """The module's WGSL with what it includes (`//!include`, pasted in by build_shaders.py)."""
+    return "".join(p.read_text() for p in abi.source_files(SHADERS, kernel, "wgsl", kernel.variants[0]))
 
 
 def test_every_attention_op_has_a_wgsl_module():
