@@ -102,6 +102,19 @@ def test_build_without_glslang_names_the_package(tmp_path):
     assert "glslangValidator not found" in result.stderr and "glslang-tools" in result.stderr
 
 
+def test_build_without_naga_or_node_says_what_to_install(tmp_path):
+    # glslang and spirv-val are there, but neither a naga CLI nor Node.js: the WGSL modules cannot be made.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("glslangValidator", "spirv-val"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    env = dict(os.environ, PATH=str(bin_dir))
+    result = subprocess.run([sys.executable, str(REPO / "build_shaders.py"), "--backend", "wgsl", "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, env=env)
+    assert result.returncode == 1
+    assert "WGSL needs naga" in result.stderr and "Node.js" in result.stderr and "npm ci" in result.stderr
+
+
 def test_build_reports_compile_errors(tmp_path, monkeypatch):
     # A broken shader fails the build with the compiler's message and leaves no module behind.
     sys.path.insert(0, str(REPO))
