@@ -41,8 +41,8 @@ def partitioning(num_seqs: int, workgroups_per_seq: int, heads_per_workgroup: in
     """(partition_size, num_partitions): the one rule for splitting contexts (vLLM's v1/v2 choice).
 
     Partitions start as long as the kernel's shared memory allows (4096 / heads per workgroup tokens,
-    rounded down to a power of two) and halve, down to 128 tokens, until the launch has TARGET_WORKGROUPS workgroups. A context that fits
-    one partition needs no reduce pass.
+    rounded down to a power of two) and halve, down to 128 tokens, until the launch has
+    TARGET_WORKGROUPS workgroups. A context that fits one partition needs no reduce pass.
     """
     size = 1 << ((LOGIT_SLOTS // heads_per_workgroup).bit_length() - 1)  # a power of two: whole blocks
     base = num_seqs * workgroups_per_seq
@@ -104,7 +104,8 @@ class DecodePlan:
     more than every block id used (checked at plan time against num_blocks).
     validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
     tables back to the host. The kernel bounds every index itself, so bad values then give wrong
-    attention for the sequences that hold them, never a read outside the caches.
+    attention for the sequences that hold them, never a read outside the caches. (seq_lens is still read
+    once, for the longest length: the plan's partitions cover that, so lengths must not grow after it.)
     partition_size (tokens) overrides the split-K rule of ``partitioning``; it must be a multiple of
     block_size, at least 4 and at most 4096 / (query heads per workgroup).
     """
