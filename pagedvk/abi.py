@@ -87,6 +87,15 @@ class KernelABI:
         return any(v.name == variant and backend in v.backends for v in self.variants) and backend in self.backends
 
 
+# What every attention kernel reading the paged cache binds first, in this order.
+ATTENTION_INPUTS = (
+    Binding("query", readonly=True),
+    Binding("key_cache", readonly=True),
+    Binding("value_cache", readonly=True),
+    Binding("block_tables", readonly=True),
+    Binding("seq_lens", readonly=True),
+)
+
 DECODE_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)  # vLLM's; others run the generic module
 
 # Decode attention, one query token per sequence, vLLM cache layout. Grid: (num_heads / group_size,
@@ -97,12 +106,7 @@ DECODE_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)  # vLLM's; others 
 # merges them into `out`.
 PAGED_DECODE = KernelABI(
     op="paged_decode",
-    bindings=(
-        Binding("query", readonly=True),
-        Binding("key_cache", readonly=True),
-        Binding("value_cache", readonly=True),
-        Binding("block_tables", readonly=True),
-        Binding("seq_lens", readonly=True),
+    bindings=ATTENTION_INPUTS + (
         Binding("out", readonly=False),
         Binding("partial_out", readonly=False),
         Binding("partial_stats", readonly=False),
@@ -185,12 +189,7 @@ PREFILL_PUSH = (
 # Forward: out and the log-sum-exp. Grid: (ceil(num_heads / num_kv_heads * q_len / 8), num_kv_heads, num_seqs).
 PAGED_PREFILL = KernelABI(
     op="paged_prefill",
-    bindings=(
-        Binding("query", readonly=True),
-        Binding("key_cache", readonly=True),
-        Binding("value_cache", readonly=True),
-        Binding("block_tables", readonly=True),
-        Binding("seq_lens", readonly=True),
+    bindings=ATTENTION_INPUTS + (
         Binding("out", readonly=False),
         Binding("lse", readonly=False),
     ),
@@ -203,12 +202,7 @@ PAGED_PREFILL = KernelABI(
 # Backward, dq. Grid: (ceil(num_heads / num_kv_heads * q_len / 8), num_kv_heads, num_seqs).
 PAGED_BACKWARD_DQ = KernelABI(
     op="paged_backward_dq",
-    bindings=(
-        Binding("query", readonly=True),
-        Binding("key_cache", readonly=True),
-        Binding("value_cache", readonly=True),
-        Binding("block_tables", readonly=True),
-        Binding("seq_lens", readonly=True),
+    bindings=ATTENTION_INPUTS + (
         Binding("dout", readonly=True),
         Binding("out", readonly=True),
         Binding("lse", readonly=True),
