@@ -51,6 +51,20 @@ class Case:
         return np.full(self.query.shape, np.nan, self.query.dtype)
 
 
+def poison_unread_slots(case, block_size: int) -> None:
+    """NaN in every cache slot no sequence reads (vLLM layout): slots past each sequence's length in its
+    last block, and the blocks nobody uses. A kernel that weights them by zero instead of skipping them
+    turns its output into NaN."""
+    for s, n in enumerate(case.seq_lens):
+        last = case.block_tables[s, (n - 1) // block_size]
+        case.key_cache[last, :, :, n % block_size:] = np.nan
+        case.value_cache[last, :, :, n % block_size:] = np.nan
+    used = set(case.block_tables[case.block_tables >= 0].tolist())
+    for b in set(range(case.key_cache.shape[0])) - used:
+        case.key_cache[b] = np.nan
+        case.value_cache[b] = np.nan
+
+
 @pytest.fixture
 def rng(request):
     # A fresh, reproducible stream per test: seeded from the test's name.

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, rel_error
+from conftest import Case, poison_unread_slots, rel_error
 
 TOL = 1e-5  # float32 storage
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
@@ -81,14 +81,7 @@ def test_custom_scale(rng):
 def test_nan_in_unused_cache_slots_does_not_leak(rng):
     # Slots past a sequence's length (and blocks nobody uses) may hold anything.
     case = Case(rng, seq_lens=[21, 3], block_size=16, spare_blocks=2)
-    for s, n in enumerate(case.seq_lens):
-        last = case.block_tables[s, (n - 1) // 16]
-        case.key_cache[last, :, :, n % 16:] = np.nan
-        case.value_cache[last, :, :, n % 16:] = np.nan
-    used = set(case.block_tables[case.block_tables >= 0].tolist())
-    for b in set(range(case.key_cache.shape[0])) - used:
-        case.key_cache[b] = np.nan
-        case.value_cache[b] = np.nan
+    poison_unread_slots(case, 16)
     check(case)
 
 

@@ -25,6 +25,15 @@ def sentinel(device, n=4096):
     return pagedvk.asarray(np.full(n, SENTINEL, np.float32), device=device)
 
 
+def fenced(device, *host_arrays):
+    """Device copies of host_arrays, each allocated between sentinel arrays: (copies, sentinels)."""
+    guards, copies = [sentinel(device)], []
+    for a in host_arrays:
+        copies.append(pagedvk.asarray(a, device=device))
+        guards.append(sentinel(device))
+    return copies, guards
+
+
 def assert_untouched(*arrays):
     for a in arrays:
         assert (a.numpy() == SENTINEL).all(), "a kernel wrote outside its own buffers"
@@ -72,11 +81,7 @@ def test_unchecked_device_tables_stay_inside_their_buffers(rng, warm):
     live = device.live_objects()
     case = Case(rng, num_seqs=12, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, max_len=100)
     num_blocks = case.key_cache.shape[0]
-    guards = [sentinel(device)]
-    k = pagedvk.asarray(case.key_cache)
-    guards.append(sentinel(device))
-    v = pagedvk.asarray(case.value_cache)
-    guards.append(sentinel(device))
+    (k, v), guards = fenced(device, case.key_cache, case.value_cache)
     q = pagedvk.asarray(case.query)
     out = pagedvk.empty(case.query.shape)
     guards.append(sentinel(device))
@@ -404,11 +409,7 @@ def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, devic
     case = PrefillCase(rng, q_len=3, layout="vllm", seq_lens=[40, 17, 64, 33, 20, 50], num_heads=4,
                        num_kv_heads=2, head_size=32)
     num_blocks = case.key_cache.shape[0]
-    guards = [sentinel(device)]
-    k = pagedvk.asarray(case.key_cache)
-    guards.append(sentinel(device))
-    v = pagedvk.asarray(case.value_cache)
-    guards.append(sentinel(device))
+    (k, v), guards = fenced(device, case.key_cache, case.value_cache)
     q = pagedvk.asarray(case.query)
     bad_bt, bad_sl = case.block_tables.copy(), case.seq_lens.copy()
     bad_bt[1, 0], bad_bt[3, :], bad_sl[5] = num_blocks, -(2**31), 2**31 - 1

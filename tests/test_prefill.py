@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, rel_error
+from conftest import Case, poison_unread_slots, rel_error
 
 TOL = 1e-5  # float32 storage
 HEAD_SIZES = (32, 64, 80, 128, 256)
@@ -137,14 +137,7 @@ def test_custom_scale(rng, backend):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nan_in_unread_cache_slots_does_not_leak(rng, backend, layout):
     case = PrefillCase(rng, q_len=2, layout="vllm", seq_lens=[21, 3], block_size=16)
-    for s, n in enumerate(case.seq_lens):   # slots past each sequence's length, and unused blocks
-        last = case.block_tables[s, (n - 1) // 16]
-        case.key_cache[last, :, :, n % 16:] = np.nan
-        case.value_cache[last, :, :, n % 16:] = np.nan
-    used = set(case.block_tables[case.block_tables >= 0].tolist())
-    for b in set(range(case.key_cache.shape[0])) - used:
-        case.key_cache[b] = np.nan
-        case.value_cache[b] = np.nan
+    poison_unread_slots(case, 16)
     if layout == "nhd":
         k, v = pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
         case.key_cache = np.ascontiguousarray(k, dtype=np.float32)
