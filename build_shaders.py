@@ -12,9 +12,11 @@ what each module was built from, so the library can refuse a module older than i
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -93,12 +95,16 @@ def override_names(text: str) -> list:
     return [m[1] for m in OVERRIDE.finditer(text)]
 
 
-def expand_includes(source: Path) -> str:
+def expand_includes(source: Path, key=None) -> str:
+    """The source with each `//!include NAME` line replaced by that file (the key's storage file where the
+    key maps NAME to one)."""
     abi = load_abi()
+    swap = key.includes() if key is not None else {}
     lines = []
     for line in source.read_text().splitlines(keepends=True):
         if line.startswith(abi.WGSL_INCLUDE):
-            path = source.parent / line[len(abi.WGSL_INCLUDE):].strip()
+            name = line[len(abi.WGSL_INCLUDE):].strip()
+            path = source.parent / swap.get(name, name)
             if not path.is_file():
                 raise BuildError(f"{source.name}: included file {path.name} not found")
             lines.append(path.read_text() + "\n")
@@ -107,16 +113,33 @@ def expand_includes(source: Path) -> str:
     return "".join(lines)
 
 
-def compile_wgsl(source: Path, out: Path, constants: dict) -> None:
+def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
-        fixed.write_text(fix_overrides(expand_includes(source), constants, source.name))
+        fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
 
 
 def validate(spv: Path) -> None:
     spirv_val = require_tool("spirv-val", "spirv-tools")
     run([spirv_val, "--target-env", TARGET_ENV, str(spv)], f"spirv-val {spv.name}")
+
+
+def build_module(key, out_dir: Path) -> tuple:
+    """Compile one module into out_dir; (name, manifest entry)."""
+    abi = load_abi()
+    source = SHADER_DIR / (key.op + abi.SOURCE_SUFFIX[key.backend])
+    target = out_dir / (key.name + ".spv")
+    # Write to a temporary file first so a failed build never leaves a half-written module.
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_spv = Path(tmp) / target.name
+        if key.backend == "glsl":
+            compile_glsl(source, tmp_spv, key.defines())
+        else:
+            compile_wgsl(source, tmp_spv, key.constants(), key)
+        validate(tmp_spv)
+        shutil.move(tmp_spv, target)
+    return key.name, {"source": source.name, "digest": abi.source_digest(SHADER_DIR, key)}
 
 
 def build(out_dir: Path, backends: tuple, verbose: bool = True) -> dict:
@@ -126,29 +149,13 @@ def build(out_dir: Path, backends: tuple, verbose: bool = True) -> dict:
     path = out_dir / MANIFEST
     manifest = {name: entry for name, entry in (json.loads(path.read_text()) if path.is_file() else {}).items()
                 if not any(name.endswith("." + b) for b in backends)}
-    for kernel in abi.KERNELS:
-        for module, backend, variant in kernel.modules():
-            if backend not in backends:
-                continue
-            source = SHADER_DIR / abi.source_name(kernel, backend, variant)
-            target = out_dir / (module + ".spv")
-            # A variant's defines select it in the GLSL source (WGSL storage variants are sources of their
-            # own); its constants go to both backends.
-            # Write to a temporary file first so a failed build never leaves a half-written module.
-            with tempfile.TemporaryDirectory() as tmp:
-                tmp_spv = Path(tmp) / target.name
-                if backend == "glsl":
-                    compile_glsl(source, tmp_spv, {**variant.defines, **variant.constants})
-                else:
-                    compile_wgsl(source, tmp_spv, variant.constants)
-                validate(tmp_spv)
-                shutil.move(tmp_spv, target)
-            manifest[module] = {
-                "source": source.name,
-                "digest": abi.source_digest(SHADER_DIR, kernel, backend, variant),
-            }
+    keys = [key for kernel in abi.KERNELS for key in kernel.keys() if key.backend in backends]
+    # The compilers are separate processes: run a few at once.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
+        for name, entry in pool.map(lambda key: build_module(key, out_dir), keys):
+            manifest[name] = entry
             if verbose:
-                print(f"built {target.relative_to(out_dir.parent) if out_dir.parent in target.parents else target}")
+                print(f"built {name}.spv")
     path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 

@@ -1,23 +1,41 @@
-"""Kernel interfaces, declared once.
+"""Kernel interfaces and module variants, declared once.
 
 Every op's interface to the GPU lives here as data: its descriptor bindings in order, its push-constant
-block, its specialization constants, its workgroup size and the shader modules (one per backend and
-storage variant) that implement it. The launcher reads these declarations to build pipeline layouts and
-pack push constants; ``build_shaders.py`` reads them (by file path, so this module must stay stdlib-only)
-to know what to compile; a test reflects every compiled module and compares it with what is declared here.
+block, its workgroup size, and the axes its modules vary along (cache storage type, query storage type,
+head sizes compiled with the head size fixed). A module is named by a ``VariantKey``, built by
+``KernelABI.key`` and nowhere else. The launcher reads these declarations to build pipeline layouts and pack
+push constants; ``build_shaders.py`` reads them (by file path, so this module must stay stdlib-only) to know
+what to compile; a test reflects every compiled module and compares it with what is declared here.
+
+Where a new thing goes (docs/ARCHITECTURE.md says more):
+- a cache storage type: its tag in STORAGE_TYPES, its load function in shaders/kv_storage.glsl and a
+  shaders/kv_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
+- a head size compiled with its loops unrolled: UNROLLED_HEAD_SIZES;
+- a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 BACKENDS = ("glsl", "wgsl")
 SOURCE_SUFFIX = {"glsl": ".comp", "wgsl": ".wgsl"}
 # Files that GLSL sources may #include; a change to any of them makes every GLSL module stale.
 GLSL_INCLUDE_SUFFIX = ".glsl"
+
+# Element storage of caches (tags name modules, defines and WGSL includes). Every type is read through
+# 32-bit words and converted in the kernel, so none needs a 16-bit or 8-bit storage feature.
+STORAGE_TYPES = ("f32", "f16", "bf16", "e4m3", "e5m2")
+# Queries and outputs: the float types a model computes in.
+QUERY_TYPES = ("f32", "f16", "bf16")
+# Backward caches: fp8 caches are for inference.
+GRADIENT_CACHE_TYPES = ("f32", "f16", "bf16")
+# vLLM's head sizes: GLSL modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
+# on the H200). Not for WGSL: lavapipe compiles naga's unrolled output far more slowly.
+UNROLLED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 
 
 @dataclass(frozen=True)
@@ -37,15 +55,39 @@ class PushField:
 
 
 @dataclass(frozen=True)
-class Variant:
-    """One compiled module of an op. `defines` select GLSL code paths (a storage type); `constants` are
-    compile-time values both backends take (GLSL as -D defines, WGSL as overrides fixed at translation),
-    such as a head size that lets the compiler unroll loops."""
+class VariantKey:
+    """Names one SPIR-V module: the op, the backend and the values of the op's variant axes ("" or 0 where
+    the op has no such axis). GLSL takes the axes as defines, WGSL as pasted storage includes and fixed
+    constants, both from one source per op and language."""
 
-    name: str
-    defines: dict = field(default_factory=dict)
-    constants: dict = field(default_factory=dict)
-    backends: tuple = BACKENDS  # the backends this variant is built for (the op's backends permitting)
+    op: str
+    backend: str
+    kv: str = ""          # cache storage tag
+    q: str = ""           # query and output storage tag
+    head_size: int = 0    # 0: any head size, read from the push constants
+
+    @property
+    def name(self) -> str:
+        axes = [f"kv_{self.kv}" if self.kv else "", f"q_{self.q}" if self.q else "",
+                f"h{self.head_size}" if self.head_size else ""]
+        return ".".join([self.op, *filter(None, axes), self.backend])
+
+    def defines(self) -> dict:
+        """GLSL: one define per storage axis (KV_F16, Q_BF16, ...) and HEAD_SIZE when fixed."""
+        d = {f"KV_{self.kv.upper()}": 1} if self.kv else {}
+        d.update({f"Q_{self.q.upper()}": 1} if self.q else {})
+        d.update({"HEAD_SIZE": self.head_size} if self.head_size else {})
+        return d
+
+    def includes(self) -> dict:
+        """WGSL: which storage file stands in for each generic `//!include` name."""
+        inc = {"kv_storage.wgsl": f"kv_{self.kv}.wgsl"} if self.kv else {}
+        inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
+        return inc
+
+    def constants(self) -> dict:
+        """WGSL `override`s fixed at translation (naga emits no specialization constants)."""
+        return {"HEAD_SIZE": self.head_size} if self.head_size else {}
 
 
 @dataclass(frozen=True)
@@ -54,9 +96,10 @@ class KernelABI:
     bindings: tuple
     push: tuple
     workgroup_size: tuple
-    variants: tuple
-    backends: tuple = ("glsl",)
-    spec_constants: tuple = ()  # (spec id, name) pairs; none yet
+    backends: tuple = BACKENDS
+    kv_types: tuple = ()          # cache storage tags the op is built for; () if it reads no cache
+    q_types: tuple = ()           # query/output storage tags; () if it has none
+    head_sizes: tuple = ()        # head sizes also built with HEAD_SIZE fixed (GLSL only)
 
     @property
     def push_size(self) -> int:
@@ -70,21 +113,29 @@ class KernelABI:
         extra = values.keys() - {f.name for f in self.push}
         if missing or extra:
             raise KeyError(f"{self.op}: push constants missing {sorted(missing)}, unknown {sorted(extra)}")
-        fmt = "<" + "".join(f.format for f in self.push)
-        return struct.pack(fmt, *(values[f.name] for f in self.push))
+        return self.push_struct().pack(*(values[f.name] for f in self.push))
 
-    def module_name(self, variant: str, backend: str) -> str:
-        return f"{self.op}.{variant}.{backend}"
+    def push_struct(self) -> struct.Struct:
+        return struct.Struct("<" + "".join(f.format for f in self.push))
 
-    def modules(self):
-        """(module name, backend, variant) for every module this op needs built."""
+    def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0) -> VariantKey:
+        """The module that runs this op for these arguments: the one place a module is chosen. A head size
+        with no module of its own runs the generic module (head size from the push constants)."""
+        if backend not in self.backends:
+            raise ValueError(f"{self.op} has no {backend} modules (backends: {', '.join(self.backends)})")
+        for axis, value, allowed in (("cache storage", kv, self.kv_types), ("query storage", q, self.q_types)):
+            if (value or allowed) and value not in allowed:
+                raise ValueError(f"{self.op} has no module for {axis} {value!r} (built: {', '.join(allowed)})")
+        fixed = head_size if head_size in self.head_sizes and backend == "glsl" else 0
+        return VariantKey(self.op, backend, kv, q, fixed)
+
+    def keys(self):
+        """Every module this op needs built."""
         for backend in self.backends:
-            for v in self.variants:
-                if backend in v.backends:
-                    yield self.module_name(v.name, backend), backend, v
-
-    def has_module(self, variant: str, backend: str) -> bool:
-        return any(v.name == variant and backend in v.backends for v in self.variants) and backend in self.backends
+            for kv in self.kv_types or ("",):
+                for q in self.q_types or ("",):
+                    for hs in (0,) + (self.head_sizes if backend == "glsl" else ()):
+                        yield VariantKey(self.op, backend, kv, q, hs)
 
 
 # What every attention kernel reading the paged cache binds first, in this order.
@@ -96,14 +147,43 @@ ATTENTION_INPUTS = (
     Binding("seq_lens", readonly=True),
 )
 
-DECODE_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)  # vLLM's; others run the generic module
+# One push-constant block for every attention kernel (shaders/attention_common.glsl, .wgsl), so a plan packs
+# it once for all its dispatches. The caches are addressed through strides, which is how one module reads
+# both cache layouts (pagedvk/layouts.py computes them):
+#   key quad (4 consecutive head dims d..d+3 of one token; d % 4 == 0), in units of 4 elements:
+#       b*k_block_stride + h*k_head_stride + t*k_token_stride + (d/4 / CQ)*k_chunk_stride + (d/4) % CQ
+#     where CQ = 4 / itemsize quads make one 16-byte chunk (vLLM's x = 16 / itemsize elements)
+#   value element: b*v_block_stride + h*v_head_stride + t*v_token_stride + d*v_dim_stride
+# num_blocks is the number of whole blocks the bound caches hold (the launcher's bound on block ids).
+ATTENTION_PUSH = tuple(PushField(name, kind) for name, kind in (
+    ("num_heads", "u32"),
+    ("num_kv_heads", "u32"),
+    ("head_size", "u32"),
+    ("block_size", "u32"),
+    ("max_blocks_per_seq", "u32"),
+    ("num_blocks", "u32"),
+    ("num_seqs", "u32"),
+    ("q_len", "u32"),            # prefill: queries per sequence, the last q_len positions
+    ("causal", "u32"),
+    ("scale", "f32"),            # softmax scale, times k_scale for fp8 keys
+    ("v_scale", "f32"),          # fp8 values' scale, applied to the output (1 otherwise)
+    ("group_size", "u32"),       # decode: query heads per workgroup
+    ("partition_size", "u32"),   # decode: tokens per split-K partition (the last takes the rest)
+    ("num_partitions", "u32"),   # decode: 1 writes `out` directly
+    ("k_block_stride", "u32"),
+    ("k_head_stride", "u32"),
+    ("k_token_stride", "u32"),
+    ("k_chunk_stride", "u32"),
+    ("v_block_stride", "u32"),
+    ("v_head_stride", "u32"),
+    ("v_token_stride", "u32"),
+    ("v_dim_stride", "u32"),
+))
 
-# Decode attention, one query token per sequence, vLLM cache layout. Grid: (num_heads / group_size,
-# num_seqs, num_partitions). Key and value caches are bound as arrays of 16-byte chunks whatever the
-# element type, so the same indexing serves every storage type: a key chunk holds x = 16 / itemsize
-# consecutive head dims of one token, a value chunk 16 / itemsize consecutive tokens of one head dim.
-# With one partition the result goes to `out`; with more, to the partial buffers, and PAGED_DECODE_REDUCE
-# merges them into `out`.
+# Decode attention, one query token per sequence. Workgroups: num_heads / group_size x num_seqs x
+# num_partitions, numbered linearly over a grid folded to the device's limits (pagedvk.runtime.commands.
+# fold_grid). With one partition the result goes to `out`; with more, to the partial buffers, and
+# PAGED_DECODE_REDUCE merges them into `out`.
 PAGED_DECODE = KernelABI(
     op="paged_decode",
     bindings=ATTENTION_INPUTS + (
@@ -111,30 +191,14 @@ PAGED_DECODE = KernelABI(
         Binding("partial_out", readonly=False),
         Binding("partial_stats", readonly=False),
     ),
-    push=(
-        PushField("num_heads", "u32"),
-        PushField("num_kv_heads", "u32"),
-        PushField("head_size", "u32"),
-        PushField("block_size", "u32"),
-        PushField("max_blocks_per_seq", "u32"),
-        PushField("num_blocks", "u32"),
-        PushField("scale", "f32"),
-        PushField("group_size", "u32"),
-        PushField("partition_size", "u32"),
-        PushField("num_partitions", "u32"),
-    ),
+    push=ATTENTION_PUSH,
     workgroup_size=(128, 1, 1),
-    # Per storage type: one module for any head size, and for GLSL one per common head size with HEAD_SIZE
-    # fixed at compile time (its loops unroll: about 1.4x faster on the H200). Not for WGSL: lavapipe
-    # takes up to a minute to compile naga's output with the loops unrolled (HEAD_SIZE 256).
-    variants=tuple(v for storage, define in (("f32", "KV_F32"),)
-                   for v in [Variant(storage, {define: 1})] + [
-                       Variant(f"{storage}_h{hs}", {define: 1}, {"HEAD_SIZE": hs}, backends=("glsl",))
-                       for hs in DECODE_HEAD_SIZES]),
-    backends=("glsl", "wgsl"),
+    kv_types=STORAGE_TYPES,
+    q_types=QUERY_TYPES,
+    head_sizes=UNROLLED_HEAD_SIZES,
 )
 
-# Merges a split decode's partitions. Grid: (num_heads, num_seqs, 1).
+# Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.
 PAGED_DECODE_REDUCE = KernelABI(
     op="paged_decode_reduce",
     bindings=(
@@ -143,15 +207,9 @@ PAGED_DECODE_REDUCE = KernelABI(
         Binding("partial_stats", readonly=True),
         Binding("out", readonly=False),
     ),
-    push=(
-        PushField("num_heads", "u32"),
-        PushField("head_size", "u32"),
-        PushField("partition_size", "u32"),
-        PushField("num_partitions", "u32"),
-    ),
+    push=ATTENTION_PUSH,
     workgroup_size=(128, 1, 1),
-    variants=(Variant("f32"),),
-    backends=("glsl", "wgsl"),
+    q_types=QUERY_TYPES,
 )
 
 # The device's read bandwidth (benchmarks' ceiling). Grid: (workgroups, 1, 1), grid-stride loop.
@@ -160,46 +218,24 @@ READ_BANDWIDTH = KernelABI(
     bindings=(Binding("src", readonly=True), Binding("dst", readonly=False)),
     push=(PushField("num_chunks", "u32"),),
     workgroup_size=(256, 1, 1),
-    variants=(Variant("u32"),),
+    backends=("glsl",),
 )
 
-# Prefill attention and its backward (pagedvk/prefill.py). The three kernels share one push block: the
-# shapes, the causal flag, the scale and the caches' strides in floats, which is how one module reads both
-# cache layouts ("nhd" [num_blocks, block_size, num_kv_heads, head_size] and vLLM's decode layout).
-PREFILL_PUSH = (
-    PushField("num_heads", "u32"),
-    PushField("num_kv_heads", "u32"),
-    PushField("head_size", "u32"),
-    PushField("block_size", "u32"),
-    PushField("max_blocks_per_seq", "u32"),
-    PushField("num_blocks", "u32"),
-    PushField("q_len", "u32"),
-    PushField("causal", "u32"),
-    PushField("scale", "f32"),
-    PushField("k_block_stride", "u32"),
-    PushField("k_head_stride", "u32"),
-    PushField("k_token_stride", "u32"),
-    PushField("k_chunk_stride", "u32"),   # between chunks of 4 consecutive head dims of one token
-    PushField("v_block_stride", "u32"),
-    PushField("v_head_stride", "u32"),
-    PushField("v_token_stride", "u32"),
-    PushField("v_dim_stride", "u32"),
-)
-
-# Forward: out and the log-sum-exp. Grid: (ceil(num_heads / num_kv_heads * q_len / 8), num_kv_heads, num_seqs).
+# Prefill forward: out (the query's type) and the log-sum-exp (float32). Workgroups: ceil(num_heads /
+# num_kv_heads * q_len / 8) x num_kv_heads x num_seqs, numbered linearly.
 PAGED_PREFILL = KernelABI(
     op="paged_prefill",
     bindings=ATTENTION_INPUTS + (
         Binding("out", readonly=False),
         Binding("lse", readonly=False),
     ),
-    push=PREFILL_PUSH,
+    push=ATTENTION_PUSH,
     workgroup_size=(128, 1, 1),
-    variants=(Variant("f32"),),
-    backends=("glsl", "wgsl"),
+    kv_types=STORAGE_TYPES,
+    q_types=QUERY_TYPES,
 )
 
-# Backward, dq. Grid: (ceil(num_heads / num_kv_heads * q_len / 8), num_kv_heads, num_seqs).
+# Backward, dq (float32). Workgroups as the forward's.
 PAGED_BACKWARD_DQ = KernelABI(
     op="paged_backward_dq",
     bindings=ATTENTION_INPUTS + (
@@ -208,16 +244,16 @@ PAGED_BACKWARD_DQ = KernelABI(
         Binding("lse", readonly=True),
         Binding("dq", readonly=False),
     ),
-    push=PREFILL_PUSH,
+    push=ATTENTION_PUSH,
     workgroup_size=(128, 1, 1),
-    variants=(Variant("f32"),),
-    backends=("glsl", "wgsl"),
+    kv_types=GRADIENT_CACHE_TYPES,
+    q_types=QUERY_TYPES,
 )
 
-# Backward, dk and dv in cache layout: one workgroup per (physical block, kv head, 8 tokens of the block)
-# loops over the (sequence, block-table slot) pairs that read the block, listed in block_readers (int32:
-# num_blocks + 1 offsets, then sequence * max_blocks_per_seq + slot for each pair), so blocks shared by
-# several sequences sum their gradients in a fixed order, without atomics.
+# Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 8 tokens of the
+# block) loops over the (sequence, block-table slot) pairs that read the block, listed in block_readers
+# (int32: num_blocks + 1 offsets, then sequence * max_blocks_per_seq + slot for each pair), so blocks shared
+# by several sequences sum their gradients in a fixed order, without atomics.
 # Grid: (min(num_blocks, 65535), num_kv_heads, block_size / 8), grid-stride over blocks.
 PAGED_BACKWARD_DKDV = KernelABI(
     op="paged_backward_dkdv",
@@ -233,48 +269,40 @@ PAGED_BACKWARD_DKDV = KernelABI(
         Binding("dk_cache", readonly=False),
         Binding("dv_cache", readonly=False),
     ),
-    push=PREFILL_PUSH,
+    push=ATTENTION_PUSH,
     workgroup_size=(128, 1, 1),
-    variants=(Variant("f32"),),
-    backends=("glsl", "wgsl"),
+    kv_types=GRADIENT_CACHE_TYPES,
+    q_types=QUERY_TYPES,
 )
 
 KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DQ,
            PAGED_BACKWARD_DKDV)
 
 
-def source_name(abi: KernelABI, backend: str, variant: Variant | None = None) -> str:
-    """The source file of one module. GLSL: one source per op, the variant chosen by its defines. WGSL has
-    no preprocessor, so the defines are not used: variants with the first variant's defines (differing
-    only in constants) are built from {op}.wgsl, any other variant from its own {op}.{variant}.wgsl."""
-    if backend == "wgsl" and variant is not None and variant.defines != abi.variants[0].defines:
-        return f"{abi.op}.{variant.name}{SOURCE_SUFFIX[backend]}"
-    return abi.op + SOURCE_SUFFIX[backend]
-
-
 WGSL_INCLUDE = "//!include "   # WGSL has no includes: build_shaders.py pastes the named file at such a line
 
 
-def wgsl_includes(source: Path) -> list:
-    """The files a WGSL source includes (one level: included files include nothing)."""
-    return [source.parent / line[len(WGSL_INCLUDE):].strip()
-            for line in source.read_text().splitlines() if line.startswith(WGSL_INCLUDE)]
+def wgsl_includes(source: Path, key: VariantKey | None = None) -> list:
+    """The files a WGSL source includes, with the key's storage files standing in for the generic names
+    (one level: included files include nothing)."""
+    swap = key.includes() if key is not None else {}
+    names = [line[len(WGSL_INCLUDE):].strip() for line in source.read_text().splitlines()
+             if line.startswith(WGSL_INCLUDE)]
+    return [source.parent / swap.get(name, name) for name in names]
 
 
-def source_files(shader_dir: Path, abi: KernelABI, backend: str, variant: Variant | None = None) -> list:
-    """The files a module is built from: its source, and its include files (for GLSL, every one)."""
-    files = [shader_dir / source_name(abi, backend, variant)]
-    if backend == "glsl":
-        files += sorted(shader_dir.glob("*" + GLSL_INCLUDE_SUFFIX))
-    else:
-        files += wgsl_includes(files[0])
-    return files
+def source_files(shader_dir: Path, key: VariantKey) -> list:
+    """The files a module is built from: its op's source, and its include files (for GLSL, every one)."""
+    source = shader_dir / (key.op + SOURCE_SUFFIX[key.backend])
+    if key.backend == "glsl":
+        return [source] + sorted(shader_dir.glob("*" + GLSL_INCLUDE_SUFFIX))
+    return [source] + wgsl_includes(source, key)
 
 
-def source_digest(shader_dir: Path, abi: KernelABI, backend: str, variant: Variant) -> str:
+def source_digest(shader_dir: Path, key: VariantKey) -> str:
     """Identifies what a module was built from, so a module built from older sources is detected."""
     h = hashlib.sha256()
-    for path in source_files(shader_dir, abi, backend, variant):
+    for path in source_files(shader_dir, key):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(repr(sorted(variant.defines.items())).encode() + repr(sorted(variant.constants.items())).encode())
+    h.update(repr(sorted(key.defines().items())).encode() + repr(sorted(key.includes().items())).encode())
     return h.hexdigest()

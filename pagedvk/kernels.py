@@ -39,30 +39,24 @@ def module_path(name: str) -> Path:
     return SPV_DIR / f"{name}.spv"
 
 
-def load_spirv(abi: abi_mod.KernelABI, variant: str, backend: str) -> bytes:
-    if backend not in abi.backends:
-        raise ShaderModuleError(f"{abi.op} has no {backend} module (backends: {', '.join(abi.backends)})")
-    variants = {v.name: v for v in abi.variants if backend in v.backends}
-    if variant not in variants:
-        raise ShaderModuleError(f"{abi.op} has no {variant!r} variant for {backend} "
-                                f"(variants: {', '.join(variants)})")
-    name = abi.module_name(variant, backend)
-    path = module_path(name)
-    entry = manifest().get(name)
+def load_spirv(kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> bytes:
+    if key not in set(kernel.keys()):
+        raise ShaderModuleError(f"{kernel.op} has no module {key.name}")
+    path = module_path(key.name)
+    entry = manifest().get(key.name)
     if entry is None or not path.is_file():
-        raise ShaderModuleError(f"SPIR-V module {name} is missing ({path}): {REBUILD_HINT}")
+        raise ShaderModuleError(f"SPIR-V module {key.name} is missing ({path}): {REBUILD_HINT}")
     source = SOURCE_SHADER_DIR / entry["source"]
-    if source.is_file() and entry["digest"] != abi_mod.source_digest(
-            SOURCE_SHADER_DIR, abi, backend, variants[variant]):
-        raise ShaderModuleError(f"SPIR-V module {name} is stale: {source} changed after it was built; {REBUILD_HINT}")
+    if source.is_file() and entry["digest"] != abi_mod.source_digest(SOURCE_SHADER_DIR, key):
+        raise ShaderModuleError(f"SPIR-V module {key.name} is stale: {source} (or a file it includes) changed "
+                                f"after it was built; {REBUILD_HINT}")
     return path.read_bytes()
 
 
-def pipeline(device, abi: abi_mod.KernelABI, variant: str, backend: str) -> Pipeline:
+def pipeline(device, kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> Pipeline:
     """The device's pipeline for this module, created on first use and kept until the device closes."""
-    key = abi.module_name(variant, backend)
     with _lock:
         cached = device._pipelines.get(key)
         if cached is None or cached.closed:
-            cached = device._pipelines[key] = Pipeline(device, abi, load_spirv(abi, variant, backend), key)
+            cached = device._pipelines[key] = Pipeline(device, kernel, load_spirv(kernel, key), key.name)
         return cached

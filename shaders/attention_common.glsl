@@ -1,18 +1,19 @@
-// What the prefill forward and the two backward kernels share (PREFILL_PUSH in pagedvk/abi.py): the
-// push-constant block, the cache addressing, the causal limit. Included after each kernel's buffers.
+// What every attention kernel shares (ATTENTION_PUSH in pagedvk/abi.py): the push-constant block, the
+// cache addressing, the causal limit, workgroup numbering. Included after each kernel's buffers.
 //
-// The caches are addressed through strides, in floats, so one module reads both cache layouts:
-//   key   (block b, kv head h, token t, dim d) = b*k_block_stride + h*k_head_stride + t*k_token_stride
-//                                              + (d / 4) * k_chunk_stride + d % 4
-//   value (block b, kv head h, token t, dim d) = b*v_block_stride + h*v_head_stride + t*v_token_stride
-//                                              + d * v_dim_stride
-// Four consecutive head dims of one key token are contiguous in both layouts (vLLM's x = 4 packing, or
-// nhd's whole head), so keys are read as vec4 chunks; values are read one float at a time because the
-// contiguous direction differs (dims in nhd, tokens in vLLM's layout).
+// The caches are addressed through strides (pagedvk/layouts.py computes them), so one module reads both
+// cache layouts:
+//   key quad c (head dims 4c .. 4c+3) of token t of block b, kv head h, in quads (4 elements):
+//       b*k_block_stride + h*k_head_stride + t*k_token_stride + (c / KV_CHUNK_QUADS)*k_chunk_stride
+//       + c % KV_CHUNK_QUADS
+//   value element (b, h, t, d): b*v_block_stride + h*v_head_stride + t*v_token_stride + d*v_dim_stride
+// Four consecutive head dims of one key token are contiguous in both layouts (vLLM's x packing, or nhd's
+// whole head). Values are contiguous along tokens in vLLM's layout (v_token_stride 1) and along head dims
+// in nhd (v_dim_stride 1); value quads are read along whichever is contiguous.
 //
 // Block ids at or past num_blocks are never read (nor, in the backward, written). The launcher sets
-// num_blocks from the caches' shapes, which their bound buffers hold; the caches' length() is not used
-// because NVIDIA's driver (580) returns a wrong one for bindings of 2 GiB and more.
+// num_blocks from the bound buffers' real size; the caches' length() is not used because NVIDIA's driver
+// (580) returns a wrong one for bindings of 2 GiB and more.
 #ifndef ATTENTION_COMMON_GLSL
 #define ATTENTION_COMMON_GLSL
 
@@ -23,9 +24,14 @@ layout(push_constant) uniform Params {
     uint block_size;
     uint max_blocks_per_seq;
     uint num_blocks;
+    uint num_seqs;
     uint q_len;
     uint causal;
     float scale;
+    float v_scale;
+    uint group_size;
+    uint partition_size;
+    uint num_partitions;
     uint k_block_stride;
     uint k_head_stride;
     uint k_token_stride;
@@ -41,6 +47,12 @@ const uint MAX_HEAD_SIZE = 256u;   // two head dims per thread where threads own
 const uint MIN_BLOCK_SIZE = 8u;
 #define NEG_INF uintBitsToFloat(0xff800000u)
 
+// The workgroup's number in a grid folded to the device's limits (pagedvk.runtime.commands.fold_grid):
+// workgroups past the launch's count return at once.
+uint workgroup_index() {
+    return gl_WorkGroupID.x + gl_NumWorkGroups.x * (gl_WorkGroupID.y + gl_NumWorkGroups.y * gl_WorkGroupID.z);
+}
+
 // Keys a query row sees. The q_len queries are the last q_len positions of the sequence, so with causal
 // masking query i sees keys 0 .. seq_len - q_len + i (not 0 .. i: that only holds when seq_len == q_len).
 uint visible_keys(uint i, uint seq_len) {
@@ -48,26 +60,26 @@ uint visible_keys(uint i, uint seq_len) {
     return uint(clamp(int(seq_len) - int(pc.q_len) + int(i) + 1, 0, int(seq_len)));
 }
 
-// Where query row gr of a workgroup starts in query, out and dout ([seqs, heads, q_len, head_size]). A
-// workgroup's rows are the (query, head) pairs of the heads sharing one kv head (GQA), query-major, so
-// every key and value it reads serves all of them.
+// Where query row gr of a workgroup starts in query, out and dout ([seqs, heads, q_len, head_size]), in
+// elements. A workgroup's rows are the (query, head) pairs of the heads sharing one kv head (GQA),
+// query-major, so every key and value it reads serves all of them.
 uint row_base(uint seq, uint kv_head, uint gr) {
     uint group = pc.num_heads / pc.num_kv_heads;
     return ((seq * pc.num_heads + kv_head * group + gr % group) * pc.q_len + gr / group) * pc.head_size;
 }
 
-// Index of key chunk c (dims 4c .. 4c+3) of token t of block b, kv head h, in vec4 units.
-uint key_chunk(uint b, uint h, uint t, uint c) {
-    return (b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride + c * pc.k_chunk_stride) >> 2;
-}
-
-uint key_index(uint b, uint h, uint t, uint d) {
-    return b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride + (d >> 2) * pc.k_chunk_stride
-        + (d & 3u);
+// Quad c of key token t of block b, kv head h (see above).
+uint key_quad(uint b, uint h, uint t, uint c) {
+    return b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride
+        + (c / KV_CHUNK_QUADS) * pc.k_chunk_stride + c % KV_CHUNK_QUADS;
 }
 
 uint value_index(uint b, uint h, uint t, uint d) {
     return b * pc.v_block_stride + h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
 }
+
+// One key element and one value element, converted.
+#define KEY_AT(b, h, t, d) kv_quad(key_cache[key_quad(b, h, t, (d) >> 2)])[(d) & 3u]
+#define VALUE_AT(i) kv_quad(value_cache[(i) >> 2])[(i) & 3u]
 
 #endif

@@ -1,24 +1,78 @@
-// KV-cache element storage, selected by one define per variant (see pagedvk/abi.py).
+// Element storage of caches, queries and outputs, selected by one define per axis of the module's variant
+// key (pagedvk/abi.py): KV_F32 | KV_F16 | KV_BF16 | KV_E4M3 | KV_E5M2 for the caches, Q_F32 | Q_F16 | Q_BF16
+// for queries and outputs. The WGSL twins are shaders/kv_<type>.wgsl and q_<type>.wgsl.
 //
-// The caches are bound as arrays of 16-byte chunks (uvec4) whatever the element type: that is vLLM's
-// "x = 16 / itemsize" packing, so one chunk of the key cache holds CHUNK consecutive head dims of one
-// token and one chunk of the value cache holds CHUNK consecutive tokens of one head dim. Each storage type
-// only says how to turn a chunk into floats.
+// Every buffer is read through 32-bit words and converted here, so no storage type needs a 16-bit or 8-bit
+// storage feature. Caches are bound as arrays of "quads", 4 consecutive elements (16, 8 or 4 bytes);
+// kv_quad() turns one into floats. KV_CHUNK_QUADS quads make one 16-byte chunk: vLLM's key packing
+// x = 16 / itemsize.
 #ifndef KV_STORAGE_GLSL
 #define KV_STORAGE_GLSL
 
+#define F32_NAN uintBitsToFloat(0x7fc00000u)
+
+// bfloat16 is the top half of a float32.
+vec2 bf16x2(uint w) { return vec2(uintBitsToFloat(w << 16), uintBitsToFloat(w & 0xffff0000u)); }
+
+// Two floats as bfloat16, rounded to nearest even (NaN stays NaN).
+uint pack_bf16x2(vec2 v) {
+    uvec2 b = floatBitsToUint(v);
+    uvec2 r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    r = mix(r, uvec2(0x7fc0u), isnan(v));
+    return r.x | (r.y << 16);
+}
+
 #if defined(KV_F32)
-#define CHUNK 4u
-#define CHUNK_VEC4(c) uintBitsToFloat(c)
-#else
-#error "no KV storage type defined (KV_F32)"
+#define KV_QUAD uvec4
+#define KV_CHUNK_QUADS 1u
+vec4 kv_quad(uvec4 w) { return uintBitsToFloat(w); }
+#elif defined(KV_F16)
+#define KV_QUAD uvec2
+#define KV_CHUNK_QUADS 2u
+vec4 kv_quad(uvec2 w) { return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)); }
+#elif defined(KV_BF16)
+#define KV_QUAD uvec2
+#define KV_CHUNK_QUADS 2u
+vec4 kv_quad(uvec2 w) { return vec4(bf16x2(w.x), bf16x2(w.y)); }
+#elif defined(KV_E4M3)
+// fp8 e4m3fn (OCP, as ml_dtypes.float8_e4m3fn and vLLM's "fp8"): 4 exponent bits (bias 7), 3 mantissa bits,
+// no infinities, 0x7f / 0xff NaN. Moved into a float16's bit positions its value is 2^-8 of the real one,
+// subnormals included, so one conversion instruction and a multiply decode it.
+#define KV_QUAD uint
+#define KV_CHUNK_QUADS 4u
+vec2 e4m3x2(uint w) {   // bytes 0 and 1 of w
+    uint h = ((w & 0x7fu) << 7) | ((w & 0x80u) << 8) | ((w & 0x7f00u) << 15) | ((w & 0x8000u) << 16);
+    vec2 v = unpackHalf2x16(h) * 256.0;
+    return vec2((w & 0x7fu) == 0x7fu ? F32_NAN : v.x, (w & 0x7f00u) == 0x7f00u ? F32_NAN : v.y);
+}
+vec4 kv_quad(uint w) { return vec4(e4m3x2(w), e4m3x2(w >> 16)); }
+#elif defined(KV_E5M2)
+// fp8 e5m2: the top byte of a float16.
+#define KV_QUAD uint
+#define KV_CHUNK_QUADS 4u
+vec4 kv_quad(uint w) {
+    return vec4(unpackHalf2x16(((w & 0xffu) << 8) | ((w & 0xff00u) << 16)),
+                unpackHalf2x16(((w >> 8) & 0xff00u) | (w & 0xff000000u)));
+}
 #endif
 
-// A chunk's first n (<= CHUNK) elements, the rest zero: elements past the end of a sequence may hold
-// anything, NaN included, and 0 * NaN is NaN.
-vec4 chunk_first(vec4 v, uint n) {
-    return vec4(v.x, n > 1u ? v.y : 0.0, n > 2u ? v.z : 0.0, n > 3u ? v.w : 0.0);
-}
-#define CHUNK_VEC4_FIRST(c, n) chunk_first(CHUNK_VEC4(c), n)
+// Queries and outputs. Outputs are written two consecutive elements at a time (OUT_PAIR), so that no two
+// threads share a 32-bit word of a 16-bit output.
+#if defined(Q_F32)
+#define Q_QUAD uvec4
+#define OUT_PAIR uvec2
+vec4 q_quad(uvec4 w) { return uintBitsToFloat(w); }
+uvec2 out_pair(vec2 v) { return floatBitsToUint(v); }
+#elif defined(Q_F16)
+#define Q_QUAD uvec2
+#define OUT_PAIR uint
+vec4 q_quad(uvec2 w) { return vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)); }
+uint out_pair(vec2 v) { return packHalf2x16(v); }
+#elif defined(Q_BF16)
+#define Q_QUAD uvec2
+#define OUT_PAIR uint
+vec4 q_quad(uvec2 w) { return vec4(bf16x2(w.x), bf16x2(w.y)); }
+uint out_pair(vec2 v) { return pack_bf16x2(v); }
+#endif
 
 #endif

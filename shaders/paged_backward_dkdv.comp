@@ -13,19 +13,20 @@
 // The sum runs in a fixed order, so it is deterministic and needs no float atomics (not core Vulkan).
 // Every element of dk_cache and dv_cache is written exactly once: blocks and slots nobody reads get 0.
 #extension GL_GOOGLE_include_directive : require
+#include "kv_storage.glsl"
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { vec4 query[]; };              // [seqs, heads, q_len, head_size]
-layout(std430, set = 0, binding = 1) readonly buffer KeyCache { vec4 key_cache[]; };       // 4-dim chunks, see key_chunk()
-layout(std430, set = 0, binding = 2) readonly buffer ValueCache { float value_cache[]; };   // see value_index()
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };            // [seqs, heads, q_len, head_size]
+layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; };    // see key_quad()
+layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; }; // see value_index()
 layout(std430, set = 0, binding = 3) readonly buffer BlockReaders { int block_readers[]; }; // see PAGED_BACKWARD_DKDV
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };          // [seqs]
-layout(std430, set = 0, binding = 5) readonly buffer Dout { vec4 dout[]; };                // like query
-layout(std430, set = 0, binding = 6) readonly buffer Out { vec4 out_[]; };                 // like query
+layout(std430, set = 0, binding = 5) readonly buffer Dout { Q_QUAD dout[]; };              // like query
+layout(std430, set = 0, binding = 6) readonly buffer Out { Q_QUAD out_[]; };               // like query
 layout(std430, set = 0, binding = 7) readonly buffer Lse { float lse[]; };                 // [seqs, heads, q_len]
-layout(std430, set = 0, binding = 8) writeonly buffer DkCache { float dk_cache[]; };       // like key_cache
-layout(std430, set = 0, binding = 9) writeonly buffer DvCache { float dv_cache[]; };       // like value_cache
+layout(std430, set = 0, binding = 8) writeonly buffer DkCache { float dk_cache[]; };       // float32, key_cache's shape
+layout(std430, set = 0, binding = 9) writeonly buffer DvCache { float dv_cache[]; };       // float32, value_cache's shape
 
 #include "attention_common.glsl"
 
@@ -35,6 +36,9 @@ const uint PAIRS = ROWS * KEYS;     // == WG / 2
 
 shared float s_p[PAIRS];            // [row][key]: P
 shared float s_dd[PAIRS];           // [row][key]: dP - D
+
+// Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
+uint key_element(uint b, uint h, uint t, uint d) { return key_quad(b, h, t, d >> 2) * 4u + (d & 3u); }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -57,7 +61,6 @@ void main() {
     const uint pair = tid % PAIRS, pr = pair / KEYS, pk = pair % KEYS;
     const bool takes_p = tid < PAIRS;
     const uint d0 = tid, d1 = tid + WG;
-    const uint kstep = pc.k_chunk_stride >> 2;
 
     for (uint b = gl_WorkGroupID.x; b < num_blocks; b += gl_NumWorkGroups.x) {
         vec4 dk0_a = vec4(0.0), dk0_b = vec4(0.0), dk1_a = vec4(0.0), dk1_b = vec4(0.0);   // [key] of dims d0, d1
@@ -88,18 +91,17 @@ void main() {
                         && q / hs < uint(lse.length())) {
                     float s = 0.0, t = 0.0;
                     if (takes_p) {
-                        const uint k0 = key_chunk(b, kv_head, token, 0u);
-                        for (uint c = 0u; c < hc; c++) s += dot(query[q / 4u + c], key_cache[k0 + c * kstep]);
+                        for (uint c = 0u; c < hc; c++)
+                            s += dot(q_quad(query[q / 4u + c]), kv_quad(key_cache[key_quad(b, kv_head, token, c)]));
                         val = exp(s * pc.scale - lse[q / hs]);
                     } else {
                         const uint v0 = value_index(b, kv_head, token, 0u), vs = pc.v_dim_stride;
                         for (uint c = 0u; c < hc; c++) {
                             uint vi = v0 + 4u * c * vs;
-                            vec4 v = vec4(value_cache[vi], value_cache[vi + vs], value_cache[vi + 2u * vs],
-                                          value_cache[vi + 3u * vs]);
-                            vec4 g = dout[q / 4u + c];
+                            vec4 v = vec4(VALUE_AT(vi), VALUE_AT(vi + vs), VALUE_AT(vi + 2u * vs), VALUE_AT(vi + 3u * vs));
+                            vec4 g = q_quad(dout[q / 4u + c]);
                             s += dot(g, v);
-                            t += dot(g, out_[q / 4u + c]);
+                            t += dot(g, q_quad(out_[q / 4u + c]));
                         }
                         val = s - t;
                     }
@@ -117,8 +119,10 @@ void main() {
                     const vec4 ds_a = p_a * vec4(s_dd[i], s_dd[i + 1u], s_dd[i + 2u], s_dd[i + 3u]);
                     const vec4 ds_b = p_b * vec4(s_dd[i + 4u], s_dd[i + 5u], s_dd[i + 6u], s_dd[i + 7u]);
                     const uint c0 = qr / 4u + d0 / 4u, c1 = qr / 4u + d1 / 4u;
-                    const float q0 = d0 < hs ? query[c0][d0 % 4u] : 0.0, q1 = d1 < hs ? query[c1][d1 % 4u] : 0.0;
-                    const float g0 = d0 < hs ? dout[c0][d0 % 4u] : 0.0, g1 = d1 < hs ? dout[c1][d1 % 4u] : 0.0;
+                    const float q0 = d0 < hs ? q_quad(query[c0])[d0 % 4u] : 0.0;
+                    const float q1 = d1 < hs ? q_quad(query[c1])[d1 % 4u] : 0.0;
+                    const float g0 = d0 < hs ? q_quad(dout[c0])[d0 % 4u] : 0.0;
+                    const float g1 = d1 < hs ? q_quad(dout[c1])[d1 % 4u] : 0.0;
                     dv0_a += p_a * g0; dv0_b += p_b * g0;
                     dk0_a += ds_a * q0; dk0_b += ds_b * q0;
                     if (hs > WG) {   // uniform: head sizes up to 128 skip it
@@ -133,11 +137,11 @@ void main() {
         for (uint k = 0u; k < KEYS; k++) {
             const uint token = sub * KEYS + k;
             if (d0 < hs) {
-                dk_cache[key_index(b, kv_head, token, d0)] = pc.scale * (k < 4u ? dk0_a[k] : dk0_b[k - 4u]);
+                dk_cache[key_element(b, kv_head, token, d0)] = pc.scale * (k < 4u ? dk0_a[k] : dk0_b[k - 4u]);
                 dv_cache[value_index(b, kv_head, token, d0)] = k < 4u ? dv0_a[k] : dv0_b[k - 4u];
             }
             if (d1 < hs) {
-                dk_cache[key_index(b, kv_head, token, d1)] = pc.scale * (k < 4u ? dk1_a[k] : dk1_b[k - 4u]);
+                dk_cache[key_element(b, kv_head, token, d1)] = pc.scale * (k < 4u ? dk1_a[k] : dk1_b[k - 4u]);
                 dv_cache[value_index(b, kv_head, token, d1)] = k < 4u ? dv1_a[k] : dv1_b[k - 4u];
             }
         }

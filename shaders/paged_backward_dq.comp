@@ -12,16 +12,17 @@
 //   C. each thread accumulates dS times the keys for the head dims it owns, for every row.
 // Bounds are kept as in paged_prefill.comp.
 #extension GL_GOOGLE_include_directive : require
+#include "kv_storage.glsl"
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { vec4 query[]; };            // [seqs, heads, q_len, head_size]
-layout(std430, set = 0, binding = 1) readonly buffer KeyCache { vec4 key_cache[]; };     // 4-dim chunks, see key_chunk()
-layout(std430, set = 0, binding = 2) readonly buffer ValueCache { float value_cache[]; }; // see value_index()
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };          // [seqs, heads, q_len, head_size]
+layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; };  // see key_quad()
+layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; }; // see value_index()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
-layout(std430, set = 0, binding = 5) readonly buffer Dout { vec4 dout[]; };              // like query
-layout(std430, set = 0, binding = 6) readonly buffer Out { vec4 out_[]; };               // like query
+layout(std430, set = 0, binding = 5) readonly buffer Dout { Q_QUAD dout[]; };            // like query
+layout(std430, set = 0, binding = 6) readonly buffer Out { Q_QUAD out_[]; };             // like query
 layout(std430, set = 0, binding = 7) readonly buffer Lse { float lse[]; };               // [seqs, heads, q_len]
 layout(std430, set = 0, binding = 8) writeonly buffer Dq { float dq[]; };                // like query
 
@@ -34,30 +35,36 @@ const uint MAX_TILE_BLOCKS = TILE / MIN_BLOCK_SIZE;
 shared vec4 s_ds[TILE * 2u];         // [token][rows 0-3 | rows 4-7]: dS
 shared int s_phys[MAX_TILE_BLOCKS];  // the tile's physical block ids, -1 where out of range
 
-vec4 dots(vec4 x, uvec4 rows) {       // x . query chunk of four rows (their chunk indices)
-    return vec4(dot(x, query[rows.x]), dot(x, query[rows.y]), dot(x, query[rows.z]), dot(x, query[rows.w]));
+vec4 Q(uint i) { return q_quad(query[i]); }    // quad i of query, dout, out
+vec4 DO(uint i) { return q_quad(dout[i]); }
+vec4 O(uint i) { return q_quad(out_[i]); }
+
+vec4 dots(vec4 x, uvec4 rows) {       // x . query quad of four rows (their quad indices)
+    return vec4(dot(x, Q(rows.x)), dot(x, Q(rows.y)), dot(x, Q(rows.z)), dot(x, Q(rows.w)));
 }
 
-vec4 dout_dots(vec4 x, uvec4 rows) {  // x . dout chunk of four rows
-    return vec4(dot(x, dout[rows.x]), dot(x, dout[rows.y]), dot(x, dout[rows.z]), dot(x, dout[rows.w]));
+vec4 dout_dots(vec4 x, uvec4 rows) {  // x . dout quad of four rows
+    return vec4(dot(x, DO(rows.x)), dot(x, DO(rows.y)), dot(x, DO(rows.z)), dot(x, DO(rows.w)));
 }
 
-vec4 delta_terms(uvec4 rows) {         // out . dout chunk of four rows, operands in dout_dots' order
-    return vec4(dot(out_[rows.x], dout[rows.x]), dot(out_[rows.y], dout[rows.y]), dot(out_[rows.z], dout[rows.z]),
-                dot(out_[rows.w], dout[rows.w]));
+vec4 delta_terms(uvec4 rows) {         // out . dout quad of four rows, operands in dout_dots' order
+    return vec4(dot(O(rows.x), DO(rows.x)), dot(O(rows.y), DO(rows.y)), dot(O(rows.z), DO(rows.z)),
+                dot(O(rows.w), DO(rows.w)));
 }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint kv_head = gl_WorkGroupID.y;
-    const uint seq = gl_WorkGroupID.z;
     const uint hs = pc.head_size;
     const uint hc = hs / 4u;
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
     const uint rows = group * pc.q_len;
-    const uint row0 = gl_WorkGroupID.x * ROWS;
-    if (row0 >= rows || hs > MAX_HEAD_SIZE) return;
+    const uint tiles = (rows + ROWS - 1u) / ROWS;
+    const uint wg = workgroup_index();         // (row tile, kv head, sequence), tiles fastest
+    const uint kv_head = (wg / tiles) % pc.num_kv_heads;
+    const uint seq = wg / (tiles * pc.num_kv_heads);
+    const uint row0 = (wg % tiles) * ROWS;
+    if (seq >= pc.num_seqs || row0 >= rows || hs > MAX_HEAD_SIZE) return;
     const uint row_end = min(row0 + ROWS, rows);
     // query, dout and out share one shape: a row is in all three or the launch is malformed.
     const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 4u;
@@ -109,14 +116,12 @@ void main() {
         const int phys = tid < tile_len ? s_phys[tid / bs] : -1;
         vec4 x_a = vec4(0.0), x_b = vec4(0.0), dp_a = vec4(0.0), dp_b = vec4(0.0);
         if (phys >= 0) {
-            const uint k0 = key_chunk(uint(phys), kv_head, token % bs, 0u);
-            const uint kstep = pc.k_chunk_stride >> 2;
             const uint v0 = value_index(uint(phys), kv_head, token % bs, 0u);
             const uint vs = pc.v_dim_stride;
             for (uint c = 0u; c < hc; c++) {
-                vec4 k = key_cache[k0 + c * kstep];
+                vec4 k = kv_quad(key_cache[key_quad(uint(phys), kv_head, token % bs, c)]);
                 uint vi = v0 + 4u * c * vs;
-                vec4 v = vec4(value_cache[vi], value_cache[vi + vs], value_cache[vi + 2u * vs], value_cache[vi + 3u * vs]);
+                vec4 v = vec4(VALUE_AT(vi), VALUE_AT(vi + vs), VALUE_AT(vi + 2u * vs), VALUE_AT(vi + 3u * vs));
                 x_a += dots(k, qb_a + c);
                 x_b += dots(k, qb_b + c);
                 dp_a += dout_dots(v, qb_a + c);
@@ -135,13 +140,11 @@ void main() {
             if (b < 0) continue;
             const vec4 ds_a = s_ds[t * 2u], ds_b = s_ds[t * 2u + 1u];
             if (d0 < hs) {
-                uint k = key_index(uint(b), kv_head, (base + t) % bs, d0);
-                float kd = key_cache[k >> 2][k & 3u];
+                float kd = KEY_AT(uint(b), kv_head, (base + t) % bs, d0);
                 dq0_a += ds_a * kd; dq0_b += ds_b * kd;
             }
             if (d1 < hs) {
-                uint k = key_index(uint(b), kv_head, (base + t) % bs, d1);
-                float kd = key_cache[k >> 2][k & 3u];
+                float kd = KEY_AT(uint(b), kv_head, (base + t) % bs, d1);
                 dq1_a += ds_a * kd; dq1_b += ds_b * kd;
             }
         }

@@ -19,15 +19,16 @@
 // Every index into a buffer is bounded here, not only in Python: block ids outside the caches, lengths
 // beyond the block-table row and rows beyond the table are treated as empty, never read.
 #extension GL_GOOGLE_include_directive : require
+#include "kv_storage.glsl"
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { vec4 query[]; };           // [seqs, heads, q_len, head_size]
-layout(std430, set = 0, binding = 1) readonly buffer KeyCache { vec4 key_cache[]; };     // 4-dim chunks, see key_chunk()
-layout(std430, set = 0, binding = 2) readonly buffer ValueCache { float value_cache[]; }; // see value_index()
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [seqs, heads, q_len, head_size]
+layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; };   // see key_quad()
+layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; }; // see value_index()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
-layout(std430, set = 0, binding = 5) writeonly buffer Out { float out_[]; };            // [seqs, heads, q_len, head_size]
+layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, q_len, head_size]
 layout(std430, set = 0, binding = 6) writeonly buffer Lse { float lse[]; };             // [seqs, heads, q_len]
 
 #include "attention_common.glsl"
@@ -69,6 +70,8 @@ void row_reduce(bool take_max) {
     barrier();
 }
 
+vec4 Q(uint i) { return q_quad(query[i]); }   // query quad i
+
 vec4 rows4(uint first, bool from_m) {   // s_m or s_alpha of rows first .. first + 3
     return from_m ? vec4(s_m[first], s_m[first + 1u], s_m[first + 2u], s_m[first + 3u])
                   : vec4(s_alpha[first], s_alpha[first + 1u], s_alpha[first + 2u], s_alpha[first + 3u]);
@@ -76,15 +79,17 @@ vec4 rows4(uint first, bool from_m) {   // s_m or s_alpha of rows first .. first
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint kv_head = gl_WorkGroupID.y;
-    const uint seq = gl_WorkGroupID.z;
     const uint hs = pc.head_size;
-    const uint hc = hs / 4u;                   // head chunks
+    const uint hc = hs / 4u;                   // head quads
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
     const uint rows = group * pc.q_len;
-    const uint row0 = gl_WorkGroupID.x * ROWS;
-    if (row0 >= rows || hs > MAX_HEAD_SIZE) return;
+    const uint tiles = (rows + ROWS - 1u) / ROWS;
+    const uint wg = workgroup_index();         // (row tile, kv head, sequence), tiles fastest
+    const uint kv_head = (wg / tiles) % pc.num_kv_heads;
+    const uint seq = wg / (tiles * pc.num_kv_heads);
+    const uint row0 = (wg % tiles) * ROWS;
+    if (seq >= pc.num_seqs || row0 >= rows || hs > MAX_HEAD_SIZE) return;
     const uint row_end = min(row0 + ROWS, rows);
     if (row_base(seq, kv_head, row0) + hs > uint(query.length()) * 4u) return;
 
@@ -114,7 +119,7 @@ void main() {
     vec4 l_a = vec4(0.0), l_b = vec4(0.0);     // this thread's share of each row's softmax denominator
     vec4 o0_a = vec4(0.0), o0_b = vec4(0.0);   // weighted values of head dim tid, per row
     vec4 o1_a = vec4(0.0), o1_b = vec4(0.0);   // and of head dim tid + WG
-    const uint d0 = tid, d1 = tid + WG;
+    const uint d0 = 2u * tid, d1 = d0 + 1u;   // this thread's head dims
 
     for (uint base = 0u; base < kv_end; base += TILE) {
         const uint tile_len = min(TILE, kv_end - base);
@@ -130,14 +135,10 @@ void main() {
         const int phys = tid < tile_len ? s_phys[tid / bs] : -1;
         vec4 x_a = vec4(0.0), x_b = vec4(0.0);
         if (phys >= 0) {
-            const uint k0 = key_chunk(uint(phys), kv_head, token % bs, 0u);
-            const uint kstep = pc.k_chunk_stride >> 2;
             for (uint c = 0u; c < hc; c++) {
-                vec4 k = key_cache[k0 + c * kstep];
-                x_a += vec4(dot(k, query[qb_a.x + c]), dot(k, query[qb_a.y + c]), dot(k, query[qb_a.z + c]),
-                            dot(k, query[qb_a.w + c]));
-                x_b += vec4(dot(k, query[qb_b.x + c]), dot(k, query[qb_b.y + c]), dot(k, query[qb_b.z + c]),
-                            dot(k, query[qb_b.w + c]));
+                vec4 k = kv_quad(key_cache[key_quad(uint(phys), kv_head, token % bs, c)]);
+                x_a += vec4(dot(k, Q(qb_a.x + c)), dot(k, Q(qb_a.y + c)), dot(k, Q(qb_a.z + c)), dot(k, Q(qb_a.w + c)));
+                x_b += vec4(dot(k, Q(qb_b.x + c)), dot(k, Q(qb_b.y + c)), dot(k, Q(qb_b.z + c)), dot(k, Q(qb_b.w + c)));
             }
         }
         x_a *= pc.scale;
@@ -174,12 +175,12 @@ void main() {
         for (uint t = 0u; t < tile_len; t++) {
             int b = s_phys[t / bs];
             if (b < 0) continue;
-            uint v = value_index(uint(b), kv_head, (base + t) % bs, 0u);
-            float v0 = d0 < hs ? value_cache[v + d0 * pc.v_dim_stride] : 0.0;
-            float v1 = d1 < hs ? value_cache[v + d1 * pc.v_dim_stride] : 0.0;
+            if (d0 >= hs) break;   // threads past the head have no dims
+            uint v = value_index(uint(b), kv_head, (base + t) % bs, d0);
+            float v0 = VALUE_AT(v), v1 = VALUE_AT(v + pc.v_dim_stride);
             vec4 w_a = s_p[t * 2u], w_b = s_p[t * 2u + 1u];
             o0_a += w_a * v0; o0_b += w_b * v0;
-            if (hs > WG) { o1_a += w_a * v1; o1_b += w_b * v1; }   // uniform: head sizes up to 128 skip it
+            o1_a += w_a * v1; o1_b += w_b * v1;
         }
         barrier();   // s_p and s_phys are rewritten by the next tile
     }
@@ -191,11 +192,11 @@ void main() {
     row_reduce(false);
     for (uint r = 0u; r < ROWS; r++) {
         uint q = row_base(seq, kv_head, row0 + r);
-        if (row0 + r >= row_end || q + hs > uint(out_.length())) continue;
+        if (row0 + r >= row_end || q + hs > 2u * uint(out_.length())) continue;
         float denom = s_row[r];
-        float inv = denom > 0.0 ? 1.0 / denom : 0.0;   // a row that sees no key gives zeros
-        if (d0 < hs) out_[q + d0] = (r < 4u ? o0_a[r] : o0_b[r - 4u]) * inv;
-        if (d1 < hs) out_[q + d1] = (r < 4u ? o1_a[r] : o1_b[r - 4u]) * inv;
+        float inv = denom > 0.0 ? pc.v_scale / denom : 0.0;   // a row that sees no key gives zeros
+        vec2 o = vec2(r < 4u ? o0_a[r] : o0_b[r - 4u], r < 4u ? o1_a[r] : o1_b[r - 4u]) * inv;
+        if (d0 < hs) out_[(q + d0) >> 1] = out_pair(o);
         if (tid == 0u && q / hs < uint(lse.length())) lse[q / hs] = denom > 0.0 ? s_m[r] + log(denom) : NEG_INF;
     }
 }
