@@ -18,12 +18,11 @@ import numpy as np
 from . import checks, kernels
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
-from .runtime.pipeline import Launch
+from .dtypes import QUERY_TYPES, fp8_scale, storage_type
+from .layouts import LAYOUTS, CacheSpec, cache_spec
+from .runtime.pipeline import Launch, fold_grid
 from .selection import get_device
 
-BLOCK_SIZES = (8, 16, 32)
-MAX_HEAD_SIZE = 256
-KV_DTYPES = {np.dtype(np.float32): "f32"}   # storage variant of each cache dtype
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
 LOGIT_SLOTS = 4096                           # heads per workgroup x partition size (LOGIT_SLOTS in the kernel)
@@ -59,31 +58,6 @@ def backend_name(backend) -> str:
     return name
 
 
-def cache_shapes(key_cache, value_cache) -> dict:
-    """Check both caches against each other; return the dims they imply."""
-    checks.kind("key_cache", key_cache)
-    checks.kind("value_cache", value_cache)
-    checks.ndim("key_cache", key_cache, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x]")
-    checks.ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, head_size, block_size]")
-    checks.dtype("key_cache", key_cache, KV_DTYPES)
-    checks.dtype("value_cache", value_cache, [key_cache.dtype])
-    num_blocks, num_kv_heads, head_chunks, block_size, x = key_cache.shape
-    itemsize = np.dtype(key_cache.dtype).itemsize
-    if x != 16 // itemsize:
-        raise ValueError(f"key_cache.shape[4] (x) must be 16 // itemsize = {16 // itemsize} for {key_cache.dtype}, got {x}")
-    head_size = head_chunks * x
-    checks.one_of("block_size (key_cache.shape[3])", block_size, BLOCK_SIZES)
-    if not 0 < head_size <= MAX_HEAD_SIZE:
-        raise ValueError(f"head_size (key_cache.shape[2] * x) must be in [{x}, {MAX_HEAD_SIZE}], got {head_size}")
-    if num_kv_heads < 1:
-        raise ValueError(f"key_cache.shape[1] (num_kv_heads) must be at least 1, got {num_kv_heads}")
-    for axis, (expected, what) in enumerate([(num_blocks, "num_blocks"), (num_kv_heads, "num_kv_heads"),
-                                             (head_size, "head_size"), (block_size, "block_size")]):
-        checks.dim("value_cache", value_cache, axis, expected, what)
-    return dict(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
-                dtype=np.dtype(key_cache.dtype))
-
-
 def _device_of(*arrays, device=None):
     devices = {id(a.device): a.device for a in arrays if isinstance(a, DeviceArray)}
     if device is not None:
@@ -100,19 +74,25 @@ class DecodePlan:
     block_tables  int32 [num_seqs, max_blocks_per_seq]: physical block ids; only each sequence's first
                   ceil(seq_len / block_size) entries are read.
     seq_lens      int32 [num_seqs]: tokens cached per sequence (0 gives an output of zeros).
-    The caches passed to ``run`` must match num_kv_heads, head_size, block_size and dtype, and hold
-    more than every block id used (checked at plan time against num_blocks).
+    num_heads, num_kv_heads, head_size, block_size, num_blocks: the model's and the caches' dims; the
+                  caches passed to ``run`` must match them and hold at least num_blocks blocks.
+    dtype         the caches' dtype: float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2.
+    query_dtype   float32, float16 or bfloat16; the output has it too. Default: dtype where it is one of
+                  those, else float16 (fp8 caches serve 16-bit models).
+    layout        "vllm" or "nhd" (see pagedvk.layouts).
+    k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back.
     validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
     tables back to the host. The kernel bounds every index itself, so bad values then give wrong
-    attention for the sequences that hold them, never a read outside the caches. (seq_lens is still read
-    once, for the longest length: the plan's partitions cover that, so lengths must not grow after it.)
+    attention for the sequences that hold them, never a read outside the caches. Lengths may grow after
+    the plan is made (the last partition takes every token past its start), up to the block-table row.
     partition_size (tokens) overrides the split-K rule of ``partitioning``; it must be a multiple of
     block_size, at least 4 and at most 4096 / (query heads per workgroup).
     """
 
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
-                 block_size: int, num_blocks: int, dtype=np.float32, scale: float | None = None,
-                 device=None, backend: str | None = None, validate: bool = True, partition_size: int | None = None):
+                 block_size: int, num_blocks: int, dtype=np.float32, query_dtype=None, layout: str = "vllm",
+                 scale: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0, device=None,
+                 backend: str | None = None, validate: bool = True, partition_size: int | None = None):
         checks.tables(block_tables, seq_lens)
         if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
@@ -121,19 +101,24 @@ class DecodePlan:
         self.backend = backend_name(backend)
         self.device = _device_of(block_tables, seq_lens, device=device)
         self.num_seqs = block_tables.shape[0]
-        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, np.dtype(dtype)
+        self.num_heads = num_heads
+        checks.one_of("layout", layout, LAYOUTS)
+        self.spec = CacheSpec(layout, storage_type("dtype", np.empty(0, dtype)), num_blocks, num_kv_heads,
+                              head_size, block_size)
+        self.query_type = (storage_type("query_dtype", np.empty(0, query_dtype), QUERY_TYPES)
+                           if query_dtype is not None else QUERY_TYPES.get(self.spec.storage.dtype, QUERY_TYPES[np.dtype(np.float16)]))
+        self.num_kv_heads, self.head_size, self.block_size, self.num_blocks = num_kv_heads, head_size, block_size, num_blocks
+        self.dtype, self.query_dtype, self.layout = self.spec.storage.dtype, self.query_type.dtype, layout
         self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
         if not math.isfinite(self.scale):
             raise ValueError(f"scale must be finite, got {scale}")
+        self.k_scale, self.v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
         self.block_tables = asarray(block_tables, device=self.device)
         self.seq_lens = asarray(seq_lens, device=self.device)
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
                        if a is not given]
-        storage = KV_DTYPES[self.dtype]
-        unrolled = f"{storage}_h{head_size}"
-        variant = unrolled if PAGED_DECODE.has_module(unrolled, self.backend) else storage
-        self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, variant, self.backend)
+        key = PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, head_size)
+        self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, key)
         self.group_size = group_size(num_heads, num_kv_heads)
         lens = checks.host(seq_lens)
         max_seq_len = min(int(lens.max(initial=0)), block_tables.shape[1] * block_size)
@@ -147,7 +132,8 @@ class DecodePlan:
                 raise ValueError(f"partition_size must be a multiple of block_size ({block_size}) in [4, {limit}], "
                                  f"got {partition_size}")
             self.partition_size, self.num_partitions = partition_size, max(1, -(-max_seq_len // partition_size))
-        self.grid = (workgroups_per_seq, self.num_seqs, self.num_partitions)
+        limits = self.device.info.max_workgroup_count
+        self.grid = fold_grid(workgroups_per_seq * self.num_seqs * self.num_partitions, limits)
         split = self.num_partitions > 1
         # Scratch for split contexts; 16-byte placeholders keep the bindings valid when there is no split.
         self.partial_out = empty((self.num_seqs, num_heads, self.num_partitions, head_size) if split else (4,),
@@ -155,34 +141,42 @@ class DecodePlan:
         self.partial_stats = empty((self.num_seqs, num_heads, self.num_partitions, 2) if split else (4,),
                                    np.float32, self.device)
         self._owned += [self.partial_out, self.partial_stats]
-        self.reduce_pipeline = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, "f32", self.backend)
+        self.reduce_pipeline = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE,
+                                                 PAGED_DECODE_REDUCE.key(self.backend, q=self.query_type.tag))
                                 if split else None)
+        self.reduce_grid = fold_grid(num_heads * self.num_seqs, limits)
         self._launches = OrderedDict()  # buffer ids -> recorded Launch, least recently used first
         self._lock = threading.Lock()
 
     @classmethod
-    def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, **kw) -> "DecodePlan":
-        dims = cache_shapes(key_cache, value_cache)
+    def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, *, layout="vllm",
+                   kv_cache_dtype="auto", query_dtype=None, **kw) -> "DecodePlan":
+        spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype)
         device = _device_of(key_cache, value_cache, block_tables, seq_lens, device=kw.pop("device", None))
-        return cls(block_tables, seq_lens, num_heads=num_heads, **dims, **kw, device=device)
+        return cls(block_tables, seq_lens, num_heads=num_heads, num_kv_heads=spec.num_kv_heads,
+                   head_size=spec.head_size, block_size=spec.block_size, num_blocks=spec.num_blocks,
+                   dtype=spec.storage.dtype, query_dtype=query_dtype, layout=layout, device=device, **kw)
 
     def _check_run(self, query, key_cache, value_cache, out) -> None:
         checks.kind("query", query)
         checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
-        dims = cache_shapes(key_cache, value_cache)
-        for name in ("num_kv_heads", "head_size", "block_size", "dtype"):
-            if dims[name] != getattr(self, name):
-                raise ValueError(f"key_cache {name} is {dims[name]} but the plan was made for {getattr(self, name)}")
-        if dims["num_blocks"] < self.num_blocks:
-            raise ValueError(f"key_cache.shape[0] (num_blocks) is {dims['num_blocks']}, but the plan's block_tables "
+        kv_cache_dtype = "auto" if np.dtype(key_cache.dtype) != np.dtype(np.uint8) else {
+            "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}.get(self.spec.storage.tag, "auto")
+        spec = cache_spec(key_cache, value_cache, self.layout, kv_cache_dtype)
+        for name in ("num_kv_heads", "head_size", "block_size", "storage"):
+            if getattr(spec, name) != getattr(self.spec, name):
+                raise ValueError(f"key_cache {name} is {getattr(spec, name)} but the plan was made for "
+                                 f"{getattr(self.spec, name)}")
+        if spec.num_blocks < self.num_blocks:
+            raise ValueError(f"key_cache num_blocks is {spec.num_blocks}, but the plan's block_tables "
                              f"were checked against {self.num_blocks} blocks")
-        checks.dtype("query", query, [self.dtype])
+        checks.dtype("query", query, [self.query_dtype])
         for axis, (n, what) in enumerate([(self.num_seqs, "num_seqs"), (self.num_heads, "num_heads"),
                                           (self.head_size, "head_size")]):
             checks.dim("query", query, axis, n, what)
         if out is not None:
             checks.kind("out", out)
-            checks.dtype("out", out, [self.dtype])
+            checks.dtype("out", out, [self.query_dtype])
             if tuple(out.shape) != tuple(query.shape):
                 raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
 
@@ -202,7 +196,7 @@ class DecodePlan:
 
         try:
             q, k, v = on_device(query), on_device(key_cache), on_device(value_cache)
-            o = out if isinstance(out, DeviceArray) else empty(query.shape, self.dtype, self.device)
+            o = out if isinstance(out, DeviceArray) else empty(query.shape, self.query_dtype, self.device)
             if o is not out:
                 temporaries.append(o)
             self._launch(q, k, v, o, num_blocks=key_cache.shape[0], cache=not temporaries)
@@ -248,29 +242,23 @@ class DecodePlan:
                 launch.close()
 
     def _steps(self, q, k, v, o, num_blocks: int) -> list:
-        """The dispatches of one run: decode, and the reduce of its partitions when split."""
+        """The dispatches of one run: decode, and the reduce of its partitions when split. Both take the same
+        push constants."""
         tables = (self.block_tables.buffer, self.seq_lens.buffer)
         partials = (self.partial_out.buffer, self.partial_stats.buffer)
-        decode = (self.pipeline, (q.buffer, k.buffer, v.buffer, *tables, o.buffer, *partials),
-                  PAGED_DECODE.pack_push(
-                      num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                      block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
-                      num_blocks=self._blocks_held(k, v, num_blocks), scale=self.scale, group_size=self.group_size,
-                      partition_size=self.partition_size, num_partitions=self.num_partitions),
-                  self.grid)
+        spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,
+                         self.block_size)
+        push = PAGED_DECODE.pack_push(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+            block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
+            num_blocks=spec.blocks_held(k.buffer.size, v.buffer.size), num_seqs=self.num_seqs, q_len=1,
+            causal=0, scale=self.scale * self.k_scale, v_scale=self.v_scale, group_size=self.group_size,
+            partition_size=self.partition_size, num_partitions=self.num_partitions, **spec.strides())
+        decode = (self.pipeline, (q.buffer, k.buffer, v.buffer, *tables, o.buffer, *partials), push, self.grid)
         if self.reduce_pipeline is None:
             return [decode]
-        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer),
-                  PAGED_DECODE_REDUCE.pack_push(num_heads=self.num_heads, head_size=self.head_size,
-                                                partition_size=self.partition_size,
-                                                num_partitions=self.num_partitions),
-                  (self.num_heads, self.num_seqs, 1))
+        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer), push, self.reduce_grid)
         return [decode, reduce]
-
-    def _blocks_held(self, k, v, num_blocks: int) -> int:
-        """The kernel's bound on block ids: what the bound buffers really hold, whatever was claimed."""
-        block_bytes = self.num_kv_heads * self.head_size * self.block_size * self.dtype.itemsize
-        return min(num_blocks, k.buffer.size // block_bytes, v.buffer.size // block_bytes)
 
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
         """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""
@@ -297,23 +285,32 @@ class DecodePlan:
         self.close()
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, backend=None,
-                    validate=True):
-    """Decode attention over a paged KV cache (vLLM layout).
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, layout="vllm",
+                    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, backend=None, validate=True):
+    """Decode attention over a paged KV cache: each sequence's one query token over its cached tokens.
 
-    query        [num_seqs, num_heads, head_size]
-    key_cache    [num_blocks, num_kv_heads, head_size // x, block_size, x], x = 16 // itemsize
-    value_cache  [num_blocks, num_kv_heads, head_size, block_size]
-    block_tables int32 [num_seqs, max_blocks_per_seq]
-    seq_lens     int32 [num_seqs]
-    scale        softmax scale, default 1 / sqrt(head_size)
-    Returns [num_seqs, num_heads, head_size]: numpy for a numpy query, a DeviceArray for a DeviceArray.
-    For many layers with the same block tables, make one DecodePlan and call its run() per layer.
-    validate=False skips the block-table value checks (see DecodePlan).
+    query        float32, float16 or bfloat16 [num_seqs, num_heads, head_size]; num_heads a multiple of
+                 num_kv_heads (MHA, GQA, MQA)
+    key_cache    layout "vllm": [num_blocks, num_kv_heads, head_size // x, block_size, x], x = 16 // itemsize
+                 layout "nhd":  [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache  "vllm": [num_blocks, num_kv_heads, head_size, block_size]; "nhd": as key_cache
+                 float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2; or uint8 with
+                 kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2" (vLLM's), scaled by k_scale / v_scale
+    block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids
+    seq_lens     int32 [num_seqs]: cached tokens per sequence (0 gives zeros)
+    scale        softmax scale, default 1 / sqrt(head_size); accumulation is float32
+    out          optional array of the query's shape and dtype to write into
+    Returns [num_seqs, num_heads, head_size] in the query's dtype: numpy for a numpy query, a DeviceArray
+    for a DeviceArray. For many layers with the same block tables, make one DecodePlan and call its run()
+    per layer. validate=False skips the block-table value checks (see DecodePlan).
+
+    >>> out = pagedvk.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
     """
     checks.kind("query", query)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
-    with DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
-                               scale=scale, backend=backend, validate=validate,
+    query_type = storage_type("query", query, QUERY_TYPES)
+    with DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1], layout=layout,
+                               kv_cache_dtype=kv_cache_dtype, query_dtype=query_type.dtype, scale=scale,
+                               k_scale=k_scale, v_scale=v_scale, backend=backend, validate=validate,
                                device=_device_of(query, key_cache, value_cache, block_tables, seq_lens, out)) as plan:
         return plan.run(query, key_cache, value_cache, out=out)

@@ -7,11 +7,46 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks
+from .decode import DecodePlan, _device_of
 from .decode import paged_attention as _paged_attention
+from .dtypes import QUERY_TYPES, storage_type
+from .layouts import cache_spec
+
+V2_PARTITION_SIZE = 512   # vLLM's PARTITION_SIZE for paged_attention_v2
 
 
 def _unsupported(feature: str, argument: str) -> NotImplementedError:
     return NotImplementedError(f"{feature} ({argument}) is not supported by pagedvk yet")
+
+
+def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
+          alibi_slopes, kv_cache_dtype, k_scale, v_scale, tp_rank, blocksparse_local_blocks,
+          blocksparse_vert_stride, **plan_options) -> DecodePlan:
+    """Check vLLM's arguments (block-sparse ones are ignored unless blocksparse_vert_stride > 1, as vLLM
+    does) and make the plan that runs them."""
+    if alibi_slopes is not None:
+        raise _unsupported("ALiBi", "alibi_slopes")
+    if blocksparse_vert_stride > 1:
+        raise _unsupported("block-sparse attention", "blocksparse_vert_stride > 1")
+    if out is None:
+        raise TypeError("out must be an array of the query's shape (vLLM writes into it)")
+    checks.kind("query", query)
+    checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
+    spec = cache_spec(key_cache, value_cache, "vllm", kv_cache_dtype)
+    if spec.num_kv_heads != num_kv_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) does not match key_cache.shape[1] ({spec.num_kv_heads})")
+    if spec.block_size != block_size:
+        raise ValueError(f"block_size ({block_size}) does not match key_cache.shape[3] ({spec.block_size})")
+    checks.tables(block_tables, seq_lens)
+    lens = checks.host(seq_lens)
+    if lens.size and int(np.max(lens)) > max_seq_len:
+        raise ValueError(f"max_seq_len ({max_seq_len}) is less than the longest seq_len ({int(np.max(lens))})")
+    query_type = storage_type("query", query, QUERY_TYPES)
+    return DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
+                                 kv_cache_dtype=kv_cache_dtype, query_dtype=query_type.dtype, scale=scale,
+                                 k_scale=k_scale, v_scale=v_scale,
+                                 device=_device_of(query, key_cache, value_cache, block_tables, seq_lens, out),
+                                 **plan_options)
 
 
 def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
@@ -20,35 +55,49 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
                        blocksparse_block_size=64, blocksparse_head_sliding_step=0):
     """vLLM's ``paged_attention_v1``: writes softmax(scale q k^T) v into ``out`` and returns it.
 
-    Shapes as ``pagedvk.paged_attention``; ``num_kv_heads`` and ``block_size`` must agree with the caches
-    and ``max_seq_len`` must be at least every seq_len.
+    Shapes as ``pagedvk.paged_attention`` in vLLM's cache layout; fp8 caches as uint8 with kv_cache_dtype
+    "fp8" / "fp8_e4m3" / "fp8_e5m2" and k_scale / v_scale. ``num_kv_heads`` and ``block_size`` must agree
+    with the caches and ``max_seq_len`` must be at least every seq_len. The split-K rule is pagedvk's own.
     """
-    if alibi_slopes is not None:
-        raise _unsupported("ALiBi", "alibi_slopes")
-    if kv_cache_dtype != "auto":
-        raise _unsupported("a quantized (fp8) KV cache", f"kv_cache_dtype={kv_cache_dtype!r}")
-    if np.any(np.asarray(k_scale) != 1.0) or np.any(np.asarray(v_scale) != 1.0):
-        raise _unsupported("KV cache scaling", "k_scale/v_scale")
-    if tp_rank or blocksparse_vert_stride > 1 or blocksparse_local_blocks:
-        raise _unsupported("block-sparse attention", "blocksparse_*/tp_rank")
-    if out is None:
-        raise TypeError("out must be an array of the query's shape (vLLM writes into it)")
-    checks.kind("key_cache", key_cache)
-    if len(key_cache.shape) >= 4 and key_cache.shape[1] != num_kv_heads:
-        raise ValueError(f"num_kv_heads ({num_kv_heads}) does not match key_cache.shape[1] ({key_cache.shape[1]})")
-    if len(key_cache.shape) >= 4 and key_cache.shape[3] != block_size:
-        raise ValueError(f"block_size ({block_size}) does not match key_cache.shape[3] ({key_cache.shape[3]})")
-    checks.kind("seq_lens", seq_lens)
-    lens = checks.host(seq_lens)
-    if lens.size and int(np.max(lens)) > max_seq_len:
-        raise ValueError(f"max_seq_len ({max_seq_len}) is less than the longest seq_len ({int(np.max(lens))})")
-    return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out)
+    with _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+               max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, tp_rank, blocksparse_local_blocks,
+               blocksparse_vert_stride) as plan:
+        return plan.run(query, key_cache, value_cache, out=out)
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, backend=None,
-                    validate=True):
-    return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out,
-                            backend=backend, validate=validate)
+def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, num_kv_heads, scale,
+                       block_tables, seq_lens, block_size, max_seq_len, alibi_slopes=None, kv_cache_dtype="auto",
+                       k_scale=1.0, v_scale=1.0, tp_rank=0, blocksparse_local_blocks=0,
+                       blocksparse_vert_stride=0, blocksparse_block_size=64, blocksparse_head_sliding_step=0):
+    """vLLM's ``paged_attention_v2``: as v1, with the context split into 512-token partitions merged by a
+    second pass. exp_sums and max_logits (float32 [num_seqs, num_heads, max_num_partitions]) and tmp_out
+    (float32 [num_seqs, num_heads, max_num_partitions, head_size]), max_num_partitions = ceil(max_seq_len /
+    512), are vLLM's scratch: their shapes are checked, and numpy ones are filled as vLLM fills them (each
+    partition's sum of exp(logit - max), its max logit and its normalized output)."""
+    checks.kind("query", query)
+    checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
+    partitions = max(1, -(-int(max_seq_len) // V2_PARTITION_SIZE))
+    stats_shape = tuple(query.shape[:2]) + (partitions,)
+    for name, a, shape in (("exp_sums", exp_sums, stats_shape), ("max_logits", max_logits, stats_shape),
+                           ("tmp_out", tmp_out, stats_shape + (query.shape[2],))):
+        checks.kind(name, a)
+        checks.dtype(name, a, [np.float32])
+        if tuple(a.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (max_num_partitions = ceil(max_seq_len / "
+                             f"{V2_PARTITION_SIZE}) = {partitions}), got {tuple(a.shape)}")
+    with _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
+               max_seq_len, alibi_slopes, kv_cache_dtype, k_scale, v_scale, tp_rank, blocksparse_local_blocks,
+               blocksparse_vert_stride, partition_size=V2_PARTITION_SIZE) as plan:
+        result = plan.run(query, key_cache, value_cache, out=out)
+        if plan.num_partitions > 1:
+            n = plan.num_partitions
+            stats = plan.partial_stats.numpy()
+            for a, values in ((max_logits, stats[..., 0]), (exp_sums, stats[..., 1]),
+                              (tmp_out, plan.partial_out.numpy())):
+                if isinstance(a, np.ndarray):
+                    a[:, :, :n] = values
+        return result
 
 
-paged_attention.__doc__ = _paged_attention.__doc__
+# pagedvk's own spelling, for engines that want one namespace.
+paged_attention = _paged_attention

@@ -1,11 +1,7 @@
 """Paged-attention prefill and its backward: the last q_len tokens of each sequence attend over that
-sequence's cached keys and values (causal or not), float32, in either cache layout:
-
-  layout="nhd"   key_cache and value_cache [num_blocks, block_size, num_kv_heads, head_size]
-  layout="vllm"  key_cache [num_blocks, num_kv_heads, head_size // 4, block_size, 4] and
-                 value_cache [num_blocks, num_kv_heads, head_size, block_size] (the decode layout)
-
-One module per kernel reads both layouts: the caches' strides travel in the push constants.
+sequence's cached keys and values (causal or not), in either cache layout (pagedvk.layouts) and any cache
+storage type (pagedvk.dtypes; the backward takes float32, float16 and bfloat16 caches). One module per
+kernel and storage type reads both layouts: the caches' strides travel in the push constants.
 """
 
 from __future__ import annotations
@@ -17,63 +13,31 @@ import numpy as np
 from . import checks, kernels
 from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL
 from .array import asarray, empty
-from .decode import BLOCK_SIZES, KV_DTYPES, MAX_HEAD_SIZE, _device_of, backend_name, cache_shapes
+from .decode import _device_of, backend_name
+from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
+from .layouts import cache_spec
+from .runtime.pipeline import fold_grid
 
-LAYOUTS = ("nhd", "vllm")
 FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
 DQ_ROWS = 8              # and of paged_backward_dq
 DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
 
 
-def _nhd_cache_shapes(key_cache, value_cache) -> dict:
-    checks.kind("key_cache", key_cache)
-    checks.kind("value_cache", value_cache)
-    layout = "[num_blocks, block_size, num_kv_heads, head_size] (layout='nhd')"
-    checks.ndim("key_cache", key_cache, 4, layout)
-    checks.ndim("value_cache", value_cache, 4, layout)
-    checks.dtype("key_cache", key_cache, KV_DTYPES)
-    checks.dtype("value_cache", value_cache, [key_cache.dtype])
-    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
-    checks.one_of("block_size (key_cache.shape[1])", block_size, BLOCK_SIZES)
-    if head_size % 4 or not 0 < head_size <= MAX_HEAD_SIZE:
-        raise ValueError(f"head_size (key_cache.shape[3]) must be a multiple of 4 in [4, {MAX_HEAD_SIZE}], "
-                         f"got {head_size}")
-    if num_kv_heads < 1:
-        raise ValueError(f"key_cache.shape[2] (num_kv_heads) must be at least 1, got {num_kv_heads}")
-    for axis, what in enumerate(("num_blocks", "block_size", "num_kv_heads", "head_size")):
-        checks.dim("value_cache", value_cache, axis, key_cache.shape[axis], what)
-    return dict(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size)
-
-
-def _strides(layout: str, block_size: int, num_kv_heads: int, head_size: int) -> dict:
-    """Where (block, kv head, token, dim) lives in each cache, in floats (see shaders/attention_common.glsl)."""
-    block = num_kv_heads * head_size * block_size
-    if layout == "nhd":
-        token = num_kv_heads * head_size
-        return dict(k_block_stride=block, k_head_stride=head_size, k_token_stride=token, k_chunk_stride=4,
-                    v_block_stride=block, v_head_stride=head_size, v_token_stride=token, v_dim_stride=1)
-    return dict(k_block_stride=block, k_head_stride=head_size * block_size, k_token_stride=4,
-                k_chunk_stride=4 * block_size, v_block_stride=block, v_head_stride=head_size * block_size,
-                v_token_stride=1, v_dim_stride=block_size)
-
-
 class _Problem:
     """The checked arguments of one call: dims, device, backend and the push constants they give."""
 
     def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend,
-                 validate=True):
-        if not isinstance(layout, str) or layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+                 validate=True, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, cache_types=CACHE_TYPES):
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, not {type(causal).__name__}")
         checks.kind("query", query)
         checks.ndim("query", query, 4, "[num_seqs, num_heads, q_len, head_size]")
-        checks.dtype("query", query, [np.float32])
-        dims = cache_shapes(key_cache, value_cache) if layout == "vllm" else _nhd_cache_shapes(key_cache, value_cache)
+        self.query_type = storage_type("query", query, QUERY_TYPES)
+        spec = self.spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype, cache_types)
         self.num_seqs, self.num_heads, self.q_len, self.head_size = query.shape
-        self.num_kv_heads, self.block_size, self.num_blocks = dims["num_kv_heads"], dims["block_size"], dims["num_blocks"]
-        checks.dim("query", query, 3, dims["head_size"], "head_size, from the caches")
+        self.num_kv_heads, self.block_size, self.num_blocks = spec.num_kv_heads, spec.block_size, spec.num_blocks
+        checks.dim("query", query, 3, spec.head_size, "head_size, from the caches")
         if self.num_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(f"query.shape[1] (num_heads) must be a positive multiple of num_kv_heads "
                              f"({self.num_kv_heads}, from the caches), got {self.num_heads}")
@@ -94,11 +58,8 @@ class _Problem:
         self.scale = 1.0 / math.sqrt(self.head_size) if scale is None else float(scale)
         if not math.isfinite(self.scale):
             raise ValueError(f"scale must be finite, got {scale}")
+        k_scale, v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
         self.causal = bool(causal)
-        rows = self.num_heads // self.num_kv_heads * self.q_len
-        if max(-(-rows // DQ_ROWS), self.num_seqs) > MAX_GROUPS:
-            raise ValueError(f"query shape {tuple(query.shape)} needs more than {MAX_GROUPS} workgroups along one "
-                             f"grid dimension: split the batch")
         self.backend = backend_name(backend)
         self.device = _device_of(query, key_cache, value_cache, block_tables, seq_lens)
         self.host = isinstance(query, np.ndarray)
@@ -107,17 +68,23 @@ class _Problem:
         self.push = PAGED_PREFILL.pack_push(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=block_tables.shape[1], num_blocks=self.num_blocks,
-            q_len=self.q_len, causal=int(self.causal), scale=self.scale,
-            **_strides(layout, self.block_size, self.num_kv_heads, self.head_size))
+            num_seqs=self.num_seqs, q_len=self.q_len, causal=int(self.causal), scale=self.scale * k_scale,
+            v_scale=v_scale, group_size=1, partition_size=0, num_partitions=1, **spec.strides())
+
+    def key(self, kernel):
+        return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag)
 
     def grid(self, rows_per_group: int) -> tuple:
+        """Workgroups (row tile, kv head, sequence), numbered linearly over a grid folded to the device's
+        limits."""
         rows = self.num_heads // self.num_kv_heads * self.q_len
-        return (-(-rows // rows_per_group), self.num_kv_heads, self.num_seqs)
+        return fold_grid(-(-rows // rows_per_group) * self.num_kv_heads * self.num_seqs,
+                         self.device.info.max_workgroup_count)
 
-    def check_like(self, name: str, a, shape: tuple, layout: str) -> None:
+    def check_like(self, name: str, a, shape: tuple, layout: str, dtype) -> None:
         checks.kind(name, a)
         checks.ndim(name, a, len(shape), layout)
-        checks.dtype(name, a, [np.float32])
+        checks.dtype(name, a, [dtype])
         if tuple(a.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} {layout}, got {tuple(a.shape)}")
         _device_of(a, device=self.device)
@@ -140,7 +107,7 @@ class _Problem:
 
 def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
     """Run each (kernel ABI, grid) in turn, its buffers bound by the names its ABI declares: taken from
-    `inputs` (copied to the device when on the host) or allocated for `outputs` (name -> shape). Returns
+    `inputs` (copied to the device when on the host) or allocated for `outputs` (name -> (shape, dtype)). Returns
     the outputs in order, as numpy arrays when the query came from the host, else as DeviceArrays."""
     temporaries, results = [], {}
     try:
@@ -149,10 +116,10 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
             arrays[name] = asarray(a, device=problem.device)
             if arrays[name] is not a:
                 temporaries.append(arrays[name])
-        for name, shape in outputs.items():
-            results[name] = arrays[name] = empty(shape, np.float32, problem.device)
+        for name, (shape, dtype) in outputs.items():
+            results[name] = arrays[name] = empty(shape, dtype, problem.device)
         for abi, grid in dispatches:
-            pipeline = kernels.pipeline(problem.device, abi, "f32", problem.backend)
+            pipeline = kernels.pipeline(problem.device, abi, problem.key(abi))
             launch = pipeline.launch([arrays[b.name].buffer for b in abi.bindings], problem.push, grid)
             try:
                 launch.submit()
@@ -168,48 +135,60 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
 
 
 def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, causal=True,
-                            layout="nhd", backend=None, validate=True):
+                            layout="nhd", kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, backend=None,
+                            validate=True):
     """Attention of each sequence's last q_len tokens over its paged KV cache.
 
-    query        float32 [num_seqs, num_heads, q_len, head_size]; query i of sequence s is its token
-                 seq_lens[s] - q_len + i, so with causal=True it sees keys 0 .. seq_lens[s] - q_len + i
-    key_cache    float32, layout "nhd" [num_blocks, block_size, num_kv_heads, head_size] or
-    value_cache  "vllm" (see the module); num_heads a multiple of num_kv_heads (GQA/MQA); head_size a
-                 multiple of 4 up to 256; block_size 8, 16 or 32
+    query        float32, float16 or bfloat16 [num_seqs, num_heads, q_len, head_size]; query i of sequence s
+                 is its token seq_lens[s] - q_len + i, so with causal=True it sees keys 0 .. seq_lens[s] - q_len + i
+    key_cache    layout "nhd" [num_blocks, block_size, num_kv_heads, head_size] or "vllm" (pagedvk.layouts);
+    value_cache  float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 (or uint8 with vLLM's
+                 kv_cache_dtype and k_scale / v_scale); num_heads a multiple of num_kv_heads (GQA/MQA);
+                 head_size a multiple of 4 up to 256; block_size 8, 16 or 32
     block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids
     seq_lens     int32 [num_seqs]: cached tokens per sequence, at least q_len, or 0 for an empty sequence
                  (zeros out, lse -inf)
-    scale        softmax scale, default 1 / sqrt(head_size)
-    Returns (out [num_seqs, num_heads, q_len, head_size], lse [num_seqs, num_heads, q_len]), lse the
-    natural-log sum of exp(scale q.k) over the keys seen: numpy for a numpy query, DeviceArrays for a
-    DeviceArray query.
+    scale        softmax scale, default 1 / sqrt(head_size); accumulation is float32
+    Returns (out [num_seqs, num_heads, q_len, head_size] in the query's dtype, lse float32 [num_seqs,
+    num_heads, q_len]), lse the natural-log sum of exp(scale q.k) over the keys seen: numpy for a numpy
+    query, DeviceArrays for a DeviceArray query.
     validate=False skips the checks of the tables' values (as DecodePlan's): the kernels bound every
     index themselves, so bad values give wrong rows for their sequences, never an access outside a buffer.
+
+    >>> out, lse = pagedvk.paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens)
     """
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate)
+    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate,
+                 kv_cache_dtype, k_scale, v_scale)
     return _run(p, [(PAGED_PREFILL, p.grid(FORWARD_ROWS))],
                 dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                      seq_lens=seq_lens),
-                dict(out=tuple(query.shape), lse=tuple(query.shape[:3])))
+                dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:3]), np.float32)))
 
 
 def paged_attention_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, *, scale=None,
                              causal=True, layout="nhd", backend=None, validate=True):
     """Gradients of paged_attention_prefill: (dq, dk_cache, dv_cache) for the upstream gradient dout.
 
-    out and lse are what paged_attention_prefill returned for these arguments; dout and out have the
-    query's shape, lse [num_seqs, num_heads, q_len]. dk_cache and dv_cache have the caches' shapes and
-    layout: where several sequences read one physical block their gradients add up (in a fixed order,
-    so results are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a
-    DeviceArray query gives DeviceArrays. validate as for paged_attention_prefill.
+    query, dout, out  float32, float16 or bfloat16, one dtype, [num_seqs, num_heads, q_len, head_size]
+    key_cache, value_cache  float32, float16 or bfloat16, either layout
+    lse          float32 [num_seqs, num_heads, q_len]
+    out and lse are what paged_attention_prefill returned for these arguments. The gradients are float32,
+    accumulated in float32: dq has the query's shape, dk_cache and dv_cache the caches' shapes and layout.
+    Where several sequences read one physical block their gradients add up (in a fixed order, so results
+    are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a DeviceArray query
+    gives DeviceArrays. validate as for paged_attention_prefill.
+
+    >>> dq, dk, dv = pagedvk.paged_attention_backward(dout, q, key_cache, value_cache, block_tables, seq_lens, out, lse)
     """
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate)
+    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate,
+                 cache_types=GRADIENT_CACHE_TYPES)
     query_layout = "[num_seqs, num_heads, q_len, head_size] (the query's shape)"
-    p.check_like("dout", dout, tuple(query.shape), query_layout)
-    p.check_like("out", out, tuple(query.shape), query_layout)
-    p.check_like("lse", lse, tuple(query.shape[:3]), "[num_seqs, num_heads, q_len]")
+    p.check_like("dout", dout, tuple(query.shape), query_layout, query.dtype)
+    p.check_like("out", out, tuple(query.shape), query_layout, query.dtype)
+    p.check_like("lse", lse, tuple(query.shape[:3]), "[num_seqs, num_heads, q_len]", np.float32)
     inputs = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                   seq_lens=seq_lens, dout=dout, out=out, lse=lse, block_readers=p.block_readers())
     dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // DKDV_TOKENS)
     return _run(p, [(PAGED_BACKWARD_DQ, p.grid(DQ_ROWS)), (PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
-                dict(dq=tuple(query.shape), dk_cache=tuple(key_cache.shape), dv_cache=tuple(value_cache.shape)))
+                dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
+                     dv_cache=(tuple(value_cache.shape), np.float32)))

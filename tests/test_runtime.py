@@ -50,7 +50,8 @@ def fake(index, type_):
     return DeviceInfo(index=index, name=f"fake {type_} {index}", type=type_, vendor="x", driver="x",
                       driver_version="1", api_version="1.3.0", device_local_bytes=1, subgroup_size=32, fp16=False,
                       storage16=False, storage8=False, bf16=False, cooperative_matrix=False,
-                      max_storage_buffer_range=1, max_allocation_bytes=1, extensions=frozenset())
+                      max_storage_buffer_range=1, max_allocation_bytes=1, max_workgroup_count=(65535,) * 3,
+                      extensions=frozenset())
 
 
 @pytest.mark.parametrize("types,expected", [

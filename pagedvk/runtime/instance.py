@@ -54,6 +54,7 @@ class DeviceInfo:
     cooperative_matrix: bool  # VK_KHR_cooperative_matrix
     max_storage_buffer_range: int
     max_allocation_bytes: int
+    max_workgroup_count: tuple   # maxComputeWorkGroupCount: workgroups per grid dimension
     extensions: frozenset = field(repr=False)
     handle: object = field(default=None, repr=False, compare=False)  # VkPhysicalDevice
 
@@ -178,7 +179,8 @@ def describe(index: int, pd) -> DeviceInfo:
         storage8=bool(f12.storageBuffer8BitAccess), bf16="VK_KHR_shader_bfloat16" in extensions,
         cooperative_matrix="VK_KHR_cooperative_matrix" in extensions,
         max_storage_buffer_range=props.limits.maxStorageBufferRange,
-        max_allocation_bytes=maint3.maxMemoryAllocationSize, extensions=extensions, handle=pd)
+        max_allocation_bytes=maint3.maxMemoryAllocationSize,
+        max_workgroup_count=tuple(props.limits.maxComputeWorkGroupCount), extensions=extensions, handle=pd)
 
 
 def query_features(pd, f11=None, f12=None):

@@ -12,6 +12,21 @@ from .device import Device, memory_barrier, raise_vk
 STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
 
 
+def fold_grid(workgroups: int, limits: tuple) -> tuple:
+    """A grid of at least `workgroups` workgroups within the device's per-dimension limits
+    (maxComputeWorkGroupCount), filled x first. Kernels number their workgroups linearly
+    (attention_common.glsl's workgroup_index()) and return from those past the count, so any launch size
+    runs: one rule for every op."""
+    if workgroups < 1:
+        return (0, 0, 0)
+    x = min(workgroups, limits[0])
+    y = min(-(-workgroups // x), limits[1])
+    z = -(-workgroups // (x * y))
+    if z > limits[2]:
+        raise ValueError(f"{workgroups} workgroups exceed the device's grid of {limits[0]} x {limits[1]} x {limits[2]}")
+    return (x, y, z)
+
+
 class Pipeline:
     """A compute pipeline, its descriptor-set layout (one storage buffer per declared binding) and its
     pipeline layout (one push-constant range of the declared size)."""

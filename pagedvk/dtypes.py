@@ -1,0 +1,84 @@
+"""The element types pagedvk stores on the device, and what each is called in numpy, the kernels and vLLM.
+
+bfloat16 and the fp8 types come from ml_dtypes (the numpy extension JAX uses). Every type is read by the
+kernels through 32-bit words and converted there (shaders/kv_storage.glsl), so no device feature is needed
+for any of them: every Vulkan device runs every type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StorageType:
+    """One element type: `tag` names its kernel variants (pagedvk.abi.STORAGE_TYPES), `dtype` is numpy's."""
+
+    tag: str
+    dtype: np.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def x(self) -> int:
+        """vLLM's key packing: elements per 16-byte chunk."""
+        return 16 // self.itemsize
+
+    def __str__(self) -> str:
+        return str(self.dtype)
+
+
+FLOAT32 = StorageType("f32", np.dtype(np.float32))
+FLOAT16 = StorageType("f16", np.dtype(np.float16))
+BFLOAT16 = StorageType("bf16", np.dtype(ml_dtypes.bfloat16))
+FP8_E4M3 = StorageType("e4m3", np.dtype(ml_dtypes.float8_e4m3fn))
+FP8_E5M2 = StorageType("e5m2", np.dtype(ml_dtypes.float8_e5m2))
+
+CACHE_TYPES = {t.dtype: t for t in (FLOAT32, FLOAT16, BFLOAT16, FP8_E4M3, FP8_E5M2)}
+QUERY_TYPES = {t.dtype: t for t in (FLOAT32, FLOAT16, BFLOAT16)}
+GRADIENT_CACHE_TYPES = {t.dtype: t for t in (FLOAT32, FLOAT16, BFLOAT16)}
+
+# vLLM's kv_cache_dtype strings, for caches that arrive as uint8 (as vLLM allocates fp8 caches).
+KV_CACHE_DTYPES = {"fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3, "fp8_e5m2": FP8_E5M2}
+
+
+def _names(table) -> str:
+    return ", ".join(str(d) for d in table)
+
+
+def storage_type(name: str, a, table=CACHE_TYPES) -> StorageType:
+    """The storage type of array argument `name`; TypeError naming the argument and the types allowed."""
+    dtype = np.dtype(a.dtype)
+    if dtype not in table:
+        raise TypeError(f"{name} must have dtype {_names(table)}; got {dtype}")
+    return table[dtype]
+
+
+def cache_type(name: str, a, kv_cache_dtype: str = "auto", table=CACHE_TYPES) -> StorageType:
+    """A cache's storage type: its dtype's, or with vLLM's kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2" a
+    uint8 (or matching fp8) cache read as that fp8 type."""
+    if kv_cache_dtype == "auto":
+        return storage_type(name, a, table)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                         f"got {kv_cache_dtype!r}")
+    stype = KV_CACHE_DTYPES[kv_cache_dtype]
+    if stype.dtype not in table:
+        raise TypeError(f"{name}: kv_cache_dtype={kv_cache_dtype!r} is not supported here")
+    if np.dtype(a.dtype) not in (np.dtype(np.uint8), stype.dtype):
+        raise TypeError(f"{name} must be uint8 (or {stype.dtype}) with kv_cache_dtype={kv_cache_dtype!r}, "
+                        f"got {a.dtype}")
+    return stype
+
+
+def fp8_scale(name: str, value) -> float:
+    """vLLM's k_scale / v_scale: one positive finite float (a 1-element array is taken too)."""
+    v = np.asarray(value, dtype=np.float64) if not isinstance(value, str) else None
+    if v is None or v.size != 1 or not np.isfinite(v).all() or float(v.reshape(())) <= 0:
+        raise ValueError(f"{name} must be one positive finite number, got {value!r}")
+    return float(v.reshape(()))

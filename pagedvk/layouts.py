@@ -1,0 +1,110 @@
+"""What a paged KV cache looks like in each layout and storage type: the one place cache shapes are read.
+
+Layouts (vLLM's names; x = 16 // itemsize elements make one 16-byte key chunk):
+  "vllm"  key   [num_blocks, num_kv_heads, head_size // x, block_size, x]
+          value [num_blocks, num_kv_heads, head_size, block_size]
+  "nhd"   key and value [num_blocks, block_size, num_kv_heads, head_size] (FlashInfer's NHD, vLLM's flash layout)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import checks
+from .dtypes import CACHE_TYPES, StorageType, cache_type
+
+LAYOUTS = ("vllm", "nhd")
+BLOCK_SIZES = (8, 16, 32)
+MAX_HEAD_SIZE = 256
+
+SHAPES = {
+    "vllm": ("[num_blocks, num_kv_heads, head_size // x, block_size, x]",
+             "[num_blocks, num_kv_heads, head_size, block_size]"),
+    "nhd": ("[num_blocks, block_size, num_kv_heads, head_size]",) * 2,
+}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A checked pair of caches: layout, storage type and dims."""
+
+    layout: str
+    storage: StorageType
+    num_blocks: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+
+    @property
+    def key_shape(self) -> tuple:
+        if self.layout == "nhd":
+            return (self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        x = self.storage.x
+        return (self.num_blocks, self.num_kv_heads, self.head_size // x, self.block_size, x)
+
+    @property
+    def value_shape(self) -> tuple:
+        if self.layout == "nhd":
+            return self.key_shape
+        return (self.num_blocks, self.num_kv_heads, self.head_size, self.block_size)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one cache (keys or values)."""
+        return self.num_kv_heads * self.head_size * self.block_size * self.storage.itemsize
+
+    def strides(self) -> dict:
+        """The kernels' cache addressing (ATTENTION_PUSH in pagedvk/abi.py): key strides in quads of 4
+        elements, value strides in elements."""
+        block = self.num_kv_heads * self.head_size * self.block_size
+        hs, bs, x = self.head_size, self.block_size, self.storage.x
+        if self.layout == "nhd":
+            token = self.num_kv_heads * hs
+            keys = dict(k_block_stride=block // 4, k_head_stride=hs // 4, k_token_stride=token // 4,
+                        k_chunk_stride=x // 4)
+            values = dict(v_block_stride=block, v_head_stride=hs, v_token_stride=token, v_dim_stride=1)
+        else:
+            keys = dict(k_block_stride=block // 4, k_head_stride=hs * bs // 4, k_token_stride=x // 4,
+                        k_chunk_stride=bs * x // 4)
+            values = dict(v_block_stride=block, v_head_stride=hs * bs, v_token_stride=1, v_dim_stride=bs)
+        return {**keys, **values}
+
+    def blocks_held(self, key_buffer_bytes: int, value_buffer_bytes: int) -> int:
+        """The kernels' bound on block ids: whole blocks the bound buffers really hold, whatever the shapes
+        claim."""
+        return min(self.num_blocks, key_buffer_bytes // self.block_bytes, value_buffer_bytes // self.block_bytes)
+
+
+def cache_spec(key_cache, value_cache, layout: str = "vllm", kv_cache_dtype: str = "auto",
+               types=CACHE_TYPES) -> CacheSpec:
+    """Check a key and a value cache against each other and the layout; their CacheSpec. Every error names
+    the argument and what is allowed."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    key_layout, value_layout = SHAPES[layout]
+    checks.kind("key_cache", key_cache)
+    checks.kind("value_cache", value_cache)
+    checks.ndim("key_cache", key_cache, 5 if layout == "vllm" else 4, f"{key_layout} (layout={layout!r})")
+    checks.ndim("value_cache", value_cache, 4, f"{value_layout} (layout={layout!r})")
+    storage = cache_type("key_cache", key_cache, kv_cache_dtype, types)
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache must have key_cache's dtype {key_cache.dtype}, got {value_cache.dtype}")
+    if layout == "vllm":
+        num_blocks, num_kv_heads, head_chunks, block_size, x = key_cache.shape
+        if x != storage.x:
+            raise ValueError(f"key_cache.shape[4] (x) must be 16 // itemsize = {storage.x} for {storage}, got {x}")
+        head_size, where = head_chunks * x, "key_cache.shape[2] * x"
+        block_axis, heads_axis = 3, 1
+    else:
+        num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+        where, block_axis, heads_axis = "key_cache.shape[3]", 1, 2
+    checks.one_of(f"block_size (key_cache.shape[{block_axis}])", block_size, BLOCK_SIZES)
+    if head_size % 4 or not 0 < head_size <= MAX_HEAD_SIZE:   # the kernels read 4 head dims at a time
+        raise ValueError(f"head_size ({where}) must be a multiple of 4 in [4, {MAX_HEAD_SIZE}], got {head_size}")
+    if num_kv_heads < 1:
+        raise ValueError(f"key_cache.shape[{heads_axis}] (num_kv_heads) must be at least 1, got {num_kv_heads}")
+    spec = CacheSpec(layout, storage, num_blocks, num_kv_heads, head_size, block_size)
+    if tuple(value_cache.shape) != spec.value_shape:
+        raise ValueError(f"value_cache must have shape {spec.value_shape} {value_layout} to match key_cache, "
+                         f"got {tuple(value_cache.shape)}")
+    return spec

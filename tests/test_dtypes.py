@@ -1,0 +1,190 @@
+"""Every cache storage type x query type x layout x backend against the float64 reference, on random data
+with outputs poisoned: decode, prefill and the backward (issue: KV storage as one variant system)."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pagedvk
+from pagedvk import reference
+from conftest import Case, poison_unread_slots, rel_error
+
+BF16, E4M3, E5M2 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+CACHE_DTYPES = (np.float32, np.float16, BF16, E4M3, E5M2)
+QUERY_DTYPES = (np.float32, np.float16, BF16)
+LAYOUTS = ("vllm", "nhd")
+
+
+def tolerance(cache_dtype, query_dtype) -> float:
+    """1e-5 for float32 throughout; 2e-3 where a 16-bit type rounds the output; 1e-4 for fp8 caches read
+    into float32 (the reference sees the same dequantized values)."""
+    if np.dtype(query_dtype) != np.float32:
+        return 2e-3
+    return {np.dtype(np.float32): 1e-5}.get(np.dtype(cache_dtype), 1e-4 if np.dtype(cache_dtype).itemsize == 1 else 2e-3)
+
+
+def in_layout(case, layout, dtype):
+    """The case's caches (vLLM layout, already of `dtype`) in `layout`."""
+    if layout == "vllm":
+        return case.key_cache, case.value_cache
+    k, v = reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
+    return np.ascontiguousarray(k.astype(dtype)), np.ascontiguousarray(v.astype(dtype))
+
+
+@pytest.fixture(params=("glsl", "wgsl"))
+def backend(request):
+    return request.param
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_decode(rng, backend, cache_dtype, query_dtype, layout):
+    case = Case(rng, num_seqs=3, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, max_len=300,
+                dtype=cache_dtype)
+    poison_unread_slots(case, 16)
+    query = case.query.astype(query_dtype)
+    key_cache, value_cache = in_layout(case, layout, cache_dtype)
+    out = np.full(query.shape, np.nan, query.dtype)
+    result = pagedvk.paged_attention(query, key_cache, value_cache, case.block_tables, case.seq_lens, out=out,
+                                     layout=layout, backend=backend)
+    assert result is out and out.dtype == query.dtype
+    ref = reference.paged_attention(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    assert rel_error(out, ref) <= tolerance(cache_dtype, query_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_decode_split_and_long(rng, backend, cache_dtype):
+    # Long contexts split into partitions, merged by the reduce pass, in every storage type.
+    case = Case(rng, seq_lens=[1500, 700], num_heads=4, num_kv_heads=1, head_size=128, block_size=32,
+                dtype=cache_dtype)
+    query = case.query.astype(np.float32)
+    with pagedvk.DecodePlan.for_caches(case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 4,
+                                       query_dtype=np.float32, backend=backend, partition_size=256) as plan:
+        assert plan.num_partitions > 1
+        out = plan.run(query, case.key_cache, case.value_cache)
+    ref = reference.paged_attention(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    assert rel_error(out, ref) <= tolerance(cache_dtype, np.float32)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_nhd_equals_vllm(rng, backend, cache_dtype):
+    case = Case(rng, num_seqs=4, num_heads=4, num_kv_heads=2, head_size=32, block_size=8, max_len=100,
+                dtype=cache_dtype)
+    query = case.query.astype(np.float32)
+    outs = [pagedvk.paged_attention(query, *in_layout(case, layout, cache_dtype), case.block_tables, case.seq_lens,
+                                    layout=layout, backend=backend) for layout in LAYOUTS]
+    assert rel_error(outs[1], outs[0]) <= 1e-6
+
+
+@pytest.mark.parametrize("kv_cache_dtype,dtype", [("fp8", E4M3), ("fp8_e4m3", E4M3), ("fp8_e5m2", E5M2)])
+def test_vllm_fp8_cache_as_uint8_with_scales(rng, backend, kv_cache_dtype, dtype):
+    # vLLM keeps fp8 caches as uint8 and passes the per-tensor scales: the cache holds k / k_scale.
+    case = Case(rng, num_seqs=2, num_heads=8, num_kv_heads=2, head_size=128, block_size=16, max_len=200,
+                dtype=dtype)
+    k_scale, v_scale = 0.37, 2.5
+    query = case.query.astype(np.float16)
+    out = np.full(query.shape, np.nan, np.float16)
+    pagedvk.ops.paged_attention_v1(out, query, case.key_cache.view(np.uint8), case.value_cache.view(np.uint8), 2,
+                                   0.1, case.block_tables, case.seq_lens, 16, 200, kv_cache_dtype=kv_cache_dtype,
+                                   k_scale=k_scale, v_scale=v_scale)
+    k = case.key_cache.astype(np.float64) * k_scale
+    v = case.value_cache.astype(np.float64) * v_scale
+    ref = reference.paged_attention(query, k, v, case.block_tables, case.seq_lens, scale=0.1)
+    assert rel_error(out, ref) <= 2e-3
+
+
+def test_paged_attention_v2_fills_vllm_scratch(rng):
+    case = Case(rng, seq_lens=[1300, 40], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    max_seq_len, parts = 1300, 3   # ceil(1300 / 512)
+    out = case.poisoned_out()
+    exp_sums = np.full((2, 4, parts), np.nan, np.float32)
+    max_logits = np.full((2, 4, parts), np.nan, np.float32)
+    tmp_out = np.full((2, 4, parts, 64), np.nan, np.float32)
+    pagedvk.ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, case.query, case.key_cache, case.value_cache,
+                                   2, 0.125, case.block_tables, case.seq_lens, 16, max_seq_len)
+    assert rel_error(out, case.reference(0.125)) <= 1e-5
+    # Partition 1 of sequence 0 (tokens 512..1023): vLLM's max, sum and normalized output.
+    k, v = reference.gather_kv(case.key_cache, case.value_cache, case.block_tables[0], 1300)
+    logits = 0.125 * case.query[0, :2].astype(np.float64) @ k[512:1024, 0].T     # heads 0, 1 read kv head 0
+    m = logits.max(axis=1)
+    p = np.exp(logits - m[:, None])
+    assert np.allclose(max_logits[0, :2, 1], m, rtol=1e-5)
+    assert np.allclose(exp_sums[0, :2, 1], p.sum(axis=1), rtol=1e-4)
+    assert rel_error(tmp_out[0, :2, 1], (p / p.sum(axis=1, keepdims=True)) @ v[512:1024, 0]) <= 1e-5
+    with pytest.raises(ValueError, match=r"tmp_out must have shape \(2, 4, 3, 64\)"):
+        pagedvk.ops.paged_attention_v2(out, exp_sums, max_logits, np.zeros((2, 4, 2, 64), np.float32), case.query, case.key_cache,
+                                       case.value_cache, 2, 0.125, case.block_tables, case.seq_lens, 16, max_seq_len)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_prefill(rng, backend, cache_dtype, query_dtype, layout):
+    case = Case(rng, seq_lens=[5, 80, 33], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                dtype=cache_dtype)
+    key_cache, value_cache = in_layout(case, layout, cache_dtype)
+    query = rng.standard_normal((3, 4, 5, 64)).astype(query_dtype)
+    out, lse = pagedvk.paged_attention_prefill(query, key_cache, value_cache, case.block_tables, case.seq_lens,
+                                               layout=layout, backend=backend)
+    assert out.dtype == query.dtype and lse.dtype == np.float32
+    ref_out, ref_lse = reference.paged_attention_prefill(query, key_cache, value_cache, case.block_tables,
+                                                         case.seq_lens, layout=layout)
+    assert rel_error(out, ref_out) <= tolerance(cache_dtype, query_dtype)
+    assert rel_error(lse, ref_lse) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("cache_dtype", (np.float32, np.float16, BF16), ids=lambda d: np.dtype(d).name)
+def test_backward(rng, backend, cache_dtype, query_dtype, layout):
+    case = Case(rng, seq_lens=[4, 40], num_heads=4, num_kv_heads=2, head_size=32, block_size=8,
+                shared_prefix_blocks=1, dtype=cache_dtype)
+    key_cache, value_cache = in_layout(case, layout, cache_dtype)
+    query = rng.standard_normal((2, 4, 4, 32)).astype(query_dtype)
+    dout = rng.standard_normal(query.shape).astype(query_dtype)
+    out, lse = pagedvk.paged_attention_prefill(query, key_cache, value_cache, case.block_tables, case.seq_lens,
+                                               layout=layout, backend=backend)
+    grads = pagedvk.paged_attention_backward(dout, query, key_cache, value_cache, case.block_tables, case.seq_lens,
+                                             out, lse, layout=layout, backend=backend)
+    refs = reference.paged_attention_backward(dout, query, key_cache, value_cache, case.block_tables,
+                                              case.seq_lens, layout=layout)
+    # The gradients are float32 whatever the inputs; 16-bit `out` (rounded) feeds D = rowsum(dout * out).
+    tol = 1e-4 if np.dtype(query_dtype) == np.float32 else 2e-2
+    for got, ref in zip(grads, refs):
+        assert got.dtype == np.float32
+        assert rel_error(got, ref) <= tol
+
+
+def test_fp8_backward_is_refused(rng):
+    case = Case(rng, seq_lens=[4], num_heads=2, num_kv_heads=1, head_size=32, block_size=8, dtype=E4M3)
+    q = rng.standard_normal((1, 2, 4, 32)).astype(np.float32)
+    k, v = in_layout(case, "nhd", E4M3)
+    with pytest.raises(TypeError, match="key_cache must have dtype float32, float16, bfloat16"):
+        pagedvk.paged_attention_backward(q, q, k, v, case.block_tables, case.seq_lens, q, np.zeros((1, 2, 4), np.float32))
+
+
+def test_bad_dtypes_name_the_argument(rng):
+    case = Case(rng, num_seqs=2, head_size=64)
+    with pytest.raises(TypeError, match="key_cache must have dtype float32, float16, bfloat16, float8_e4m3fn"):
+        pagedvk.paged_attention(case.query, case.key_cache.astype(np.float64), case.value_cache, case.block_tables,
+                                case.seq_lens)
+    with pytest.raises(TypeError, match="value_cache must have key_cache's dtype"):
+        pagedvk.paged_attention(case.query, case.key_cache, case.value_cache.astype(np.float16), case.block_tables,
+                                case.seq_lens)
+    with pytest.raises(TypeError, match="query must have dtype float32, float16, bfloat16"):
+        pagedvk.paged_attention(case.query.astype(E4M3), case.key_cache, case.value_cache, case.block_tables,
+                                case.seq_lens)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
+        pagedvk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="v_scale must be one positive finite number"):
+        pagedvk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                v_scale=0.0)
+    with pytest.raises(ValueError, match=r"key_cache.shape\[4\] \(x\) must be 16 // itemsize = 8"):
+        pagedvk.paged_attention(case.query, case.key_cache.astype(np.float16), case.value_cache.astype(np.float16),
+                                case.block_tables, case.seq_lens)
+    with pytest.raises(ValueError, match="layout must be one of 'vllm', 'nhd'"):
+        pagedvk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                layout="hnd")
+
