@@ -23,6 +23,9 @@ SHAPES = {
     "nhd": ("[num_blocks, block_size, num_kv_heads, head_size]",) * 2,
 }
 
+VALUE_AXES = {"vllm": ("num_blocks", "num_kv_heads", "head_size", "block_size"),
+              "nhd": ("num_blocks", "block_size", "num_kv_heads", "head_size")}
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -88,7 +91,7 @@ def cache_spec(key_cache, value_cache, layout: str = "vllm", kv_cache_dtype: str
     checks.ndim("value_cache", value_cache, 4, f"{value_layout} (layout={layout!r})")
     storage = cache_type("key_cache", key_cache, kv_cache_dtype, types)
     if value_cache.dtype != key_cache.dtype:
-        raise TypeError(f"value_cache must have key_cache's dtype {key_cache.dtype}, got {value_cache.dtype}")
+        raise TypeError(f"value_cache must have dtype {key_cache.dtype} (key_cache's), got {value_cache.dtype}")
     if layout == "vllm":
         num_blocks, num_kv_heads, head_chunks, block_size, x = key_cache.shape
         if x != storage.x:
@@ -104,7 +107,7 @@ def cache_spec(key_cache, value_cache, layout: str = "vllm", kv_cache_dtype: str
     if num_kv_heads < 1:
         raise ValueError(f"key_cache.shape[{heads_axis}] (num_kv_heads) must be at least 1, got {num_kv_heads}")
     spec = CacheSpec(layout, storage, num_blocks, num_kv_heads, head_size, block_size)
-    if tuple(value_cache.shape) != spec.value_shape:
-        raise ValueError(f"value_cache must have shape {spec.value_shape} {value_layout} to match key_cache, "
-                         f"got {tuple(value_cache.shape)}")
+    axes = VALUE_AXES[layout]
+    for axis, (expected, what) in enumerate(zip(spec.value_shape, axes)):
+        checks.dim("value_cache", value_cache, axis, expected, what)
     return spec

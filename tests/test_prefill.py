@@ -161,8 +161,7 @@ def modules_used(monkeypatch) -> list:
     """The (op, backend) of every pipeline the ops ask for from now on."""
     used, pipeline = [], pagedvk.kernels.pipeline
     monkeypatch.setattr(pagedvk.kernels, "pipeline",
-                        lambda device, abi, variant, backend: used.append((abi.op, backend)) or
-                        pipeline(device, abi, variant, backend))
+                        lambda device, abi, key: used.append((abi.op, key.backend)) or pipeline(device, abi, key))
     return used
 
 
@@ -190,7 +189,7 @@ def rejects(case, exc, match, **changes):
 
 
 def test_rejects_bad_layout(case):
-    rejects(case, ValueError, "layout must be one of 'nhd', 'vllm', got 'NHD'", layout="NHD")
+    rejects(case, ValueError, "layout must be one of 'vllm', 'nhd', got 'NHD'", layout="NHD")
 
 
 def test_rejects_layout_not_matching_the_caches(case):
@@ -240,7 +239,7 @@ def test_rejects_wrong_shapes(case, name, value, match):
     rejects(case, ValueError, match, **{name: value(case)})
 
 
-@pytest.mark.parametrize("name,dtype", [("query", np.float64), ("key_cache", np.float16), ("value_cache", np.float64),
+@pytest.mark.parametrize("name,dtype", [("query", np.float64), ("key_cache", np.float64), ("value_cache", np.float64),
                                         ("block_tables", np.int64), ("seq_lens", np.uint32)])
 def test_rejects_wrong_dtypes(case, name, dtype):
     rejects(case, TypeError, f"{name} must have dtype", **{name: getattr(case, name).astype(dtype)})

@@ -14,8 +14,9 @@ import pagedvk
 from pagedvk import abi, kernels, spirv
 
 REPO = Path(__file__).resolve().parent.parent
-MODULES = [(k, name, backend, variant) for k in abi.KERNELS for name, backend, variant in k.modules()]
-IDS = [m[1] for m in MODULES]
+MODULES = [(k, key) for k in abi.KERNELS for key in k.keys()]
+IDS = [key.name for _, key in MODULES]
+DECODE_F32 = abi.PAGED_DECODE.key("glsl", "f32", "f32")
 
 
 def spirv_val():
@@ -25,17 +26,17 @@ def spirv_val():
     return tool
 
 
-@pytest.mark.parametrize("kernel,name,backend,variant", MODULES, ids=IDS)
-def test_module_installed_and_valid(kernel, name, backend, variant):
-    path = kernels.module_path(name)
+@pytest.mark.parametrize("kernel,key", MODULES, ids=IDS)
+def test_module_installed_and_valid(kernel, key):
+    path = kernels.module_path(key.name)
     assert path.is_file(), f"{path} missing"
     result = subprocess.run([spirv_val(), "--target-env", "vulkan1.1", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("kernel,name,backend,variant", MODULES, ids=IDS)
-def test_module_matches_declared_abi(kernel, name, backend, variant):
-    r = spirv.reflect_file(kernels.module_path(name))
+@pytest.mark.parametrize("kernel,key", MODULES, ids=IDS)
+def test_module_matches_declared_abi(kernel, key):
+    r = spirv.reflect_file(kernels.module_path(key.name))
     assert "main" in r.entry_points
     assert r.local_size == kernel.workgroup_size
     assert [(b.set, b.binding) for b in r.bindings] == [(0, i) for i in range(len(kernel.bindings))]
@@ -45,16 +46,16 @@ def test_module_matches_declared_abi(kernel, name, backend, variant):
     assert r.push_constant_size == kernel.push_size
     assert [m.offset for m in r.push_constant_members] == list(kernel.push_offsets().values())
     assert all(m.size == 4 for m in r.push_constant_members)
-    assert set(r.spec_constants) == {i for i, _ in kernel.spec_constants}
+    assert not r.spec_constants   # sizes are fixed at build time (naga emits no specialization constants)
 
 
 def test_modules_are_current():
     """The modules pagedvk loads were built from this checkout's shaders as they are now."""
     manifest = kernels.manifest()
-    for kernel, name, backend, variant in MODULES:
-        assert manifest[name]["digest"] == abi.source_digest(REPO / "shaders", kernel, backend, variant), \
-            f"{name} was built from other sources than {REPO / 'shaders'}"
-        kernels.load_spirv(kernel, variant.name, backend)
+    for kernel, key in MODULES:
+        assert manifest[key.name]["digest"] == abi.source_digest(REPO / "shaders", key), \
+            f"{key.name} was built from other sources than {REPO / 'shaders'}"
+        kernels.load_spirv(kernel, key)
 
 
 @pytest.fixture
@@ -71,27 +72,41 @@ def spv_copy(tmp_path, monkeypatch):
 
 def test_stale_module_is_refused(spv_copy):
     manifest = json.loads((spv_copy / "manifest.json").read_text())
-    manifest["paged_decode.f32.glsl"]["digest"] = "0" * 64
+    manifest[DECODE_F32.name]["digest"] = "0" * 64
     (spv_copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.f32\.glsl is stale"):
-        kernels.load_spirv(abi.PAGED_DECODE, "f32", "glsl")
+    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.q_f32\.glsl is stale"):
+        kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
 
 
 def test_missing_module_is_named(spv_copy):
-    (spv_copy / "paged_decode.f32.glsl.spv").unlink()
-    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.f32\.glsl is missing"):
-        kernels.load_spirv(abi.PAGED_DECODE, "f32", "glsl")
+    (spv_copy / "paged_decode.kv_f32.q_f32.glsl.spv").unlink()
+    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.q_f32\.glsl is missing"):
+        kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
 
 
 def test_missing_manifest_is_reported(spv_copy):
     (spv_copy / "manifest.json").unlink()
     with pytest.raises(pagedvk.ShaderModuleError, match="manifest.json missing"):
-        kernels.load_spirv(abi.PAGED_DECODE, "f32", "glsl")
+        kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
 
 
 def test_unknown_variant_is_named():
-    with pytest.raises(pagedvk.ShaderModuleError, match="no 'bf16' variant"):
-        kernels.load_spirv(abi.PAGED_DECODE, "bf16", "glsl")
+    with pytest.raises(ValueError, match="paged_decode has no module for cache storage 'i4'"):
+        abi.PAGED_DECODE.key("glsl", "i4", "f32")
+    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode has no module paged_decode\.kv_i4"):
+        kernels.load_spirv(abi.PAGED_DECODE, abi.VariantKey("paged_decode", "glsl", "i4", "f32"))
+
+
+def test_variant_keys_are_built_in_one_place():
+    # Head sizes with a module of their own get it on GLSL; any other runs the generic module.
+    assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 128).name == "paged_decode.kv_f16.q_bf16.h128.glsl"
+    assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 48).name == "paged_decode.kv_f16.q_bf16.glsl"
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.q_f32.wgsl"
+    key = abi.PAGED_PREFILL.key("wgsl", "bf16", "f16")
+    assert key.includes() == {"kv_storage.wgsl": "kv_bf16.wgsl", "q_storage.wgsl": "q_f16.wgsl"}
+    assert abi.PAGED_DECODE.key("glsl", "e5m2", "f32", 64).defines() == {"KV_E5M2": 1, "Q_F32": 1, "HEAD_SIZE": 64}
+    assert len({k.name for kernel in abi.KERNELS for k in kernel.keys()}) == sum(
+        len(list(kernel.keys())) for kernel in abi.KERNELS)
 
 
 def test_build_without_glslang_names_the_package(tmp_path):
@@ -130,11 +145,13 @@ def test_build_reports_compile_errors(tmp_path, monkeypatch):
 
 
 def test_push_constant_packing():
-    packed = abi.PAGED_DECODE.pack_push(num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                                         max_blocks_per_seq=4, num_blocks=10, scale=0.5, group_size=4,
-                                         partition_size=512, num_partitions=1)
-    assert len(packed) == abi.PAGED_DECODE.push_size == 40
-    assert packed[24:28] == struct.pack("<f", 0.5)
+    values = {f.name: i for i, f in enumerate(abi.ATTENTION_PUSH)}
+    values["scale"] = 0.5
+    packed = abi.PAGED_DECODE.pack_push(**values)
+    assert len(packed) == abi.PAGED_DECODE.push_size == 4 * len(abi.ATTENTION_PUSH) <= 128   # Vulkan's minimum
+    offset = abi.PAGED_DECODE.push_offsets()["scale"]
+    assert packed[offset:offset + 4] == struct.pack("<f", 0.5)
+    assert packed[4:8] == struct.pack("<I", 1)
     with pytest.raises(KeyError, match="missing"):
         abi.PAGED_DECODE.pack_push(num_heads=8)
 
