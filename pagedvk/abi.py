@@ -33,6 +33,11 @@ STORAGE_TYPES = ("f32", "f16", "bf16", "e4m3", "e5m2")
 QUERY_TYPES = ("f32", "f16", "bf16")
 # Backward caches: fp8 caches are for inference.
 GRADIENT_CACHE_TYPES = ("f32", "f16", "bf16")
+# How kernels reach a cache larger than one binding (pagedvk.array.DeviceArray splits it into segments of whole
+# blocks): "seg" binds up to KV_SEGMENTS segments per cache, "bda" (GLSL only) reads them through buffer device
+# addresses, any number of them. "" is the one-binding cache.
+CACHE_ACCESS = ("", "seg", "bda")
+KV_SEGMENTS = 4
 # vLLM's head sizes: GLSL modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
 # on the H200). Not for WGSL: lavapipe compiles naga's unrolled output far more slowly.
 UNROLLED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
@@ -65,10 +70,11 @@ class VariantKey:
     kv: str = ""          # cache storage tag
     q: str = ""           # query and output storage tag
     head_size: int = 0    # 0: any head size, read from the push constants
+    access: str = ""      # how caches larger than one binding are read (CACHE_ACCESS)
 
     @property
     def name(self) -> str:
-        axes = [f"kv_{self.kv}" if self.kv else "", f"q_{self.q}" if self.q else "",
+        axes = [f"kv_{self.kv}" if self.kv else "", self.access, f"q_{self.q}" if self.q else "",
                 f"h{self.head_size}" if self.head_size else ""]
         return ".".join([self.op, *filter(None, axes), self.backend])
 
@@ -77,11 +83,13 @@ class VariantKey:
         d = {f"KV_{self.kv.upper()}": 1} if self.kv else {}
         d.update({f"Q_{self.q.upper()}": 1} if self.q else {})
         d.update({"HEAD_SIZE": self.head_size} if self.head_size else {})
+        d.update({{"seg": "KV_SEGMENTED", "bda": "KV_ADDRESSED"}[self.access]: 1} if self.access else {})
         return d
 
     def includes(self) -> dict:
         """WGSL: which storage file stands in for each generic `//!include` name."""
-        inc = {"kv_storage.wgsl": f"kv_{self.kv}.wgsl"} if self.kv else {}
+        inc = {"kv_storage.wgsl": f"kv_{self.kv}.wgsl",
+               "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl"} if self.kv else {}
         inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
         return inc
 
@@ -118,16 +126,33 @@ class KernelABI:
     def push_struct(self) -> struct.Struct:
         return struct.Struct("<" + "".join(f.format for f in self.push))
 
-    def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0) -> VariantKey:
+    def bindings_for(self, key: VariantKey) -> tuple:
+        """The module's bindings: the declared ones, then, for caches read in segments, the bindings of
+        segments 1 .. KV_SEGMENTS - 1 of each cache (segment 0 is key_cache / value_cache)."""
+        if key.access != "seg":
+            return self.bindings
+        return self.bindings + tuple(Binding(f"{cache}_{i}", readonly=True) for cache in ("key_cache", "value_cache")
+                                     for i in range(1, KV_SEGMENTS))
+
+    def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0, access: str = "") -> VariantKey:
         """The module that runs this op for these arguments: the one place a module is chosen. A head size
-        with no module of its own runs the generic module (head size from the push constants)."""
+        with no module of its own runs the generic module (head size from the push constants), and so do
+        caches read in segments."""
         if backend not in self.backends:
             raise ValueError(f"{self.op} has no {backend} modules (backends: {', '.join(self.backends)})")
+        if access not in self.accesses(backend):
+            raise ValueError(f"{self.op} has no {backend} module reading caches by {access!r} "
+                             f"(built: {', '.join(map(repr, self.accesses(backend)))})")
         for axis, value, allowed in (("cache storage", kv, self.kv_types), ("query storage", q, self.q_types)):
             if (value or allowed) and value not in allowed:
                 raise ValueError(f"{self.op} has no module for {axis} {value!r} (built: {', '.join(allowed)})")
-        fixed = head_size if head_size in self.head_sizes and backend == "glsl" else 0
-        return VariantKey(self.op, backend, kv, q, fixed)
+        fixed = head_size if head_size in self.head_sizes and backend == "glsl" and not access else 0
+        return VariantKey(self.op, backend, kv, q, fixed, access)
+
+    def accesses(self, backend: str) -> tuple:
+        if not self.kv_types:
+            return ("",)
+        return CACHE_ACCESS if backend == "glsl" else ("", "seg")
 
     def keys(self):
         """Every module this op needs built."""
@@ -136,6 +161,8 @@ class KernelABI:
                 for q in self.q_types or ("",):
                     for hs in (0,) + (self.head_sizes if backend == "glsl" else ()):
                         yield VariantKey(self.op, backend, kv, q, hs)
+                    for access in self.accesses(backend)[1:]:
+                        yield VariantKey(self.op, backend, kv, q, 0, access)
 
 
 # What every attention kernel reading the paged cache binds first, in this order.
@@ -178,6 +205,7 @@ ATTENTION_PUSH = tuple(PushField(name, kind) for name, kind in (
     ("v_head_stride", "u32"),
     ("v_token_stride", "u32"),
     ("v_dim_stride", "u32"),
+    ("blocks_per_segment", "u32"),   # blocks per segment of a cache larger than one binding
 ))
 
 # Decode attention, one query token per sequence. Workgroups: num_heads / group_size x num_seqs x

@@ -27,26 +27,67 @@ def _shape(shape) -> tuple:
 
 
 class DeviceArray:
-    """A C-contiguous array in device memory. `numpy()` copies it back to the host."""
+    """A C-contiguous array in device memory. `numpy()` copies it back to the host.
+
+    An array larger than one kernel binding can address (maxStorageBufferRange) or one allocation can hold
+    (maxMemoryAllocationSize), such as a KV cache of tens of GB, is split along its first axis into
+    segments of whole rows, one buffer each (`buffers`); ops read such caches through several bindings or
+    buffer device addresses. Everything else lives in one buffer (`buffer`).
+    """
 
     def __init__(self, shape, dtype, device=None):
         self.shape = _shape(shape)
         self.dtype = _dtype(dtype)
         self.device = get_device(device)
         nbytes = self.nbytes
-        limit = self.device.info.max_storage_buffer_range
+        limit = segment_limit(self.device)
+        rows = self.shape[0] if self.shape else 1
+        self.segment_rows = rows   # rows of axis 0 per buffer
         if nbytes > limit:
-            raise ValueError(
-                f"an array of {nbytes} bytes (shape {self.shape}, {self.dtype}) exceeds {self.device.info.name}'s "
-                f"maxStorageBufferRange of {limit} bytes: one kernel binding cannot address it")
-        self._buffer = self.device.buffer(nbytes)
+            row_bytes = nbytes // rows
+            if row_bytes > limit:
+                raise ValueError(
+                    f"an array of shape {self.shape} ({self.dtype}) has {row_bytes}-byte rows, more than "
+                    f"{self.device.info.name} can bind or allocate at once ({limit} bytes): split its first axis "
+                    "finer")
+            self.segment_rows = limit // row_bytes
+        row_bytes = nbytes // rows if rows else 0
+        self._buffers = []
+        try:
+            for first in range(0, max(rows, 1), max(self.segment_rows, 1)):
+                n = min(self.segment_rows, rows - first) if rows else 0
+                self._buffers.append(self.device.buffer(n * row_bytes if self.shape else nbytes))
+        except BaseException:
+            for b in self._buffers:
+                b.close()
+            raise
+        self._address_table = None
 
     @property
     def buffer(self):
         """The device buffer; ClosedError once the array is closed, so a closed array can never be bound to
-        a kernel (it would reach the GPU as a null descriptor)."""
+        a kernel (it would reach the GPU as a null descriptor). ValueError for an array split into
+        segments: it has no one buffer."""
         self._require_open()
-        return self._buffer
+        if len(self._buffers) > 1:
+            raise ValueError(f"{self!r} spans {len(self._buffers)} buffers of {self.segment_rows} rows (it is larger "
+                             f"than one binding): this argument must fit one binding")
+        return self._buffers[0]
+
+    @property
+    def buffers(self) -> tuple:
+        """The buffers holding consecutive segments of `segment_rows` rows."""
+        self._require_open()
+        return tuple(self._buffers)
+
+    def address_table(self) -> "DeviceArray":
+        """A uint32 array of each segment buffer's device address (low word, high word), for kernels that
+        reach the segments through buffer references; made once, freed with this array."""
+        self._require_open()
+        if self._address_table is None:
+            addresses = np.array([b.device_address() for b in self._buffers], np.uint64)
+            self._address_table = asarray(addresses.view(np.uint32), self.device)
+        return self._address_table
 
     @property
     def size(self) -> int:
@@ -62,8 +103,8 @@ class DeviceArray:
 
     @property
     def closed(self) -> bool:
-        buffer = getattr(self, "_buffer", None)   # none when __init__ failed
-        return buffer is None or buffer.closed
+        buffers = getattr(self, "_buffers", None)   # none when __init__ failed
+        return not buffers or buffers[0].closed
 
     def _require_open(self) -> None:
         if self.closed:
@@ -72,7 +113,8 @@ class DeviceArray:
 
     def numpy(self) -> np.ndarray:
         self._require_open()
-        return self.device.download(self.buffer, self.nbytes).view(self.dtype).reshape(self.shape)
+        data = [self.device.download(b, b.nbytes) for b in self._buffers]
+        return (data[0] if len(data) == 1 else np.concatenate(data)).view(self.dtype).reshape(self.shape)
 
     def __array__(self, dtype=None, copy=None):
         a = self.numpy()
@@ -84,12 +126,18 @@ class DeviceArray:
         a = np.asarray(array)
         if a.shape != self.shape or a.dtype != self.dtype:
             raise ValueError(f"array must have shape {self.shape} and dtype {self.dtype}, got {a.shape} {a.dtype}")
-        self.device.upload(self.buffer, a)
+        flat, offset = np.ascontiguousarray(a).view(np.uint8).reshape(-1), 0
+        for b in self._buffers:
+            self.device.upload(b, flat[offset:offset + b.nbytes])
+            offset += b.nbytes
         return self
 
     def close(self) -> None:
         """Free the device memory now; safe to call twice."""
-        self._buffer.close()
+        for b in self._buffers:
+            b.close()
+        if self._address_table is not None:
+            self._address_table.close()
 
     def __enter__(self):
         return self
@@ -102,6 +150,14 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device={self.device.info.name!r}{state})"
 
 
+def segment_limit(device) -> int:
+    """The most bytes one buffer of a device array may hold: what one binding can address and one allocation
+    can hold, whichever is less."""
+    info = device.info
+    limit = min(info.max_storage_buffer_range, info.max_allocation_bytes or info.max_storage_buffer_range)
+    return limit // 16 * 16
+
+
 def empty(shape, dtype=np.float32, device=None) -> DeviceArray:
     """An uninitialised device array."""
     return DeviceArray(shape, dtype, device)
@@ -109,7 +165,8 @@ def empty(shape, dtype=np.float32, device=None) -> DeviceArray:
 
 def zeros(shape, dtype=np.float32, device=None) -> DeviceArray:
     a = DeviceArray(shape, dtype, device)
-    a.device.fill(a.buffer, 0)
+    for b in a.buffers:
+        a.device.fill(b, 0)
     return a
 
 
@@ -120,6 +177,4 @@ def asarray(array, device=None, dtype=None) -> DeviceArray:
             return array
         array = array.numpy()
     host = np.ascontiguousarray(array, dtype=dtype)
-    out = DeviceArray(host.shape, host.dtype, device)
-    out.device.upload(out.buffer, host)
-    return out
+    return DeviceArray(host.shape, host.dtype, device).write(host)

@@ -19,7 +19,7 @@ from . import checks, kernels
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
 from .dtypes import QUERY_TYPES, fp8_scale, storage_type
-from .layouts import LAYOUTS, CacheSpec, cache_spec
+from .layouts import LAYOUTS, CacheSpec, bind_caches, cache_spec
 from .runtime.pipeline import Launch, fold_grid
 from .selection import get_device
 
@@ -221,7 +221,7 @@ class DecodePlan:
             return self._launch_locked(q, k, v, o, num_blocks, cache, timed)
 
     def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool):
-        buffers = (q.buffer, k.buffer, v.buffer, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
+        buffers = (q.buffer, *k.buffers, *v.buffers, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
         key = tuple(id(b) for b in buffers) + (timed,)
         launch = self._launches.get(key)
         if launch is not None and any(b.closed for b in launch.buffers):
@@ -248,13 +248,18 @@ class DecodePlan:
         partials = (self.partial_out.buffer, self.partial_stats.buffer)
         spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,
                          self.block_size)
+        caches = bind_caches(k, v, self.backend)
+        pipeline = self.pipeline if not caches.access else kernels.pipeline(self.device, PAGED_DECODE, PAGED_DECODE.key(
+            self.backend, self.spec.storage.tag, self.query_type.tag, access=caches.access))
         push = PAGED_DECODE.pack_push(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
-            num_blocks=spec.blocks_held(k.buffer.size, v.buffer.size), num_seqs=self.num_seqs, q_len=1,
+            num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs, q_len=1,
             causal=0, scale=self.scale * self.k_scale, v_scale=self.v_scale, group_size=self.group_size,
-            partition_size=self.partition_size, num_partitions=self.num_partitions, **spec.strides())
-        decode = (self.pipeline, (q.buffer, k.buffer, v.buffer, *tables, o.buffer, *partials), push, self.grid)
+            partition_size=self.partition_size, num_partitions=self.num_partitions,
+            blocks_per_segment=caches.blocks_per_segment, **spec.strides())
+        decode = (pipeline, (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *caches.extra), push,
+                  self.grid)
         if self.reduce_pipeline is None:
             return [decode]
         reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer), push, self.reduce_grid)

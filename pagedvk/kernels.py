@@ -58,5 +58,6 @@ def pipeline(device, kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> Pipe
     with _lock:
         cached = device._pipelines.get(key)
         if cached is None or cached.closed:
-            cached = device._pipelines[key] = Pipeline(device, kernel, load_spirv(kernel, key), key.name)
+            cached = device._pipelines[key] = Pipeline(device, kernel, load_spirv(kernel, key), key.name,
+                                                        kernel.bindings_for(key))
         return cached

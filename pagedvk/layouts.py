@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import checks
+from .abi import KV_SEGMENTS
 from .dtypes import CACHE_TYPES, StorageType, cache_type
 
 LAYOUTS = ("vllm", "nhd")
@@ -111,3 +112,51 @@ def cache_spec(key_cache, value_cache, layout: str = "vllm", kv_cache_dtype: str
     for axis, (expected, what) in enumerate(zip(spec.value_shape, axes)):
         checks.dim("value_cache", value_cache, axis, expected, what)
     return spec
+
+
+@dataclass(frozen=True)
+class CacheBinding:
+    """How one launch binds a pair of device caches (shaders/attention_common.glsl's key_load()).
+
+    access              pagedvk.abi.CACHE_ACCESS: "" one binding each, "seg" up to KV_SEGMENTS bindings each,
+                        "bda" each cache's binding holds its segments' device addresses
+    key, value          the buffers bound as key_cache and value_cache
+    extra               with "seg": key segments 1 .. KV_SEGMENTS - 1, then value segments 1 .. (unused
+                        slots repeat segment 0, which the kernel never reads through them)
+    blocks_per_segment  whole blocks per segment
+    key_bytes, value_bytes  what the segments hold in all (the kernels' bound on block ids)
+    """
+
+    access: str
+    key: object
+    value: object
+    extra: tuple
+    blocks_per_segment: int
+    key_bytes: int
+    value_bytes: int
+
+    @property
+    def buffers(self) -> tuple:
+        return (self.key, self.value) + self.extra
+
+
+def bind_caches(key_cache, value_cache, backend: str) -> CacheBinding:
+    """The binding of two DeviceArray caches for `backend`: one buffer each when they fit one binding; else
+    buffer device addresses (GLSL on a device with bufferDeviceAddress), else up to KV_SEGMENTS bindings."""
+    keys, values = key_cache.buffers, value_cache.buffers
+    sizes = (sum(b.size for b in keys), sum(b.size for b in values))
+    rows = max(key_cache.segment_rows, 1)
+    if len(keys) == 1 and len(values) == 1:
+        return CacheBinding("", keys[0], values[0], (), max(key_cache.shape[0], 1), *sizes)
+    if key_cache.segment_rows != value_cache.segment_rows:
+        raise ValueError(f"key_cache and value_cache are split into segments of {key_cache.segment_rows} and "
+                         f"{value_cache.segment_rows} blocks: allocate them with the same block size")
+    if backend == "glsl" and key_cache.device.buffer_device_address:
+        return CacheBinding("bda", key_cache.address_table().buffer, value_cache.address_table().buffer, (),
+                            rows, *sizes)
+    if max(len(keys), len(values)) > KV_SEGMENTS:
+        raise ValueError(f"key_cache spans {len(keys)} buffers of {rows} blocks, more than the {KV_SEGMENTS} bindings "
+                         f"per cache the {backend} kernels take on {key_cache.device.info.name} (GLSL on a device "
+                         "with bufferDeviceAddress takes any number)")
+    pad = lambda segs: tuple(segs[1:]) + (segs[0],) * (KV_SEGMENTS - len(segs))
+    return CacheBinding("seg", keys[0], values[0], pad(keys) + pad(values), rows, *sizes)

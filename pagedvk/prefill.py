@@ -15,7 +15,7 @@ from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL
 from .array import asarray, empty
 from .decode import _device_of, backend_name
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
-from .layouts import cache_spec
+from .layouts import bind_caches, cache_spec
 from .runtime.pipeline import fold_grid
 
 FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
@@ -65,14 +65,20 @@ class _Problem:
         self.host = isinstance(query, np.ndarray)
         # num_blocks is the caches' shape[0]: their buffers (and dk_cache's, dv_cache's) hold that many blocks,
         # and the kernels bound block ids by it rather than by the buffers' length() (attention_common.glsl).
-        self.push = PAGED_PREFILL.pack_push(
+        self.push_fields = dict(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=block_tables.shape[1], num_blocks=self.num_blocks,
             num_seqs=self.num_seqs, q_len=self.q_len, causal=int(self.causal), scale=self.scale * k_scale,
             v_scale=v_scale, group_size=1, partition_size=0, num_partitions=1, **spec.strides())
 
-    def key(self, kernel):
-        return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag)
+    def key(self, kernel, access: str = ""):
+        return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, access=access)
+
+    def push(self, caches) -> bytes:
+        """The push constants for caches bound as `caches` (pagedvk.layouts.CacheBinding)."""
+        return PAGED_PREFILL.pack_push(**dict(
+            self.push_fields, blocks_per_segment=caches.blocks_per_segment,
+            num_blocks=self.spec.blocks_held(caches.key_bytes, caches.value_bytes)))
 
     def grid(self, rows_per_group: int) -> tuple:
         """Workgroups (row tile, kv head, sequence), numbered linearly over a grid folded to the device's
@@ -118,9 +124,14 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
                 temporaries.append(arrays[name])
         for name, (shape, dtype) in outputs.items():
             results[name] = arrays[name] = empty(shape, dtype, problem.device)
+        caches = bind_caches(arrays["key_cache"], arrays["value_cache"], problem.backend)
+        bound = dict(key_cache=caches.key, value_cache=caches.value)
         for abi, grid in dispatches:
-            pipeline = kernels.pipeline(problem.device, abi, problem.key(abi))
-            launch = pipeline.launch([arrays[b.name].buffer for b in abi.bindings], problem.push, grid)
+            key = problem.key(abi, caches.access)
+            pipeline = kernels.pipeline(problem.device, abi, key)
+            extra = dict(zip([b.name for b in abi.bindings_for(key)[len(abi.bindings):]], caches.extra))
+            buffers = [bound.get(b.name) or extra.get(b.name) or arrays[b.name].buffer for b in abi.bindings_for(key)]
+            launch = pipeline.launch(buffers, problem.push(caches), grid)
             try:
                 launch.submit()
             finally:

@@ -40,6 +40,7 @@ layout(push_constant) uniform Params {
     uint v_head_stride;
     uint v_token_stride;
     uint v_dim_stride;
+    uint blocks_per_segment;
 } pc;
 
 const uint WG = 128u;              // == local_size_x
@@ -68,18 +69,58 @@ uint row_base(uint seq, uint kv_head, uint gr) {
     return ((seq * pc.num_heads + kv_head * group + gr % group) * pc.q_len + gr / group) * pc.head_size;
 }
 
-// Quad c of key token t of block b, kv head h (see above).
-uint key_quad(uint b, uint h, uint t, uint c) {
-    return b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride
-        + (c / KV_CHUNK_QUADS) * pc.k_chunk_stride + c % KV_CHUNK_QUADS;
+// Quad c of key token t, kv head h, from the start of its block (see above).
+uint key_offset(uint h, uint t, uint c) {
+    return h * pc.k_head_stride + t * pc.k_token_stride + (c / KV_CHUNK_QUADS) * pc.k_chunk_stride + c % KV_CHUNK_QUADS;
 }
 
-uint value_index(uint b, uint h, uint t, uint d) {
-    return b * pc.v_block_stride + h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
+// Value element (h, t, d) from the start of its block.
+uint value_offset(uint h, uint t, uint d) {
+    return h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
 }
 
-// One key element and one value element, converted.
-#define KEY_AT(b, h, t, d) kv_quad(key_cache[key_quad(b, h, t, (d) >> 2)])[(d) & 3u]
-#define VALUE_AT(i) kv_quad(value_cache[(i) >> 2])[(i) & 3u]
+// key_load(b, q) / value_load(b, q): quad q of block b of each cache. A cache larger than one binding is split
+// into segments of blocks_per_segment whole blocks (pagedvk.array.DeviceArray), reached through
+// KV_SEGMENTS bindings (KV_SEGMENTED) or through buffer device addresses held in the cache's binding
+// (KV_ADDRESSED); otherwise the cache is one binding. Only these two functions know which.
+#if defined(KV_ADDRESSED)
+layout(buffer_reference, std430, buffer_reference_align = 4) readonly buffer KvSegment { KV_QUAD quads[]; };
+KV_QUAD key_load(uint b, uint q) {
+    const uint s = b / pc.blocks_per_segment;
+    return KvSegment(key_cache[s]).quads[(b - s * pc.blocks_per_segment) * pc.k_block_stride + q];
+}
+KV_QUAD value_load(uint b, uint q) {
+    const uint s = b / pc.blocks_per_segment;
+    return KvSegment(value_cache[s]).quads[(b - s * pc.blocks_per_segment) * (pc.v_block_stride >> 2) + q];
+}
+#elif defined(KV_SEGMENTED)
+KV_QUAD key_load(uint b, uint q) {
+    const uint s = b / pc.blocks_per_segment;
+    const uint i = (b - s * pc.blocks_per_segment) * pc.k_block_stride + q;
+    switch (s) {
+        case 0u: return key_cache[i];
+        case 1u: return key_cache_1[i];
+        case 2u: return key_cache_2[i];
+        default: return key_cache_3[i];
+    }
+}
+KV_QUAD value_load(uint b, uint q) {
+    const uint s = b / pc.blocks_per_segment;
+    const uint i = (b - s * pc.blocks_per_segment) * (pc.v_block_stride >> 2) + q;
+    switch (s) {
+        case 0u: return value_cache[i];
+        case 1u: return value_cache_1[i];
+        case 2u: return value_cache_2[i];
+        default: return value_cache_3[i];
+    }
+}
+#elif defined(KV_QUAD)
+KV_QUAD key_load(uint b, uint q) { return key_cache[b * pc.k_block_stride + q]; }
+KV_QUAD value_load(uint b, uint q) { return value_cache[b * (pc.v_block_stride >> 2) + q]; }
+#endif
+
+// One key element and one value element (at value_offset v of block b), converted.
+#define KEY_AT(b, h, t, d) kv_quad(key_load(b, key_offset(h, t, (d) >> 2)))[(d) & 3u]
+#define VALUE_AT(b, v) kv_quad(value_load(b, (v) >> 2))[(v) & 3u]
 
 #endif

@@ -9,6 +9,11 @@
 #ifndef KV_STORAGE_GLSL
 #define KV_STORAGE_GLSL
 
+#if defined(KV_ADDRESSED)   // before any code: caches reached through buffer device addresses
+#extension GL_EXT_buffer_reference : require
+#extension GL_EXT_buffer_reference_uvec2 : require
+#endif
+
 #define F32_NAN uintBitsToFloat(0x7fc00000u)
 
 // bfloat16 is the top half of a float32.
@@ -54,6 +59,29 @@ vec4 kv_quad(uint w) {
     return vec4(unpackHalf2x16(((w & 0xffu) << 8) | ((w & 0xff00u) << 16)),
                 unpackHalf2x16(((w >> 8) & 0xff00u) | (w & 0xff000000u)));
 }
+#endif
+
+// The caches' bindings 1 and 2. KV_ADDRESSED: each holds the device addresses (low, high word) of the
+// cache's segments; KV_SEGMENTED: segments 1-3 get bindings of their own after the kernel's others, from
+// KV_SEGMENT_BINDING on (pagedvk/abi.py declares them).
+#if defined(KV_ADDRESSED)
+#define CACHE_BINDINGS \
+    layout(std430, set = 0, binding = 1) readonly buffer KeyCache { uvec2 key_cache[]; }; \
+    layout(std430, set = 0, binding = 2) readonly buffer ValueCache { uvec2 value_cache[]; };
+#elif defined(KV_SEGMENTED)
+#define CACHE_BINDINGS \
+    layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; }; \
+    layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING) readonly buffer KeyCache1 { KV_QUAD key_cache_1[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 1) readonly buffer KeyCache2 { KV_QUAD key_cache_2[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 2) readonly buffer KeyCache3 { KV_QUAD key_cache_3[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 3) readonly buffer ValueCache1 { KV_QUAD value_cache_1[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 4) readonly buffer ValueCache2 { KV_QUAD value_cache_2[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 5) readonly buffer ValueCache3 { KV_QUAD value_cache_3[]; };
+#else
+#define CACHE_BINDINGS \
+    layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; }; \
+    layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; };
 #endif
 
 // Queries and outputs. Outputs are written two consecutive elements at a time (OUT_PAIR), so that no two

@@ -18,8 +18,8 @@
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };            // [seqs, heads, q_len, head_size]
-layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; };    // see key_quad()
-layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; }; // see value_index()
+#define KV_SEGMENT_BINDING 10   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockReaders { int block_readers[]; }; // see PAGED_BACKWARD_DKDV
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };          // [seqs]
 layout(std430, set = 0, binding = 5) readonly buffer Dout { Q_QUAD dout[]; };              // like query
@@ -38,7 +38,9 @@ shared float s_p[PAIRS];            // [row][key]: P
 shared float s_dd[PAIRS];           // [row][key]: dP - D
 
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
-uint key_element(uint b, uint h, uint t, uint d) { return key_quad(b, h, t, d >> 2) * 4u + (d & 3u); }
+uint key_element(uint b, uint h, uint t, uint d) {
+    return (b * pc.k_block_stride + key_offset(h, t, d >> 2)) * 4u + (d & 3u);
+}
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -92,13 +94,13 @@ void main() {
                     float s = 0.0, t = 0.0;
                     if (takes_p) {
                         for (uint c = 0u; c < hc; c++)
-                            s += dot(q_quad(query[q / 4u + c]), kv_quad(key_cache[key_quad(b, kv_head, token, c)]));
+                            s += dot(q_quad(query[q / 4u + c]), kv_quad(key_load(b, key_offset(kv_head, token, c))));
                         val = exp(s * pc.scale - lse[q / hs]);
                     } else {
-                        const uint v0 = value_index(b, kv_head, token, 0u), vs = pc.v_dim_stride;
+                        const uint v0 = value_offset(kv_head, token, 0u), vs = pc.v_dim_stride;
                         for (uint c = 0u; c < hc; c++) {
                             uint vi = v0 + 4u * c * vs;
-                            vec4 v = vec4(VALUE_AT(vi), VALUE_AT(vi + vs), VALUE_AT(vi + 2u * vs), VALUE_AT(vi + 3u * vs));
+                            vec4 v = vec4(VALUE_AT(b, vi), VALUE_AT(b, vi + vs), VALUE_AT(b, vi + 2u * vs), VALUE_AT(b, vi + 3u * vs));
                             vec4 g = q_quad(dout[q / 4u + c]);
                             s += dot(g, v);
                             t += dot(g, q_quad(out_[q / 4u + c]));
@@ -138,11 +140,11 @@ void main() {
             const uint token = sub * KEYS + k;
             if (d0 < hs) {
                 dk_cache[key_element(b, kv_head, token, d0)] = pc.scale * (k < 4u ? dk0_a[k] : dk0_b[k - 4u]);
-                dv_cache[value_index(b, kv_head, token, d0)] = k < 4u ? dv0_a[k] : dv0_b[k - 4u];
+                dv_cache[b * pc.v_block_stride + value_offset(kv_head, token, d0)] = k < 4u ? dv0_a[k] : dv0_b[k - 4u];
             }
             if (d1 < hs) {
                 dk_cache[key_element(b, kv_head, token, d1)] = pc.scale * (k < 4u ? dk1_a[k] : dk1_b[k - 4u]);
-                dv_cache[value_index(b, kv_head, token, d1)] = k < 4u ? dv1_a[k] : dv1_b[k - 4u];
+                dv_cache[b * pc.v_block_stride + value_offset(kv_head, token, d1)] = k < 4u ? dv1_a[k] : dv1_b[k - 4u];
             }
         }
     }

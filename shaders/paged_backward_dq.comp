@@ -17,8 +17,8 @@
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };          // [seqs, heads, q_len, head_size]
-layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; };  // see key_quad()
-layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; }; // see value_index()
+#define KV_SEGMENT_BINDING 9   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) readonly buffer Dout { Q_QUAD dout[]; };            // like query
@@ -116,12 +116,13 @@ void main() {
         const int phys = tid < tile_len ? s_phys[tid / bs] : -1;
         vec4 x_a = vec4(0.0), x_b = vec4(0.0), dp_a = vec4(0.0), dp_b = vec4(0.0);
         if (phys >= 0) {
-            const uint v0 = value_index(uint(phys), kv_head, token % bs, 0u);
+            const uint v0 = value_offset(kv_head, token % bs, 0u);
             const uint vs = pc.v_dim_stride;
             for (uint c = 0u; c < hc; c++) {
-                vec4 k = kv_quad(key_cache[key_quad(uint(phys), kv_head, token % bs, c)]);
+                vec4 k = kv_quad(key_load(uint(phys), key_offset(kv_head, token % bs, c)));
                 uint vi = v0 + 4u * c * vs;
-                vec4 v = vec4(VALUE_AT(vi), VALUE_AT(vi + vs), VALUE_AT(vi + 2u * vs), VALUE_AT(vi + 3u * vs));
+                const uint p = uint(phys);
+                vec4 v = vec4(VALUE_AT(p, vi), VALUE_AT(p, vi + vs), VALUE_AT(p, vi + 2u * vs), VALUE_AT(p, vi + 3u * vs));
                 x_a += dots(k, qb_a + c);
                 x_b += dots(k, qb_b + c);
                 dp_a += dout_dots(v, qb_a + c);

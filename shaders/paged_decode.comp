@@ -27,8 +27,8 @@
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };           // [seqs, heads, head_size]
-layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; };   // see key_quad()
-layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; }; // see value_index()
+#define KV_SEGMENT_BINDING 8   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, head_size]
@@ -123,10 +123,10 @@ void main() {
             for (uint g = 0u; g < MAX_GROUP; g++) s[g] = 0.0;
             const int phys = s_phys[t / bs];
             if (phys >= 0) {
-                const uint k0 = key_quad(uint(phys), kv_head, t % bs, 0u);
+                const uint k0 = key_offset(kv_head, t % bs, 0u);
                 for (uint c = 0u; c < hq; c++) {
-                    const vec4 kc = kv_quad(key_cache[k0 + (c / KV_CHUNK_QUADS) * pc.k_chunk_stride
-                                                      + c % KV_CHUNK_QUADS]);
+                    const vec4 kc = kv_quad(key_load(uint(phys), k0 + (c / KV_CHUNK_QUADS) * pc.k_chunk_stride
+                                                       + c % KV_CHUNK_QUADS));
                     for (uint g = 0u; g < MAX_GROUP; g++) if (g < group) s[g] += dot(kc, s_q[g * hq + c]);
                 }
             }
@@ -168,16 +168,16 @@ void main() {
                 const int phys = s_phys[t0 / bs];
                 if (phys < 0) continue;
                 const uint n = min(4u, len - t0);
-                const uint v0 = value_index(uint(phys), kv_head, t0 % bs, d0);
+                const uint v0 = value_offset(kv_head, t0 % bs, d0);
                 vec4 va, vb;   // dims d0 and d0 + 1 of the four tokens
                 if (pc.v_token_stride == 1u) {   // vLLM's layout: a quad is four tokens of one dim
-                    va = first(kv_quad(value_cache[v0 >> 2]), n);
-                    vb = first(kv_quad(value_cache[(v0 + pc.v_dim_stride) >> 2]), n);
+                    va = first(kv_quad(value_load(uint(phys), v0 >> 2)), n);
+                    vb = first(kv_quad(value_load(uint(phys), (v0 + pc.v_dim_stride) >> 2)), n);
                 } else {                         // nhd: a quad is four dims of one token
                     va = vec4(0.0); vb = vec4(0.0);
                     for (uint i = 0u; i < n; i++) {
                         const uint vi = v0 + i * pc.v_token_stride;
-                        const vec4 v = kv_quad(value_cache[vi >> 2]);
+                        const vec4 v = kv_quad(value_load(uint(phys), vi >> 2));
                         va[i] = v[vi & 3u];
                         vb[i] = v[(vi & 3u) + 1u];
                     }

@@ -24,8 +24,8 @@
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [seqs, heads, q_len, head_size]
-layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; };   // see key_quad()
-layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; }; // see value_index()
+#define KV_SEGMENT_BINDING 7   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, q_len, head_size]
@@ -136,7 +136,7 @@ void main() {
         vec4 x_a = vec4(0.0), x_b = vec4(0.0);
         if (phys >= 0) {
             for (uint c = 0u; c < hc; c++) {
-                vec4 k = kv_quad(key_cache[key_quad(uint(phys), kv_head, token % bs, c)]);
+                vec4 k = kv_quad(key_load(uint(phys), key_offset(kv_head, token % bs, c)));
                 x_a += vec4(dot(k, Q(qb_a.x + c)), dot(k, Q(qb_a.y + c)), dot(k, Q(qb_a.z + c)), dot(k, Q(qb_a.w + c)));
                 x_b += vec4(dot(k, Q(qb_b.x + c)), dot(k, Q(qb_b.y + c)), dot(k, Q(qb_b.z + c)), dot(k, Q(qb_b.w + c)));
             }
@@ -176,8 +176,8 @@ void main() {
             int b = s_phys[t / bs];
             if (b < 0) continue;
             if (d0 >= hs) break;   // threads past the head have no dims
-            uint v = value_index(uint(b), kv_head, (base + t) % bs, d0);
-            float v0 = VALUE_AT(v), v1 = VALUE_AT(v + pc.v_dim_stride);
+            uint v = value_offset(kv_head, (base + t) % bs, d0);
+            float v0 = VALUE_AT(uint(b), v), v1 = VALUE_AT(uint(b), v + pc.v_dim_stride);
             vec4 w_a = s_p[t * 2u], w_b = s_p[t * 2u + 1u];
             o0_a += w_a * v0; o0_b += w_b * v0;
             o1_a += w_a * v1; o1_b += w_b * v1;

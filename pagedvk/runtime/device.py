@@ -28,6 +28,9 @@ def timeout_ns() -> int:
 
 
 MEMORY_BUDGET_EXTENSION = "VK_EXT_memory_budget"
+# Vulkan 1.2 buffer device addresses (the binding leaves these two constants None, so their values are here).
+BUFFER_USAGE_SHADER_DEVICE_ADDRESS = 0x00020000
+MEMORY_ALLOCATE_DEVICE_ADDRESS = 0x00000002
 
 
 def gib(nbytes: int) -> str:
@@ -84,6 +87,9 @@ class Buffer:
         self.handle = self.memory = self.mapped = None
         usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
                  | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+        addressable = device.buffer_device_address and not host_visible
+        if addressable:   # kernels may reach it through its address (caches larger than one binding)
+            usage |= BUFFER_USAGE_SHADER_DEVICE_ADDRESS
         d = device.handle
         try:
             self.handle = vk.vkCreateBuffer(d, vk.VkBufferCreateInfo(
@@ -100,9 +106,11 @@ class Buffer:
                 budget = device.memory_budget(heap)
                 raise OutOfMemoryError(f"allocating a buffer: {gib(nbytes)} ({nbytes} bytes) is more than the "
                                        f"whole memory heap; {budget}", nbytes, budget)
+            flags = vk.VkMemoryAllocateFlagsInfo(sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
+                                                 flags=MEMORY_ALLOCATE_DEVICE_ADDRESS) if addressable else None
             self.memory = vk.vkAllocateMemory(d, vk.VkMemoryAllocateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, allocationSize=req.size,
-                memoryTypeIndex=type_index), None)
+                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=flags or vk.ffi.NULL,
+                allocationSize=req.size, memoryTypeIndex=type_index), None)
             vk.vkBindBufferMemory(d, self.handle, self.memory, 0)
             if mappable:
                 self.mapped = vk.vkMapMemory(d, self.memory, 0, self.size, 0)
@@ -114,6 +122,15 @@ class Buffer:
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
+
+    def device_address(self) -> int:
+        """The buffer's address for kernels that read through buffer references (Vulkan 1.2)."""
+        if not self.device.buffer_device_address:
+            raise VulkanError(f"{self.device.info.name} has no bufferDeviceAddress feature")
+        info = vk.ffi.new("VkBufferDeviceAddressInfo*", dict(sType=vk.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO,
+                                                             buffer=self.handle))
+        # Called raw: the binding's wrapper drops the returned address.
+        return int(vk.lib.vkGetBufferDeviceAddress(self.device.handle, info))
 
     def close(self) -> None:
         self._finalizer()
@@ -168,10 +185,13 @@ class Device:
 
         # Turn on the optional features the kernels may use, where the device has them.
         have11, have12 = query_features(pd)
+        # Buffer device addresses (with 64-bit integers) let GLSL kernels read caches larger than one binding.
+        self.buffer_device_address = bool(have12.bufferDeviceAddress and vk.vkGetPhysicalDeviceFeatures(pd).shaderInt64)
         f12 = vk.VkPhysicalDeviceVulkan12Features(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
             shaderFloat16=have12.shaderFloat16, shaderInt8=have12.shaderInt8,
-            storageBuffer8BitAccess=have12.storageBuffer8BitAccess)
+            storageBuffer8BitAccess=have12.storageBuffer8BitAccess,
+            bufferDeviceAddress=self.buffer_device_address)
         f11 = vk.VkPhysicalDeviceVulkan11Features(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12,
             storageBuffer16BitAccess=have11.storageBuffer16BitAccess)

@@ -31,14 +31,15 @@ class Pipeline:
     """A compute pipeline, its descriptor-set layout (one storage buffer per declared binding) and its
     pipeline layout (one push-constant range of the declared size)."""
 
-    def __init__(self, device: Device, abi, spirv: bytes, name: str):
+    def __init__(self, device: Device, abi, spirv: bytes, name: str, bindings: tuple | None = None):
         self.device, self.abi, self.name = device, abi, name
+        self.bindings = abi.bindings if bindings is None else bindings   # the module's, in binding order
         self.handle = self.layout = self.set_layout = self.module = None
         d = device.handle
         try:
             bindings = [vk.VkDescriptorSetLayoutBinding(
                 binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, descriptorCount=1,
-                stageFlags=STAGE) for i in range(len(abi.bindings))]
+                stageFlags=STAGE) for i in range(len(self.bindings))]
             self.set_layout = vk.vkCreateDescriptorSetLayout(d, vk.VkDescriptorSetLayoutCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=len(bindings),
                 pBindings=bindings), None)
@@ -93,8 +94,8 @@ class DescriptorSet:
 
     def __init__(self, pipeline: Pipeline, buffers):
         device = pipeline.device
-        if len(buffers) != len(pipeline.abi.bindings):
-            raise ValueError(f"{pipeline.name} takes {len(pipeline.abi.bindings)} buffers, got {len(buffers)}")
+        if len(buffers) != len(pipeline.bindings):
+            raise ValueError(f"{pipeline.name} takes {len(pipeline.bindings)} buffers, got {len(buffers)}")
         self.device = device
         self.buffers = tuple(buffers)  # keeps them alive while the set may be used
         self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
