@@ -93,6 +93,11 @@ class VariantKey:
         inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
         return inc
 
+    def requires(self) -> tuple:
+        """The device features (Vulkan feature names) the module needs enabled. Storage types need none: the
+        kernels read every type through 32-bit words."""
+        return ("bufferDeviceAddress", "shaderInt64") if self.access == "bda" else ()
+
     def constants(self) -> dict:
         """WGSL `override`s fixed at translation (naga emits no specialization constants)."""
         return {"HEAD_SIZE": self.head_size} if self.head_size else {}

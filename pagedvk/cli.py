@@ -7,6 +7,7 @@ import json
 import sys
 
 from . import bench
+from .dtypes import device_dtypes
 from .errors import PagedVKError
 from .selection import devices, select
 
@@ -22,12 +23,12 @@ def cmd_devices(args) -> int:
     chosen, reason = select()
     yes = lambda b: "yes" if b else "-"
     rows = [("", "#", "name", "type", "vendor", "driver", "vulkan", "local mem", "subgroup", "fp16", "16-bit",
-             "8-bit", "bf16", "coop-mat", "max binding")]
+             "8-bit", "bf16", "coop-mat", "max binding", "cache dtypes")]
     for i in infos:
         rows.append(("*" if i.index == chosen.index else "", str(i.index), i.name, i.type, i.vendor,
                      f"{i.driver} {i.driver_version}", i.api_version, gib(i.device_local_bytes),
                      str(i.subgroup_size), yes(i.fp16), yes(i.storage16), yes(i.storage8), yes(i.bf16),
-                     yes(i.cooperative_matrix), gib(i.max_storage_buffer_range)))
+                     yes(i.cooperative_matrix), gib(i.max_storage_buffer_range), ",".join(device_dtypes(i))))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())

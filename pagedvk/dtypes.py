@@ -82,3 +82,10 @@ def fp8_scale(name: str, value) -> float:
     if v is None or v.size != 1 or not np.isfinite(v).all() or float(v.reshape(())) <= 0:
         raise ValueError(f"{name} must be one positive finite number, got {value!r}")
     return float(v.reshape(()))
+
+
+def device_dtypes(info) -> list:
+    """The cache dtypes a device runs (`pagedvk devices` lists them). Every type is read through 32-bit
+    words, so every Vulkan device runs all of them; the function is where a type that needs a device feature
+    would be filtered out."""
+    return [str(t) for t in CACHE_TYPES.values()]

@@ -46,3 +46,7 @@ class ClosedError(PagedVKError):
 
 class DeviceNotFoundError(PagedVKError, LookupError):
     """PAGEDVK_DEVICE (or a device argument) matched no Vulkan device."""
+
+
+class UnsupportedFeatureError(PagedVKError):
+    """A kernel needs a Vulkan feature the device lacks; the message names it."""

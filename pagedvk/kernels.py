@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from . import abi as abi_mod
-from .errors import ShaderModuleError
+from .errors import ShaderModuleError, UnsupportedFeatureError
 from .runtime.pipeline import Pipeline
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -55,6 +55,10 @@ def load_spirv(kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> bytes:
 
 def pipeline(device, kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> Pipeline:
     """The device's pipeline for this module, created on first use and kept until the device closes."""
+    missing = [f for f in key.requires() if f not in device.features]
+    if missing:
+        raise UnsupportedFeatureError(f"{key.name} needs the Vulkan feature(s) {', '.join(missing)}, which "
+                                      f"{device.info.name} does not have (or pagedvk did not enable)")
     with _lock:
         cached = device._pipelines.get(key)
         if cached is None or cached.closed:

@@ -188,3 +188,42 @@ def test_bad_dtypes_name_the_argument(rng):
         pagedvk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
                                 layout="hnd")
 
+
+
+def masked_device(monkeypatch, *features):
+    """A new Device on the default GPU with the named Vulkan 1.1/1.2 features reported as missing."""
+    from pagedvk.runtime import device as device_module
+    real = device_module.query_features
+
+    def without(pd, f11=None, f12=None):
+        f11, f12 = real(pd, f11, f12)
+        for name in features:
+            for struct in (f11, f12):
+                if hasattr(struct, name):
+                    setattr(struct, name, 0)
+        return f11, f12
+    monkeypatch.setattr(device_module, "query_features", without)
+    return pagedvk.Device(pagedvk.select()[0])
+
+
+@pytest.mark.parametrize("cache_dtype", (np.float16, BF16, E4M3), ids=lambda d: np.dtype(d).name)
+def test_no_16_or_8_bit_storage_feature_is_needed(rng, monkeypatch, cache_dtype):
+    # The kernels read 16-bit and 8-bit types through 32-bit words: a device without storageBuffer16BitAccess
+    # and storageBuffer8BitAccess runs every storage type.
+    with masked_device(monkeypatch, "storageBuffer16BitAccess", "storageBuffer8BitAccess", "shaderFloat16",
+                       "shaderInt8") as device:
+        assert not {"storageBuffer16BitAccess", "storageBuffer8BitAccess"} & device.features
+        case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=64, max_len=100, dtype=cache_dtype)
+        query = pagedvk.asarray(case.query.astype(np.float16), device=device)
+        out = pagedvk.paged_attention(query, *case.args()[1:]).numpy()
+        ref = reference.paged_attention(query.numpy(), case.key_cache, case.value_cache, case.block_tables,
+                                        case.seq_lens)
+        assert rel_error(out, ref) <= 2e-3
+
+
+def test_a_module_needing_a_missing_feature_names_it(rng, monkeypatch):
+    with masked_device(monkeypatch, "bufferDeviceAddress") as device:
+        assert not device.buffer_device_address
+        key = pagedvk.abi.PAGED_DECODE.key("glsl", "f16", "f16", access="bda")
+        with pytest.raises(pagedvk.UnsupportedFeatureError, match="needs the Vulkan feature.*bufferDeviceAddress"):
+            pagedvk.kernels.pipeline(device, pagedvk.abi.PAGED_DECODE, key)

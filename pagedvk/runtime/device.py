@@ -186,7 +186,8 @@ class Device:
         # Turn on the optional features the kernels may use, where the device has them.
         have11, have12 = query_features(pd)
         # Buffer device addresses (with 64-bit integers) let GLSL kernels read caches larger than one binding.
-        self.buffer_device_address = bool(have12.bufferDeviceAddress and vk.vkGetPhysicalDeviceFeatures(pd).shaderInt64)
+        base = vk.vkGetPhysicalDeviceFeatures(pd)
+        self.buffer_device_address = bool(have12.bufferDeviceAddress and base.shaderInt64)
         f12 = vk.VkPhysicalDeviceVulkan12Features(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
             shaderFloat16=have12.shaderFloat16, shaderInt8=have12.shaderInt8,
@@ -195,8 +196,14 @@ class Device:
         f11 = vk.VkPhysicalDeviceVulkan11Features(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12,
             storageBuffer16BitAccess=have11.storageBuffer16BitAccess)
-        base = vk.vkGetPhysicalDeviceFeatures(pd)
         features = vk.VkPhysicalDeviceFeatures(shaderInt16=base.shaderInt16, shaderInt64=base.shaderInt64)
+        # What was enabled, by Vulkan's feature names: kernels that need one check it (pagedvk.kernels).
+        self.features = {name for name, on in (
+            ("shaderInt16", base.shaderInt16), ("shaderInt64", base.shaderInt64),
+            ("shaderFloat16", have12.shaderFloat16), ("shaderInt8", have12.shaderInt8),
+            ("storageBuffer8BitAccess", have12.storageBuffer8BitAccess),
+            ("storageBuffer16BitAccess", have11.storageBuffer16BitAccess),
+            ("bufferDeviceAddress", self.buffer_device_address)) if on}
         # VK_EXT_memory_budget: what each heap can still give, for out-of-memory errors (memory_budget()).
         extensions = [e for e in ("VK_KHR_portability_subset", MEMORY_BUDGET_EXTENSION) if e in info.extensions]
         self.has_memory_budget = MEMORY_BUDGET_EXTENSION in extensions
