@@ -18,6 +18,7 @@ from . import kernels, reference
 from .abi import READ_BANDWIDTH
 from .array import asarray, empty
 from .decode import DecodePlan
+from .dtypes import QUERY_TYPES
 from .runtime.pipeline import Launch
 from .selection import get_device
 
@@ -76,7 +77,7 @@ def read_bandwidth(device=None, nbytes: int = 1 << 30, iters: int = 20, progress
     device.fill(src.buffer, 0x3F800000)
     threads = 256 * 1024
     dst = empty((threads,), np.uint32, device)
-    pipeline = kernels.pipeline(device, READ_BANDWIDTH, "u32", "glsl")
+    pipeline = kernels.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
     step = (pipeline, (src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=nbytes // 16),
             (threads // 256, 1, 1))
     launch = Launch(device, [step] * iters, timestamps=1)   # back to back, a timestamp after each
@@ -119,11 +120,13 @@ def decode(shape: DecodeShape, iters: int = 50, warmup: int = 1, repeats: int = 
                                 dtype=np.float32).astype(dtype, copy=False)
         caches.append((k, v, asarray(k, device), asarray(v, device)))
         bar.step()
-    query_host = rng.standard_normal((shape.num_seqs, shape.num_heads, shape.head_size), dtype=np.float32).astype(dtype)
-    query, out = asarray(query_host, device), empty(query_host.shape, dtype, device)
+    # fp8 caches serve 16-bit models: their queries are float16.
+    query_dtype = dtype if dtype in QUERY_TYPES else np.dtype(np.float16)
+    query_host = rng.standard_normal((shape.num_seqs, shape.num_heads, shape.head_size), dtype=np.float32).astype(query_dtype)
+    query, out = asarray(query_host, device), empty(query_host.shape, query_dtype, device)
     plan = DecodePlan(block_tables, seq_lens, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                       head_size=shape.head_size, block_size=shape.block_size, num_blocks=num_blocks, dtype=dtype,
-                      device=device, backend=backend)
+                      query_dtype=query_dtype, device=device, backend=backend)
     try:
         k, v, dk, dv = caches[0]
         plan.run(query, dk, dv, out=out)
