@@ -6,6 +6,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,28 @@ def test_wgsl_build_drops_workgroup_zeroing_only(tmp_path):
     for name in IDS:
         if name.endswith(".wgsl"):
             assert workgroup_null_stores(kernels.module_path(name).read_bytes()) == 0, name
+
+
+def test_driver_compile_does_not_count_against_the_timeout():
+    # lavapipe compiles a pipeline at its first dispatch (0.4 s for a GLSL module, more for WGSL, with Mesa's
+    # shader cache off). Pipelines are compiled when made, within PAGEDVK_COMPILE_TIMEOUT, so a first launch
+    # under a PAGEDVK_TIMEOUT shorter than the compile still runs.
+    code = """
+        import numpy as np, pagedvk
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((2, 4, 3, 64)).astype(np.float32)
+        k = rng.standard_normal((8, 16, 2, 64)).astype(np.float16)
+        v = rng.standard_normal((8, 16, 2, 64)).astype(np.float16)
+        bt = np.arange(8, dtype=np.int32).reshape(2, 4)
+        lens = np.array([50, 64], np.int32)
+        for backend in ("glsl", "wgsl"):
+            out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, lens, backend=backend)
+            ref, _ = pagedvk.reference.paged_attention_prefill(q, k, v, bt, lens)
+            assert np.abs(out - ref).max() < 1e-3, backend
+        print("ok")
+    """
+    env = dict(os.environ, PAGEDVK_TIMEOUT="0.05", MESA_SHADER_CACHE_DISABLE="true",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr

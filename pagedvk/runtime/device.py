@@ -27,6 +27,15 @@ def timeout_ns() -> int:
     return int(float(os.environ.get("PAGEDVK_TIMEOUT", DEFAULT_TIMEOUT_S)) * 1e9)
 
 
+DEFAULT_COMPILE_TIMEOUT_S = 600.0
+
+
+def compile_timeout_ns() -> int:
+    """How long a new pipeline's compile may take (PAGEDVK_COMPILE_TIMEOUT seconds): drivers that compile at
+    the first dispatch (lavapipe) are given this, not PAGEDVK_TIMEOUT (pagedvk.runtime.pipeline)."""
+    return int(float(os.environ.get("PAGEDVK_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S)) * 1e9)
+
+
 MEMORY_BUDGET_EXTENSION = "VK_EXT_memory_budget"
 # Vulkan 1.2 buffer device addresses (the binding leaves these two constants None, so their values are here).
 BUFFER_USAGE_SHADER_DEVICE_ADDRESS = 0x00020000
@@ -549,7 +558,7 @@ class CommandBuffer:
         vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self.query_pool, self._stamped)
         self._stamped += 1
 
-    def submit(self, wait: bool = True) -> None:
+    def submit(self, wait: bool = True, timeout: int | None = None) -> None:
         dev = self.device
         with dev.lock:
             self._require_idle()
@@ -560,10 +569,10 @@ class CommandBuffer:
                 raise_vk(e, "vkQueueSubmit", device=dev)
             self.pending = True
             if wait:
-                self.wait()
+                self.wait(timeout)
         dev.check()
 
-    def wait(self) -> None:
+    def wait(self, timeout: int | None = None) -> None:
         """Wait for the last submission, at most PAGEDVK_TIMEOUT seconds; GPUTimeoutError past that (the
         submission then stays pending: nothing it uses is freed or reused until it has finished)."""
         dev = self.device
@@ -571,7 +580,8 @@ class CommandBuffer:
             if not self.pending:
                 return
             try:
-                result = vk.vkWaitForFences(dev.handle, 1, [self.fence], vk.VK_TRUE, timeout_ns())
+                result = vk.vkWaitForFences(dev.handle, 1, [self.fence], vk.VK_TRUE,
+                                            timeout_ns() if timeout is None else timeout)
             except vk.VkTimeout:   # the binding raises VK_TIMEOUT (a success code) as an exception
                 result = vk.VK_TIMEOUT
             except vk.VkError as e:

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import vulkan as vk
 
-from .device import Device, memory_barrier, raise_vk
+from .device import Device, compile_timeout_ns, memory_barrier, raise_vk
 
 STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
 
@@ -61,6 +61,23 @@ class Pipeline:
         self._finalizer = device.own(self, functools.partial(
             _destroy_pipeline, d, self.handle, self.module, self.layout, self.set_layout))
         device.check()
+        self._compile_now()
+
+    def _compile_now(self) -> None:
+        """Make the driver compile the pipeline now, within PAGEDVK_COMPILE_TIMEOUT: some drivers compile at
+        the first dispatch (lavapipe: up to seconds), which would otherwise count against the first launch's
+        PAGEDVK_TIMEOUT. A dispatch of no workgroups does it and runs nothing; every binding gets a 16-byte
+        placeholder."""
+        placeholder = self.device.buffer(16)
+        try:
+            launch = Launch(self.device, [(self, [placeholder] * len(self.bindings), bytes(self.abi.push_size),
+                                           (0, 0, 0))])
+            try:
+                launch.submit(timeout=compile_timeout_ns())
+            finally:
+                launch.close()
+        finally:
+            placeholder.close()
 
     def descriptor_set(self, buffers) -> "DescriptorSet":
         return DescriptorSet(self, buffers)
@@ -146,10 +163,10 @@ class Launch:
     def buffers(self):
         return tuple(b for dset in self.descriptor_sets for b in dset.buffers)
 
-    def submit(self):
-        """Run it and wait. Returns the GPU time in ns when recorded with timestamps=True, each group's
-        times (an array) with timestamps=k, else None."""
-        self.command_buffer.submit()
+    def submit(self, timeout: int | None = None):
+        """Run it and wait (at most `timeout` ns, default PAGEDVK_TIMEOUT). Returns the GPU time in ns when
+        recorded with timestamps=True, each group's times (an array) with timestamps=k, else None."""
+        self.command_buffer.submit(timeout=timeout)
         if not self.group:
             return None
         stamps = self.command_buffer.timestamps_ns()
