@@ -9,13 +9,13 @@ buffer recorded the first time those buffers were seen.
 from __future__ import annotations
 
 import math
-import os
+
 import threading
 from collections import OrderedDict
 
 import numpy as np
 
-from . import checks, kernels
+from . import checks, config, kernels
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
 from .runtime.pipeline import Launch
@@ -52,7 +52,7 @@ def partitioning(num_seqs: int, workgroups_per_seq: int, heads_per_workgroup: in
 
 
 def backend_name(backend) -> str:
-    name = backend if backend is not None else os.environ.get("PAGEDVK_BACKEND", "glsl") or "glsl"
+    name = config.backend(backend)
     if name not in PAGED_DECODE.backends:
         source = "backend" if backend is not None else "PAGEDVK_BACKEND"
         raise ValueError(f"{source} must be one of {', '.join(PAGED_DECODE.backends)}, got {name!r}")

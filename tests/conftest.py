@@ -1,7 +1,12 @@
 """Shared test helpers: random paged caches in vLLM's layout, poisoned outputs, the error measure."""
 
 import os
+import subprocess
+import sys
+import tempfile
+import textwrap
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +19,14 @@ def rel_error(out, ref) -> float:
     assert np.isfinite(out).all(), "output has NaN or inf (unwritten, or poisoned and never overwritten)"
     denom = np.linalg.norm(ref)
     return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    # `import pagedvk` there must find the package these tests import (installed, or a checkout on the path).
+    package_root = str(Path(pagedvk.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=path, **env), timeout=300, cwd=tempfile.gettempdir())
 
 
 class Case:
@@ -78,7 +91,7 @@ def device():
 
 # -- validation in CI: `PAGEDVK_VALIDATION=1 pytest` fails any test after which the layer said anything --
 
-VALIDATING = os.environ.get("PAGEDVK_VALIDATION", "") == "1"
+VALIDATING = pagedvk.config.validation()
 
 
 def pytest_configure(config):

@@ -311,7 +311,7 @@ def test_simulated_timeout(rng, warm, monkeypatch):
 SOAK_LAUNCHES = 100_000
 # Host memory may grow this much after the warm-up. The validation layer keeps records of its own per
 # object made (31 MiB over the 10,000 arrays on NVIDIA's driver; none on lavapipe): more room under it.
-RSS_BOUND_MIB = 64 if os.environ.get("PAGEDVK_VALIDATION") == "1" else 20
+RSS_BOUND_MIB = 64 if pagedvk.config.validation() else 20
 
 
 @pytest.mark.slow

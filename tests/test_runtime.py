@@ -1,16 +1,12 @@
 """The Vulkan layer: devices and their selection, device arrays, timestamps, validation, close()."""
 
 import os
-import subprocess
-import sys
-import tempfile
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pagedvk
+from conftest import run_python
 from pagedvk import selection
 from pagedvk.runtime.instance import DeviceInfo
 
@@ -109,14 +105,6 @@ def test_timestamps_time_a_launch(rng):
     with pagedvk.DecodePlan.for_caches(k, v, case.block_tables, case.seq_lens, num_heads=8) as plan:
         t = [plan.time_ns(q, k, v, out) for _ in range(3)]
     assert all(x > 0 for x in t)
-
-
-def run_python(code: str, **env) -> subprocess.CompletedProcess:
-    # `import pagedvk` there must find the package these tests import (installed, or a checkout on the path).
-    package_root = str(Path(pagedvk.__file__).resolve().parent.parent)
-    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=path, **env), timeout=300, cwd=tempfile.gettempdir())
 
 
 def validation_available() -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
+
 import threading
 import weakref
 from dataclasses import dataclass
@@ -15,16 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import vulkan as vk
 
+from ..config import timeout_ns
 from ..errors import ClosedError, DeviceLostError, OutOfMemoryError, GPUTimeoutError, VulkanError
 from .instance import DeviceInfo, get_instance, query_features, register_closer
 
-DEFAULT_TIMEOUT_S = 60.0
 DESCRIPTORS_PER_POOL = 4096
-
-
-def timeout_ns() -> int:
-    """Fences are waited on with a timeout (PAGEDVK_TIMEOUT seconds), never forever."""
-    return int(float(os.environ.get("PAGEDVK_TIMEOUT", DEFAULT_TIMEOUT_S)) * 1e9)
 
 
 MEMORY_BUDGET_EXTENSION = "VK_EXT_memory_budget"
@@ -524,6 +519,7 @@ class CommandBuffer:
 
     def submit(self, wait: bool = True) -> None:
         dev = self.device
+        timeout = timeout_ns()   # a bad PAGEDVK_TIMEOUT is refused before anything is submitted
         with dev.lock:
             self._require_idle()
             dev._settle(wait=True)   # work whose wait timed out goes first, as it did on the queue
@@ -533,18 +529,19 @@ class CommandBuffer:
                 raise_vk(e, "vkQueueSubmit", device=dev)
             self.pending = True
             if wait:
-                self.wait()
+                self.wait(timeout)
         dev.check()
 
-    def wait(self) -> None:
+    def wait(self, timeout: int | None = None) -> None:
         """Wait for the last submission, at most PAGEDVK_TIMEOUT seconds; GPUTimeoutError past that (the
         submission then stays pending: nothing it uses is freed or reused until it has finished)."""
         dev = self.device
         with dev.lock:
             if not self.pending:
                 return
+            timeout = timeout_ns() if timeout is None else timeout
             try:
-                result = vk.vkWaitForFences(dev.handle, 1, [self.fence], vk.VK_TRUE, timeout_ns())
+                result = vk.vkWaitForFences(dev.handle, 1, [self.fence], vk.VK_TRUE, timeout)
             except vk.VkTimeout:   # the binding raises VK_TIMEOUT (a success code) as an exception
                 result = vk.VK_TIMEOUT
             except vk.VkError as e:
@@ -553,7 +550,7 @@ class CommandBuffer:
             if result == vk.VK_TIMEOUT:
                 self._keep_in_flight()
                 raise GPUTimeoutError(f"{dev.info.name}: the GPU did not finish within PAGEDVK_TIMEOUT="
-                                    f"{timeout_ns() / 1e9:g} s; the work goes on, and later calls wait for it first")
+                                    f"{timeout / 1e9:g} s; the work goes on, and later calls wait for it first")
             vk.vkResetFences(dev.handle, 1, [self.fence])
             self.pending = False
             dev._in_flight[:] = [f for f in dev._in_flight if f != self.fence]   # reset: nothing to wait for
