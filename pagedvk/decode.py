@@ -18,6 +18,7 @@ import numpy as np
 from . import checks, config, kernels
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
+from .errors import ClosedError
 from .runtime.pipeline import Launch
 from .selection import get_device
 
@@ -84,13 +85,51 @@ def cache_shapes(key_cache, value_cache) -> dict:
                 dtype=np.dtype(key_cache.dtype))
 
 
+def _integer(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+
+
+def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks, dtype, scale) -> np.dtype:
+    """Check a plan's arguments, each error naming its argument; returns the cache dtype."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in KV_DTYPES:
+        raise TypeError(f"dtype must be one of the supported cache dtypes ({', '.join(map(str, KV_DTYPES))}), "
+                        f"got {dtype!r}")
+    _integer("num_kv_heads", num_kv_heads, 1)
+    _integer("num_heads", num_heads, 1)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    x = 16 // dt.itemsize
+    _integer("head_size", head_size, x, MAX_HEAD_SIZE)
+    if head_size % x:
+        raise ValueError(f"head_size must be a multiple of {x} (16 bytes of {dt}) in [{x}, {MAX_HEAD_SIZE}], "
+                         f"got {head_size}")
+    _integer("block_size", block_size, 1)
+    checks.one_of("block_size", block_size, BLOCK_SIZES)
+    _integer("num_blocks", num_blocks, 0)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"scale must be a real number or None, not {type(scale).__name__} ({scale!r})")
+        limit = float(np.finfo(np.float32).max)
+        if not (math.isfinite(float(scale)) and abs(float(scale)) <= limit):
+            raise ValueError(f"scale must be finite and representable as float32 (|scale| <= {limit:.4g}), "
+                             f"got {scale}")
+    return dt
+
+
 def _device_of(*arrays, device=None):
     devices = {id(a.device): a.device for a in arrays if isinstance(a, DeviceArray)}
     if device is not None:
         devices.setdefault(id(get_device(device)), get_device(device))
     if len(devices) > 1:
         raise ValueError("all device arrays (and device=) must be on one device, got "
-                         + ", ".join(d.info.name for d in devices.values()))
+                         + ", ".join(map(repr, devices.values())))
     return next(iter(devices.values())) if devices else get_device(None)
 
 
@@ -113,9 +152,10 @@ class DecodePlan:
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
                  block_size: int, num_blocks: int, dtype=np.float32, scale: float | None = None,
                  device=None, backend: str | None = None, validate: bool = True, partition_size: int | None = None):
+        self._closed = True   # until constructed: close() and __repr__ work on a half-made plan
         checks.tables(block_tables, seq_lens)
-        if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                               block_size=block_size, num_blocks=num_blocks, dtype=dtype, scale=scale)
         if validate:  # reads device-resident tables back; engines that trust their tables can skip it
             checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
         self.backend = backend_name(backend)
@@ -124,8 +164,6 @@ class DecodePlan:
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, np.dtype(dtype)
         self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
-        if not math.isfinite(self.scale):
-            raise ValueError(f"scale must be finite, got {scale}")
         self.block_tables = asarray(block_tables, device=self.device)
         self.seq_lens = asarray(seq_lens, device=self.device)
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
@@ -159,6 +197,7 @@ class DecodePlan:
                                 if split else None)
         self._launches = OrderedDict()  # buffer ids -> recorded Launch, least recently used first
         self._lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, **kw) -> "DecodePlan":
@@ -190,6 +229,7 @@ class DecodePlan:
         """Attention of each sequence's query over its cached tokens. query [num_seqs, num_heads,
         head_size] -> [num_seqs, num_heads, head_size]; numpy query in gives numpy out, DeviceArray in
         gives DeviceArray out (``out`` is written and returned when given)."""
+        self._require_open()
         self._check_run(query, key_cache, value_cache, out)
         _device_of(query, key_cache, value_cache, out, device=self.device)
         temporaries = []
@@ -222,15 +262,25 @@ class DecodePlan:
     def _launch(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool = False):
         # One thread at a time per plan: its recorded launches are looked up, evicted and submitted under
         # the lock, so no thread submits a launch another has just evicted (the device serializes
-        # submissions anyway).
+        # submissions anyway), and close(), which frees the plan's arrays under the same lock, either
+        # waits for a run or makes it raise.
         with self._lock:
+            self._require_open()
             return self._launch_locked(q, k, v, o, num_blocks, cache, timed)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self!r} is closed")
 
     def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool):
         buffers = (q.buffer, k.buffer, v.buffer, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
         key = tuple(id(b) for b in buffers) + (timed,)
         launch = self._launches.get(key)
-        if launch is not None and any(b.closed for b in launch.buffers):
+        if launch is not None and launch.stale:
             self._forget(key)
             launch = None
         if launch is None:
@@ -274,6 +324,7 @@ class DecodePlan:
 
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
         """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""
+        self._require_open()
         self._check_run(query, key_cache, value_cache, out)
         if not all(isinstance(a, DeviceArray) for a in (query, key_cache, value_cache, out)):
             raise TypeError("time_ns takes device arrays only")
@@ -283,12 +334,23 @@ class DecodePlan:
         self._launches.pop(key).close()
 
     def close(self) -> None:
+        """Free the plan's recorded launches and device arrays; a run after (or racing) it raises
+        ClosedError. Safe to call twice."""
         with self._lock:
-            for key in list(self._launches):
+            self._closed = True
+            for key in list(getattr(self, "_launches", ())):
                 self._forget(key)
-        for a in self._owned:
-            a.close()
-        self._owned = []
+            for a in getattr(self, "_owned", ()):
+                a.close()
+            self._owned = []
+
+    def __repr__(self) -> str:
+        if not hasattr(self, "device"):
+            return "DecodePlan(<not constructed>)"
+        state = ", closed" if self._closed else ""
+        return (f"DecodePlan(num_seqs={self.num_seqs}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_size={self.head_size}, block_size={self.block_size}, dtype={self.dtype}, "
+                f"backend={self.backend!r}, partitions={self.num_partitions}, device={self.device!r}{state})")
 
     def __enter__(self):
         return self

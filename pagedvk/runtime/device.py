@@ -20,6 +20,7 @@ from ..errors import ClosedError, DeviceLostError, OutOfMemoryError, GPUTimeoutE
 from .instance import DeviceInfo, get_instance, query_features, register_closer
 
 DESCRIPTORS_PER_POOL = 4096
+_serials = itertools.count(1)   # tells apart Device objects opened on one GPU
 
 
 MEMORY_BUDGET_EXTENSION = "VK_EXT_memory_budget"
@@ -141,6 +142,8 @@ class Device:
 
     def __init__(self, info: DeviceInfo):
         self.info = info
+        self.name = info.name
+        self.serial = next(_serials)
         self.instance = get_instance()
         self.lock = threading.RLock()
         self._live = {}  # key -> weakref.finalize that destroys one object made on this device
@@ -262,6 +265,10 @@ class Device:
     @property
     def closed(self) -> bool:
         return self.handle is None
+
+    def __repr__(self) -> str:
+        state = ", closed" if self.handle is None else ", lost" if self.lost is not None else ""
+        return f"Device({self.name!r}, index={self.info.index}, serial={self.serial}{state})"
 
     def require_open(self) -> None:
         if self.handle is None:
