@@ -21,11 +21,11 @@ def rel_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
 
 
-def run_python(code: str, **env) -> subprocess.CompletedProcess:
+def run_python(code: str, argv=(), **env) -> subprocess.CompletedProcess:
     # `import pagedvk` there must find the package these tests import (installed, or a checkout on the path).
     package_root = str(Path(pagedvk.__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *argv], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=path, **env), timeout=300, cwd=tempfile.gettempdir())
 
 
