@@ -5,6 +5,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import zlib
 from pathlib import Path
 
@@ -27,6 +28,34 @@ def run_python(code: str, argv=(), **env) -> subprocess.CompletedProcess:
     path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *argv], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=path, **env), timeout=300, cwd=tempfile.gettempdir())
+
+
+# -- threads: every join has a timeout, so a hang fails the test instead of hanging CI --
+
+THREADS = 8
+JOIN_S = 120
+
+
+def run_threads(body, n=THREADS):
+    """body(i) in n threads started together; re-raises the first failure."""
+    start = threading.Barrier(n)
+    errors = []
+
+    def main(i):
+        try:
+            start.wait()
+            body(i)
+        except BaseException as e:   # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=main, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=JOIN_S)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]
 
 
 class Case:

@@ -9,11 +9,8 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, rel_error
+from conftest import JOIN_S, Case, rel_error
 from pagedvk.runtime import pipeline
-
-JOIN_S = 60   # a thread that has not finished by then is a hang: fail, never wait forever
-
 
 def plan_for(case, **kw):
     return pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=case.query.shape[1],
