@@ -73,6 +73,10 @@ class DeviceArray:
         return self.device.download(self.buffer, self.nbytes).view(self.dtype).reshape(self.shape)
 
     def __array__(self, dtype=None, copy=None):
+        # numpy's protocol: copy=False asks for a view, which device memory cannot give.
+        if copy is False:
+            raise ValueError("a DeviceArray lives in device memory: numpy cannot view it without a copy "
+                             "(copy=False); use np.asarray(a) or a.numpy(), which copy it")
         a = self.numpy()
         return a if dtype is None else a.astype(dtype)
 

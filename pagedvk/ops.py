@@ -29,8 +29,9 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
         raise _unsupported("a quantized (fp8) KV cache", f"kv_cache_dtype={kv_cache_dtype!r}")
     if np.any(np.asarray(k_scale) != 1.0) or np.any(np.asarray(v_scale) != 1.0):
         raise _unsupported("KV cache scaling", "k_scale/v_scale")
-    if tp_rank or blocksparse_vert_stride > 1 or blocksparse_local_blocks:
-        raise _unsupported("block-sparse attention", "blocksparse_*/tp_rank")
+    # As in vLLM, tp_rank and the other blocksparse_* arguments matter only for block-sparse attention.
+    if blocksparse_vert_stride > 1:
+        raise _unsupported("block-sparse attention", f"blocksparse_vert_stride={blocksparse_vert_stride}")
     if out is None:
         raise TypeError("out must be an array of the query's shape (vLLM writes into it)")
     checks.kind("key_cache", key_cache)

@@ -154,6 +154,24 @@ def test_vllm_unsupported_options_raise(case):
     assert np.isnan(out).all()
 
 
+def test_vllm_tp_rank_and_local_blocks_ignored_without_block_sparsity(case):
+    # vLLM passes tp_rank and blocksparse_local_blocks on every call; they mean nothing unless
+    # blocksparse_vert_stride > 1, so they must not be refused.
+    q, k, v, bt, sl = case.args()
+    out = case.poisoned_out()
+    pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, 64, tp_rank=3, blocksparse_local_blocks=16,
+                                   blocksparse_vert_stride=1)
+    np.testing.assert_allclose(out, case.reference(scale=0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_device_array_refuses_a_view_without_copy(case):
+    a = pagedvk.asarray(case.query)
+    with pytest.raises(ValueError, match="copy=False"):
+        np.asarray(a, copy=False)
+    np.testing.assert_array_equal(np.asarray(a), case.query)   # a copy is fine
+    a.close()
+
+
 def test_vllm_argument_mismatches(case):
     q, k, v, bt, sl = case.args()
     out = case.poisoned_out()
