@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import os
 
+from .abi import BACKENDS
+
 DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = (2**64 - 1) / 1e9 / 2   # the nanosecond value must fit vkWaitForFences's uint64, with room
-BACKENDS = ("glsl", "wgsl")
 TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no", "")
 
 

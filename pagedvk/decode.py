@@ -15,12 +15,12 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import checks, config, kernels
+from . import checks, kernels
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
 from .errors import ClosedError
+from .opargs import backend_name, device_of, softmax_scale
 from .runtime.pipeline import Launch
-from .selection import get_device
 
 BLOCK_SIZES = (8, 16, 32)
 MAX_HEAD_SIZE = 256
@@ -50,14 +50,6 @@ def partitioning(num_seqs: int, workgroups_per_seq: int, heads_per_workgroup: in
     while size > MIN_PARTITION and max_seq_len > size // 2 and base * -(-max_seq_len // size) < TARGET_WORKGROUPS:
         size //= 2
     return size, max(1, -(-max_seq_len // size))
-
-
-def backend_name(backend) -> str:
-    name = config.backend(backend)
-    if name not in PAGED_DECODE.backends:
-        source = "backend" if backend is not None else "PAGEDVK_BACKEND"
-        raise ValueError(f"{source} must be one of {', '.join(PAGED_DECODE.backends)}, got {name!r}")
-    return name
 
 
 def cache_shapes(key_cache, value_cache) -> dict:
@@ -123,16 +115,6 @@ def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks
     return dt
 
 
-def _device_of(*arrays, device=None):
-    devices = {id(a.device): a.device for a in arrays if isinstance(a, DeviceArray)}
-    if device is not None:
-        devices.setdefault(id(get_device(device)), get_device(device))
-    if len(devices) > 1:
-        raise ValueError("all device arrays (and device=) must be on one device, got "
-                         + ", ".join(map(repr, devices.values())))
-    return next(iter(devices.values())) if devices else get_device(None)
-
-
 class DecodePlan:
     """The per-step part of decode attention, reused by every layer's ``run``.
 
@@ -159,11 +141,11 @@ class DecodePlan:
         if validate:  # reads device-resident tables back; engines that trust their tables can skip it
             checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
         self.backend = backend_name(backend)
-        self.device = _device_of(block_tables, seq_lens, device=device)
+        self.device = device_of(block_tables, seq_lens, device=device)
         self.num_seqs = block_tables.shape[0]
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, np.dtype(dtype)
-        self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
+        self.scale = softmax_scale(scale, head_size)
         self.block_tables = asarray(block_tables, device=self.device)
         self.seq_lens = asarray(seq_lens, device=self.device)
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
@@ -202,7 +184,7 @@ class DecodePlan:
     @classmethod
     def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, **kw) -> "DecodePlan":
         dims = cache_shapes(key_cache, value_cache)
-        device = _device_of(key_cache, value_cache, block_tables, seq_lens, device=kw.pop("device", None))
+        device = device_of(key_cache, value_cache, block_tables, seq_lens, device=kw.pop("device", None))
         return cls(block_tables, seq_lens, num_heads=num_heads, **dims, **kw, device=device)
 
     def _check_run(self, query, key_cache, value_cache, out) -> None:
@@ -231,7 +213,7 @@ class DecodePlan:
         gives DeviceArray out (``out`` is written and returned when given)."""
         self._require_open()
         self._check_run(query, key_cache, value_cache, out)
-        _device_of(query, key_cache, value_cache, out, device=self.device)
+        device_of(query, key_cache, value_cache, out, device=self.device)
         temporaries = []
 
         def on_device(a):
@@ -377,5 +359,5 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     with DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
                                scale=scale, backend=backend, validate=validate,
-                               device=_device_of(query, key_cache, value_cache, block_tables, seq_lens, out)) as plan:
+                               device=device_of(query, key_cache, value_cache, block_tables, seq_lens, out)) as plan:
         return plan.run(query, key_cache, value_cache, out=out)

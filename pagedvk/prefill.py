@@ -17,7 +17,8 @@ import numpy as np
 from . import checks, kernels
 from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL
 from .array import asarray, empty
-from .decode import BLOCK_SIZES, KV_DTYPES, MAX_HEAD_SIZE, _device_of, backend_name, cache_shapes
+from .decode import BLOCK_SIZES, KV_DTYPES, MAX_HEAD_SIZE, cache_shapes
+from .opargs import backend_name, device_of, softmax_scale
 
 LAYOUTS = ("nhd", "vllm")
 FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
@@ -91,7 +92,7 @@ class _Problem:
                              f"the queries are each sequence's last q_len tokens (0, an empty sequence, is allowed)")
         self.block_tables, self.seq_lens = block_tables, seq_lens
 
-        self.scale = 1.0 / math.sqrt(self.head_size) if scale is None else float(scale)
+        self.scale = softmax_scale(scale, self.head_size)
         if not math.isfinite(self.scale):
             raise ValueError(f"scale must be finite, got {scale}")
         self.causal = bool(causal)
@@ -100,7 +101,7 @@ class _Problem:
             raise ValueError(f"query shape {tuple(query.shape)} needs more than {MAX_GROUPS} workgroups along one "
                              f"grid dimension: split the batch")
         self.backend = backend_name(backend)
-        self.device = _device_of(query, key_cache, value_cache, block_tables, seq_lens)
+        self.device = device_of(query, key_cache, value_cache, block_tables, seq_lens)
         self.host = isinstance(query, np.ndarray)
         # num_blocks is the caches' shape[0]: their buffers (and dk_cache's, dv_cache's) hold that many blocks,
         # and the kernels bound block ids by it rather than by the buffers' length() (attention_common.glsl).
@@ -120,7 +121,7 @@ class _Problem:
         checks.dtype(name, a, [np.float32])
         if tuple(a.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} {layout}, got {tuple(a.shape)}")
-        _device_of(a, device=self.device)
+        device_of(a, device=self.device)
 
     def block_readers(self) -> np.ndarray:
         """int32 [num_blocks + 1 offsets, then one entry per (sequence, slot) reading a block]: the pairs
