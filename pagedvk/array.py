@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ClosedError
+from .runtime.owned import Owned
 from .selection import get_device
 
 DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float16, np.int32, np.uint32, np.int8, np.uint8))
@@ -24,7 +25,7 @@ def _shape(shape) -> tuple:
     return tuple(int(n) for n in shape)
 
 
-class DeviceArray:
+class DeviceArray(Owned):
     """A C-contiguous array in device memory. `numpy()` copies it back to the host."""
 
     def __init__(self, shape, dtype, device=None):
@@ -92,12 +93,6 @@ class DeviceArray:
     def close(self) -> None:
         """Free the device memory now; safe to call twice."""
         self._buffer.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self) -> str:
         state = ", closed" if self.closed else ""

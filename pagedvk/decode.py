@@ -20,6 +20,7 @@ from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
 from .errors import ClosedError
 from .opargs import backend_name, device_of, softmax_scale
+from .runtime.owned import Owned
 from .runtime.pipeline import Launch
 
 BLOCK_SIZES = (8, 16, 32)
@@ -115,7 +116,7 @@ def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks
     return dt
 
 
-class DecodePlan:
+class DecodePlan(Owned):
     """The per-step part of decode attention, reused by every layer's ``run``.
 
     block_tables  int32 [num_seqs, max_blocks_per_seq]: physical block ids; only each sequence's first
@@ -177,7 +178,7 @@ class DecodePlan:
         self._owned += [self.partial_out, self.partial_stats]
         self.reduce_pipeline = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, "f32", self.backend)
                                 if split else None)
-        self._launches = OrderedDict()  # buffer ids -> recorded Launch, least recently used first
+        self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
         self._lock = threading.Lock()
         self._closed = False
 
@@ -260,7 +261,7 @@ class DecodePlan:
 
     def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool):
         buffers = (q.buffer, k.buffer, v.buffer, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
-        key = tuple(id(b) for b in buffers) + (timed,)
+        key = tuple(b.uid for b in buffers) + (timed,)
         launch = self._launches.get(key)
         if launch is not None and launch.stale:
             self._forget(key)
@@ -333,12 +334,6 @@ class DecodePlan:
         return (f"DecodePlan(num_seqs={self.num_seqs}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_size={self.head_size}, block_size={self.block_size}, dtype={self.dtype}, "
                 f"backend={self.backend!r}, partitions={self.num_partitions}, device={self.device!r}{state})")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, backend=None,

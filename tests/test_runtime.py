@@ -181,3 +181,21 @@ def test_dropped_objects_are_freed(rng, device):
         pagedvk.paged_attention(*case.args())   # plans, launches and temporaries all go
     gc.collect()
     assert device.live_objects() == before
+
+
+def test_owned_objects_share_close_and_with(device):
+    from pagedvk.runtime.device import Buffer, CommandBuffer
+    from pagedvk.runtime.owned import Owned
+    from pagedvk.runtime.pipeline import DescriptorSet, Launch, Pipeline
+    for cls in (Buffer, CommandBuffer, Pipeline, DescriptorSet, Launch, pagedvk.DeviceArray, pagedvk.DecodePlan,
+                pagedvk.Device):
+        assert issubclass(cls, Owned), cls
+    live = device.live_objects()
+    with device.buffer(64) as b, device.command_buffer() as cmd, pagedvk.zeros(4) as a:
+        assert not (b.closed or cmd.closed or a.closed)
+        assert b.uid != device.buffer(64).uid   # never reused, unlike id()
+    assert b.closed and cmd.closed and a.closed
+    b.close()   # twice is fine
+    import gc
+    gc.collect()
+    assert device.live_objects() == live

@@ -18,9 +18,11 @@ import vulkan as vk
 from ..config import timeout_ns
 from ..errors import ClosedError, DeviceLostError, OutOfMemoryError, GPUTimeoutError, VulkanError
 from .instance import DeviceInfo, get_instance, query_features, register_closer
+from .owned import Owned
 
 DESCRIPTORS_PER_POOL = 4096
 _serials = itertools.count(1)   # tells apart Device objects opened on one GPU
+_buffer_uids = itertools.count()  # never reused, unlike id(): a key for what was recorded with a buffer
 
 
 MEMORY_BUDGET_EXTENSION = "VK_EXT_memory_budget"
@@ -68,13 +70,14 @@ def raise_vk(e: Exception, what: str, nbytes: int | None = None, budget: HeapBud
     raise VulkanError(f"{what} failed: {type(e).__name__}") from e
 
 
-class Buffer:
+class Buffer(Owned):
     """A storage buffer in device memory. `nbytes` is what was asked for; at least 16 bytes are allocated
     because Vulkan has no empty buffers and kernels read in 16-byte chunks. Freed by close(), when garbage
     collected, or when its device closes, whichever comes first."""
 
     def __init__(self, device: "Device", nbytes: int, host_visible: bool = False):
         self.device = device
+        self.uid = next(_buffer_uids)
         self.nbytes = nbytes
         self.size = max(16, (nbytes + 15) // 16 * 16)
         self.handle = self.memory = self.mapped = None
@@ -107,12 +110,7 @@ class Buffer:
             raise_vk(e, "allocating a buffer", nbytes, _budget_or_none(device, host_visible), device)
         self._finalizer = device.own(self, functools.partial(_free_buffer, d, self.handle, self.memory))
 
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    def close(self) -> None:
-        self._finalizer()
+    def _drop_handles(self) -> None:
         self.handle = self.memory = self.mapped = None
 
 
@@ -131,7 +129,7 @@ def _free_buffer(d, handle, memory) -> None:
         vk.vkFreeMemory(d, memory, None)
 
 
-class Device:
+class Device(Owned):
     """One Vulkan logical device with one compute queue.
 
     Thread-safe: `lock` serializes every use of the queue, the command pool and the descriptor pools
@@ -327,12 +325,6 @@ class Device:
             vk.vkDestroyDevice(self.handle, None)
             self.handle = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     # -- memory --------------------------------------------------------------------------------------
 
     def memory_type(self, type_bits: int, host_visible: bool) -> tuple:
@@ -442,7 +434,7 @@ class Device:
             descriptorSetCount=1, pSetLayouts=[layout]))[0]
 
 
-class CommandBuffer:
+class CommandBuffer(Owned):
     """A primary command buffer with its own fence, recorded once and submitted any number of times.
 
     Allocating, recording and freeing it use the device's command pool, which Vulkan requires the host to
@@ -471,10 +463,6 @@ class CommandBuffer:
         self._elapsed = threading.local()  # each submitting thread's own timestamps (timestamps_ns)
         self._finalizer = device.own(self, functools.partial(
             _free_command_buffer, d, device.command_pool, self.handle, self.fence, self._query_pools))
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
     def _require_idle(self) -> None:
         """Open, and not still running an earlier submission. Callers hold device.lock."""
@@ -587,8 +575,7 @@ class CommandBuffer:
         """GPU time from the first to the last timestamp of this thread's last submission."""
         return float(self.timestamps_ns()[-1])
 
-    def close(self) -> None:
-        self._finalizer()
+    def _drop_handles(self) -> None:
         self.handle = None
 
 

@@ -10,11 +10,12 @@ import vulkan as vk
 
 from ..errors import ClosedError
 from .device import Device, memory_barrier, raise_vk
+from .owned import Owned
 
 STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
 
 
-class Pipeline:
+class Pipeline(Owned):
     """A compute pipeline, its descriptor-set layout (one storage buffer per declared binding) and its
     pipeline layout (one push-constant range of the declared size)."""
 
@@ -48,6 +49,9 @@ class Pipeline:
             _destroy_pipeline, d, self.handle, self.module, self.layout, self.set_layout))
         device.check()
 
+    def _drop_handles(self) -> None:
+        self.handle = self.module = self.layout = self.set_layout = None
+
     def descriptor_set(self, buffers) -> "DescriptorSet":
         return DescriptorSet(self, buffers)
 
@@ -63,9 +67,6 @@ class Pipeline:
             vk.vkCmdPushConstants(cmd, self.layout, STAGE, 0, len(push), vk.ffi.new("char[]", push))
         vk.vkCmdDispatch(cmd, *grid)
 
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
 
 def _destroy_pipeline(d, pipeline, module, layout, set_layout) -> None:
@@ -75,7 +76,7 @@ def _destroy_pipeline(d, pipeline, module, layout, set_layout) -> None:
             destroy(d, obj, None)
 
 
-class DescriptorSet:
+class DescriptorSet(Owned):
     """The buffers of one launch, bound in the order the op declares them.
 
     It holds them weakly: a recorded launch kept for reuse must not keep a dropped array's memory alive.
@@ -101,8 +102,7 @@ class DescriptorSet:
         """The bound buffers; None for one already garbage collected."""
         return tuple(ref() for ref in self._buffers)
 
-    def close(self) -> None:
-        self._finalizer()
+    def _drop_handles(self) -> None:
         self.handle = None
 
 
@@ -113,7 +113,7 @@ def require_open_buffers(buffers) -> None:
         raise ClosedError("an array bound to this launch was closed (or dropped) before it ran")
 
 
-class Launch:
+class Launch(Owned):
     """Dispatches recorded once into one command buffer, each ordered after the one before, and their
     descriptor sets.
 
@@ -168,6 +168,10 @@ class Launch:
             return None
         stamps = self.command_buffer.timestamps_ns()
         return np.diff(stamps) if self.per_group else float(stamps[-1])
+
+    @property
+    def closed(self) -> bool:
+        return self.command_buffer.closed
 
     def close(self) -> None:
         self.command_buffer.close()
