@@ -120,7 +120,7 @@ def test_validation_messages_are_raised():
     # must report it and pagedvk must raise it after the call.
     result = run_python("""
         import vulkan as vk, pagedvk
-        from pagedvk.runtime.device import memory_barrier
+        from pagedvk.runtime.commands import memory_barrier
         dev = pagedvk.default_device()
         cmd = dev.command_buffer()
         try:
@@ -184,7 +184,8 @@ def test_dropped_objects_are_freed(rng, device):
 
 
 def test_owned_objects_share_close_and_with(device):
-    from pagedvk.runtime.device import Buffer, CommandBuffer
+    from pagedvk.runtime.commands import CommandBuffer
+    from pagedvk.runtime.memory import Buffer
     from pagedvk.runtime.owned import Owned
     from pagedvk.runtime.pipeline import DescriptorSet, Launch, Pipeline
     for cls in (Buffer, CommandBuffer, Pipeline, DescriptorSet, Launch, pagedvk.DeviceArray, pagedvk.DecodePlan,

@@ -9,7 +9,9 @@ import numpy as np
 import vulkan as vk
 
 from ..errors import ClosedError
-from .device import Device, memory_barrier, raise_vk
+from .commands import memory_barrier
+from .device import Device
+from .memory import raise_vk
 from .owned import Owned
 
 STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
