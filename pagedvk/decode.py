@@ -135,7 +135,7 @@ class DecodePlan(Owned):
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
                  block_size: int, num_blocks: int, dtype=np.float32, scale: float | None = None,
                  device=None, backend: str | None = None, validate: bool = True, partition_size: int | None = None):
-        self._closed = True   # until constructed: close() and __repr__ work on a half-made plan
+        self._closed, self._lock = True, threading.Lock()   # until constructed: close() works on a half-made plan
         checks.tables(block_tables, seq_lens)
         dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                                block_size=block_size, num_blocks=num_blocks, dtype=dtype, scale=scale)
@@ -144,8 +144,8 @@ class DecodePlan(Owned):
         self.backend = backend_name(backend)
         self.device = device_of(block_tables, seq_lens, device=device)
         self.num_seqs = block_tables.shape[0]
-        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self.block_size, self.num_blocks, self.dtype = block_size, num_blocks, np.dtype(dtype)
+        self.num_heads, self.num_kv_heads, self.head_size = int(num_heads), int(num_kv_heads), int(head_size)
+        self.block_size, self.num_blocks, self.dtype = int(block_size), int(num_blocks), dtype
         self.scale = softmax_scale(scale, head_size)
         self.block_tables = asarray(block_tables, device=self.device)
         self.seq_lens = asarray(seq_lens, device=self.device)
@@ -179,7 +179,6 @@ class DecodePlan(Owned):
         self.reduce_pipeline = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, "f32", self.backend)
                                 if split else None)
         self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
-        self._lock = threading.Lock()
         self._closed = False
 
     @classmethod
