@@ -1,6 +1,6 @@
 """pagedvk: vLLM-style paged attention on any Vulkan GPU."""
 
-from . import abi, dtypes, kernels, layouts, ops, prefill, reference
+from . import abi, config, dtypes, kernels, layouts, ops, prefill, reference
 from .array import DeviceArray, asarray, empty, zeros
 from .decode import DecodePlan, paged_attention
 from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeoutError, OutOfMemoryError,

@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks
-from .decode import DecodePlan, _device_of
+from .decode import DecodePlan
 from .decode import paged_attention as _paged_attention
 from .dtypes import QUERY_TYPES, storage_type
 from .layouts import cache_spec
+from .opargs import device_of
 
 V2_PARTITION_SIZE = 512   # vLLM's PARTITION_SIZE for paged_attention_v2
 
@@ -26,6 +27,7 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
     does) and make the plan that runs them."""
     if alibi_slopes is not None:
         raise _unsupported("ALiBi", "alibi_slopes")
+    # As in vLLM, tp_rank and the other blocksparse_* arguments matter only for block-sparse attention.
     if blocksparse_vert_stride > 1:
         raise _unsupported("block-sparse attention", "blocksparse_vert_stride > 1")
     if out is None:
@@ -45,7 +47,7 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
     return DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
                                  kv_cache_dtype=kv_cache_dtype, query_dtype=query_type.dtype, scale=scale,
                                  k_scale=k_scale, v_scale=v_scale,
-                                 device=_device_of(query, key_cache, value_cache, block_tables, seq_lens, out),
+                                 device=device_of(query, key_cache, value_cache, block_tables, seq_lens, out),
                                  **plan_options)
 
 

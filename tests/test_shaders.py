@@ -105,7 +105,9 @@ def test_variant_keys_are_built_in_one_place():
     assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 48).name == "paged_decode.kv_f16.q_bf16.glsl"
     assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.q_f32.wgsl"
     key = abi.PAGED_PREFILL.key("wgsl", "bf16", "f16")
-    assert key.includes() == {"kv_storage.wgsl": "kv_bf16.wgsl", "q_storage.wgsl": "q_f16.wgsl"}
+    assert key.includes() == {"kv_storage.wgsl": "kv_bf16.wgsl", "q_storage.wgsl": "q_f16.wgsl",
+                              "kv_access.wgsl": "kv_bound.wgsl"}
+    assert abi.PAGED_PREFILL.key("wgsl", "bf16", "f16", access="seg").includes()["kv_access.wgsl"] == "kv_segmented.wgsl"
     assert abi.PAGED_DECODE.key("glsl", "e5m2", "f32", 64).defines() == {"KV_E5M2": 1, "Q_F32": 1, "HEAD_SIZE": 64}
     assert len({k.name for kernel in abi.KERNELS for k in kernel.keys()}) == sum(
         len(list(kernel.keys())) for kernel in abi.KERNELS)
