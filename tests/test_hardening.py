@@ -9,7 +9,7 @@ import pytest
 import vulkan as vk
 
 import pagedvk
-from conftest import Case
+from conftest import Case, rel_error
 from pagedvk.errors import GPUTimeoutError
 
 SENTINEL = np.float32(-1234.5)   # a pattern no kernel writes by chance
@@ -440,3 +440,62 @@ def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, devic
     assert_untouched(*guards)
     assert device.lost is None
     close_all(k, v, q, bt, sl, out, lse, dout, dq, dk, dv, *guards)
+
+
+# -- issue 7 points 3 and 4: grids past the device's limits, lengths that outgrow a plan -----------------------
+
+def test_grid_folded_past_the_device_limits(rng, device, monkeypatch):
+    # More workgroups than the (here lowered) per-dimension limit allows: the launch folds them over the grid's
+    # dimensions and each kernel numbers its workgroups linearly. Decode and prefill go through one rule.
+    import dataclasses
+    monkeypatch.setattr(device, "info", dataclasses.replace(device.info, max_workgroup_count=(7, 5, 64)))
+    case = Case(rng, num_seqs=40, num_heads=8, num_kv_heads=2, head_size=32, max_len=300)
+    with pagedvk.DecodePlan.for_caches(case.key_cache, case.value_cache, case.block_tables, case.seq_lens, 8,
+                                       partition_size=128) as plan:
+        assert plan.num_partitions > 1 and max(plan.grid) <= 64 and plan.grid[0] <= 7 and plan.grid[1] <= 5
+        out = plan.run(case.query, case.key_cache, case.value_cache)
+    assert rel_error(out, case.reference()) <= 1e-5
+    q = rng.standard_normal((40, 8, 3, 32)).astype(np.float32)
+    lens = np.maximum(case.seq_lens, 3)
+    out, lse = pagedvk.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables, lens,
+                                               layout="vllm")
+    ref, ref_lse = pagedvk.reference.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables,
+                                                             lens, layout="vllm")
+    assert rel_error(out, ref) <= 1e-5 and rel_error(lse, ref_lse) <= 1e-5
+
+
+@pytest.mark.slow
+def test_seventy_thousand_sequences(rng):
+    # One decode step over more sequences than any grid dimension holds on lavapipe (65535): under
+    # PAGEDVK_VALIDATION=1 a dispatch past the limit is VUID-vkCmdDispatch-groupCountY-00387.
+    n = 70_000
+    key_cache = rng.standard_normal((64, 1, 8, 8, 4)).astype(np.float32)
+    value_cache = rng.standard_normal((64, 1, 32, 8)).astype(np.float32)
+    block_tables = rng.integers(0, 64, (n, 1)).astype(np.int32)
+    seq_lens = rng.integers(1, 9, n).astype(np.int32)
+    query = rng.standard_normal((n, 1, 32)).astype(np.float32)
+    out = pagedvk.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
+    check = rng.choice(n, 200, replace=False)
+    ref = pagedvk.reference.paged_attention(query[check], key_cache, value_cache, block_tables[check], seq_lens[check])
+    assert rel_error(out[check], ref) <= 1e-5 and np.isfinite(out).all()
+
+
+def test_lengths_that_outgrow_the_plan_are_covered(rng, device):
+    # A plan made from device-resident lengths of 20 partitions for 20 tokens; the lengths are then rewritten to
+    # up to 5000 (the block tables hold them). The last partition takes every token past its start, so the result
+    # covers all of them (it was attention over the first 2048 tokens, relative error 0.7-1.5).
+    case = Case(rng, seq_lens=[5000, 4000], num_heads=4, num_kv_heads=1, head_size=64, block_size=16)
+    lens = pagedvk.asarray(np.array([20, 20], np.int32))
+    with pagedvk.DecodePlan.for_caches(case.key_cache, case.value_cache, case.block_tables, lens, 4,
+                                       validate=False) as plan:
+        lens.write(case.seq_lens)
+        out = plan.run(case.query, case.key_cache, case.value_cache)
+    assert rel_error(out, case.reference()) <= 1e-5
+    # The same with a split plan: partitions of 128 tokens planned for 300, lengths grown to 5000.
+    lens.write(np.array([300, 300], np.int32))
+    with pagedvk.DecodePlan.for_caches(case.key_cache, case.value_cache, case.block_tables, lens, 4,
+                                       validate=False, partition_size=128) as plan:
+        assert plan.num_partitions == 3
+        lens.write(case.seq_lens)
+        out = plan.run(case.query, case.key_cache, case.value_cache)
+    assert rel_error(out, case.reference()) <= 1e-5
