@@ -46,3 +46,8 @@ class ClosedError(PagedVKError):
 
 class DeviceNotFoundError(PagedVKError, LookupError):
     """PAGEDVK_DEVICE (or a device argument) matched no Vulkan device."""
+
+
+class NoFreeBlocksError(PagedVKError):
+    """A KV cache block manager has too few free blocks (device, or host for swap_out) for the call; the call
+    changed nothing. A scheduler handles it by preempting a sequence (swap_out or free) and retrying."""
