@@ -16,6 +16,6 @@ __all__ = [
     "ClosedError", "DecodePlan", "Device", "DeviceArray", "DeviceInfo", "DeviceLostError",
     "DeviceNotFoundError", "GPUTimeoutError", "NoFreeBlocksError", "OutOfMemoryError", "PagedVKError",
     "ShaderModuleError", "ValidationError", "VulkanError", "asarray", "default_device", "devices", "empty",
-    "get_device", "ops", "paged_attention", "paged_attention_backward", "paged_attention_prefill", "prefill", "reference", "select",
-    "zeros",
+    "get_device", "ops", "paged_attention", "paged_attention_backward", "paged_attention_prefill", "prefill",
+    "reference", "select", "zeros",
 ]

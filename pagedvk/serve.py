@@ -16,7 +16,7 @@ import numpy as np
 from . import reference
 from .blocks import BlockManager
 from .errors import NoFreeBlocksError
-from .model import Model, pick
+from .model import Model, ModelConfig, generate_dense, pick
 
 
 @dataclass
@@ -252,33 +252,18 @@ def make_requests(num_requests=24, vocab=128, block_size=8, seed=0, steps=12) ->
     return out
 
 
-def main(argv=None):
-    """The demo: serve a random stream and print the report (the future `pagedvk demo`)."""
-    import argparse
-    p = argparse.ArgumentParser(prog="pagedvk demo", description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=48)
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--check", action="store_true", help="compare every sample's tokens with a dense reference run")
-    a = p.parse_args(argv)
-    from .model import ModelConfig, generate_dense
-    model = Model(ModelConfig(layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, head_size=a.head_size,
-                              seed=a.seed))
-    reqs = make_requests(a.requests, model.config.vocab, a.block_size, a.seed)
-    report = serve(model, reqs, a.num_blocks, a.block_size, progress=sys.stderr)
-    print(report.summary())
-    if a.check:
-        bad = [(r.id, b) for r in reqs for b in range(r.n)
-               if report.outputs[(r.id, b)] != generate_dense(model, r.prompt, r.max_new, b)]
-        print("check: all samples equal the dense reference" if not bad else f"check FAILED for {bad}")
-        return 1 if bad else 0
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def demo(requests=24, layers=2, heads=4, kv_heads=2, head_size=16, num_blocks=48, block_size=8, seed=0,
+         check=False, out=sys.stdout, progress=sys.stderr) -> int:
+    """`pagedvk demo`: serve a random stream, print the report and, with check, compare every sample with a
+    dense reference run. Returns the exit status (1 if the check failed)."""
+    model = Model(ModelConfig(layers=layers, heads=heads, kv_heads=kv_heads, head_size=head_size, seed=seed))
+    reqs = make_requests(requests, model.config.vocab, block_size, seed)
+    report = serve(model, reqs, num_blocks, block_size, progress=progress)
+    print(report.summary(), file=out)
+    if not check:
+        return 0
+    bad = [(r.id, b) for r in reqs for b in range(r.n)
+           if report.outputs[(r.id, b)] != generate_dense(model, r.prompt, r.max_new, b)]
+    print(f"check FAILED: samples {bad} differ from the dense reference" if bad
+          else "check: every sample's tokens equal the dense reference's", file=out)
+    return 1 if bad else 0

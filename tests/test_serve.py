@@ -90,3 +90,10 @@ def test_model_config_rejects(field, value):
 def test_forward_rejects_out_of_vocab_tokens():
     with pytest.raises(ValueError, match=r"tokens must be in \[0, 64\)"):
         Model(CONFIG).forward([64], [0], DenseKV(CONFIG.layers))
+
+
+def test_cli_demo_checks_against_the_dense_reference(capsys):
+    from pagedvk.cli import main
+    assert main(["demo", "--requests", "6", "--num-blocks", "12", "--block-size", "4", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "preemptions" in out and "equal the dense reference" in out
