@@ -253,9 +253,11 @@ def make_requests(num_requests=24, vocab=128, block_size=8, seed=0, steps=12) ->
 
 
 def demo(requests=24, layers=2, heads=4, kv_heads=2, head_size=16, num_blocks=48, block_size=8, seed=0,
-         check=False, out=sys.stdout, progress=sys.stderr) -> int:
+         check=False, out=None, progress=None) -> int:
     """`pagedvk demo`: serve a random stream, print the report and, with check, compare every sample with a
-    dense reference run. Returns the exit status (1 if the check failed)."""
+    dense reference run. Returns the exit status (1 if the check failed). out, progress: streams for the
+    report and the progress line (default stdout, stderr)."""
+    out, progress = out or sys.stdout, progress or sys.stderr
     model = Model(ModelConfig(layers=layers, heads=heads, kv_heads=kv_heads, head_size=head_size, seed=seed))
     reqs = make_requests(requests, model.config.vocab, block_size, seed)
     report = serve(model, reqs, num_blocks, block_size, progress=progress)
