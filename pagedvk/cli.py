@@ -1,4 +1,4 @@
-"""`pagedvk devices` and `pagedvk bench`."""
+"""`pagedvk devices`, `pagedvk bench` and `pagedvk demo`."""
 
 from __future__ import annotations
 
@@ -102,6 +102,12 @@ def check_shape(parser, args) -> None:
                      f"got {args.num_heads}")
 
 
+def cmd_demo(args) -> int:
+    from .serve import demo     # numpy-only: no device is opened for it yet
+    return demo(args.requests, args.layers, args.heads, args.kv_heads, args.head_size, args.num_blocks,
+                args.block_size, args.seed, args.check)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagedvk", description="Paged attention on Vulkan devices.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +134,18 @@ def main(argv=None) -> int:
     b.add_argument("--device", default=None, help="index or name (default: PAGEDVK_DEVICE or the best)")
     b.add_argument("--json", action="store_true", help="print the figures as JSON")
     b.set_defaults(run=cmd_bench)
+    m = sub.add_parser("demo", help="serve a stream of requests with a small model over a paged KV cache",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m.add_argument("--requests", type=int, default=24)
+    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--kv-heads", type=int, default=2)
+    m.add_argument("--head-size", type=int, default=16)
+    m.add_argument("--num-blocks", type=int, default=48, help="device blocks (few enough to preempt)")
+    m.add_argument("--block-size", type=int, default=8)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--check", action="store_true", help="compare every sample's tokens with a dense reference run")
+    m.set_defaults(run=cmd_demo)
     args = parser.parse_args(argv)
     if args.command == "bench":
         check_shape(b, args)

@@ -50,3 +50,8 @@ class DeviceNotFoundError(PagedVKError, LookupError):
 
 class UnsupportedFeatureError(PagedVKError):
     """A kernel needs a Vulkan feature the device lacks; the message names it."""
+
+
+class NoFreeBlocksError(PagedVKError):
+    """A KV cache block manager has too few free blocks (device, or host for swap_out) for the call; the call
+    changed nothing. A scheduler handles it by preempting a sequence (swap_out or free) and retrying."""
