@@ -2,6 +2,7 @@
 
 from . import ops, prefill, reference
 from .array import DeviceArray, asarray, empty, zeros
+from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from .decode import DecodePlan, paged_attention
 from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeoutError, OutOfMemoryError,
                      PagedVKError, ShaderModuleError, ValidationError, VulkanError)
@@ -15,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ClosedError", "DecodePlan", "Device", "DeviceArray", "DeviceInfo", "DeviceLostError",
     "DeviceNotFoundError", "GPUTimeoutError", "OutOfMemoryError", "PagedVKError", "ShaderModuleError",
-    "ValidationError", "VulkanError", "asarray", "default_device", "devices", "empty", "get_device", "ops",
-    "paged_attention", "paged_attention_backward", "paged_attention_prefill", "prefill", "reference", "select",
-    "zeros",
+    "ValidationError", "VulkanError", "asarray", "copy_blocks", "default_device", "devices", "empty", "get_device", "ops",
+    "paged_attention", "paged_attention_backward", "paged_attention_prefill", "prefill", "reference", "reshape_and_cache",
+    "select", "swap_blocks", "zeros",
 ]

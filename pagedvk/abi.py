@@ -108,6 +108,7 @@ class KernelABI:
     kv_types: tuple = ()          # cache storage tags the op is built for; () if it reads no cache
     q_types: tuple = ()           # query/output storage tags; () if it has none
     head_sizes: tuple = ()        # head sizes also built with HEAD_SIZE fixed (GLSL only)
+    writes_cache: bool = False    # the caches' bindings (segments included) are written, not read
 
     @property
     def push_size(self) -> int:
@@ -131,7 +132,8 @@ class KernelABI:
         segments 1 .. KV_SEGMENTS - 1 of each cache (segment 0 is key_cache / value_cache)."""
         if key.access != "seg":
             return self.bindings
-        return self.bindings + tuple(Binding(f"{cache}_{i}", readonly=True) for cache in ("key_cache", "value_cache")
+        return self.bindings + tuple(Binding(f"{cache}_{i}", readonly=not self.writes_cache)
+                                     for cache in ("key_cache", "value_cache")
                                      for i in range(1, KV_SEGMENTS))
 
     def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0, access: str = "") -> VariantKey:
@@ -303,8 +305,52 @@ PAGED_BACKWARD_DKDV = KernelABI(
     q_types=QUERY_TYPES,
 )
 
+# Writes new tokens' keys and values into the caches (vLLM's reshape_and_cache): one thread per (token,
+# kv head, head dim) writes that key element and that value element, converted to the cache's type (fp8
+# divided by k_scale / v_scale first). Elements narrower than 32 bits share words with other threads'
+# (vLLM's value layout puts consecutive tokens side by side), so they are written with atomicAnd and
+# atomicOr on the word, which no two threads can then undo. Cache element strides, in elements:
+#   key (b, h, t, d):   b*k_block_stride + h*k_head_stride + t*k_token_stride + (d / x)*k_chunk_stride + d % x
+#   value (b, h, t, d): b*v_block_stride + h*v_head_stride + t*v_token_stride + d*v_dim_stride
+# key and value are [num_tokens, num_kv_heads, head_size] in the q_types; slot_mapping is int32
+# (slot_words 1) or int64 (slot_words 2, read as two words); slots < 0 or >= num_blocks * block_size are
+# skipped. Workgroups: ceil(num_tokens * num_kv_heads * head_size / 128), numbered linearly over a folded grid.
+RESHAPE_AND_CACHE = KernelABI(
+    op="reshape_and_cache",
+    bindings=(
+        Binding("key", readonly=True),
+        Binding("value", readonly=True),
+        Binding("slot_mapping", readonly=True),
+        Binding("key_cache", readonly=False),
+        Binding("value_cache", readonly=False),
+    ),
+    push=tuple(PushField(name, kind) for name, kind in (
+        ("num_tokens", "u32"),
+        ("num_kv_heads", "u32"),
+        ("head_size", "u32"),
+        ("block_size", "u32"),
+        ("num_blocks", "u32"),          # whole blocks the bound caches hold
+        ("slot_words", "u32"),
+        ("k_scale", "f32"),
+        ("v_scale", "f32"),
+        ("k_block_stride", "u32"),
+        ("k_head_stride", "u32"),
+        ("k_token_stride", "u32"),
+        ("k_chunk_stride", "u32"),
+        ("v_block_stride", "u32"),
+        ("v_head_stride", "u32"),
+        ("v_token_stride", "u32"),
+        ("v_dim_stride", "u32"),
+        ("blocks_per_segment", "u32"),
+    )),
+    workgroup_size=(128, 1, 1),
+    kv_types=STORAGE_TYPES,
+    q_types=QUERY_TYPES,
+    writes_cache=True,
+)
+
 KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DQ,
-           PAGED_BACKWARD_DKDV)
+           PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE)
 
 
 WGSL_INCLUDE = "//!include "   # WGSL has no includes: build_shaders.py pastes the named file at such a line
