@@ -40,6 +40,8 @@ CACHE_ACCESS = ("", "seg", "bda")
 KV_SEGMENTS = 4
 # vLLM's head sizes: GLSL modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
 # on the H200). Not for WGSL: lavapipe compiles naga's unrolled output far more slowly.
+# Ops that write caches: their WGSL includes name write-side storage files (kv_write_<type>.wgsl, token_<type>.wgsl).
+WRITE_INCLUDES_OPS = ("reshape_and_cache",)
 UNROLLED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 
 
@@ -91,6 +93,9 @@ class VariantKey:
         inc = {"kv_storage.wgsl": f"kv_{self.kv}.wgsl",
                "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl"} if self.kv else {}
         inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
+        if self.op in WRITE_INCLUDES_OPS:   # the cache writers' own files
+            inc.update({"kv_write.wgsl": f"kv_write_{self.kv}.wgsl", "token_input.wgsl": f"token_{self.q}.wgsl",
+                        "kv_write_access.wgsl": "kv_write_segmented.wgsl" if self.access else "kv_write_bound.wgsl"})
         return inc
 
     def constants(self) -> dict:
