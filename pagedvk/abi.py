@@ -9,7 +9,8 @@ what to compile; a test reflects every compiled module and compares it with what
 
 Where a new thing goes (docs/ARCHITECTURE.md says more):
 - a cache storage type: its tag in STORAGE_TYPES, its load function in shaders/kv_storage.glsl and a
-  shaders/kv_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
+  shaders/kv_<tag>.wgsl, its store function (reshape_and_cache) in shaders/kv_encode.glsl and a
+  shaders/kv_write_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
 - a head size compiled with its loops unrolled: UNROLLED_HEAD_SIZES;
 - a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/.
 """

@@ -139,6 +139,14 @@ def _block_places(a: DeviceArray, ids) -> list:
     return [(buffers[b // per], (b % per) * row) for b in map(int, ids)]
 
 
+def _grouped(copies) -> list:
+    """(src, dst, region) triples as copy_regions wants them: one entry, so one vkCmdCopyBuffer, per buffer pair."""
+    groups = {}
+    for src, dst, region in copies:
+        groups.setdefault((id(src), id(dst)), (src, dst, []))[2].append(region)
+    return list(groups.values())
+
+
 def copy_blocks(key_caches, value_caches, block_mapping) -> None:
     """Copy blocks within each layer's caches, every layer in one submission (vLLM's copy_blocks).
 
@@ -178,8 +186,8 @@ def copy_blocks(key_caches, value_caches, block_mapping) -> None:
     for a in caches:
         row = a.nbytes // num_blocks
         for (src, s_off), (dst, d_off) in zip(_block_places(a, pairs[:, 0]), _block_places(a, pairs[:, 1])):
-            copies.append((src, dst, [(s_off, d_off, row)]))
-    device.copy_regions(copies)
+            copies.append((src, dst, (s_off, d_off, row)))
+    device.copy_regions(_grouped(copies))
 
 
 def _distinct_targets(pairs: np.ndarray) -> None:
@@ -233,13 +241,15 @@ def swap_blocks(src, dst, block_mapping) -> None:
     if isinstance(src, DeviceArray) and isinstance(dst, DeviceArray):
         if src is dst and np.isin(pairs[:, 1], pairs[:, 0]).any():
             raise ValueError("block_mapping writes a block it also reads (src is dst)")
-        device.copy_regions([(s, d, [(so, do, row)]) for (s, so), (d, do) in
-                             zip(_block_places(src, pairs[:, 0]), _block_places(dst, pairs[:, 1]))])
+        device.copy_regions(_grouped((s, d, (so, do, row)) for (s, so), (d, do) in
+                                     zip(_block_places(src, pairs[:, 0]), _block_places(dst, pairs[:, 1]))))
     elif isinstance(dst, np.ndarray):   # device -> host: gather into staging, then scatter on the host
-        data = device.download_regions(len(pairs) * row, [(s, [(so, i * row, row)]) for i, (s, so) in
-                                                          enumerate(_block_places(src, pairs[:, 0]))])
+        places = _block_places(src, pairs[:, 0])
+        data = device.download_regions(len(pairs) * row, [(s, regions) for s, _, regions in _grouped(
+            (s, None, (so, i * row, row)) for i, (s, so) in enumerate(places))])
         dst.reshape(dst.shape[0], -1).view(np.uint8)[pairs[:, 1]] = data.reshape(len(pairs), row)
     else:                               # host -> device
         data = np.ascontiguousarray(src).reshape(src.shape[0], -1).view(np.uint8)[pairs[:, 0]]
-        device.upload_regions(data, [(d, [(i * row, do, row)]) for i, (d, do) in
-                                     enumerate(_block_places(dst, pairs[:, 1]))])
+        places = _block_places(dst, pairs[:, 1])
+        device.upload_regions(data, [(d, regions) for _, d, regions in _grouped(
+            (None, d, (i * row, do, row)) for i, (d, do) in enumerate(places))])

@@ -22,8 +22,8 @@ layout(std430, set = 0, binding = 0) readonly buffer Key { uint key[]; };      /
 layout(std430, set = 0, binding = 1) readonly buffer Value { uint value[]; };  // [tokens, kv_heads, head_size]
 layout(std430, set = 0, binding = 2) readonly buffer Slots { int slot_mapping[]; };  // int32, or int64 as 2 words
 #if defined(KV_ADDRESSED)   // each cache binding holds its segments' device addresses (low, high word)
-layout(std430, set = 0, binding = 3) readonly buffer KeyCache { uvec2 key_cache[]; };
-layout(std430, set = 0, binding = 4) readonly buffer ValueCache { uvec2 value_cache[]; };
+layout(std430, set = 0, binding = 3) buffer KeyCache { uvec2 key_cache[]; };      // writable as declared
+layout(std430, set = 0, binding = 4) buffer ValueCache { uvec2 value_cache[]; };
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer Words { uint w[]; };
 #else
 layout(std430, set = 0, binding = 3) buffer KeyCache { uint key_cache[]; };
