@@ -1,7 +1,5 @@
-// reshape_and_cache's caches, one binding each: pasted for `//!include kv_write_access.wgsl`. Element e of
+// reshape_and_cache's caches, one binding each (key_cache, value_cache): pasted for `//!include kv_write_access.wgsl`. Element e of
 // block b is written through atomicAnd / atomicOr on its 32-bit word (reshape_and_cache.comp says why).
-@group(0) @binding(3) var<storage, read_write> key_cache: array<atomic<u32>>;
-@group(0) @binding(4) var<storage, read_write> value_cache: array<atomic<u32>>;
 
 fn key_store(b: u32, e: u32, bits: u32) {
     let w = word_write(b * pc.k_block_stride + e, bits);

@@ -1,8 +1,6 @@
 // reshape_and_cache's caches split into segments of blocks_per_segment blocks (kv_segmented.wgsl's
-// twin for writing): segment 0 at bindings 3 and 4, segments 1-3 of each at 5-10 (pagedvk/abi.py's
+// twin for writing): segment 0 is key_cache / value_cache, segments 1-3 of each at 5-10 (pagedvk/abi.py's
 // bindings_for). WGSL has no arrays of bindings, so a switch picks the segment.
-@group(0) @binding(3) var<storage, read_write> key_cache: array<atomic<u32>>;
-@group(0) @binding(4) var<storage, read_write> value_cache: array<atomic<u32>>;
 @group(0) @binding(5) var<storage, read_write> key_cache_1: array<atomic<u32>>;
 @group(0) @binding(6) var<storage, read_write> key_cache_2: array<atomic<u32>>;
 @group(0) @binding(7) var<storage, read_write> key_cache_3: array<atomic<u32>>;

@@ -27,6 +27,10 @@ struct Params {
 @group(0) @binding(0) var<storage, read> key: array<u32>;            // [tokens, kv_heads, head_size]
 @group(0) @binding(1) var<storage, read> value: array<u32>;          // [tokens, kv_heads, head_size]
 @group(0) @binding(2) var<storage, read> slot_mapping: array<i32>;   // int32, or int64 as 2 words
+// Written through atomicAnd / atomicOr on whole words (reshape_and_cache.comp says why); a cache split into
+// segments has more bindings (kv_write_segmented.wgsl).
+@group(0) @binding(3) var<storage, read_write> key_cache: array<atomic<u32>>;
+@group(0) @binding(4) var<storage, read_write> value_cache: array<atomic<u32>>;
 var<immediate> pc: Params;
 
 const WG: u32 = 128u;
