@@ -10,7 +10,7 @@ from .runtime.owned import Owned
 from .selection import get_device
 
 DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
-                                      ml_dtypes.float8_e5m2, np.int32, np.uint32, np.int8, np.uint8))
+                                      ml_dtypes.float8_e5m2, np.int32, np.uint32, np.int64, np.int8, np.uint8))
 
 
 def _dtype(dtype) -> np.dtype:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks
+from . import cache_ops, checks
 from .decode import DecodePlan
 from .decode import paged_attention as _paged_attention
 from .dtypes import QUERY_TYPES, storage_type
@@ -100,6 +100,26 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
                     a[:, :, :n] = values
         return result
 
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=1.0,
+                      v_scale=1.0):
+    """vLLM's ``reshape_and_cache``: caches in vLLM's layout (key [num_blocks, num_kv_heads, head_size // x,
+    block_size, x], value [num_blocks, num_kv_heads, head_size, block_size]); see
+    ``pagedvk.reshape_and_cache``."""
+    cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                                layout="vllm")
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=1.0,
+                            v_scale=1.0):
+    """vLLM's ``reshape_and_cache_flash``: both caches [num_blocks, block_size, num_kv_heads, head_size]
+    (pagedvk's "nhd" layout); see ``pagedvk.reshape_and_cache``."""
+    cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                                layout="nhd")
+
+
+copy_blocks = cache_ops.copy_blocks
+swap_blocks = cache_ops.swap_blocks
 
 # pagedvk's own spelling, for engines that want one namespace.
 paged_attention = _paged_attention

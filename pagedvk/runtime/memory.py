@@ -220,6 +220,41 @@ class DeviceMemory:
         region = vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=nbytes)
         self.run_once(lambda cmd: vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [region]))
 
+    def copy_regions(self, copies) -> None:
+        """Many buffer-to-buffer copies in one submission: copies is [(src, dst, [(src_offset, dst_offset,
+        nbytes), ...])], one vkCmdCopyBuffer each (regions of one copy must not overlap)."""
+        def record(cmd):
+            for src, dst, regions in copies:
+                if regions:
+                    vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, len(regions), [
+                        vk.VkBufferCopy(srcOffset=s, dstOffset=d, size=n) for s, d, n in regions])
+        self.run_once(record)
+
+    def upload_regions(self, data: np.ndarray, targets) -> None:
+        """Host bytes into many places of many buffers in one submission, through the reused staging buffer:
+        targets is [(dst, [(offset in data, dst_offset, nbytes), ...])]."""
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if data.nbytes == 0:
+            return
+        with self.lock:
+            self.require_open()
+            self._settle(wait=True)   # the staging buffer may still be read by timed-out work
+            staging = self._staging_buffer(data.nbytes)
+            np.frombuffer(staging.mapped, np.uint8)[:data.nbytes] = data
+            self.copy_regions([(staging, dst, regions) for dst, regions in targets])
+
+    def download_regions(self, nbytes: int, sources) -> np.ndarray:
+        """Many places of many buffers gathered into one new uint8 array of nbytes in one submission, through the
+        reused staging buffer: sources is [(src, [(src_offset, offset in the result, nbytes), ...])]."""
+        if nbytes == 0:
+            return np.zeros(0, np.uint8)
+        with self.lock:
+            self.require_open()
+            self._settle(wait=True)
+            staging = self._staging_buffer(nbytes)
+            self.copy_regions([(src, staging, regions) for src, regions in sources])
+            return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
+
     def fill(self, buf: Buffer, value: int = 0) -> None:
         """Set every 32-bit word of the buffer to `value`."""
         self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, 0, buf.size, value))
