@@ -2,6 +2,7 @@
 
 from . import abi, config, dtypes, kernels, layouts, ops, prefill, reference
 from .array import DeviceArray, asarray, empty, zeros
+from .cache import KVCache
 from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from .decode import DecodePlan, paged_attention
 from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeoutError, NoFreeBlocksError,
@@ -16,7 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClosedError", "DecodePlan", "Device", "DeviceArray", "DeviceInfo", "DeviceLostError",
-    "DeviceNotFoundError", "GPUTimeoutError", "NoFreeBlocksError", "OutOfMemoryError", "PagedVKError",
+    "DeviceNotFoundError", "GPUTimeoutError", "KVCache", "NoFreeBlocksError", "OutOfMemoryError", "PagedVKError",
     "ShaderModuleError", "UnsupportedFeatureError", "ValidationError", "VulkanError", "abi", "asarray",
     "config", "copy_blocks", "default_device", "devices", "dtypes", "empty", "get_device", "kernels", "layouts",
     "ops", "paged_attention", "paged_attention_backward", "paged_attention_prefill", "prefill", "reference",

@@ -103,9 +103,9 @@ def check_shape(parser, args) -> None:
 
 
 def cmd_demo(args) -> int:
-    from .serve import demo     # numpy-only: no device is opened for it yet
+    from .serve import demo
     return demo(args.requests, args.layers, args.heads, args.kv_heads, args.head_size, args.num_blocks,
-                args.block_size, args.seed, args.check)
+                args.block_size, args.seed, args.check, args.dtype, args.layout)
 
 
 def main(argv=None) -> int:
@@ -144,7 +144,10 @@ def main(argv=None) -> int:
     m.add_argument("--num-blocks", type=int, default=48, help="device blocks (few enough to preempt)")
     m.add_argument("--block-size", type=int, default=8)
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--check", action="store_true", help="compare every sample's tokens with a dense reference run")
+    m.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32", help="cache dtype")
+    m.add_argument("--layout", choices=("vllm", "nhd"), default="vllm", help="cache layout")
+    m.add_argument("--check", action="store_true",
+                   help="compare every step's attention with float64 and every sample's tokens with a dense run")
     m.set_defaults(run=cmd_demo)
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -104,21 +104,31 @@ def causal_attention(q, k, v):
 
 
 class DenseKV:
-    """The reference attention for one sequence: its full keys and values per layer, kept in numpy."""
+    """The reference attention for one sequence: its full keys and values per layer, kept in numpy (rounded to
+    `storage`, a numpy dtype, when given: what a cache of that type holds)."""
 
-    def __init__(self, layers: int):
+    def __init__(self, layers: int, storage=None):
         self.k, self.v = [None] * layers, [None] * layers
+        self.storage = storage
 
     def __call__(self, layer, q, k, v):
+        if self.storage is not None:
+            k, v = rounded(k, self.storage), rounded(v, self.storage)
         self.k[layer] = k if self.k[layer] is None else np.concatenate([self.k[layer], k])
         self.v[layer] = v if self.v[layer] is None else np.concatenate([self.v[layer], v])
         return causal_attention(q, self.k[layer], self.v[layer])
 
 
-def generate_dense(model: Model, prompt, max_new: int, first_rank: int = 0) -> list[int]:
+def rounded(x, dtype) -> np.ndarray:
+    """x rounded to `dtype` and back to float64."""
+    return np.asarray(x).astype(dtype).astype(np.float64)
+
+
+def generate_dense(model: Model, prompt, max_new: int, first_rank: int = 0, storage=None) -> list[int]:
     """Greedy generation with the dense reference: the first new token is the `first_rank`-th most likely
-    (0: the argmax; parallel samples of one prompt differ by it), the rest the argmax."""
-    kv, prompt = DenseKV(model.config.layers), list(prompt)
+    (0: the argmax; parallel samples of one prompt differ by it), the rest the argmax. storage: keys and
+    values rounded to this dtype, as a cache of it holds them (None: float64)."""
+    kv, prompt = DenseKV(model.config.layers, storage), list(prompt)
     logits = model.forward(prompt, np.arange(len(prompt)), kv)[-1]
     out = [pick(logits, first_rank)]
     while len(out) < max_new:

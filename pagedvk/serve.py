@@ -1,8 +1,9 @@
 """Continuous batching for the demo: a stream of requests served by the model over a paged KV cache driven by
 the BlockManager, with prefix sharing, parallel samples (fork + copy-on-write) and preemption by swapping.
 
-The cache is anything with NumpyPagedCache's methods (write, copy_blocks, swap, attend); this one keeps float64
-numpy caches in vLLM's layout and attends with pagedvk.reference, and a device cache can take its place.
+The cache is anything with NumpyPagedCache's methods (write, copy_blocks, swap, attend): pagedvk.KVCache on the
+device (its `blocks` manager then drives the stream), NumpyPagedCache (float64, pagedvk.reference), or a
+CheckedCache that runs both and compares every attention call.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from . import reference
 from .blocks import BlockManager
 from .errors import NoFreeBlocksError
-from .model import Model, ModelConfig, generate_dense, pick
+from .model import Model, ModelConfig, generate_dense, pick, rounded
 
 
 @dataclass
@@ -133,8 +134,10 @@ def serve(model: Model, requests, num_blocks=64, block_size=8, num_host_blocks=2
     the newest request when blocks run out), admit arrived requests while blocks last, then run one forward
     over all of it. progress: a stream for a progress line (None: none)."""
     c = model.config
-    m = BlockManager(num_blocks, block_size, num_host_blocks)
-    cache = cache or NumpyPagedCache(c.layers, c.kv_heads, c.head_size, num_blocks, block_size, num_host_blocks)
+    if cache is None:
+        cache = NumpyPagedCache(c.layers, c.kv_heads, c.head_size, num_blocks, block_size, num_host_blocks)
+    m = getattr(cache, "blocks", None) or BlockManager(num_blocks, block_size, num_host_blocks)
+    num_blocks, block_size = m.num_blocks, m.block_size
     report = Report()
     pending = sorted(requests, key=lambda r: r.arrival)
     waiting, running, swapped = [], [], []             # requests, oldest first
@@ -252,20 +255,64 @@ def make_requests(num_requests=24, vocab=128, block_size=8, seed=0, steps=12) ->
     return out
 
 
+class CheckedCache:
+    """A cache (pagedvk.KVCache) with a float64 NumpyPagedCache beside it holding the same keys and values
+    (rounded to the cache's type, as the cache holds them): every op runs on both, and every attention call's
+    result is compared with the float64 one (relative error, worst kept in `worst`; AssertionError past
+    `tolerance`). Its `blocks` is the device cache's."""
+
+    def __init__(self, cache, tolerance: float):
+        s = cache.spec
+        self.cache, self.blocks, self.tolerance, self.worst = cache, cache.blocks, tolerance, 0.0
+        self.shadow = NumpyPagedCache(cache.num_layers, s.num_kv_heads, s.head_size, s.num_blocks, s.block_size,
+                                      len(cache.host_key[0]))
+
+    def write(self, layer, k, v, slots):
+        self.cache.write(layer, k, v, slots)
+        self.shadow.write(layer, rounded(k, self.cache.dtype), rounded(v, self.cache.dtype), slots)
+
+    def copy_blocks(self, pairs):
+        self.cache.copy_blocks(pairs)
+        self.shadow.copy_blocks(pairs)
+
+    def swap(self, pairs, to_host: bool):
+        self.cache.swap(pairs, to_host)
+        self.shadow.swap(pairs, to_host)
+
+    def attend(self, layer, q, batch):
+        out = self.cache.attend(layer, q, batch)
+        ref = self.shadow.attend(layer, q, batch)
+        error = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+        self.worst = max(self.worst, error)
+        if not error <= self.tolerance:
+            raise AssertionError(f"layer {layer}: attention differs from float64 by {error:.2e} "
+                                 f"(tolerance {self.tolerance:.0e})")
+        return out
+
+
 def demo(requests=24, layers=2, heads=4, kv_heads=2, head_size=16, num_blocks=48, block_size=8, seed=0,
-         check=False, out=None, progress=None) -> int:
-    """`pagedvk demo`: serve a random stream, print the report and, with check, compare every sample with a
-    dense reference run. Returns the exit status (1 if the check failed). out, progress: streams for the
-    report and the progress line (default stdout, stderr)."""
+         check=False, dtype="float32", layout="vllm", out=None, progress=None) -> int:
+    """`pagedvk demo`: serve a random stream over a KVCache on the selected device, print the report and, with
+    check, compare every step's attention with float64 and every sample's tokens with a dense float64 run (both
+    over keys and values rounded to the cache's dtype, as the cache holds them).
+    Returns the exit status (1 if the check failed). out, progress: streams for the report and the progress
+    line (default stdout, stderr)."""
+    from .cache import KVCache
     out, progress = out or sys.stdout, progress or sys.stderr
     model = Model(ModelConfig(layers=layers, heads=heads, kv_heads=kv_heads, head_size=head_size, seed=seed))
     reqs = make_requests(requests, model.config.vocab, block_size, seed)
-    report = serve(model, reqs, num_blocks, block_size, progress=progress)
+    with KVCache(layers, kv_heads, head_size, block_size, np.dtype(dtype), layout, num_blocks=num_blocks,
+                 num_host_blocks=256) as device_cache:
+        cache = CheckedCache(device_cache, 1e-4) if check else device_cache
+        print(f"device {device_cache.device.info.name}: {layers} layers x {num_blocks} blocks of {block_size} "
+              f"tokens, {np.dtype(dtype)} {layout} cache", file=out)
+        report = serve(model, reqs, cache=cache, progress=progress)
     print(report.summary(), file=out)
     if not check:
         return 0
     bad = [(r.id, b) for r in reqs for b in range(r.n)
-           if report.outputs[(r.id, b)] != generate_dense(model, r.prompt, r.max_new, b)]
+           if report.outputs[(r.id, b)] != generate_dense(model, r.prompt, r.max_new, b, np.dtype(dtype))]
+    print(f"check: every step's attention within {cache.worst:.1e} of float64", file=out)
     print(f"check FAILED: samples {bad} differ from the dense reference" if bad
           else "check: every sample's tokens equal the dense reference's", file=out)
     return 1 if bad else 0

@@ -94,6 +94,6 @@ def test_forward_rejects_out_of_vocab_tokens():
 
 def test_cli_demo_checks_against_the_dense_reference(capsys):
     from pagedvk.cli import main
-    assert main(["demo", "--requests", "6", "--num-blocks", "12", "--block-size", "4", "--check"]) == 0
+    assert main(["demo", "--requests", "6", "--num-blocks", "16", "--block-size", "8", "--check"]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and "preemptions" in out and "equal the dense reference" in out
