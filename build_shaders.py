@@ -118,6 +118,45 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
+    out.write_bytes(drop_workgroup_zero_init(out.read_bytes()))
+
+
+OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
+STORAGE_WORKGROUP = 4
+
+
+def drop_workgroup_zero_init(spirv: bytes) -> bytes:
+    """naga's SPIR-V without its zero-initialization of workgroup memory.
+
+    naga zeroes every workgroup variable at the top of an entry point (one invocation stores a null
+    constant to each whole variable, then a barrier). lavapipe turns each such store into one store per
+    element, and its LLVM then spends about a minute on the coroutine that implements the barriers
+    (paged_decode: 3,072 element stores; first use 55 s -> 0.6 s without them). The kernels never read
+    workgroup memory before writing it (their GLSL twins have no zeroing), so the stores go: those of a
+    null constant to a workgroup variable before a function's first barrier, nothing else."""
+    words = memoryview(spirv).cast("I")
+    null, workgroup, drop = set(), set(), []
+    before_barrier = False
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == OP_CONSTANT_NULL:
+            null.add(words[i + 2])
+        elif op == OP_VARIABLE and words[i + 3] == STORAGE_WORKGROUP:
+            workgroup.add(words[i + 2])
+        elif op == OP_FUNCTION:
+            before_barrier = True
+        elif op == OP_CONTROL_BARRIER:
+            before_barrier = False
+        elif op == OP_STORE and before_barrier and words[i + 1] in workgroup and words[i + 2] in null:
+            drop.append((i, count))
+        i += count
+    kept, start = [], 0
+    for at, count in drop:
+        kept.append(words[start:at].tobytes())
+        start = at + count
+    kept.append(words[start:].tobytes())
+    return b"".join(kept)
 
 
 def validate(spv: Path) -> None:

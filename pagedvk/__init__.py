@@ -1,10 +1,13 @@
 """pagedvk: vLLM-style paged attention on any Vulkan GPU."""
 
-from . import abi, dtypes, kernels, layouts, ops, prefill, reference
+from . import abi, config, dtypes, kernels, layouts, ops, prefill, reference
 from .array import DeviceArray, asarray, empty, zeros
+from .cache import KVCache
+from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from .decode import DecodePlan, paged_attention
-from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeoutError, OutOfMemoryError,
-                     PagedVKError, ShaderModuleError, UnsupportedFeatureError, ValidationError, VulkanError)
+from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeoutError, NoFreeBlocksError,
+                     OutOfMemoryError, PagedVKError, ShaderModuleError, UnsupportedFeatureError, ValidationError,
+                     VulkanError)
 from .prefill import paged_attention_backward, paged_attention_prefill
 from .runtime.device import Device
 from .runtime.instance import DeviceInfo
@@ -14,8 +17,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClosedError", "DecodePlan", "Device", "DeviceArray", "DeviceInfo", "DeviceLostError",
-    "DeviceNotFoundError", "GPUTimeoutError", "OutOfMemoryError", "PagedVKError", "dtypes", "layouts", "ShaderModuleError", "UnsupportedFeatureError",
-    "ValidationError", "VulkanError", "asarray", "default_device", "devices", "empty", "get_device", "ops",
-    "paged_attention", "paged_attention_backward", "paged_attention_prefill", "prefill", "reference", "select",
-    "zeros",
+    "DeviceNotFoundError", "GPUTimeoutError", "KVCache", "NoFreeBlocksError", "OutOfMemoryError", "PagedVKError",
+    "ShaderModuleError", "UnsupportedFeatureError", "ValidationError", "VulkanError", "abi", "asarray",
+    "config", "copy_blocks", "default_device", "devices", "dtypes", "empty", "get_device", "kernels", "layouts",
+    "ops", "paged_attention", "paged_attention_backward", "paged_attention_prefill", "prefill", "reference",
+    "reshape_and_cache", "select", "swap_blocks", "zeros",
 ]

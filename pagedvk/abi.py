@@ -9,7 +9,8 @@ what to compile; a test reflects every compiled module and compares it with what
 
 Where a new thing goes (docs/ARCHITECTURE.md says more):
 - a cache storage type: its tag in STORAGE_TYPES, its load function in shaders/kv_storage.glsl and a
-  shaders/kv_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
+  shaders/kv_<tag>.wgsl, its store function (reshape_and_cache) in shaders/kv_encode.glsl and a
+  shaders/kv_write_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
 - a head size compiled with its loops unrolled: UNROLLED_HEAD_SIZES;
 - a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/.
 """
@@ -40,6 +41,8 @@ CACHE_ACCESS = ("", "seg", "bda")
 KV_SEGMENTS = 4
 # vLLM's head sizes: GLSL modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
 # on the H200). Not for WGSL: lavapipe compiles naga's unrolled output far more slowly.
+# Ops that write caches: their WGSL includes name write-side storage files (kv_write_<type>.wgsl, token_<type>.wgsl).
+WRITE_INCLUDES_OPS = ("reshape_and_cache",)
 UNROLLED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 
 
@@ -91,6 +94,9 @@ class VariantKey:
         inc = {"kv_storage.wgsl": f"kv_{self.kv}.wgsl",
                "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl"} if self.kv else {}
         inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
+        if self.op in WRITE_INCLUDES_OPS:   # the cache writers' own files
+            inc.update({"kv_write.wgsl": f"kv_write_{self.kv}.wgsl", "token_input.wgsl": f"token_{self.q}.wgsl",
+                        "kv_write_access.wgsl": "kv_write_segmented.wgsl" if self.access else "kv_write_bound.wgsl"})
         return inc
 
     def requires(self) -> tuple:
@@ -113,6 +119,7 @@ class KernelABI:
     kv_types: tuple = ()          # cache storage tags the op is built for; () if it reads no cache
     q_types: tuple = ()           # query/output storage tags; () if it has none
     head_sizes: tuple = ()        # head sizes also built with HEAD_SIZE fixed (GLSL only)
+    writes_cache: bool = False    # the caches' bindings (segments included) are written, not read
 
     @property
     def push_size(self) -> int:
@@ -136,7 +143,8 @@ class KernelABI:
         segments 1 .. KV_SEGMENTS - 1 of each cache (segment 0 is key_cache / value_cache)."""
         if key.access != "seg":
             return self.bindings
-        return self.bindings + tuple(Binding(f"{cache}_{i}", readonly=True) for cache in ("key_cache", "value_cache")
+        return self.bindings + tuple(Binding(f"{cache}_{i}", readonly=not self.writes_cache)
+                                     for cache in ("key_cache", "value_cache")
                                      for i in range(1, KV_SEGMENTS))
 
     def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0, access: str = "") -> VariantKey:
@@ -308,8 +316,52 @@ PAGED_BACKWARD_DKDV = KernelABI(
     q_types=QUERY_TYPES,
 )
 
+# Writes new tokens' keys and values into the caches (vLLM's reshape_and_cache): one thread per (token,
+# kv head, head dim) writes that key element and that value element, converted to the cache's type (fp8
+# divided by k_scale / v_scale first). Elements narrower than 32 bits share words with other threads'
+# (vLLM's value layout puts consecutive tokens side by side), so they are written with atomicAnd and
+# atomicOr on the word, which no two threads can then undo. Cache element strides, in elements:
+#   key (b, h, t, d):   b*k_block_stride + h*k_head_stride + t*k_token_stride + (d / x)*k_chunk_stride + d % x
+#   value (b, h, t, d): b*v_block_stride + h*v_head_stride + t*v_token_stride + d*v_dim_stride
+# key and value are [num_tokens, num_kv_heads, head_size] in the q_types; slot_mapping is int32
+# (slot_words 1) or int64 (slot_words 2, read as two words); slots < 0 or >= num_blocks * block_size are
+# skipped. Workgroups: ceil(num_tokens * num_kv_heads * head_size / 128), numbered linearly over a folded grid.
+RESHAPE_AND_CACHE = KernelABI(
+    op="reshape_and_cache",
+    bindings=(
+        Binding("key", readonly=True),
+        Binding("value", readonly=True),
+        Binding("slot_mapping", readonly=True),
+        Binding("key_cache", readonly=False),
+        Binding("value_cache", readonly=False),
+    ),
+    push=tuple(PushField(name, kind) for name, kind in (
+        ("num_tokens", "u32"),
+        ("num_kv_heads", "u32"),
+        ("head_size", "u32"),
+        ("block_size", "u32"),
+        ("num_blocks", "u32"),          # whole blocks the bound caches hold
+        ("slot_words", "u32"),
+        ("k_scale", "f32"),
+        ("v_scale", "f32"),
+        ("k_block_stride", "u32"),
+        ("k_head_stride", "u32"),
+        ("k_token_stride", "u32"),
+        ("k_chunk_stride", "u32"),
+        ("v_block_stride", "u32"),
+        ("v_head_stride", "u32"),
+        ("v_token_stride", "u32"),
+        ("v_dim_stride", "u32"),
+        ("blocks_per_segment", "u32"),
+    )),
+    workgroup_size=(128, 1, 1),
+    kv_types=STORAGE_TYPES,
+    q_types=QUERY_TYPES,
+    writes_cache=True,
+)
+
 KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DQ,
-           PAGED_BACKWARD_DKDV)
+           PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE)
 
 
 WGSL_INCLUDE = "//!include "   # WGSL has no includes: build_shaders.py pastes the named file at such a line

@@ -6,10 +6,11 @@ import ml_dtypes
 import numpy as np
 
 from .errors import ClosedError
+from .runtime.owned import Owned
 from .selection import get_device
 
 DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
-                                      ml_dtypes.float8_e5m2, np.int32, np.uint32, np.int8, np.uint8))
+                                      ml_dtypes.float8_e5m2, np.int32, np.uint32, np.int64, np.int8, np.uint8))
 
 
 def _dtype(dtype) -> np.dtype:
@@ -26,7 +27,7 @@ def _shape(shape) -> tuple:
     return tuple(int(n) for n in shape)
 
 
-class DeviceArray:
+class DeviceArray(Owned):
     """A C-contiguous array in device memory. `numpy()` copies it back to the host.
 
     An array larger than one kernel binding can address (maxStorageBufferRange) or one allocation can hold
@@ -117,6 +118,10 @@ class DeviceArray:
         return (data[0] if len(data) == 1 else np.concatenate(data)).view(self.dtype).reshape(self.shape)
 
     def __array__(self, dtype=None, copy=None):
+        # numpy's protocol: copy=False asks for a view, which device memory cannot give.
+        if copy is False:
+            raise ValueError("a DeviceArray lives in device memory: numpy cannot view it without a copy "
+                             "(copy=False); use np.asarray(a) or a.numpy(), which copy it")
         a = self.numpy()
         return a if dtype is None else a.astype(dtype)
 
@@ -138,12 +143,6 @@ class DeviceArray:
             b.close()
         if self._address_table is not None:
             self._address_table.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self) -> str:
         state = ", closed" if self.closed else ""

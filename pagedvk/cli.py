@@ -1,4 +1,4 @@
-"""`pagedvk devices` and `pagedvk bench`."""
+"""`pagedvk devices`, `pagedvk bench` and `pagedvk demo`."""
 
 from __future__ import annotations
 
@@ -6,12 +6,16 @@ import argparse
 import json
 import sys
 
-from . import bench
-from .dtypes import device_dtypes
+import numpy as np
+
+from . import bench, config
+from .dtypes import CACHE_TYPES, device_dtypes
+from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
 from .errors import PagedVKError
 from .selection import devices, select
 
-TOLERANCE = {"float32": 1e-5}
+# rel. error allowed against float64: float32 storage, or 16-bit (and fp8, read into 16-bit queries) outputs
+TOLERANCE = {str(dtype): 1e-5 if dtype == np.float32 else 2e-3 for dtype in CACHE_TYPES}
 
 
 def gib(n: int) -> str:
@@ -62,28 +66,92 @@ def cmd_bench(args) -> int:
     return 0 if ok else 1
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a usage error otherwise, never a traceback later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {value}")
+    return value
+
+
+def backend(text: str) -> str:
+    try:
+        return config.backend(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("backend ", "", 1)) from None
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown in --help, except None, whose meaning each option's help states itself."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def check_shape(parser, args) -> None:
+    """Shape options that must agree with each other, refused as usage errors naming the options."""
+    x = 16 // np.dtype(args.dtype).itemsize
+    if args.head_size % x or args.head_size > MAX_HEAD_SIZE:
+        parser.error(f"argument --head-size: must be a multiple of {x} up to {MAX_HEAD_SIZE} for "
+                     f"{args.dtype}, got {args.head_size}")
+    if args.num_heads % args.num_kv_heads:
+        parser.error(f"argument --num-heads: must be a multiple of --num-kv-heads ({args.num_kv_heads}), "
+                     f"got {args.num_heads}")
+
+
+def cmd_demo(args) -> int:
+    from .serve import demo
+    return demo(args.requests, args.layers, args.heads, args.kv_heads, args.head_size, args.num_blocks,
+                args.block_size, args.seed, args.check, args.dtype, args.layout)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagedvk", description="Paged attention on Vulkan devices.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("devices", help="list Vulkan devices and which one is selected").set_defaults(run=cmd_devices)
-    b = sub.add_parser("bench", help="time decode attention on the selected device",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub.add_parser("devices", help="list Vulkan devices and which one is selected",
+                   description="List the Vulkan devices and say which one pagedvk selects.").set_defaults(
+        run=cmd_devices)
+    b = sub.add_parser("bench", help="time decode attention on the selected device", formatter_class=HelpFormatter,
+                       description="Time one decode shape with GPU timestamps, check it against the float64 "
+                                   "reference, and compare its KV bandwidth to the device's read kernel.")
     d = bench.DecodeShape()
-    b.add_argument("--num-seqs", type=int, default=d.num_seqs)
-    b.add_argument("--num-heads", type=int, default=d.num_heads)
-    b.add_argument("--num-kv-heads", type=int, default=d.num_kv_heads)
-    b.add_argument("--head-size", type=int, default=d.head_size)
-    b.add_argument("--block-size", type=int, default=d.block_size)
-    b.add_argument("--context", type=int, default=d.context, help="tokens cached per sequence")
-    b.add_argument("--dtype", choices=sorted(TOLERANCE), default=d.dtype)
-    b.add_argument("--iters", type=int, default=20, help="runs back to back in one submission")
-    b.add_argument("--repeats", type=int, default=3, help="timed submissions (after one warm-up)")
-    b.add_argument("--layers", type=int, default=None, help="caches rotated (default: enough for 512 MiB)")
-    b.add_argument("--backend", default=None, help="glsl or wgsl (default: PAGEDVK_BACKEND or glsl)")
+    b.add_argument("--num-seqs", type=positive, default=d.num_seqs, help="sequences in the batch")
+    b.add_argument("--num-heads", type=positive, default=d.num_heads, help="query heads")
+    b.add_argument("--num-kv-heads", type=positive, default=d.num_kv_heads,
+                   help="key/value heads (GQA: num-heads must be a multiple)")
+    b.add_argument("--head-size", type=positive, default=d.head_size, help=f"per head, at most {MAX_HEAD_SIZE}")
+    b.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=d.block_size,
+                   help="tokens per cache block")
+    b.add_argument("--context", type=positive, default=d.context, help="tokens cached per sequence")
+    b.add_argument("--dtype", choices=sorted(TOLERANCE), default=d.dtype, help="cache dtype (fp8 caches run with float16 queries)")
+    b.add_argument("--iters", type=positive, default=20, help="runs back to back in one submission")
+    b.add_argument("--repeats", type=positive, default=3, help="timed submissions (after one warm-up)")
+    b.add_argument("--layers", type=positive, default=None, help="caches rotated (default: enough for 512 MiB)")
+    b.add_argument("--backend", type=backend, default=None, help="glsl or wgsl (default: PAGEDVK_BACKEND or glsl)")
     b.add_argument("--device", default=None, help="index or name (default: PAGEDVK_DEVICE or the best)")
     b.add_argument("--json", action="store_true", help="print the figures as JSON")
     b.set_defaults(run=cmd_bench)
+    m = sub.add_parser("demo", help="serve a stream of requests with a small model over a paged KV cache",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m.add_argument("--requests", type=int, default=24)
+    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--kv-heads", type=int, default=2)
+    m.add_argument("--head-size", type=int, default=16)
+    m.add_argument("--num-blocks", type=int, default=48, help="device blocks (few enough to preempt)")
+    m.add_argument("--block-size", type=int, default=8)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32", help="cache dtype")
+    m.add_argument("--layout", choices=("vllm", "nhd"), default="vllm", help="cache layout")
+    m.add_argument("--check", action="store_true",
+                   help="compare every step's attention with float64 and every sample's tokens with a dense run")
+    m.set_defaults(run=cmd_demo)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        check_shape(b, args)
     try:
         return args.run(args)
     except (PagedVKError, ValueError, TypeError) as e:

@@ -9,7 +9,7 @@ buffer recorded the first time those buffers were seen.
 from __future__ import annotations
 
 import math
-import os
+
 import threading
 from collections import OrderedDict
 
@@ -18,10 +18,12 @@ import numpy as np
 from . import checks, kernels
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import DeviceArray, asarray, empty
-from .dtypes import QUERY_TYPES, fp8_scale, storage_type
-from .layouts import LAYOUTS, CacheSpec, bind_caches, cache_spec
+from .dtypes import CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
+from .errors import ClosedError
+from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
+from .opargs import backend_name, device_of, softmax_scale
+from .runtime.owned import Owned
 from .runtime.pipeline import Launch, fold_grid
-from .selection import get_device
 
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
@@ -50,25 +52,43 @@ def partitioning(num_seqs: int, workgroups_per_seq: int, heads_per_workgroup: in
     return size, max(1, -(-max_seq_len // size))
 
 
-def backend_name(backend) -> str:
-    name = backend if backend is not None else os.environ.get("PAGEDVK_BACKEND", "glsl") or "glsl"
-    if name not in PAGED_DECODE.backends:
-        source = "backend" if backend is not None else "PAGEDVK_BACKEND"
-        raise ValueError(f"{source} must be one of {', '.join(PAGED_DECODE.backends)}, got {name!r}")
-    return name
+def _integer(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
 
 
-def _device_of(*arrays, device=None):
-    devices = {id(a.device): a.device for a in arrays if isinstance(a, DeviceArray)}
-    if device is not None:
-        devices.setdefault(id(get_device(device)), get_device(device))
-    if len(devices) > 1:
-        raise ValueError("all device arrays (and device=) must be on one device, got "
-                         + ", ".join(d.info.name for d in devices.values()))
-    return next(iter(devices.values())) if devices else get_device(None)
+def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks, dtype, scale) -> np.dtype:
+    """Check a plan's arguments, each error naming its argument; returns the cache dtype."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in CACHE_TYPES:
+        raise TypeError(f"dtype must be one of the supported cache dtypes ({', '.join(map(str, CACHE_TYPES))}), "
+                        f"got {dtype!r}")
+    _integer("num_kv_heads", num_kv_heads, 1)
+    _integer("num_heads", num_heads, 1)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    _integer("head_size", head_size, 4, MAX_HEAD_SIZE)
+    if head_size % 4:   # the kernels read 4 head dims at a time
+        raise ValueError(f"head_size must be a multiple of 4 in [4, {MAX_HEAD_SIZE}], got {head_size}")
+    _integer("block_size", block_size, 1)
+    checks.one_of("block_size", block_size, BLOCK_SIZES)
+    _integer("num_blocks", num_blocks, 0)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"scale must be a real number or None, not {type(scale).__name__} ({scale!r})")
+        limit = float(np.finfo(np.float32).max)
+        if not (math.isfinite(float(scale)) and abs(float(scale)) <= limit):
+            raise ValueError(f"scale must be finite and representable as float32 (|scale| <= {limit:.4g}), "
+                             f"got {scale}")
+    return dt
 
 
-class DecodePlan:
+class DecodePlan(Owned):
     """The per-step part of decode attention, reused by every layer's ``run``.
 
     block_tables  int32 [num_seqs, max_blocks_per_seq]: physical block ids; only each sequence's first
@@ -93,25 +113,25 @@ class DecodePlan:
                  block_size: int, num_blocks: int, dtype=np.float32, query_dtype=None, layout: str = "vllm",
                  scale: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0, device=None,
                  backend: str | None = None, validate: bool = True, partition_size: int | None = None):
+        self._closed, self._lock = True, threading.Lock()   # until constructed: close() works on a half-made plan
         checks.tables(block_tables, seq_lens)
-        if num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                               block_size=block_size, num_blocks=num_blocks, dtype=dtype, scale=scale)
         if validate:  # reads device-resident tables back; engines that trust their tables can skip it
             checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
         self.backend = backend_name(backend)
-        self.device = _device_of(block_tables, seq_lens, device=device)
+        self.device = device_of(block_tables, seq_lens, device=device)
         self.num_seqs = block_tables.shape[0]
-        self.num_heads = num_heads
+        self.num_heads, self.num_kv_heads, self.head_size = int(num_heads), int(num_kv_heads), int(head_size)
+        self.block_size, self.num_blocks = int(block_size), int(num_blocks)
         checks.one_of("layout", layout, LAYOUTS)
-        self.spec = CacheSpec(layout, storage_type("dtype", np.empty(0, dtype)), num_blocks, num_kv_heads,
-                              head_size, block_size)
+        self.layout = layout
+        self.spec = CacheSpec(layout, CACHE_TYPES[dtype], self.num_blocks, self.num_kv_heads, self.head_size,
+                              self.block_size)
         self.query_type = (storage_type("query_dtype", np.empty(0, query_dtype), QUERY_TYPES)
-                           if query_dtype is not None else QUERY_TYPES.get(self.spec.storage.dtype, QUERY_TYPES[np.dtype(np.float16)]))
-        self.num_kv_heads, self.head_size, self.block_size, self.num_blocks = num_kv_heads, head_size, block_size, num_blocks
-        self.dtype, self.query_dtype, self.layout = self.spec.storage.dtype, self.query_type.dtype, layout
-        self.scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
-        if not math.isfinite(self.scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+                           if query_dtype is not None else QUERY_TYPES.get(dtype, QUERY_TYPES[np.dtype(np.float16)]))
+        self.dtype, self.query_dtype = dtype, self.query_type.dtype
+        self.scale = softmax_scale(scale, head_size)
         self.k_scale, self.v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
         self.block_tables = asarray(block_tables, device=self.device)
         self.seq_lens = asarray(seq_lens, device=self.device)
@@ -145,14 +165,14 @@ class DecodePlan:
                                                  PAGED_DECODE_REDUCE.key(self.backend, q=self.query_type.tag))
                                 if split else None)
         self.reduce_grid = fold_grid(num_heads * self.num_seqs, limits)
-        self._launches = OrderedDict()  # buffer ids -> recorded Launch, least recently used first
-        self._lock = threading.Lock()
+        self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
+        self._closed = False
 
     @classmethod
     def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, *, layout="vllm",
                    kv_cache_dtype="auto", query_dtype=None, **kw) -> "DecodePlan":
         spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype)
-        device = _device_of(key_cache, value_cache, block_tables, seq_lens, device=kw.pop("device", None))
+        device = device_of(key_cache, value_cache, block_tables, seq_lens, device=kw.pop("device", None))
         return cls(block_tables, seq_lens, num_heads=num_heads, num_kv_heads=spec.num_kv_heads,
                    head_size=spec.head_size, block_size=spec.block_size, num_blocks=spec.num_blocks,
                    dtype=spec.storage.dtype, query_dtype=query_dtype, layout=layout, device=device, **kw)
@@ -184,8 +204,9 @@ class DecodePlan:
         """Attention of each sequence's query over its cached tokens. query [num_seqs, num_heads,
         head_size] -> [num_seqs, num_heads, head_size]; numpy query in gives numpy out, DeviceArray in
         gives DeviceArray out (``out`` is written and returned when given)."""
+        self._require_open()
         self._check_run(query, key_cache, value_cache, out)
-        _device_of(query, key_cache, value_cache, out, device=self.device)
+        device_of(query, key_cache, value_cache, out, device=self.device)
         temporaries = []
 
         def on_device(a):
@@ -216,15 +237,25 @@ class DecodePlan:
     def _launch(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool = False):
         # One thread at a time per plan: its recorded launches are looked up, evicted and submitted under
         # the lock, so no thread submits a launch another has just evicted (the device serializes
-        # submissions anyway).
+        # submissions anyway), and close(), which frees the plan's arrays under the same lock, either
+        # waits for a run or makes it raise.
         with self._lock:
+            self._require_open()
             return self._launch_locked(q, k, v, o, num_blocks, cache, timed)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self!r} is closed")
 
     def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool):
         buffers = (q.buffer, *k.buffers, *v.buffers, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
-        key = tuple(id(b) for b in buffers) + (timed,)
+        key = tuple(b.uid for b in buffers) + (timed,)
         launch = self._launches.get(key)
-        if launch is not None and any(b.closed for b in launch.buffers):
+        if launch is not None and launch.stale:
             self._forget(key)
             launch = None
         if launch is None:
@@ -267,6 +298,7 @@ class DecodePlan:
 
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
         """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""
+        self._require_open()
         self._check_run(query, key_cache, value_cache, out)
         if not all(isinstance(a, DeviceArray) for a in (query, key_cache, value_cache, out)):
             raise TypeError("time_ns takes device arrays only")
@@ -276,18 +308,23 @@ class DecodePlan:
         self._launches.pop(key).close()
 
     def close(self) -> None:
+        """Free the plan's recorded launches and device arrays; a run after (or racing) it raises
+        ClosedError. Safe to call twice."""
         with self._lock:
-            for key in list(self._launches):
+            self._closed = True
+            for key in list(getattr(self, "_launches", ())):
                 self._forget(key)
-        for a in self._owned:
-            a.close()
-        self._owned = []
+            for a in getattr(self, "_owned", ()):
+                a.close()
+            self._owned = []
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def __repr__(self) -> str:
+        if not hasattr(self, "device"):
+            return "DecodePlan(<not constructed>)"
+        state = ", closed" if self._closed else ""
+        return (f"DecodePlan(num_seqs={self.num_seqs}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_size={self.head_size}, block_size={self.block_size}, dtype={self.dtype}, "
+                f"backend={self.backend!r}, partitions={self.num_partitions}, device={self.device!r}{state})")
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, layout="vllm",
@@ -317,5 +354,5 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     with DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1], layout=layout,
                                kv_cache_dtype=kv_cache_dtype, query_dtype=query_type.dtype, scale=scale,
                                k_scale=k_scale, v_scale=v_scale, backend=backend, validate=validate,
-                               device=_device_of(query, key_cache, value_cache, block_tables, seq_lens, out)) as plan:
+                               device=device_of(query, key_cache, value_cache, block_tables, seq_lens, out)) as plan:
         return plan.run(query, key_cache, value_cache, out=out)

@@ -24,7 +24,7 @@ class GPUTimeoutError(PagedVKError, TimeoutError):
 
 class OutOfMemoryError(PagedVKError, MemoryError):
     """A device or host allocation failed; nothing was allocated. `nbytes` is the size asked for and
-    `budget` what the heap could give (a pagedvk.runtime.device.HeapBudget: the driver's budget with
+    `budget` what the heap could give (a pagedvk.runtime.memory.HeapBudget: the driver's budget with
     VK_EXT_memory_budget, else the heap's size), where known; the message states both."""
 
     def __init__(self, message: str, nbytes: int | None = None, budget=None):
@@ -50,3 +50,8 @@ class DeviceNotFoundError(PagedVKError, LookupError):
 
 class UnsupportedFeatureError(PagedVKError):
     """A kernel needs a Vulkan feature the device lacks; the message names it."""
+
+
+class NoFreeBlocksError(PagedVKError):
+    """A KV cache block manager has too few free blocks (device, or host for swap_out) for the call; the call
+    changed nothing. A scheduler handles it by preempting a sequence (swap_out or free) and retrying."""

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks
-from .decode import DecodePlan, _device_of
+from . import cache_ops, checks
+from .decode import DecodePlan
 from .decode import paged_attention as _paged_attention
 from .dtypes import QUERY_TYPES, storage_type
 from .layouts import cache_spec
+from .opargs import device_of
 
 V2_PARTITION_SIZE = 512   # vLLM's PARTITION_SIZE for paged_attention_v2
 
@@ -26,6 +27,7 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
     does) and make the plan that runs them."""
     if alibi_slopes is not None:
         raise _unsupported("ALiBi", "alibi_slopes")
+    # As in vLLM, tp_rank and the other blocksparse_* arguments matter only for block-sparse attention.
     if blocksparse_vert_stride > 1:
         raise _unsupported("block-sparse attention", "blocksparse_vert_stride > 1")
     if out is None:
@@ -45,7 +47,7 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
     return DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
                                  kv_cache_dtype=kv_cache_dtype, query_dtype=query_type.dtype, scale=scale,
                                  k_scale=k_scale, v_scale=v_scale,
-                                 device=_device_of(query, key_cache, value_cache, block_tables, seq_lens, out),
+                                 device=device_of(query, key_cache, value_cache, block_tables, seq_lens, out),
                                  **plan_options)
 
 
@@ -98,6 +100,26 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
                     a[:, :, :n] = values
         return result
 
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=1.0,
+                      v_scale=1.0):
+    """vLLM's ``reshape_and_cache``: caches in vLLM's layout (key [num_blocks, num_kv_heads, head_size // x,
+    block_size, x], value [num_blocks, num_kv_heads, head_size, block_size]); see
+    ``pagedvk.reshape_and_cache``."""
+    cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                                layout="vllm")
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=1.0,
+                            v_scale=1.0):
+    """vLLM's ``reshape_and_cache_flash``: both caches [num_blocks, block_size, num_kv_heads, head_size]
+    (pagedvk's "nhd" layout); see ``pagedvk.reshape_and_cache``."""
+    cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                                layout="nhd")
+
+
+copy_blocks = cache_ops.copy_blocks
+swap_blocks = cache_ops.swap_blocks
 
 # pagedvk's own spelling, for engines that want one namespace.
 paged_attention = _paged_attention

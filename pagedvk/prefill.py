@@ -13,9 +13,9 @@ import numpy as np
 from . import checks, kernels
 from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL
 from .array import asarray, empty
-from .decode import _device_of, backend_name
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
 from .layouts import bind_caches, cache_spec
+from .opargs import backend_name, device_of, softmax_scale
 from .runtime.pipeline import fold_grid
 
 FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
@@ -55,13 +55,13 @@ class _Problem:
                              f"the queries are each sequence's last q_len tokens (0, an empty sequence, is allowed)")
         self.block_tables, self.seq_lens = block_tables, seq_lens
 
-        self.scale = 1.0 / math.sqrt(self.head_size) if scale is None else float(scale)
+        self.scale = softmax_scale(scale, self.head_size)
         if not math.isfinite(self.scale):
             raise ValueError(f"scale must be finite, got {scale}")
         k_scale, v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
         self.causal = bool(causal)
         self.backend = backend_name(backend)
-        self.device = _device_of(query, key_cache, value_cache, block_tables, seq_lens)
+        self.device = device_of(query, key_cache, value_cache, block_tables, seq_lens)
         self.host = isinstance(query, np.ndarray)
         # num_blocks is the caches' shape[0]: their buffers (and dk_cache's, dv_cache's) hold that many blocks,
         # and the kernels bound block ids by it rather than by the buffers' length() (attention_common.glsl).
@@ -93,7 +93,7 @@ class _Problem:
         checks.dtype(name, a, [dtype])
         if tuple(a.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} {layout}, got {tuple(a.shape)}")
-        _device_of(a, device=self.device)
+        device_of(a, device=self.device)
 
     def block_readers(self) -> np.ndarray:
         """int32 [num_blocks + 1 offsets, then one entry per (sequence, slot) reading a block]: the pairs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 
@@ -149,3 +150,38 @@ def paged_attention_backward(dout, query, key_cache, value_cache, block_tables, 
         np.add.at(dk_nhd, (blocks, offsets), dk)
         np.add.at(dv_nhd, (blocks, offsets), dv)
     return (dq,) + nhd_as_cache(dk_nhd, dv_nhd, layout, np.shape(key_cache))
+
+
+def cache_element(x, dtype, scale=1.0):
+    """What a cache of `dtype` stores for x: fp8 stores x / scale (divided in float32, as vLLM does), rounded
+    to nearest even and saturated to the type's largest finite value (vLLM's __NV_SATFINITE); the others
+    store x rounded to nearest even (float16 and bfloat16 overflow to infinity)."""
+    x = np.asarray(x, np.float32)
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 1:
+        largest = np.float32(ml_dtypes.finfo(dtype).max)
+        # A float64 quotient rounded to float32 is the correctly rounded float32 quotient.
+        x = np.clip((x.astype(np.float64) / np.float64(np.float32(scale))).astype(np.float32), -largest, largest)
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layout="vllm", k_scale=1.0, v_scale=1.0,
+                      dtype=None):
+    """Copies of the caches with token i's key and value [num_kv_heads, head_size] in slot slot_mapping[i]
+    (block slot // block_size, offset slot % block_size); negative slots and slots past the caches are
+    skipped. dtype: the element type the caches hold (default their own; fp8 for uint8 caches)."""
+    kc, vc = np.array(key_cache), np.array(value_cache)
+    dtype = kc.dtype if dtype is None else np.dtype(dtype)
+    slots = np.asarray(slot_mapping, np.int64)
+    num_blocks, block_size = kc.shape[0], (kc.shape[1] if layout == "nhd" else kc.shape[3])
+    keep = (slots >= 0) & (slots < num_blocks * block_size)
+    b, t = slots[keep] // block_size, slots[keep] % block_size
+    k = cache_element(np.asarray(key)[keep], dtype, k_scale).view(kc.dtype)
+    v = cache_element(np.asarray(value)[keep], dtype, v_scale).view(vc.dtype)
+    if layout == "nhd":
+        kc[b, t], vc[b, t] = k, v
+    else:   # transposed views, written through: key [blocks, block_size, heads, head_size // x, x]
+        kc.transpose(0, 3, 1, 2, 4)[b, t] = k.reshape(len(k), kc.shape[1], kc.shape[2], kc.shape[4])
+        vc.transpose(0, 3, 1, 2)[b, t] = v
+    return kc, vc

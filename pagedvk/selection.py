@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
+from . import config
 from .errors import DeviceNotFoundError
 from .runtime.device import Device
 from .runtime.instance import TYPE_PREFERENCE, DeviceInfo, get_instance
@@ -27,8 +27,8 @@ def select(spec: str | int | None = None) -> tuple:
     PAGEDVK_DEVICE variable, else the first device of the most preferred type."""
     infos = devices()
     source = "argument"
-    if spec is None and os.environ.get("PAGEDVK_DEVICE", "").strip():
-        spec, source = os.environ["PAGEDVK_DEVICE"].strip(), "PAGEDVK_DEVICE"
+    if spec is None and config.device() is not None:
+        spec, source = config.device(), "PAGEDVK_DEVICE"
     if spec is None:
         if not infos:
             raise DeviceNotFoundError("no Vulkan devices found: install a Vulkan driver "

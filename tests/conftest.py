@@ -1,7 +1,13 @@
 """Shared test helpers: random paged caches in vLLM's layout, poisoned outputs, the error measure."""
 
 import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +20,42 @@ def rel_error(out, ref) -> float:
     assert np.isfinite(out).all(), "output has NaN or inf (unwritten, or poisoned and never overwritten)"
     denom = np.linalg.norm(ref)
     return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+def run_python(code: str, argv=(), **env) -> subprocess.CompletedProcess:
+    # `import pagedvk` there must find the package these tests import (installed, or a checkout on the path).
+    package_root = str(Path(pagedvk.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *argv], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=path, **env), timeout=300, cwd=tempfile.gettempdir())
+
+
+# -- threads: every join has a timeout, so a hang fails the test instead of hanging CI --
+
+THREADS = 8
+JOIN_S = 120
+
+
+def run_threads(body, n=THREADS):
+    """body(i) in n threads started together; re-raises the first failure."""
+    start = threading.Barrier(n)
+    errors = []
+
+    def main(i):
+        try:
+            start.wait()
+            body(i)
+        except BaseException as e:   # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=main, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=JOIN_S)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]
 
 
 class Case:
@@ -80,7 +122,7 @@ def device():
 
 # -- validation in CI: `PAGEDVK_VALIDATION=1 pytest` fails any test after which the layer said anything --
 
-VALIDATING = os.environ.get("PAGEDVK_VALIDATION", "") == "1"
+VALIDATING = pagedvk.config.validation()
 
 
 def pytest_configure(config):

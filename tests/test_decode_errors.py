@@ -152,6 +152,24 @@ def test_vllm_unsupported_options_raise(case):
     assert np.isnan(out).all()
 
 
+def test_vllm_tp_rank_and_local_blocks_ignored_without_block_sparsity(case):
+    # vLLM passes tp_rank and blocksparse_local_blocks on every call; they mean nothing unless
+    # blocksparse_vert_stride > 1, so they must not be refused.
+    q, k, v, bt, sl = case.args()
+    out = case.poisoned_out()
+    pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, 64, tp_rank=3, blocksparse_local_blocks=16,
+                                   blocksparse_vert_stride=1)
+    np.testing.assert_allclose(out, case.reference(scale=0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_device_array_refuses_a_view_without_copy(case):
+    a = pagedvk.asarray(case.query)
+    with pytest.raises(ValueError, match="copy=False"):
+        np.asarray(a, copy=False)
+    np.testing.assert_array_equal(np.asarray(a), case.query)   # a copy is fine
+    a.close()
+
+
 def test_vllm_argument_mismatches(case):
     q, k, v, bt, sl = case.args()
     out = case.poisoned_out()
@@ -178,3 +196,57 @@ def test_unchecked_bad_ids_stay_inside_the_cache(case):
     np.testing.assert_array_equal(dk.numpy(), case.key_cache)
     np.testing.assert_array_equal(dv.numpy(), case.value_cache)
     assert np.isfinite(pagedvk.paged_attention(*case.args())).all()   # still usable
+
+
+# -- DecodePlan arguments: checked at construction, each error naming its argument --
+
+def plan_with(case, **kw):
+    args = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, num_blocks=case.key_cache.shape[0])
+    args.update(kw)
+    return pagedvk.DecodePlan(case.block_tables, case.seq_lens, **args)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(dtype=np.float64), TypeError, "dtype must be one of the supported cache dtypes"),
+    (dict(dtype="no-such-type"), TypeError, "dtype must be one of the supported cache dtypes"),
+    (dict(num_heads=4.0), TypeError, "num_heads must be an int"),
+    (dict(num_kv_heads=True), TypeError, "num_kv_heads must be an int"),
+    (dict(num_heads=0), ValueError, r"num_heads must be in \[1, inf\]"),
+    (dict(num_heads=7), ValueError, r"num_heads \(7\) must be a positive multiple of num_kv_heads"),
+    (dict(scale=1e39), ValueError, "scale must be finite and representable as float32"),
+    (dict(scale=float("nan")), ValueError, "scale must be finite"),
+    (dict(scale="0.25"), TypeError, "scale must be a real number or None"),
+    (dict(head_size=17), ValueError, "head_size must be a multiple of 4"),
+    (dict(head_size=260), ValueError, r"head_size must be in \[4, 256\]"),
+    (dict(block_size=12), ValueError, "block_size must be one of 8, 16, 32"),
+    (dict(num_blocks=-1), ValueError, r"num_blocks must be in \[0, inf\]"),
+])
+def test_plan_arguments_checked_at_construction(case, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        plan_with(case, **kw)
+
+
+def test_plan_takes_numpy_integers_and_float32_scale(case):
+    with plan_with(case, num_heads=np.int64(8), scale=np.float32(0.125)) as plan:
+        out = plan.run(case.query, case.key_cache, case.value_cache)
+    np.testing.assert_allclose(out, case.reference(scale=0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_two_devices_on_one_gpu_are_told_apart(case):
+    other = pagedvk.Device(pagedvk.devices()[0])
+    try:
+        k, q = pagedvk.asarray(case.key_cache, device=other), pagedvk.asarray(case.query)
+        with pytest.raises(ValueError, match=r"one device, got Device\(.*serial=\d+\), Device\(.*serial=\d+\)") as e:
+            pagedvk.paged_attention(q, k, case.value_cache, case.block_tables, case.seq_lens)
+        serials = [int(s) for s in __import__("re").findall(r"serial=(\d+)", str(e.value))]
+        assert len(set(serials)) == 2, str(e.value)
+        k.close()
+        q.close()
+    finally:
+        other.close()
+
+
+def test_device_name_and_repr():
+    device = pagedvk.default_device()
+    assert device.name == device.info.name
+    assert repr(device).startswith(f"Device({device.name!r}, index={device.info.index}, serial=")

@@ -6,6 +6,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,9 @@ def test_variant_keys_are_built_in_one_place():
     assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 48).name == "paged_decode.kv_f16.q_bf16.glsl"
     assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.q_f32.wgsl"
     key = abi.PAGED_PREFILL.key("wgsl", "bf16", "f16")
-    assert key.includes() == {"kv_storage.wgsl": "kv_bf16.wgsl", "q_storage.wgsl": "q_f16.wgsl"}
+    assert key.includes() == {"kv_storage.wgsl": "kv_bf16.wgsl", "q_storage.wgsl": "q_f16.wgsl",
+                              "kv_access.wgsl": "kv_bound.wgsl"}
+    assert abi.PAGED_PREFILL.key("wgsl", "bf16", "f16", access="seg").includes()["kv_access.wgsl"] == "kv_segmented.wgsl"
     assert abi.PAGED_DECODE.key("glsl", "e5m2", "f32", 64).defines() == {"KV_E5M2": 1, "Q_F32": 1, "HEAD_SIZE": 64}
     assert len({k.name for kernel in abi.KERNELS for k in kernel.keys()}) == sum(
         len(list(kernel.keys())) for kernel in abi.KERNELS)
@@ -172,3 +175,69 @@ def test_wgsl_includes_are_pasted_and_tracked(tmp_path):
     module.write_text("//!include missing.wgsl\n")
     with pytest.raises(build_shaders.BuildError, match="missing.wgsl not found"):
         build_shaders.expand_includes(module)
+
+
+def workgroup_null_stores(spv: bytes) -> int:
+    """OpStores of a null constant to a workgroup variable (naga's zeroing of workgroup memory)."""
+    words = struct.unpack(f"<{len(spv) // 4}I", spv)
+    null, workgroup, stores, i = set(), set(), 0, 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == 46:
+            null.add(words[i + 2])
+        elif op == 59 and words[i + 3] == 4:
+            workgroup.add(words[i + 2])
+        elif op == 62 and words[i + 1] in workgroup and words[i + 2] in null:
+            stores += 1
+        i += count
+    return stores
+
+
+def test_wgsl_build_drops_workgroup_zeroing_only(tmp_path):
+    # naga zeroes workgroup memory at entry, which lavapipe took a minute to compile for paged_decode;
+    # the build drops that, and keeps a zeroing the source writes itself (after a barrier).
+    sys.path.insert(0, str(REPO))
+    try:
+        import build_shaders
+    finally:
+        sys.path.pop(0)
+    src = tmp_path / "zero.wgsl"
+    src.write_text("var<workgroup> a: array<f32, 64>;\nvar<workgroup> b: array<f32, 64>;\n"
+                   "@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n"
+                   "@compute @workgroup_size(64) fn main(@builtin(local_invocation_id) l: vec3<u32>) {\n"
+                   "  a[l.x] = o[l.x]; workgroupBarrier(); b = array<f32, 64>(); workgroupBarrier();\n"
+                   "  o[l.x] = a[63u - l.x] + b[l.x];\n}\n")
+    raw = tmp_path / "raw.spv"
+    build_shaders.run(build_shaders.naga_command(src, raw), "naga")
+    assert workgroup_null_stores(raw.read_bytes()) == 3   # a and b zeroed at entry, b by the source
+    build_shaders.compile_wgsl(src, tmp_path / "zero.spv", {})
+    build_shaders.validate(tmp_path / "zero.spv")
+    assert workgroup_null_stores((tmp_path / "zero.spv").read_bytes()) == 1
+    for name in IDS:
+        if name.endswith(".wgsl"):
+            assert workgroup_null_stores(kernels.module_path(name).read_bytes()) == 0, name
+
+
+def test_driver_compile_does_not_count_against_the_timeout():
+    # lavapipe compiles a pipeline at its first dispatch (0.4 s for a GLSL module, more for WGSL, with Mesa's
+    # shader cache off). Pipelines are compiled when made, within PAGEDVK_COMPILE_TIMEOUT, so a first launch
+    # under a PAGEDVK_TIMEOUT shorter than the compile still runs.
+    code = """
+        import numpy as np, pagedvk
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((2, 4, 3, 64)).astype(np.float32)
+        k = rng.standard_normal((8, 16, 2, 64)).astype(np.float16)
+        v = rng.standard_normal((8, 16, 2, 64)).astype(np.float16)
+        bt = np.arange(8, dtype=np.int32).reshape(2, 4)
+        lens = np.array([50, 64], np.int32)
+        for backend in ("glsl", "wgsl"):
+            out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, lens, backend=backend)
+            ref, _ = pagedvk.reference.paged_attention_prefill(q, k, v, bt, lens)
+            assert np.abs(out - ref).max() < 1e-3, backend
+        print("ok")
+    """
+    env = dict(os.environ, PAGEDVK_TIMEOUT="0.05", MESA_SHADER_CACHE_DISABLE="true",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr

@@ -3,38 +3,12 @@ command pool and descriptor pools are only touched under it too; each paged_atte
 own command buffer and descriptor set, and a shared DecodePlan's cached launch is submitted by one thread
 at a time (its submit holds the lock through the fence wait)."""
 
-import threading
-
 import numpy as np
 import pytest
 import vulkan as vk
 
 import pagedvk
-from conftest import Case
-
-THREADS = 8
-
-
-def run_threads(body, n=THREADS):
-    """body(i) in n threads started together; re-raises the first failure."""
-    start = threading.Barrier(n)
-    errors = []
-
-    def main(i):
-        try:
-            start.wait()
-            body(i)
-        except BaseException as e:   # noqa: BLE001 - handed to the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=main, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
-    if errors:
-        raise errors[0]
+from conftest import THREADS, Case, run_threads
 
 
 def close(a, b):
@@ -165,17 +139,13 @@ def test_threads_sharing_a_plan_with_many_arrays(rng):
     pairs = [(pagedvk.asarray(q), pagedvk.empty(q.shape)) for q in queries]
     errors = []
 
-    def work(offset):
+    def work(t):
         for i in range(len(pairs)):
-            j = (i + offset) % len(pairs)
+            j = (i + 5 * t) % len(pairs)
             out = plan.run(pairs[j][0], k, v, out=pairs[j][1]).numpy()
             if not np.allclose(out, refs[j], rtol=1e-5, atol=1e-5):
                 errors.append(j)
 
-    threads = [threading.Thread(target=work, args=(5 * t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, 8)
     plan.close()
     assert not errors

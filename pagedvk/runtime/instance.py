@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import atexit
-import os
+
 import threading
 from dataclasses import dataclass, field
 
 import vulkan as vk
+
+from .. import config
 
 from ..errors import PagedVKError, ValidationError, VulkanError
 
@@ -202,7 +204,8 @@ def get_instance() -> Instance:
     global _instance
     with _instance_lock:
         if _instance is None:
-            _instance = Instance(validation=os.environ.get("PAGEDVK_VALIDATION", "") == "1")
+            config.check_all()   # every PAGEDVK_* variable, before anything is made
+            _instance = Instance(validation=config.validation())
         return _instance
 
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import numpy as np
 import vulkan as vk
 
-from .device import Device, memory_barrier, raise_vk
+from ..config import compile_timeout_ns
+from ..errors import ClosedError
+from .commands import memory_barrier
+from .device import Device
+from .memory import raise_vk
+from .owned import Owned
 
 STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
 
@@ -27,7 +33,7 @@ def fold_grid(workgroups: int, limits: tuple) -> tuple:
     return (x, y, z)
 
 
-class Pipeline:
+class Pipeline(Owned):
     """A compute pipeline, its descriptor-set layout (one storage buffer per declared binding) and its
     pipeline layout (one push-constant range of the declared size)."""
 
@@ -61,6 +67,26 @@ class Pipeline:
         self._finalizer = device.own(self, functools.partial(
             _destroy_pipeline, d, self.handle, self.module, self.layout, self.set_layout))
         device.check()
+        self._compile_now()
+
+    def _compile_now(self) -> None:
+        """Make the driver compile the pipeline now, within PAGEDVK_COMPILE_TIMEOUT: some drivers compile at
+        the first dispatch (lavapipe: up to seconds), which would otherwise count against the first launch's
+        PAGEDVK_TIMEOUT. A dispatch of no workgroups does it and runs nothing; every binding gets a 16-byte
+        placeholder."""
+        placeholder = self.device.buffer(16)
+        try:
+            launch = Launch(self.device, [(self, [placeholder] * len(self.bindings), bytes(self.abi.push_size),
+                                           (0, 0, 0))])
+            try:
+                launch.submit(timeout=compile_timeout_ns())
+            finally:
+                launch.close()
+        finally:
+            placeholder.close()
+
+    def _drop_handles(self) -> None:
+        self.handle = self.module = self.layout = self.set_layout = None
 
     def descriptor_set(self, buffers) -> "DescriptorSet":
         return DescriptorSet(self, buffers)
@@ -77,9 +103,6 @@ class Pipeline:
             vk.vkCmdPushConstants(cmd, self.layout, STAGE, 0, len(push), vk.ffi.new("char[]", push))
         vk.vkCmdDispatch(cmd, *grid)
 
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
 
 
 def _destroy_pipeline(d, pipeline, module, layout, set_layout) -> None:
@@ -89,15 +112,18 @@ def _destroy_pipeline(d, pipeline, module, layout, set_layout) -> None:
             destroy(d, obj, None)
 
 
-class DescriptorSet:
-    """The buffers of one launch, bound in the order the op declares them."""
+class DescriptorSet(Owned):
+    """The buffers of one launch, bound in the order the op declares them.
+
+    It holds them weakly: a recorded launch kept for reuse must not keep a dropped array's memory alive.
+    Launch.submit checks they are all still open (under the device lock, which their freeing also takes)."""
 
     def __init__(self, pipeline: Pipeline, buffers):
         device = pipeline.device
         if len(buffers) != len(pipeline.bindings):
             raise ValueError(f"{pipeline.name} takes {len(pipeline.bindings)} buffers, got {len(buffers)}")
         self.device = device
-        self.buffers = tuple(buffers)  # keeps them alive while the set may be used
+        self._buffers = tuple(weakref.ref(b) for b in buffers)
         self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
         infos = [vk.VkDescriptorBufferInfo(buffer=b.handle, offset=0, range=b.size) for b in buffers]
         writes = [vk.VkWriteDescriptorSet(
@@ -107,12 +133,23 @@ class DescriptorSet:
         self._finalizer = device.own(self, functools.partial(
             vk.vkFreeDescriptorSets, device.handle, self.pool, 1, [self.handle]))
 
-    def close(self) -> None:
-        self._finalizer()
+    @property
+    def buffers(self) -> tuple:
+        """The bound buffers; None for one already garbage collected."""
+        return tuple(ref() for ref in self._buffers)
+
+    def _drop_handles(self) -> None:
         self.handle = None
 
 
-class Launch:
+def require_open_buffers(buffers) -> None:
+    """ClosedError if any buffer (None: collected) is closed. Callers hold the device lock: a buffer is
+    freed under that lock, so one found open here stays open until the lock is released."""
+    if any(b is None or b.closed for b in buffers):
+        raise ClosedError("an array bound to this launch was closed (or dropped) before it ran")
+
+
+class Launch(Owned):
     """Dispatches recorded once into one command buffer, each ordered after the one before, and their
     descriptor sets.
 
@@ -123,37 +160,55 @@ class Launch:
     """
 
     def __init__(self, device, steps, timestamps: bool | int = False):
-        self.descriptor_sets = [pipeline.descriptor_set(buffers) for pipeline, buffers, _, _ in steps]
-        self.command_buffer = cmd_buffer = device.command_buffer()
         self.group = len(steps) if timestamps is True else int(timestamps)
         self.per_group = self.group and timestamps is not True
         groups = len(steps) // self.group if self.group else 0
         if self.group and len(steps) % self.group:
             raise ValueError(f"{len(steps)} steps do not make groups of {self.group}")
+        # Under the device lock from the check to the end of recording: no buffer is freed in between.
+        with device.lock:
+            require_open_buffers([b for _, buffers, _, _ in steps for b in buffers])
+            self.descriptor_sets = [pipeline.descriptor_set(buffers) for pipeline, buffers, _, _ in steps]
+            self.command_buffer = cmd_buffer = device.command_buffer()
 
-        def record(cmd):
-            for i, ((pipeline, _, push, grid), dset) in enumerate(zip(steps, self.descriptor_sets)):
-                if i:
-                    memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
-                                   vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT)
-                    if self.group and i % self.group == 0:
-                        cmd_buffer.stamp(cmd)
-                pipeline.record_dispatch(cmd, dset, push, grid)
+            def record(cmd):
+                for i, ((pipeline, _, push, grid), dset) in enumerate(zip(steps, self.descriptor_sets)):
+                    if i:
+                        memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
+                                       vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT)
+                        if self.group and i % self.group == 0:
+                            cmd_buffer.stamp(cmd)
+                    pipeline.record_dispatch(cmd, dset, push, grid)
 
-        cmd_buffer.record(record, timestamps=groups + 1 if groups else 0)
+            cmd_buffer.record(record, timestamps=groups + 1 if groups else 0)
 
     @property
-    def buffers(self):
+    def buffers(self) -> tuple:
+        """The bound buffers; None for one already garbage collected."""
         return tuple(b for dset in self.descriptor_sets for b in dset.buffers)
 
-    def submit(self):
-        """Run it and wait. Returns the GPU time in ns when recorded with timestamps=True, each group's
-        times (an array) with timestamps=k, else None."""
-        self.command_buffer.submit()
+    @property
+    def stale(self) -> bool:
+        """Whether a buffer it binds was closed or collected: it can never run again."""
+        return any(b is None or b.closed for b in self.buffers)
+
+    def submit(self, timeout: int | None = None):
+        """Run it and wait (at most `timeout` ns, default PAGEDVK_TIMEOUT). Returns the GPU time in ns when
+        recorded with timestamps=True, each group's times (an array) with timestamps=k, else None.
+        ClosedError if a buffer it binds was closed."""
+        with self.command_buffer.device.lock:   # held until the fence: nothing it binds is freed under it
+            buffers = self.buffers   # strong references for the submission's length
+            require_open_buffers(buffers)
+            self.command_buffer.submit(timeout=timeout)
+            del buffers
         if not self.group:
             return None
         stamps = self.command_buffer.timestamps_ns()
         return np.diff(stamps) if self.per_group else float(stamps[-1])
+
+    @property
+    def closed(self) -> bool:
+        return self.command_buffer.closed
 
     def close(self) -> None:
         self.command_buffer.close()

@@ -1,0 +1,142 @@
+"""A model's paged KV cache on the device: per-layer key and value caches, host swap space, and the block manager
+that hands out their blocks (pagedvk.blocks), with the ops an engine runs between and inside attention calls.
+
+    cache = pagedvk.KVCache(num_layers=2, num_kv_heads=2, head_size=64, block_size=16, dtype=np.float16,
+                            memory_fraction=0.5)
+    w = cache.blocks.add_sequence(0, prompt_tokens)           # slots for the prompt's keys and values
+    cache.write(layer, k, v, w.slots)                         # reshape_and_cache, for each layer
+    tables, seq_lens = cache.blocks.block_tables([0])          # what DecodePlan and prefill take
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import cache_ops, checks
+from .array import empty
+from .blocks import BlockManager
+from .decode import DecodePlan
+from .dtypes import CACHE_TYPES, storage_type
+from .layouts import BLOCK_SIZES, LAYOUTS, CacheSpec
+from .opargs import device_of
+from .prefill import paged_attention_prefill
+from .runtime.owned import Owned
+
+
+class KVCache(Owned):
+    """Key and value caches for num_layers layers on one device, in `layout` and `dtype`, with num_blocks
+    blocks each, or as many as `memory_fraction` of the device's memory budget holds (VK_EXT_memory_budget where
+    the device has it, else the heap size); num_host_blocks blocks of host memory to swap preempted sequences
+    to. `blocks` is the BlockManager over them: its block tables and lengths feed DecodePlan and prefill.
+
+    Queries are computed in float32 whatever the cache's type (accumulation is float32 throughout).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16, dtype=np.float16,
+                 layout: str = "vllm", num_blocks: int | None = None, memory_fraction: float | None = None,
+                 num_host_blocks: int = 0, prefix_caching: bool = True, device=None, backend: str | None = None):
+        if (num_blocks is None) == (memory_fraction is None):
+            raise ValueError("give exactly one of num_blocks and memory_fraction")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+        checks.one_of("block_size", block_size, BLOCK_SIZES)
+        if not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        storage = storage_type("dtype", np.empty(0, dtype), CACHE_TYPES)
+        self.device = device_of(device=device)
+        spec = CacheSpec(layout, storage, 1, num_kv_heads, head_size, block_size)
+        if memory_fraction is not None:
+            if not 0 < memory_fraction <= 1:
+                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+            budget = self.device.memory_budget()
+            free = budget.budget - (budget.usage or 0)
+            num_blocks = int(memory_fraction * free) // (2 * num_layers * spec.block_bytes)
+            if num_blocks < 1:
+                raise ValueError(f"memory_fraction {memory_fraction} of {budget} holds no block of "
+                                 f"{2 * num_layers * spec.block_bytes} bytes (all layers' keys and values)")
+        self.layout, self.dtype, self.backend = layout, storage.dtype, backend
+        self.num_layers = int(num_layers)
+        self.spec = CacheSpec(layout, storage, int(num_blocks), num_kv_heads, head_size, block_size)
+        self.blocks = BlockManager(int(num_blocks), block_size, num_host_blocks, prefix_caching)
+        self.key = [empty(self.spec.key_shape, self.dtype, self.device) for _ in range(num_layers)]
+        self.value = [empty(self.spec.value_shape, self.dtype, self.device) for _ in range(num_layers)]
+        host = CacheSpec(layout, storage, num_host_blocks, num_kv_heads, head_size, block_size)
+        self.host_key = [np.zeros(host.key_shape, self.dtype) for _ in range(num_layers)]
+        self.host_value = [np.zeros(host.value_shape, self.dtype) for _ in range(num_layers)]
+        self._plan, self._plan_batch = None, None
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.spec.num_blocks
+
+    def write(self, layer: int, k, v, slots) -> None:
+        """reshape_and_cache: k, v [n, num_kv_heads, head_size] into `slots` int32 [n] of one layer's caches
+        (negative slots skipped)."""
+        cache_ops.reshape_and_cache(np.asarray(k, np.float32), np.asarray(v, np.float32), self.key[layer],
+                                    self.value[layer], np.asarray(slots, np.int32), layout=self.layout,
+                                    backend=self.backend)
+
+    def copy_blocks(self, pairs) -> None:
+        """Copy-on-write copies, (src, dst) block pairs, in every layer's caches in one submission."""
+        if len(pairs):
+            cache_ops.copy_blocks(self.key, self.value, np.asarray(pairs, np.int64).reshape(-1, 2))
+
+    def swap(self, pairs, to_host: bool) -> None:
+        """Preemption: (device, host) block pairs out to the host, or (host, device) pairs back in."""
+        if not len(pairs):
+            return
+        mapping = np.asarray(pairs, np.int64).reshape(-1, 2)
+        for layer in range(self.num_layers):
+            for dev, host in ((self.key[layer], self.host_key[layer]), (self.value[layer], self.host_value[layer])):
+                cache_ops.swap_blocks(dev, host, mapping) if to_host else cache_ops.swap_blocks(host, dev, mapping)
+
+    def attend(self, layer: int, q, batch) -> np.ndarray:
+        """Attention of one step's new tokens over one layer's cache. q [sum of batch.q_lens, num_heads,
+        head_size]; sequences with one new token go through one DecodePlan per step (made at the step's first
+        layer, reused by the others), longer ones through paged_attention_prefill. batch: pagedvk.serve.Batch
+        (q_lens, block_tables, seq_lens, new tokens included)."""
+        q = np.asarray(q, np.float32)
+        out = np.empty(q.shape, np.float32)
+        starts = np.cumsum([0] + list(batch.q_lens))
+        decode = [i for i, n in enumerate(batch.q_lens) if n == 1]
+        if decode:
+            out[starts[decode]] = self._decode_plan(batch, decode, q.shape[1]).run(
+                q[starts[decode]], self.key[layer], self.value[layer])
+        for i, n in enumerate(batch.q_lens):
+            if n > 1:
+                qi = np.ascontiguousarray(q[starts[i]:starts[i + 1]].transpose(1, 0, 2)[None])
+                o, _ = paged_attention_prefill(qi, self.key[layer], self.value[layer], batch.block_tables[i:i + 1],
+                                               batch.seq_lens[i:i + 1], layout=self.layout, backend=self.backend)
+                out[starts[i]:starts[i + 1]] = o[0].transpose(1, 0, 2)
+        return out
+
+    def _decode_plan(self, batch, rows, num_heads: int) -> DecodePlan:
+        # One plan per step: every layer's decode uses the same block tables and lengths.
+        if self._plan_batch is not batch:
+            self._close_plan()
+            s = self.spec
+            self._plan = DecodePlan(np.ascontiguousarray(batch.block_tables[rows]),
+                                    np.ascontiguousarray(batch.seq_lens[rows]), num_heads=num_heads,
+                                    num_kv_heads=s.num_kv_heads, head_size=s.head_size, block_size=s.block_size,
+                                    num_blocks=s.num_blocks, dtype=self.dtype, query_dtype=np.float32,
+                                    layout=self.layout, device=self.device, backend=self.backend)
+            self._plan_batch = batch
+        return self._plan
+
+    def _close_plan(self) -> None:
+        if self._plan is not None:
+            self._plan.close()
+        self._plan, self._plan_batch = None, None
+
+    @property
+    def closed(self) -> bool:
+        return all(a.closed for a in self.key + self.value)
+
+    def close(self) -> None:
+        self._close_plan()
+        for a in self.key + self.value:
+            a.close()

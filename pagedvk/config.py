@@ -1,0 +1,80 @@
+"""The PAGEDVK_* environment variables, each parsed in one place and checked before any work is submitted.
+
+A bad value raises ValueError naming the variable and what it may hold; it must never surface later as an
+error from deep inside a submission (a timeout that does not convert once left GPU work untracked).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from .abi import BACKENDS
+
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_COMPILE_TIMEOUT_S = 600.0
+MAX_TIMEOUT_S = (2**64 - 1) / 1e9 / 2   # the nanosecond value must fit vkWaitForFences's uint64, with room
+TRUE, FALSE = ("1", "true", "yes"), ("0", "false", "no", "")
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None else value.strip()
+
+
+def _seconds_ns(name: str, default: float) -> int:
+    text = _get(name)
+    if not text:
+        return int(default * 1e9)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:.3g}], got {text!r}")
+    return max(1, int(seconds * 1e9))
+
+
+def timeout_ns() -> int:
+    """PAGEDVK_TIMEOUT (seconds, default 60) in nanoseconds: how long any fence is waited on."""
+    return _seconds_ns("PAGEDVK_TIMEOUT", DEFAULT_TIMEOUT_S)
+
+
+def compile_timeout_ns() -> int:
+    """PAGEDVK_COMPILE_TIMEOUT (seconds, default 600) in nanoseconds: how long a new pipeline's driver compile
+    may take. Drivers that compile at the first dispatch (lavapipe) are given this, never PAGEDVK_TIMEOUT
+    (pagedvk.runtime.pipeline.Pipeline)."""
+    return _seconds_ns("PAGEDVK_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S)
+
+
+def backend(argument: str | None = None) -> str:
+    """The kernel language: the `backend` argument if given, else PAGEDVK_BACKEND, else glsl (any case)."""
+    source, text = ("backend", argument) if argument is not None else ("PAGEDVK_BACKEND", _get("PAGEDVK_BACKEND"))
+    if not text and argument is None:
+        return BACKENDS[0]
+    if not isinstance(text, str) or text.strip().lower() not in BACKENDS:
+        raise ValueError(f"{source} must be one of {', '.join(BACKENDS)} (any case), got {text!r}")
+    return text.strip().lower()
+
+
+def validation() -> bool:
+    """PAGEDVK_VALIDATION: whether the Khronos validation layer checks every call."""
+    text = (_get("PAGEDVK_VALIDATION") or "").lower()
+    if text not in TRUE + FALSE:
+        raise ValueError(f"PAGEDVK_VALIDATION must be one of {', '.join(TRUE + FALSE[:-1])} or empty (any case), "
+                         f"got {os.environ['PAGEDVK_VALIDATION']!r}")
+    return text in TRUE
+
+
+def device() -> str | None:
+    """PAGEDVK_DEVICE: a device index or name substring, or None when unset or blank."""
+    return _get("PAGEDVK_DEVICE") or None
+
+
+def check_all() -> None:
+    """Parse every variable, so a bad one is reported before anything is made or submitted."""
+    timeout_ns()
+    compile_timeout_ns()
+    backend()
+    validation()
+    device()

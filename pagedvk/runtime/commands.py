@@ -1,0 +1,220 @@
+"""Commands: command buffers (recorded once, submitted any number of times, each with its fence),
+barriers, GPU timestamps, and the descriptor sets launches bind."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import vulkan as vk
+
+from ..config import timeout_ns
+from ..errors import ClosedError, GPUTimeoutError
+from .memory import raise_vk
+from .owned import Owned
+
+DESCRIPTORS_PER_POOL = 4096
+
+
+class DeviceCommands:
+    """The command half of Device: command buffers and descriptor sets from its pools, which Vulkan
+    requires the host to serialize (all under device.lock). Mixed into Device."""
+
+    def command_buffer(self) -> "CommandBuffer":
+        self.require_open()
+        return CommandBuffer(self)
+
+    def run_once(self, record) -> None:
+        """Record `record(cmd)` into a fresh command buffer, submit it and wait."""
+        cmd = self.command_buffer()
+        try:
+            cmd.record(record)
+            cmd.submit()
+        finally:
+            cmd.close()
+
+    # -- descriptor sets -----------------------------------------------------------------------------
+
+    def allocate_descriptor_set(self, layout) -> tuple:
+        """(set, pool) from the first pool with room; a new pool when all are full."""
+        with self.lock:
+            self.require_open()
+            for pool in reversed(self._descriptor_pools):
+                try:
+                    return self._allocate_set(pool, layout), pool
+                except (vk.VkErrorOutOfPoolMemory, vk.VkErrorFragmentedPool):
+                    continue
+            size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                           descriptorCount=DESCRIPTORS_PER_POOL)
+            pool = vk.vkCreateDescriptorPool(self.handle, vk.VkDescriptorPoolCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
+                flags=vk.VK_DESCRIPTOR_POOL_CREATE_FREE_DESCRIPTOR_SET_BIT,
+                maxSets=DESCRIPTORS_PER_POOL // 4, poolSizeCount=1, pPoolSizes=[size]), None)
+            self._descriptor_pools.append(pool)
+            return self._allocate_set(pool, layout), pool
+
+    def _allocate_set(self, pool, layout):
+        return vk.vkAllocateDescriptorSets(self.handle, vk.VkDescriptorSetAllocateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO, descriptorPool=pool,
+            descriptorSetCount=1, pSetLayouts=[layout]))[0]
+
+
+class CommandBuffer(Owned):
+    """A primary command buffer with its own fence, recorded once and submitted any number of times.
+
+    Allocating, recording and freeing it use the device's command pool, which Vulkan requires the host to
+    serialize: all three hold device.lock. A submission holds it until its fence is signalled, so two
+    threads submitting one command buffer (a DecodePlan's cached launch) take turns."""
+
+    def __init__(self, device: Device):
+        self.device = device
+        d = device.handle
+        with device.lock:
+            device.require_open()
+            self.handle = vk.vkAllocateCommandBuffers(d, vk.VkCommandBufferAllocateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, commandPool=device.command_pool,
+                level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
+            try:
+                self.fence = vk.vkCreateFence(d, vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO),
+                                              None)
+            except vk.VkError as e:
+                vk.vkFreeCommandBuffers(d, device.command_pool, 1, [self.handle])
+                raise_vk(e, "creating a fence", device=device)
+        self._submit_info = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
+                                            pCommandBuffers=[self.handle])
+        self.pending = False    # submitted, and its fence not yet seen signalled and reset
+        self.query_pool, self.queries = None, 0
+        self._query_pools = []  # the finalizer's view of the query pools made by timed records
+        self._elapsed = threading.local()  # each submitting thread's own timestamps (timestamps_ns)
+        self._finalizer = device.own(self, functools.partial(
+            _free_command_buffer, d, device.command_pool, self.handle, self.fence, self._query_pools))
+
+    def _require_idle(self) -> None:
+        """Open, and not still running an earlier submission. Callers hold device.lock."""
+        self.device.require_open()
+        if self.closed:
+            raise ClosedError("the command buffer is closed")
+        if self.pending:
+            self.wait()   # its last wait timed out: it must finish before it is submitted or recorded again
+
+    def record(self, body, timestamps: int = 0) -> None:
+        """Record body(cmd) between barriers that order it after earlier submissions and before host
+        reads. With timestamps=n (n >= 2), a GPU timestamp is written before body and one after it, and
+        body may write the n - 2 between by calling stamp(cmd); read them with timestamps_ns()."""
+        with self.device.lock:
+            self._require_idle()
+            self._record(body, timestamps)
+        self.device.check()
+
+    def _record(self, body, timestamps: int) -> None:
+        cmd = self.handle
+        vk.vkBeginCommandBuffer(cmd, vk.VkCommandBufferBeginInfo(sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
+        memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
+                       vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT,
+                       vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT)
+        self.queries, self._stamped = int(timestamps), 0
+        if self.queries:
+            if self.queries < 2:
+                raise ValueError("timestamps must be 0 or at least 2")
+            self.query_pool = vk.vkCreateQueryPool(self.device.handle, vk.VkQueryPoolCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO, queryType=vk.VK_QUERY_TYPE_TIMESTAMP,
+                queryCount=self.queries), None)
+            self._query_pools.append(self.query_pool)
+            vk.vkCmdResetQueryPool(cmd, self.query_pool, 0, self.queries)
+            vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, self.query_pool, 0)
+            self._stamped = 1
+        body(cmd)
+        if self.queries:
+            self.stamp(cmd)
+            if self._stamped != self.queries:
+                raise ValueError(f"recorded {self._stamped} timestamps of the {self.queries} asked for")
+        memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
+                       vk.VK_PIPELINE_STAGE_HOST_BIT, vk.VK_ACCESS_HOST_READ_BIT)
+        vk.vkEndCommandBuffer(cmd)
+
+    def stamp(self, cmd) -> None:
+        """Write the next timestamp once everything recorded before it has finished."""
+        vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self.query_pool, self._stamped)
+        self._stamped += 1
+
+    def submit(self, wait: bool = True, timeout: int | None = None) -> None:
+        """Submit; with wait, wait for it at most `timeout` ns (default PAGEDVK_TIMEOUT)."""
+        dev = self.device
+        # A bad PAGEDVK_TIMEOUT is refused before anything is submitted.
+        timeout = timeout_ns() if timeout is None else timeout
+        with dev.lock:
+            self._require_idle()
+            dev._settle(wait=True)   # work whose wait timed out goes first, as it did on the queue
+            try:
+                vk.vkQueueSubmit(dev.queue, 1, [self._submit_info], self.fence)
+            except vk.VkError as e:
+                raise_vk(e, "vkQueueSubmit", device=dev)
+            self.pending = True
+            if wait:
+                self.wait(timeout)
+        dev.check()
+
+    def wait(self, timeout: int | None = None) -> None:
+        """Wait for the last submission, at most PAGEDVK_TIMEOUT seconds; GPUTimeoutError past that (the
+        submission then stays pending: nothing it uses is freed or reused until it has finished)."""
+        dev = self.device
+        with dev.lock:
+            if not self.pending:
+                return
+            timeout = timeout_ns() if timeout is None else timeout
+            try:
+                result = vk.vkWaitForFences(dev.handle, 1, [self.fence], vk.VK_TRUE, timeout)
+            except vk.VkTimeout:   # the binding raises VK_TIMEOUT (a success code) as an exception
+                result = vk.VK_TIMEOUT
+            except vk.VkError as e:
+                self._keep_in_flight()   # it may still run: free nothing under it
+                raise_vk(e, "vkWaitForFences", device=dev)
+            if result == vk.VK_TIMEOUT:
+                self._keep_in_flight()
+                raise GPUTimeoutError(f"{dev.info.name}: the GPU did not finish within PAGEDVK_TIMEOUT="
+                                    f"{timeout / 1e9:g} s; the work goes on, and later calls wait for it first")
+            vk.vkResetFences(dev.handle, 1, [self.fence])
+            self.pending = False
+            dev._in_flight[:] = [f for f in dev._in_flight if f != self.fence]   # reset: nothing to wait for
+            if self.query_pool is not None:
+                self._elapsed.stamps = self._read_timestamps()
+
+    def _keep_in_flight(self) -> None:
+        if not any(f == self.fence for f in self.device._in_flight):
+            self.device._in_flight.append(self.fence)
+
+    def _read_timestamps(self) -> np.ndarray:
+        data = vk.ffi.new(f"uint64_t[{self.queries}]")
+        vk.vkGetQueryPoolResults(self.device.handle, self.query_pool, 0, self.queries, vk.ffi.sizeof(data), data,
+                                 8, vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
+        bits = self.device.timestamp_bits
+        mask = (1 << bits) - 1 if bits < 64 else (1 << 64) - 1
+        return np.array([((data[i] - data[0]) & mask) * self.device.timestamp_period_ns
+                         for i in range(self.queries)])
+
+    def timestamps_ns(self) -> np.ndarray:
+        """This thread's last submission's timestamps, in ns from the first (read when it finished, so
+        another thread's submission of the same command buffer does not change them)."""
+        stamps = getattr(self._elapsed, "stamps", None)
+        return self._read_timestamps() if stamps is None else stamps
+
+    def elapsed_ns(self) -> float:
+        """GPU time from the first to the last timestamp of this thread's last submission."""
+        return float(self.timestamps_ns()[-1])
+
+    def _drop_handles(self) -> None:
+        self.handle = None
+
+
+def _free_command_buffer(d, pool, handle, fence, query_pools) -> None:
+    for query_pool in query_pools:
+        vk.vkDestroyQueryPool(d, query_pool, None)
+    vk.vkDestroyFence(d, fence, None)
+    vk.vkFreeCommandBuffers(d, pool, 1, [handle])
+
+
+def memory_barrier(cmd, src_stage, src_access, dst_stage, dst_access) -> None:
+    barrier = vk.VkMemoryBarrier(sType=vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER, srcAccessMask=src_access,
+                                 dstAccessMask=dst_access)
+    vk.vkCmdPipelineBarrier(cmd, src_stage, dst_stage, 0, 1, [barrier], 0, None, 0, None)

@@ -1,0 +1,260 @@
+"""Device memory: buffers, memory types, heap budgets, the staging copies between host and device, and
+the pagedvk error for a failed Vulkan call."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import vulkan as vk
+
+from ..errors import DeviceLostError, OutOfMemoryError, VulkanError
+from .owned import Owned
+
+MEMORY_BUDGET_EXTENSION = "VK_EXT_memory_budget"
+# Vulkan 1.2 buffer device addresses (the binding leaves these two constants None, so their values are here).
+BUFFER_USAGE_SHADER_DEVICE_ADDRESS = 0x00020000
+MEMORY_ALLOCATE_DEVICE_ADDRESS = 0x00000002
+_buffer_uids = itertools.count()  # never reused, unlike id(): a key for what was recorded with a buffer
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class HeapBudget:
+    """What one memory heap can still give. With VK_EXT_memory_budget (source "VK_EXT_memory_budget")
+    `budget` is the driver's estimate of what this process may use and `usage` what it uses now; without
+    it (source "heap size") `budget` is the heap's whole size and `usage` is unknown (None)."""
+
+    heap: int
+    size: int
+    budget: int
+    usage: int | None
+    source: str
+
+    def __str__(self) -> str:
+        if self.usage is None:
+            return (f"heap {self.heap} holds {gib(self.size)} ({self.size} bytes; the heap size: the device has no "
+                    f"{MEMORY_BUDGET_EXTENSION}, so what is still free is not known)")
+        return (f"heap {self.heap} budget {gib(self.budget)} ({self.budget} bytes), {gib(self.usage)} of it in use "
+                f"({MEMORY_BUDGET_EXTENSION}; heap size {gib(self.size)})")
+
+
+def raise_vk(e: Exception, what: str, nbytes: int | None = None, budget: HeapBudget | None = None,
+             device: "Device | None" = None):
+    """Raise the pagedvk error for a failed Vulkan call (a vk.VkError or vk.VkException)."""
+    if isinstance(e, (vk.VkErrorOutOfDeviceMemory, vk.VkErrorOutOfHostMemory)):
+        kind = "device" if isinstance(e, vk.VkErrorOutOfDeviceMemory) else "host"
+        asked = f" asking for {gib(nbytes)} ({nbytes} bytes)" if nbytes is not None else ""
+        raise OutOfMemoryError(f"{what}: out of {kind} memory (VK_ERROR_OUT_OF_{kind.upper()}_MEMORY){asked}"
+                               + (f"; {budget}" if budget is not None else ""), nbytes, budget) from e
+    if isinstance(e, vk.VkErrorDeviceLost):
+        message = (f"{what}: the Vulkan device was lost (VK_ERROR_DEVICE_LOST): the driver stopped it (a crash, "
+                   "a hang reset, or the GPU went away); everything made on it is gone. Close it and open a new one "
+                   "(device.close(), then pagedvk.default_device())")
+        if device is not None:
+            device.lost = message
+        raise DeviceLostError(message) from e
+    raise VulkanError(f"{what} failed: {type(e).__name__}") from e
+
+
+class Buffer(Owned):
+    """A storage buffer in device memory. `nbytes` is what was asked for; at least 16 bytes are allocated
+    because Vulkan has no empty buffers and kernels read in 16-byte chunks. Freed by close(), when garbage
+    collected, or when its device closes, whichever comes first."""
+
+    def __init__(self, device: "Device", nbytes: int, host_visible: bool = False):
+        self.device = device
+        self.uid = next(_buffer_uids)
+        self.nbytes = nbytes
+        self.size = max(16, (nbytes + 15) // 16 * 16)
+        self.handle = self.memory = self.mapped = None
+        usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                 | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+        addressable = device.buffer_device_address and not host_visible
+        if addressable:   # kernels may reach it through its address (caches larger than one binding)
+            usage |= BUFFER_USAGE_SHADER_DEVICE_ADDRESS
+        d = device.handle
+        try:
+            self.handle = vk.vkCreateBuffer(d, vk.VkBufferCreateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=self.size, usage=usage,
+                sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
+            req = vk.vkGetBufferMemoryRequirements(d, self.handle)
+            type_index, mappable = device.memory_type(req.memoryTypeBits, host_visible)
+            heap = device.memory_properties.memoryTypes[type_index].heapIndex
+            if req.size > device.memory_properties.memoryHeaps[heap].size:
+                # Asking Vulkan for more than the heap is invalid usage (VUID-vkAllocateMemory-pAllocateInfo-01713),
+                # not an error code: refuse it here as the out-of-memory it is.
+                vk.vkDestroyBuffer(d, self.handle, None)
+                self.handle = None
+                budget = device.memory_budget(heap)
+                raise OutOfMemoryError(f"allocating a buffer: {gib(nbytes)} ({nbytes} bytes) is more than the "
+                                       f"whole memory heap; {budget}", nbytes, budget)
+            flags = vk.VkMemoryAllocateFlagsInfo(sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
+                                                 flags=MEMORY_ALLOCATE_DEVICE_ADDRESS) if addressable else None
+            self.memory = vk.vkAllocateMemory(d, vk.VkMemoryAllocateInfo(
+                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=flags or vk.ffi.NULL,
+                allocationSize=req.size, memoryTypeIndex=type_index), None)
+            vk.vkBindBufferMemory(d, self.handle, self.memory, 0)
+            if mappable:
+                self.mapped = vk.vkMapMemory(d, self.memory, 0, self.size, 0)
+        except vk.VkError as e:
+            _free_buffer(d, self.handle, self.memory)
+            raise_vk(e, "allocating a buffer", nbytes, _budget_or_none(device, host_visible), device)
+        self._finalizer = device.own(self, functools.partial(_free_buffer, d, self.handle, self.memory))
+
+    def device_address(self) -> int:
+        """The buffer's address, for kernels that read through buffer references (Vulkan 1.2)."""
+        if not self.device.buffer_device_address:
+            raise VulkanError(f"{self.device.info.name} has no bufferDeviceAddress feature")
+        info = vk.ffi.new("VkBufferDeviceAddressInfo*", dict(sType=vk.VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO,
+                                                             buffer=self.handle))
+        # Called raw: the binding's wrapper drops the returned address.
+        return int(vk.lib.vkGetBufferDeviceAddress(self.device.handle, info))
+
+    def _drop_handles(self) -> None:
+        self.handle = self.memory = self.mapped = None
+
+
+def _budget_or_none(device, host_visible: bool) -> HeapBudget | None:
+    try:   # the figure for the error message; never let it hide the error itself
+        return device.memory_budget(device.heap_of(host_visible))
+    except Exception:
+        return None
+
+
+def _free_buffer(d, handle, memory) -> None:
+    # Freeing mapped memory unmaps it.
+    if handle is not None:
+        vk.vkDestroyBuffer(d, handle, None)
+    if memory is not None:
+        vk.vkFreeMemory(d, memory, None)
+
+
+class DeviceMemory:
+    """The memory half of Device: which memory type and heap buffers come from, what a heap can still
+    give, buffers, and copies between host and device (mapped where the memory is the host's, else through
+    one staging buffer). Mixed into Device, whose lock, handle and properties it uses."""
+
+    def heap_of(self, host_visible: bool = False) -> int:
+        """The memory heap buffers are allocated from (device arrays: host_visible=False)."""
+        type_index, _ = self.memory_type((1 << self.memory_properties.memoryTypeCount) - 1, host_visible)
+        return self.memory_properties.memoryTypes[type_index].heapIndex
+
+    def memory_budget(self, heap: int | None = None) -> HeapBudget:
+        """What a memory heap (default: the one device arrays use) can still give: the driver's budget and
+        this process's usage with VK_EXT_memory_budget, else the heap's size (see HeapBudget)."""
+        heap = self.heap_of() if heap is None else heap
+        size = self.memory_properties.memoryHeaps[heap].size
+        if not self.has_memory_budget:
+            return HeapBudget(heap, size, size, None, "heap size")
+        budget = vk.VkPhysicalDeviceMemoryBudgetPropertiesEXT(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT)
+        vk.vkGetPhysicalDeviceMemoryProperties2(self.info.handle, vk.VkPhysicalDeviceMemoryProperties2(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2, pNext=budget))
+        return HeapBudget(heap, size, budget.heapBudget[heap], budget.heapUsage[heap], MEMORY_BUDGET_EXTENSION)
+
+    def memory_type(self, type_bits: int, host_visible: bool) -> tuple:
+        """(memory type index, whether to map it) for a buffer; device-local unless host_visible."""
+        mp = self.memory_properties
+        local = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+        mappable = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+        if host_visible:
+            wants = [mappable | vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT, mappable]
+        elif self.unified_memory:
+            wants = [local | mappable, local]
+        else:
+            wants = [local]
+        for want in wants:
+            for i in range(mp.memoryTypeCount):
+                if type_bits & (1 << i) and (mp.memoryTypes[i].propertyFlags & want) == want:
+                    return i, (want & mappable) == mappable
+        raise VulkanError(f"{self.info.name}: no memory type with flags {wants[-1]:#x} for bits {type_bits:#x}")
+
+    def buffer(self, nbytes: int) -> Buffer:
+        self.require_open()
+        return Buffer(self, nbytes)
+
+    def _staging_buffer(self, nbytes: int) -> Buffer:
+        # One staging buffer, grown as needed and reused; callers hold self.lock.
+        if self._staging is None or self._staging.size < nbytes:
+            if self._staging is not None:
+                self._staging.close()
+            self._staging = Buffer(self, max(nbytes, 1 << 20), host_visible=True)
+        return self._staging
+
+    def upload(self, buf: Buffer, data: np.ndarray, offset: int = 0) -> None:
+        src = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if offset + src.nbytes > buf.size:
+            raise ValueError(f"upload of {src.nbytes} bytes at {offset} overflows a {buf.size}-byte buffer")
+        if src.nbytes == 0:
+            return
+        with self.lock:
+            self.require_open()
+            self._settle(wait=True)   # the host must not write memory that timed-out work may still use
+            if buf.mapped is not None:
+                np.frombuffer(buf.mapped, np.uint8)[offset:offset + src.nbytes] = src
+                return
+            staging = self._staging_buffer(src.nbytes)
+            np.frombuffer(staging.mapped, np.uint8)[:src.nbytes] = src
+            self.copy(staging, buf, src.nbytes, dst_offset=offset)
+
+    def download(self, buf: Buffer, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
+        """The buffer's bytes as a new uint8 array."""
+        nbytes = buf.nbytes - offset if nbytes is None else nbytes
+        with self.lock:
+            self.require_open()
+            self._settle(wait=True)   # nor read what it may still write
+            if buf.mapped is not None:
+                return np.frombuffer(buf.mapped, np.uint8)[offset:offset + nbytes].copy()
+            staging = self._staging_buffer(nbytes)
+            if nbytes:
+                self.copy(buf, staging, nbytes, src_offset=offset)
+            return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
+
+    def copy(self, src: Buffer, dst: Buffer, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> None:
+        region = vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=nbytes)
+        self.run_once(lambda cmd: vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [region]))
+
+    def copy_regions(self, copies) -> None:
+        """Many buffer-to-buffer copies in one submission: copies is [(src, dst, [(src_offset, dst_offset,
+        nbytes), ...])], one vkCmdCopyBuffer each (regions of one copy must not overlap)."""
+        def record(cmd):
+            for src, dst, regions in copies:
+                if regions:
+                    vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, len(regions), [
+                        vk.VkBufferCopy(srcOffset=s, dstOffset=d, size=n) for s, d, n in regions])
+        self.run_once(record)
+
+    def upload_regions(self, data: np.ndarray, targets) -> None:
+        """Host bytes into many places of many buffers in one submission, through the reused staging buffer:
+        targets is [(dst, [(offset in data, dst_offset, nbytes), ...])]."""
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if data.nbytes == 0:
+            return
+        with self.lock:
+            self.require_open()
+            self._settle(wait=True)   # the staging buffer may still be read by timed-out work
+            staging = self._staging_buffer(data.nbytes)
+            np.frombuffer(staging.mapped, np.uint8)[:data.nbytes] = data
+            self.copy_regions([(staging, dst, regions) for dst, regions in targets])
+
+    def download_regions(self, nbytes: int, sources) -> np.ndarray:
+        """Many places of many buffers gathered into one new uint8 array of nbytes in one submission, through the
+        reused staging buffer: sources is [(src, [(src_offset, offset in the result, nbytes), ...])]."""
+        if nbytes == 0:
+            return np.zeros(0, np.uint8)
+        with self.lock:
+            self.require_open()
+            self._settle(wait=True)
+            staging = self._staging_buffer(nbytes)
+            self.copy_regions([(src, staging, regions) for src, regions in sources])
+            return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
+
+    def fill(self, buf: Buffer, value: int = 0) -> None:
+        """Set every 32-bit word of the buffer to `value`."""
+        self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, 0, buf.size, value))

@@ -1,0 +1,56 @@
+"""`pagedvk devices` and `pagedvk bench`, run as a user runs them (a subprocess): usage errors exit 2
+with a message naming the option and no traceback."""
+
+import json
+
+import pytest
+
+import pagedvk
+
+from conftest import run_python
+
+CLI = "import sys; from pagedvk.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def pagedvk_cli(*argv):
+    return run_python(CLI, argv=list(argv))
+
+
+def test_devices_lists_the_selected_device():
+    result = pagedvk_cli("devices")
+    assert result.returncode == 0, result.stderr
+    assert "selected: [" in result.stdout and pagedvk.devices()[0].name in result.stdout, result.stdout
+
+
+def test_bench_small_shape_passes_its_check():
+    result = pagedvk_cli("bench", "--num-seqs", "2", "--num-heads", "4", "--num-kv-heads", "2", "--head-size", "32",
+                         "--context", "40", "--iters", "2", "--repeats", "1", "--layers", "1", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(result.stdout[result.stdout.index("{"):])
+    assert figures["rel_error"] < 1e-5 and figures["median_us"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--iters", "0"], "argument --iters: must be an integer of at least 1, got 0"),
+    (["--repeats", "0"], "argument --repeats: must be an integer of at least 1"),
+    (["--layers", "0"], "argument --layers: must be an integer of at least 1"),
+    (["--context", "0"], "argument --context: must be an integer of at least 1"),
+    (["--num-seqs", "0"], "argument --num-seqs: must be an integer of at least 1"),
+    (["--head-size", "42"], "argument --head-size: must be a multiple of 4 up to 256"),
+    (["--num-heads", "7"], "argument --num-heads: must be a multiple of --num-kv-heads"),
+    (["--block-size", "12"], "argument --block-size: invalid choice"),
+    (["--backend", "metal"], "argument --backend: must be one of glsl, wgsl"),
+])
+def test_bench_usage_errors(argv, message):
+    result = pagedvk_cli("bench", *argv)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_bench_help_describes_every_option():
+    result = pagedvk_cli("bench", "--help")
+    assert result.returncode == 0
+    assert "(default: None)" not in result.stdout
+    for help_text in ("sequences in the batch", "query heads", "key/value heads", "per head, at most 256",
+                      "tokens per cache block", "tokens cached per sequence", "cache dtype (fp8 caches run with float16 queries)"):
+        assert help_text in " ".join(result.stdout.split()), help_text

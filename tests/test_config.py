@@ -1,0 +1,99 @@
+"""The PAGEDVK_* variables: parsed in one place, a bad value refused by name before anything is submitted."""
+
+import numpy as np
+import pytest
+
+from conftest import run_python
+from pagedvk import config
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "inf", "nan", "1e30", ""])
+def test_bad_timeout_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("PAGEDVK_TIMEOUT", value)
+    if value == "":
+        assert config.timeout_ns() == 60 * 10**9   # empty means unset
+        return
+    with pytest.raises(ValueError, match=r"PAGEDVK_TIMEOUT must be a number of seconds in \(0, "):
+        config.timeout_ns()
+
+
+def test_timeout_in_nanoseconds_fits_a_uint64(monkeypatch):
+    monkeypatch.setenv("PAGEDVK_TIMEOUT", f"{config.MAX_TIMEOUT_S!r}")
+    assert 0 < config.timeout_ns() < 2**64
+    monkeypatch.setenv("PAGEDVK_TIMEOUT", " 2.5 ")
+    assert config.timeout_ns() == 2_500_000_000
+
+
+def test_bad_timeout_then_good_call_then_clean_exit():
+    # Before the fix the bad value raised `could not convert string to float` after the work was
+    # submitted; the untracked work then made the next call (or the exit) segfault.
+    result = run_python("""
+        import os, numpy as np, pagedvk
+        rng = np.random.default_rng(0)
+        k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
+        v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)
+        q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+        bt = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+        sl = np.array([40, 17], np.int32)
+        pagedvk.paged_attention(q, k, v, bt, sl)   # the device and its pipeline exist before the bad value
+        for bad in ("abc", "-1", "inf", "1e30"):
+            os.environ["PAGEDVK_TIMEOUT"] = bad
+            try:
+                pagedvk.paged_attention(q, k, v, bt, sl)
+            except ValueError as e:
+                assert "PAGEDVK_TIMEOUT" in str(e), e
+            else:
+                raise AssertionError("accepted PAGEDVK_TIMEOUT=" + bad)
+        os.environ["PAGEDVK_TIMEOUT"] = "30"
+        out = pagedvk.paged_attention(q, k, v, bt, sl)
+        ref = pagedvk.reference.paged_attention(q, k, v, bt, sl)
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+        print("ok")
+        """)
+    assert result.returncode == 0 and "ok" in result.stdout, (result.returncode, result.stdout + result.stderr)
+
+
+def test_bad_variable_at_startup_is_refused_before_a_device_opens():
+    result = run_python("""
+        import numpy as np, pagedvk
+        try:
+            pagedvk.zeros(4)
+        except ValueError as e:
+            print("refused:", e)
+        """, PAGEDVK_VALIDATION="maybe")
+    assert result.returncode == 0 and "refused: PAGEDVK_VALIDATION must be one of" in result.stdout, \
+        result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("value, expected", [("WGSL", "wgsl"), (" glsl ", "glsl"), ("", "glsl")])
+def test_backend_is_case_insensitive(monkeypatch, value, expected):
+    monkeypatch.setenv("PAGEDVK_BACKEND", value)
+    assert config.backend() == expected
+
+
+def test_bad_backend_names_the_variable(monkeypatch):
+    monkeypatch.setenv("PAGEDVK_BACKEND", "metal")
+    with pytest.raises(ValueError, match="PAGEDVK_BACKEND must be one of glsl, wgsl"):
+        config.backend()
+    with pytest.raises(ValueError, match="backend must be one of glsl, wgsl"):
+        config.backend("cuda")
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("TRUE", True), ("yes", True), ("0", False),
+                                             ("False", False), ("no", False), ("", False)])
+def test_validation_flag_values(monkeypatch, value, expected):
+    monkeypatch.setenv("PAGEDVK_VALIDATION", value)
+    assert config.validation() is expected
+
+
+def test_bad_validation_flag_names_the_variable(monkeypatch):
+    monkeypatch.setenv("PAGEDVK_VALIDATION", "on")
+    with pytest.raises(ValueError, match="PAGEDVK_VALIDATION must be one of 1, true, yes, 0, false, no"):
+        config.validation()
+
+
+def test_device_variable_blank_is_unset(monkeypatch):
+    monkeypatch.setenv("PAGEDVK_DEVICE", "  ")
+    assert config.device() is None
+    monkeypatch.setenv("PAGEDVK_DEVICE", " 0 ")
+    assert config.device() == "0"
