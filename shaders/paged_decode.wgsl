@@ -3,11 +3,11 @@
 // its bounds rules are explained in the GLSL source; comments here cover what WGSL changes.
 //
 // The GLSL keeps the per-head state of a workgroup's (up to 8) query heads in float[8] arrays indexed in
-// loops; lavapipe compiles naga's translation of such arrays slowly (guarded WGSL loops are not unrolled,
-// and a local array indexed in a loop becomes a chain of selects). Here each such array is two vec4s,
-// heads 0-3 (_a) and 4-7 (_b), updated by vector arithmetic; heads past the group are masked (their
-// logits -inf, so their weights, sums and accumulators stay 0) and never written out. HEAD_SIZE is an
-// override that build_shaders.py fixes at translation time; 0 means "from the push constants".
+// loops; here each such array is two vec4s, heads 0-3 (_a) and 4-7 (_b), updated by vector arithmetic
+// (paged_prefill.comp says why: naga's guarded loops are not unrolled, and a local array indexed in a loop
+// becomes a chain of selects). Heads past the group are masked (their logits -inf, so their weights, sums
+// and accumulators stay 0) and never written out. HEAD_SIZE is an override that build_shaders.py fixes at
+// translation time; 0 means "from the push constants".
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
