@@ -1,7 +1,9 @@
-// What the prefill forward and the two backward kernels share in WGSL (see attention_common.glsl for
-// the GLSL side and the explanations): the push-constant block and the cache addressing. WGSL has no
-// includes; build_shaders.py pastes this file where a module says `//!include attention_common.wgsl`.
-// It refers to the module's `pc` (var<immediate>), declared there.
+// What every attention kernel shares in WGSL (ATTENTION_PUSH in pagedvk/abi.py): the push-constant block,
+// workgroup numbering, the causal limit, the cache addressing and the bfloat16 conversions. The GLSL twin,
+// attention_common.glsl, explains the addressing and the bounds. WGSL has no includes: build_shaders.py
+// pastes this file where a module says `//!include attention_common.wgsl`. It refers to the module's `pc`
+// (var<immediate>) and to KV_CHUNK_QUADS (from the module's kv_<type>.wgsl, or its own where it reads no
+// cache).
 
 struct Params {
     num_heads: u32,
@@ -10,9 +12,14 @@ struct Params {
     block_size: u32,
     max_blocks_per_seq: u32,
     num_blocks: u32,
+    num_seqs: u32,
     q_len: u32,
     causal: u32,
     scale: f32,
+    v_scale: f32,
+    group_size: u32,
+    partition_size: u32,
+    num_partitions: u32,
     k_block_stride: u32,
     k_head_stride: u32,
     k_token_stride: u32,
@@ -21,8 +28,27 @@ struct Params {
     v_head_stride: u32,
     v_token_stride: u32,
     v_dim_stride: u32,
+    blocks_per_segment: u32,
 }
 
+const WG: u32 = 128u;              // == @workgroup_size
+const MAX_HEAD_SIZE: u32 = 256u;   // two head dims per thread where threads own dims
+const MIN_BLOCK_SIZE: u32 = 8u;
+// -inf and NaN cannot be WGSL constants (constant expressions must be finite): bitcast at run time.
+const NEG_INF_BITS: u32 = 0xff800000u;
+const NAN_BITS: u32 = 0x7fc00000u;
+
+fn neg_inf() -> f32 {
+    return bitcast<f32>(NEG_INF_BITS);
+}
+
+// The workgroup's number in a grid folded to the device's limits (pagedvk.runtime.commands.fold_grid):
+// workgroups past the launch's count return at once. WGSL passes builtins to main only.
+fn workgroup_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
+    return wid.x + nwg.x * (wid.y + nwg.y * wid.z);
+}
+
+// Keys query i sees (the q_len queries are the last q_len positions of the sequence).
 fn visible_keys(i: u32, seq_len: u32) -> u32 {
     if (pc.causal == 0u) {
         return seq_len;
@@ -30,20 +56,33 @@ fn visible_keys(i: u32, seq_len: u32) -> u32 {
     return u32(clamp(i32(seq_len) - i32(pc.q_len) + i32(i) + 1, 0, i32(seq_len)));
 }
 
+// Where query row gr of a workgroup starts in query, out and dout, in elements (GQA rows, query-major).
 fn row_base(seq: u32, kv_head: u32, gr: u32) -> u32 {
     let group = pc.num_heads / pc.num_kv_heads;
     return ((seq * pc.num_heads + kv_head * group + gr % group) * pc.q_len + gr / group) * pc.head_size;
 }
 
-fn key_chunk(b: u32, h: u32, t: u32, c: u32) -> u32 {
-    return (b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride + c * pc.k_chunk_stride) >> 2u;
+// Quad c of key token t, kv head h, from the start of its block.
+fn key_offset(h: u32, t: u32, c: u32) -> u32 {
+    return h * pc.k_head_stride + t * pc.k_token_stride + (c / KV_CHUNK_QUADS) * pc.k_chunk_stride
+        + c % KV_CHUNK_QUADS;
 }
 
-fn key_index(b: u32, h: u32, t: u32, d: u32) -> u32 {
-    return b * pc.k_block_stride + h * pc.k_head_stride + t * pc.k_token_stride + (d >> 2u) * pc.k_chunk_stride
-        + (d & 3u);
+// Value element (h, t, d) from the start of its block.
+fn value_offset(h: u32, t: u32, d: u32) -> u32 {
+    return h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
 }
 
-fn value_index(b: u32, h: u32, t: u32, d: u32) -> u32 {
-    return b * pc.v_block_stride + h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
+// bfloat16 is the top half of a float32 (kv_bf16.wgsl, q_bf16.wgsl).
+fn bf16x2(w: u32) -> vec2<f32> {
+    return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));
+}
+
+// Two floats as bfloat16, rounded to nearest even (NaN stays NaN; WGSL has no isnan, so the bits say it).
+fn pack_bf16x2(v: vec2<f32>) -> u32 {
+    let b = bitcast<vec2<u32>>(v);
+    let r = (b + vec2<u32>(0x7fffu) + ((b >> vec2<u32>(16u)) & vec2<u32>(1u))) >> vec2<u32>(16u);
+    let nan = (b & vec2<u32>(0x7fffffffu)) > vec2<u32>(0x7f800000u);
+    let h = select(r, vec2<u32>(0x7fc0u), nan);
+    return h.x | (h.y << 16u);
 }

@@ -1,24 +1,28 @@
 // Paged-attention backward, the key and value gradients, WGSL: shaders/paged_backward_dkdv.comp
 // translated statement for statement, with the same interface (PAGED_BACKWARD_DKDV in pagedvk/abi.py).
-// The algorithm is explained there and in attention_common.glsl; the shared helpers are
-// attention_common.wgsl.
+// The algorithm is explained there and in attention_common.glsl; build_shaders.py pastes the storage files,
+// the cache access and the common parts.
 
+//!include kv_storage.wgsl
+//!include q_storage.wgsl
 //!include attention_common.wgsl
+//!include kv_access.wgsl
+//!include cache_elements.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<vec4<f32>>;          // [seqs, heads, q_len, head_size]
-@group(0) @binding(1) var<storage, read> key_cache: array<vec4<f32>>;      // 4-dim chunks, see key_chunk()
-@group(0) @binding(2) var<storage, read> value_cache: array<f32>;          // see value_index()
+@group(0) @binding(0) var<storage, read> query: array<QQuad>;             // [seqs, heads, q_len, head_size]
+@group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;        // see key_load()
+@group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;      // see value_load()
 @group(0) @binding(3) var<storage, read> block_readers: array<i32>;        // see PAGED_BACKWARD_DKDV
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;             // [seqs]
-@group(0) @binding(5) var<storage, read> dout: array<vec4<f32>>;           // like query
-@group(0) @binding(6) var<storage, read> out: array<vec4<f32>>;            // like query
+@group(0) @binding(5) var<storage, read> dout: array<QQuad>;              // like query
+@group(0) @binding(6) var<storage, read> out: array<QQuad>;               // like query
 @group(0) @binding(7) var<storage, read> lse: array<f32>;                  // [seqs, heads, q_len]
-@group(0) @binding(8) var<storage, read_write> dk_cache: array<f32>;       // like key_cache
-@group(0) @binding(9) var<storage, read_write> dv_cache: array<f32>;       // like value_cache
+@group(0) @binding(8) var<storage, read_write> dk_cache: array<f32>;       // float32, key_cache's shape
+@group(0) @binding(9) var<storage, read_write> dv_cache: array<f32>;       // float32, value_cache's shape
 var<immediate> pc: Params;
 
-const WG: u32 = 128u;
-const MAX_HEAD_SIZE: u32 = 256u;
+const KV_SEGMENT_BINDING: u32 = 10u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+
 const KEYS: u32 = 8u;               // block tokens per workgroup: two vec4s (_a, _b) in the accumulators
 const ROWS: u32 = 8u;               // query rows per step
 const PAIRS: u32 = 64u;             // ROWS * KEYS == WG / 2
@@ -32,6 +36,11 @@ fn s_p4(i: u32) -> vec4<f32> {
 
 fn s_dd4(i: u32) -> vec4<f32> {
     return vec4<f32>(s_dd[i], s_dd[i + 1u], s_dd[i + 2u], s_dd[i + 3u]);
+}
+
+// Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
+fn key_element(b: u32, h: u32, t: u32, d: u32) -> u32 {
+    return (b * pc.k_block_stride + key_offset(h, t, d >> 2u)) * 4u + (d & 3u);
 }
 
 @compute @workgroup_size(128, 1, 1)
@@ -61,7 +70,6 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let takes_p = tid < PAIRS;
     let d0 = tid;
     let d1 = tid + WG;
-    let kstep = pc.k_chunk_stride >> 2u;
 
     for (var b = wid.x; b < num_blocks; b += nwg.x) {
         var dk0_a = vec4<f32>(0.0);
@@ -110,21 +118,20 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                     var s = 0.0;
                     var t = 0.0;
                     if (takes_p) {
-                        let k0 = key_chunk(b, kv_head, token, 0u);
                         for (var c = 0u; c < hc; c++) {
-                            s += dot(query[q / 4u + c], key_cache[k0 + c * kstep]);
+                            s += dot(q_quad(query[q / 4u + c]), kv_quad(key_load(b, key_offset(kv_head, token, c))));
                         }
                         val = exp(s * pc.scale - lse[q / hs]);
                     } else {
-                        let v0 = value_index(b, kv_head, token, 0u);
+                        let v0 = value_offset(kv_head, token, 0u);
                         let vs = pc.v_dim_stride;
                         for (var c = 0u; c < hc; c++) {
                             let vi = v0 + 4u * c * vs;
-                            let v = vec4<f32>(value_cache[vi], value_cache[vi + vs], value_cache[vi + 2u * vs],
-                                              value_cache[vi + 3u * vs]);
-                            let g = dout[q / 4u + c];
+                            let v = vec4<f32>(value_at(b, vi), value_at(b, vi + vs), value_at(b, vi + 2u * vs),
+                                              value_at(b, vi + 3u * vs));
+                            let g = q_quad(dout[q / 4u + c]);
                             s += dot(g, v);
-                            t += dot(g, out[q / 4u + c]);
+                            t += dot(g, q_quad(out[q / 4u + c]));
                         }
                         val = s - t;
                     }
@@ -154,12 +161,12 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                     var q1 = 0.0;
                     var g1 = 0.0;
                     if (d0 < hs) {
-                        q0 = query[c0][d0 % 4u];
-                        g0 = dout[c0][d0 % 4u];
+                        q0 = q_quad(query[c0])[d0 % 4u];
+                        g0 = q_quad(dout[c0])[d0 % 4u];
                     }
                     if (d1 < hs) {
-                        q1 = query[c1][d1 % 4u];
-                        g1 = dout[c1][d1 % 4u];
+                        q1 = q_quad(query[c1])[d1 % 4u];
+                        g1 = q_quad(dout[c1])[d1 % 4u];
                     }
                     dv0_a += p_a * g0;
                     dv0_b += p_b * g0;
@@ -180,12 +187,12 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             let token = sub * KEYS + k;
             let lo = k < 4u;
             if (d0 < hs) {
-                dk_cache[key_index(b, kv_head, token, d0)] = pc.scale * select(dk0_b[k % 4u], dk0_a[k % 4u], lo);
-                dv_cache[value_index(b, kv_head, token, d0)] = select(dv0_b[k % 4u], dv0_a[k % 4u], lo);
+                dk_cache[key_element(b, kv_head, token, d0)] = pc.scale * select(dk0_b[k % 4u], dk0_a[k % 4u], lo);
+                dv_cache[b * pc.v_block_stride + value_offset(kv_head, token, d0)] = select(dv0_b[k % 4u], dv0_a[k % 4u], lo);
             }
             if (d1 < hs) {
-                dk_cache[key_index(b, kv_head, token, d1)] = pc.scale * select(dk1_b[k % 4u], dk1_a[k % 4u], lo);
-                dv_cache[value_index(b, kv_head, token, d1)] = select(dv1_b[k % 4u], dv1_a[k % 4u], lo);
+                dk_cache[key_element(b, kv_head, token, d1)] = pc.scale * select(dk1_b[k % 4u], dk1_a[k % 4u], lo);
+                dv_cache[b * pc.v_block_stride + value_offset(kv_head, token, d1)] = select(dv1_b[k % 4u], dv1_a[k % 4u], lo);
             }
         }
     }

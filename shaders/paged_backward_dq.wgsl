@@ -1,40 +1,57 @@
 // Paged-attention backward, the query gradient, WGSL: shaders/paged_backward_dq.comp translated
 // statement for statement, with the same interface (PAGED_BACKWARD_DQ in pagedvk/abi.py). The algorithm
-// is explained there and in attention_common.glsl; the shared helpers are attention_common.wgsl.
+// is explained there and in attention_common.glsl; build_shaders.py pastes the storage files, the cache
+// access and the common parts.
 
+//!include kv_storage.wgsl
+//!include q_storage.wgsl
 //!include attention_common.wgsl
+//!include kv_access.wgsl
+//!include cache_elements.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<vec4<f32>>;        // [seqs, heads, q_len, head_size]
-@group(0) @binding(1) var<storage, read> key_cache: array<vec4<f32>>;    // 4-dim chunks, see key_chunk()
-@group(0) @binding(2) var<storage, read> value_cache: array<f32>;        // see value_index()
+@group(0) @binding(0) var<storage, read> query: array<QQuad>;           // [seqs, heads, q_len, head_size]
+@group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;      // see key_load()
+@group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;    // see value_load()
 @group(0) @binding(3) var<storage, read> block_tables: array<i32>;       // [seqs, max_blocks_per_seq]
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;           // [seqs]
-@group(0) @binding(5) var<storage, read> dout: array<vec4<f32>>;         // like query
-@group(0) @binding(6) var<storage, read> out: array<vec4<f32>>;          // like query
+@group(0) @binding(5) var<storage, read> dout: array<QQuad>;            // like query
+@group(0) @binding(6) var<storage, read> out: array<QQuad>;             // like query
 @group(0) @binding(7) var<storage, read> lse: array<f32>;                // [seqs, heads, q_len]
 @group(0) @binding(8) var<storage, read_write> dq: array<f32>;           // like query
 var<immediate> pc: Params;
 
-const WG: u32 = 128u;
-const MAX_HEAD_SIZE: u32 = 256u;
+const KV_SEGMENT_BINDING: u32 = 9u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+
 const ROWS: u32 = 8u;               // as two vec4s: rows 0-3 (_a) and 4-7 (_b)
 const TILE: u32 = 128u;             // == WG
-const MAX_TILE_BLOCKS: u32 = 16u;   // TILE / smallest block size (8)
+const MAX_TILE_BLOCKS: u32 = 16u;   // TILE / MIN_BLOCK_SIZE
 
 var<workgroup> s_ds: array<vec4<f32>, 256>;   // TILE * 2: [token][rows 0-3 | rows 4-7], dS
 var<workgroup> s_phys: array<i32, MAX_TILE_BLOCKS>;
 
-fn dots(x: vec4<f32>, rows: vec4<u32>) -> vec4<f32> {
-    return vec4<f32>(dot(x, query[rows.x]), dot(x, query[rows.y]), dot(x, query[rows.z]), dot(x, query[rows.w]));
+fn Q(i: u32) -> vec4<f32> {    // quad i of query, dout, out
+    return q_quad(query[i]);
 }
 
-fn dout_dots(x: vec4<f32>, rows: vec4<u32>) -> vec4<f32> {
-    return vec4<f32>(dot(x, dout[rows.x]), dot(x, dout[rows.y]), dot(x, dout[rows.z]), dot(x, dout[rows.w]));
+fn DO(i: u32) -> vec4<f32> {
+    return q_quad(dout[i]);
 }
 
-fn delta_terms(rows: vec4<u32>) -> vec4<f32> {
-    return vec4<f32>(dot(out[rows.x], dout[rows.x]), dot(out[rows.y], dout[rows.y]), dot(out[rows.z], dout[rows.z]),
-                     dot(out[rows.w], dout[rows.w]));
+fn O(i: u32) -> vec4<f32> {
+    return q_quad(out[i]);
+}
+
+fn dots(x: vec4<f32>, rows: vec4<u32>) -> vec4<f32> {        // x . query quad of four rows
+    return vec4<f32>(dot(x, Q(rows.x)), dot(x, Q(rows.y)), dot(x, Q(rows.z)), dot(x, Q(rows.w)));
+}
+
+fn dout_dots(x: vec4<f32>, rows: vec4<u32>) -> vec4<f32> {   // x . dout quad of four rows
+    return vec4<f32>(dot(x, DO(rows.x)), dot(x, DO(rows.y)), dot(x, DO(rows.z)), dot(x, DO(rows.w)));
+}
+
+fn delta_terms(rows: vec4<u32>) -> vec4<f32> {   // out . dout quad of four rows, operands in dout_dots' order
+    return vec4<f32>(dot(O(rows.x), DO(rows.x)), dot(O(rows.y), DO(rows.y)), dot(O(rows.z), DO(rows.z)),
+                     dot(O(rows.w), DO(rows.w)));
 }
 
 // Keys row gr sees (0 past the end or past a buffer).
@@ -46,17 +63,20 @@ fn row_keys(seq: u32, kv_head: u32, gr: u32, row_end: u32, seq_len: u32, row_flo
 }
 
 @compute @workgroup_size(128, 1, 1)
-fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
     let tid = lid.x;
-    let kv_head = wid.y;
-    let seq = wid.z;
     let hs = pc.head_size;
     let hc = hs / 4u;
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
     let rows = group * pc.q_len;
-    let row0 = wid.x * ROWS;
-    if (row0 >= rows || hs > MAX_HEAD_SIZE) {
+    let tiles = (rows + ROWS - 1u) / ROWS;
+    let wg = workgroup_index(wid, nwg);  // (row tile, kv head, sequence), tiles fastest
+    let kv_head = (wg / tiles) % pc.num_kv_heads;
+    let seq = wg / (tiles * pc.num_kv_heads);
+    let row0 = (wg % tiles) * ROWS;
+    if (seq >= pc.num_seqs || row0 >= rows || hs > MAX_HEAD_SIZE) {
         return;
     }
     let row_end = min(row0 + ROWS, rows);
@@ -131,15 +151,14 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         var dp_a = vec4<f32>(0.0);
         var dp_b = vec4<f32>(0.0);
         if (phys >= 0) {
-            let k0 = key_chunk(u32(phys), kv_head, token % bs, 0u);
-            let kstep = pc.k_chunk_stride >> 2u;
-            let v0 = value_index(u32(phys), kv_head, token % bs, 0u);
+            let v0 = value_offset(kv_head, token % bs, 0u);
             let vs = pc.v_dim_stride;
+            let p = u32(phys);
             for (var c = 0u; c < hc; c++) {
-                let k = key_cache[k0 + c * kstep];
+                let k = kv_quad(key_load(p, key_offset(kv_head, token % bs, c)));
                 let vi = v0 + 4u * c * vs;
-                let v = vec4<f32>(value_cache[vi], value_cache[vi + vs], value_cache[vi + 2u * vs],
-                                  value_cache[vi + 3u * vs]);
+                let v = vec4<f32>(value_at(p, vi), value_at(p, vi + vs), value_at(p, vi + 2u * vs),
+                                  value_at(p, vi + 3u * vs));
                 x_a += dots(k, qb_a + c);
                 x_b += dots(k, qb_b + c);
                 dp_a += dout_dots(v, qb_a + c);
@@ -161,14 +180,12 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             let ds_a = s_ds[t * 2u];
             let ds_b = s_ds[t * 2u + 1u];
             if (d0 < hs) {
-                let k = key_index(u32(b), kv_head, (base + t) % bs, d0);
-                let kd = key_cache[k >> 2u][k & 3u];
+                let kd = key_at(u32(b), kv_head, (base + t) % bs, d0);
                 dq0_a += ds_a * kd;
                 dq0_b += ds_b * kd;
             }
             if (d1 < hs) {
-                let k = key_index(u32(b), kv_head, (base + t) % bs, d1);
-                let kd = key_cache[k >> 2u][k & 3u];
+                let kd = key_at(u32(b), kv_head, (base + t) % bs, d1);
                 dq1_a += ds_a * kd;
                 dq1_b += ds_b * kd;
             }

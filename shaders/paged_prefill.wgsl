@@ -1,27 +1,30 @@
 // Paged-attention prefill forward, WGSL: shaders/paged_prefill.comp translated statement for statement,
 // with the same interface (PAGED_PREFILL in pagedvk/abi.py). The algorithm, the cache addressing by
 // strides and the bounds rules are explained in the GLSL sources (paged_prefill.comp and
-// attention_common.glsl); the common part is attention_common.wgsl, pasted in by build_shaders.py.
+// attention_common.glsl). build_shaders.py pastes the module's storage files (kv_<type>.wgsl,
+// q_<type>.wgsl), its cache access (kv_bound.wgsl or kv_segmented.wgsl) and the common parts.
 
+//!include kv_storage.wgsl
+//!include q_storage.wgsl
 //!include attention_common.wgsl
+//!include kv_access.wgsl
+//!include cache_elements.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<vec4<f32>>;        // [seqs, heads, q_len, head_size]
-@group(0) @binding(1) var<storage, read> key_cache: array<vec4<f32>>;    // 4-dim chunks, see key_chunk()
-@group(0) @binding(2) var<storage, read> value_cache: array<f32>;        // see value_index()
+@group(0) @binding(0) var<storage, read> query: array<QQuad>;            // [seqs, heads, q_len, head_size]
+@group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;       // see key_load()
+@group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;     // see value_load()
 @group(0) @binding(3) var<storage, read> block_tables: array<i32>;       // [seqs, max_blocks_per_seq]
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;           // [seqs]
-@group(0) @binding(5) var<storage, read_write> out: array<f32>;          // [seqs, heads, q_len, head_size]
+@group(0) @binding(5) var<storage, read_write> out: array<OutPair>;      // [seqs, heads, q_len, head_size]
 @group(0) @binding(6) var<storage, read_write> lse: array<f32>;          // [seqs, heads, q_len]
 var<immediate> pc: Params;
 
-const WG: u32 = 128u;
-const MAX_HEAD_SIZE: u32 = 256u;
+const KV_SEGMENT_BINDING: u32 = 7u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+
 const ROWS: u32 = 8u;               // as two vec4s: rows 0-3 (_a) and 4-7 (_b)
 const TILE: u32 = 128u;             // == WG
 const LANES: u32 = 16u;             // WG / ROWS
-const MAX_TILE_BLOCKS: u32 = 16u;   // TILE / smallest block size (8)
-// -inf cannot be a WGSL constant (constant expressions must be finite); bitcast it at run time.
-const NEG_INF_BITS: u32 = 0xff800000u;
+const MAX_TILE_BLOCKS: u32 = 16u;   // TILE / MIN_BLOCK_SIZE
 
 var<workgroup> s_p: array<vec4<f32>, 256>;   // TILE * 2: [token][rows 0-3 | rows 4-7], logits then weights
 var<workgroup> s_red: array<f32, WG>;
@@ -29,10 +32,6 @@ var<workgroup> s_row: array<f32, ROWS>;
 var<workgroup> s_m: array<f32, ROWS>;
 var<workgroup> s_alpha: array<f32, ROWS>;
 var<workgroup> s_phys: array<i32, MAX_TILE_BLOCKS>;
-
-fn neg_inf() -> f32 {
-    return bitcast<f32>(NEG_INF_BITS);
-}
 
 fn row_reduce(take_max: bool, tid: u32) {
     let r = tid / LANES;
@@ -55,6 +54,10 @@ fn row_reduce(take_max: bool, tid: u32) {
     workgroupBarrier();
 }
 
+fn Q(i: u32) -> vec4<f32> {   // query quad i
+    return q_quad(query[i]);
+}
+
 fn m4(first: u32) -> vec4<f32> {
     return vec4<f32>(s_m[first], s_m[first + 1u], s_m[first + 2u], s_m[first + 3u]);
 }
@@ -71,17 +74,20 @@ fn row_keys(seq: u32, kv_head: u32, gr: u32, row_end: u32, seq_len: u32) -> u32 
 }
 
 @compute @workgroup_size(128, 1, 1)
-fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
     let tid = lid.x;
-    let kv_head = wid.y;
-    let seq = wid.z;
     let hs = pc.head_size;
-    let hc = hs / 4u;
+    let hc = hs / 4u;                    // head quads
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
     let rows = group * pc.q_len;
-    let row0 = wid.x * ROWS;
-    if (row0 >= rows || hs > MAX_HEAD_SIZE) {
+    let tiles = (rows + ROWS - 1u) / ROWS;
+    let wg = workgroup_index(wid, nwg);  // (row tile, kv head, sequence), tiles fastest
+    let kv_head = (wg / tiles) % pc.num_kv_heads;
+    let seq = wg / (tiles * pc.num_kv_heads);
+    let row0 = (wg % tiles) * ROWS;
+    if (seq >= pc.num_seqs || row0 >= rows || hs > MAX_HEAD_SIZE) {
         return;
     }
     let row_end = min(row0 + ROWS, rows);
@@ -96,6 +102,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     if (seq < arrayLength(&seq_lens)) {
         seq_len = min(u32(max(seq_lens[seq], 0)), row_blocks * bs);
     }
+    // Rows are query-major, so the last row sees the most keys.
     let kv_end = visible_keys((row_end - 1u) / group, seq_len);
 
     let keys_a = vec4<u32>(row_keys(seq, kv_head, row0, row_end, seq_len),
@@ -106,7 +113,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                            row_keys(seq, kv_head, row0 + 5u, row_end, seq_len),
                            row_keys(seq, kv_head, row0 + 6u, row_end, seq_len),
                            row_keys(seq, kv_head, row0 + 7u, row_end, seq_len));
-    // Each row's first query chunk; rows that see nothing read row 0's (in bounds) and are masked.
+    // Each row's first query quad; rows that see nothing read row 0's (in bounds) and are masked.
     var qb_a = vec4<u32>(0u);
     var qb_b = vec4<u32>(0u);
     for (var r = 0u; r < 4u; r++) {
@@ -117,14 +124,13 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         s_m[tid] = neg_inf();
     }
 
-    var l_a = vec4<f32>(0.0);
+    var l_a = vec4<f32>(0.0);    // this thread's share of each row's softmax denominator
     var l_b = vec4<f32>(0.0);
-    var o0_a = vec4<f32>(0.0);
+    var o0_a = vec4<f32>(0.0);   // weighted values of head dim d0, per row
     var o0_b = vec4<f32>(0.0);
-    var o1_a = vec4<f32>(0.0);
+    var o1_a = vec4<f32>(0.0);   // and of head dim d1
     var o1_b = vec4<f32>(0.0);
-    let d0 = tid;
-    let d1 = tid + WG;
+    let d0 = 2u * tid;           // this thread's head dims
     let ninf4 = vec4<f32>(neg_inf());
 
     for (var base = 0u; base < kv_end; base += TILE) {
@@ -145,14 +151,12 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         var x_a = vec4<f32>(0.0);
         var x_b = vec4<f32>(0.0);
         if (phys >= 0) {
-            let k0 = key_chunk(u32(phys), kv_head, token % bs, 0u);
-            let kstep = pc.k_chunk_stride >> 2u;
             for (var c = 0u; c < hc; c++) {
-                let k = key_cache[k0 + c * kstep];
-                x_a += vec4<f32>(dot(k, query[qb_a.x + c]), dot(k, query[qb_a.y + c]),
-                                 dot(k, query[qb_a.z + c]), dot(k, query[qb_a.w + c]));
-                x_b += vec4<f32>(dot(k, query[qb_b.x + c]), dot(k, query[qb_b.y + c]),
-                                 dot(k, query[qb_b.z + c]), dot(k, query[qb_b.w + c]));
+                let k = kv_quad(key_load(u32(phys), key_offset(kv_head, token % bs, c)));
+                x_a += vec4<f32>(dot(k, Q(qb_a.x + c)), dot(k, Q(qb_a.y + c)), dot(k, Q(qb_a.z + c)),
+                                 dot(k, Q(qb_a.w + c)));
+                x_b += vec4<f32>(dot(k, Q(qb_b.x + c)), dot(k, Q(qb_b.y + c)), dot(k, Q(qb_b.z + c)),
+                                 dot(k, Q(qb_b.w + c)));
             }
         }
         x_a *= pc.scale;
@@ -193,43 +197,38 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             if (b < 0) {
                 continue;
             }
-            let v = value_index(u32(b), kv_head, (base + t) % bs, 0u);
-            var v0 = 0.0;
-            var v1 = 0.0;
-            if (d0 < hs) {
-                v0 = value_cache[v + d0 * pc.v_dim_stride];
+            if (d0 >= hs) {
+                break;   // threads past the head have no dims
             }
-            if (d1 < hs) {
-                v1 = value_cache[v + d1 * pc.v_dim_stride];
-            }
+            let v = value_offset(kv_head, (base + t) % bs, d0);
+            let v0 = value_at(u32(b), v);
+            let v1 = value_at(u32(b), v + pc.v_dim_stride);
             let w_a = s_p[t * 2u];
             let w_b = s_p[t * 2u + 1u];
             o0_a += w_a * v0;
             o0_b += w_b * v0;
-            if (hs > WG) {
-                o1_a += w_a * v1;
-                o1_b += w_b * v1;
-            }
+            o1_a += w_a * v1;
+            o1_b += w_b * v1;
         }
-        workgroupBarrier();
+        workgroupBarrier();   // s_p and s_phys are rewritten by the next tile
     }
 
+    // Each row's denominator, summed over the threads once at the end.
     s_p[tid * 2u] = l_a;
     s_p[tid * 2u + 1u] = l_b;
     workgroupBarrier();
     row_reduce(false, tid);
     for (var r = 0u; r < ROWS; r++) {
         let q = row_base(seq, kv_head, row0 + r);
-        if (row0 + r >= row_end || q + hs > arrayLength(&out)) {
+        if (row0 + r >= row_end || q + hs > 2u * arrayLength(&out)) {
             continue;
         }
         let denom = s_row[r];
-        let inv = select(0.0, 1.0 / denom, denom > 0.0);
+        let inv = select(0.0, pc.v_scale / denom, denom > 0.0);   // a row that sees no key gives zeros
+        let lo = r < 4u;
+        let o = vec2<f32>(select(o0_b[r % 4u], o0_a[r % 4u], lo), select(o1_b[r % 4u], o1_a[r % 4u], lo)) * inv;
         if (d0 < hs) {
-            out[q + d0] = select(o0_b[r % 4u], o0_a[r % 4u], r < 4u) * inv;
-        }
-        if (d1 < hs) {
-            out[q + d1] = select(o1_b[r % 4u], o1_a[r % 4u], r < 4u) * inv;
+            out[(q + d0) >> 1u] = out_pair(o);
         }
         if (tid == 0u && q / hs < arrayLength(&lse)) {
             lse[q / hs] = select(neg_inf(), s_m[r] + log(denom), denom > 0.0);

@@ -15,44 +15,62 @@ from test_prefill import PrefillCase, modules_used
 
 SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 WGSL_KERNELS = [k for k in abi.KERNELS if "wgsl" in k.backends]
+# Every WGSL module: the sources and bindings differ by cache access (one binding, or segments), the storage
+# files by type.
+WGSL_KEYS = [(k, key) for k in WGSL_KERNELS for key in k.keys() if key.backend == "wgsl"]
 
 
-def source(kernel):
+def source(key):
     """The module's WGSL with what it includes (`//!include`, pasted in by build_shaders.py)."""
-    return "".join(p.read_text() for p in abi.source_files(SHADERS, kernel, "wgsl", kernel.variants[0]))
+    return "".join(p.read_text() for p in abi.source_files(SHADERS, key))
 
 
 def test_every_attention_op_has_a_wgsl_module():
     assert {k.op for k in WGSL_KERNELS} >= {"paged_decode", "paged_prefill", "paged_backward_dq",
-                                            "paged_backward_dkdv"}
+                                            "paged_backward_dkdv", "paged_decode_reduce"}
 
 
-@pytest.mark.parametrize("kernel", WGSL_KERNELS, ids=lambda k: k.op)
-def test_push_constant_struct_is_the_declared_one(kernel):
+@pytest.mark.parametrize("kernel,key", WGSL_KEYS, ids=[key.name for _, key in WGSL_KEYS])
+def test_push_constant_struct_is_the_declared_one(kernel, key):
     # Reflection sees offsets only (and naga wraps the struct in another); names and types are checked here.
-    text = source(kernel)
+    text = source(key)
     body = re.search(r"struct Params \{(.*?)\}", text, re.S).group(1)
     fields = re.findall(r"(\w+)\s*:\s*(\w+)\s*,", body)
     assert fields == [(f.name, f.kind) for f in kernel.push]
     assert re.search(r"^var<immediate> pc: Params;$", text, re.M)
-    assert "enable subgroups" not in text
+    assert not re.search(r"^\s*enable ", text, re.M)   # core WGSL only: no subgroups, no f16
 
 
-@pytest.mark.parametrize("kernel", WGSL_KERNELS, ids=lambda k: k.op)
-def test_bindings_are_the_declared_ones(kernel):
-    found = re.findall(r"@group\(0\) @binding\((\d+)\) var<storage, (read|read_write)> (\w+):", source(kernel))
-    assert [(int(i), access, name) for i, access, name in found] == [
-        (i, "read" if b.readonly else "read_write", b.name) for i, b in enumerate(kernel.bindings)]
-    assert f"@workgroup_size({', '.join(map(str, kernel.workgroup_size))})" in source(kernel)
+@pytest.mark.parametrize("kernel,key", WGSL_KEYS, ids=[key.name for _, key in WGSL_KEYS])
+def test_bindings_are_the_declared_ones(kernel, key):
+    # A segmented cache's extra bindings are numbered from the module's KV_SEGMENT_BINDING.
+    text = source(key)
+    consts = {name: int(value) for name, value in re.findall(r"^const (\w+): u32 = (\d+)u;", text, re.M)}
+
+    def number(expr):
+        first, *rest = [term.strip().rstrip("u") for term in expr.split("+")]
+        return (consts[first] if first in consts else int(first)) + sum(int(t) for t in rest)
+
+    found = re.findall(r"@group\(0\) @binding\(([^)]+)\) var<storage, (read|read_write)> (\w+):", text)
+    assert sorted((number(i), access, name) for i, access, name in found) == [
+        (i, "read" if b.readonly else "read_write", b.name) for i, b in enumerate(kernel.bindings_for(key))]
+    assert f"@workgroup_size({', '.join(map(str, kernel.workgroup_size))})" in text
 
 
-def test_variant_sources_are_named_per_variant():
-    # WGSL has no preprocessor: the first variant is {op}.wgsl, any other its own {op}.{variant}.wgsl.
-    kernel = abi.KernelABI(op="k", bindings=(), push=(), workgroup_size=(1, 1, 1),
-                           variants=(abi.Variant("f32", {"KV_F32": 1}), abi.Variant("f16", {"KV_F16": 1})),
-                           backends=("glsl", "wgsl"))
-    assert [abi.source_name(kernel, b, v) for b in ("glsl", "wgsl") for v in kernel.variants] == [
-        "k.comp", "k.comp", "k.wgsl", "k.f16.wgsl"]
+def test_storage_files_stand_in_for_the_generic_includes():
+    # WGSL has no preprocessor: a module includes generic names, the key picks the files pasted for them.
+    key = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg")
+    names = [p.name for p in abi.source_files(SHADERS, key)]
+    assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_bf16.wgsl", "attention_common.wgsl",
+                     "kv_segmented.wgsl"]
+    for tag in abi.STORAGE_TYPES:
+        text = (SHADERS / f"kv_{tag}.wgsl").read_text()
+        assert re.search(r"^alias KvQuad = (vec4<u32>|vec2<u32>|u32);$", text, re.M), tag
+        assert re.search(r"^const KV_CHUNK_QUADS: u32 = [124]u;$", text, re.M), tag
+        assert "fn kv_quad(w: KvQuad) -> vec4<f32>" in text, tag
+    for tag in abi.QUERY_TYPES:
+        text = (SHADERS / f"q_{tag}.wgsl").read_text()
+        assert "fn q_quad(w: QQuad) -> vec4<f32>" in text and "fn out_pair(v: vec2<f32>) -> OutPair" in text, tag
 
 
 def test_backend_argument_picks_the_wgsl_modules(rng, monkeypatch):
