@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import ClosedError
+from .runtime.memory import BufferRange
 from .runtime.owned import Owned
 from .selection import get_device
 
@@ -63,6 +64,18 @@ class DeviceArray(Owned):
                 b.close()
             raise
         self._address_table = None
+
+    @classmethod
+    def _over(cls, buffer, offset: int, shape, dtype) -> "DeviceArray":
+        """An array over bytes [offset, offset + nbytes) of an existing runtime Buffer (a BufferRange of it),
+        allocating nothing; it binds only its own range. Tests use it to put sentinels right beside the
+        arrays they guard."""
+        self = cls.__new__(cls)
+        self.shape, self.dtype, self.device = _shape(shape), _dtype(dtype), buffer.device
+        self.segment_rows = self.shape[0] if self.shape else 1
+        self._buffers = [BufferRange(buffer, offset, self.nbytes)]
+        self._address_table = None
+        return self
 
     @property
     def buffer(self):

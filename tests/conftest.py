@@ -93,6 +93,38 @@ class Case:
         return np.full(self.query.shape, np.nan, self.query.dtype)
 
 
+# -- sentinels: arrays laid out in one buffer between sentinel ranges, so a stray access lands in a sentinel --
+
+SENTINEL = np.float32(-1234.5)   # a pattern no kernel writes by chance
+GUARD_BYTES = 16384
+
+
+def fenced(device, *host_arrays):
+    """Device copies of host_arrays laid out in ONE buffer as [sentinel | copy | sentinel | copy | ... |
+    sentinel]: (copies, sentinels). Each copy binds only its own range, so an access past it lands in the
+    sentinel beside it (separate allocations need not be neighbours). Each copy starts at the device's
+    minStorageBufferOffsetAlignment; the sentinel before it fills the gap from the previous copy's end."""
+    align = max(16, device.info.min_storage_buffer_offset_alignment)
+    up = lambda n, to: -(-n // to) * to
+    guards, copies, end = [], [], 0   # (offset, nbytes) of each sentinel and copy, in buffer order
+    for a in host_arrays:
+        start = up(end + GUARD_BYTES, align)
+        guards.append((end, start - end))
+        copies.append(start)
+        end = start + up(max(a.nbytes, 1), 16)   # a copy binds its bytes rounded up to 16, like a buffer
+    guards.append((end, GUARD_BYTES))
+    buffer = device.buffer(end + GUARD_BYTES)   # kept alive by the arrays over it, freed when they close
+    over = pagedvk.DeviceArray._over
+    guards = [over(buffer, off, n // 4, np.float32).write(np.full(n // 4, SENTINEL)) for off, n in guards]
+    copies = [over(buffer, off, a.shape, a.dtype).write(a) for off, a in zip(copies, host_arrays)]
+    return copies, guards
+
+
+def assert_untouched(*sentinels):
+    for a in sentinels:
+        assert (a.numpy() == SENTINEL).all(), "a kernel wrote outside its own buffers"
+
+
 def poison_unread_slots(case, block_size: int) -> None:
     """NaN in every cache slot no sequence reads (vLLM layout): slots past each sequence's length in its
     last block, and the blocks nobody uses. A kernel that weights them by zero instead of skipping them

@@ -9,13 +9,13 @@ import pagedvk
 from pagedvk import array, ops, reference
 from pagedvk.layouts import CacheSpec
 from pagedvk.dtypes import CACHE_TYPES
+from conftest import assert_untouched, fenced
 
 CACHE_DTYPES = [np.dtype(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
                                        ml_dtypes.float8_e5m2)]
 TOKEN_DTYPES = [np.dtype(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16)]
 BACKENDS = ["glsl", "wgsl"]
 LAYOUTS = ["vllm", "nhd"]
-SENTINEL = np.float32(-1234.5)
 
 
 def random_cache(rng, shape, dtype):
@@ -115,10 +115,6 @@ def test_reshape_and_cache_segmented(rng, device, monkeypatch, backend, addresse
     same_bits(dv.numpy(), ref_v)
 
 
-def sentinel(device):
-    return pagedvk.asarray(np.full(4096, SENTINEL, np.float32), device=device)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cache_dtype", [np.float32, ml_dtypes.float8_e5m2], ids=str)
 def test_unchecked_slots_past_the_caches_are_skipped(rng, device, backend, cache_dtype):
@@ -129,19 +125,14 @@ def test_unchecked_slots_past_the_caches_are_skipped(rng, device, backend, cache
     slot_mapping[:6] = [capacity, capacity + 1, capacity + 17, 2 ** 31 - 1, 2 ** 32 + 5, 2 ** 40]
     kc, vc = random_cache(rng, s.key_shape, cache_dtype), random_cache(rng, s.value_shape, cache_dtype)
     ref_k, ref_v = reference.reshape_and_cache(key, value, kc, vc, slot_mapping)
-    guards = [sentinel(device)]
-    dk = pagedvk.asarray(kc, device)
-    guards.append(sentinel(device))
-    dv = pagedvk.asarray(vc, device)
-    guards.append(sentinel(device))
+    (dk, dv), guards = fenced(device, kc, vc)
     with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 96 is outside the caches"):
         pagedvk.reshape_and_cache(key, value, dk, dv, slot_mapping, backend=backend)
     same_bits(dk.numpy(), kc)   # nothing written
     pagedvk.reshape_and_cache(key, value, dk, dv, slot_mapping, backend=backend, validate=False)
     same_bits(dk.numpy(), ref_k)
     same_bits(dv.numpy(), ref_v)
-    for g in guards:
-        assert (g.numpy() == SENTINEL).all(), "reshape_and_cache wrote outside the caches"
+    assert_untouched(*guards)
 
 
 def bad_arguments(s, key, value, kc, vc, slot_mapping):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case
+from conftest import Case, assert_untouched, fenced
 
 
 def rejects(case, exc, match, **kw):
@@ -182,12 +182,13 @@ def test_vllm_argument_mismatches(case):
     assert np.isnan(out).all()
 
 
-def test_unchecked_bad_ids_stay_inside_the_cache(case):
+def test_unchecked_bad_ids_stay_inside_the_cache(case, device):
     # With validation off, out-of-range and negative ids reach the kernel, which must treat those blocks
-    # as empty: the other sequences stay right, the cache is untouched, the device lives on.
+    # as empty: the other sequences stay right, the cache and the sentinels beside it are untouched, the
+    # device lives on.
     bt = case.block_tables.copy()
     bt[1, 0], bt[1, 1] = -5, 10**9
-    dk, dv = pagedvk.asarray(case.key_cache), pagedvk.asarray(case.value_cache)
+    (dk, dv), guards = fenced(device, case.key_cache, case.value_cache)
     out = pagedvk.paged_attention(case.query, dk, dv, pagedvk.asarray(bt), case.seq_lens, validate=False)
     ref = case.reference()
     assert np.isfinite(out).all()
@@ -195,6 +196,7 @@ def test_unchecked_bad_ids_stay_inside_the_cache(case):
         assert np.linalg.norm(out[s] - ref[s]) / np.linalg.norm(ref[s]) < 1e-5
     np.testing.assert_array_equal(dk.numpy(), case.key_cache)
     np.testing.assert_array_equal(dv.numpy(), case.value_cache)
+    assert_untouched(*guards)
     assert np.isfinite(pagedvk.paged_attention(*case.args())).all()   # still usable
 
 

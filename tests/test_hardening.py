@@ -9,34 +9,13 @@ import pytest
 import vulkan as vk
 
 import pagedvk
-from conftest import Case, rel_error
+from conftest import Case, assert_untouched, fenced, rel_error
 from pagedvk.errors import GPUTimeoutError
-
-SENTINEL = np.float32(-1234.5)   # a pattern no kernel writes by chance
-
 
 def rss_mib() -> float:
     """Resident host memory of this process, from /proc/self/statm."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def sentinel(device, n=4096):
-    return pagedvk.asarray(np.full(n, SENTINEL, np.float32), device=device)
-
-
-def fenced(device, *host_arrays):
-    """Device copies of host_arrays, each allocated between sentinel arrays: (copies, sentinels)."""
-    guards, copies = [sentinel(device)], []
-    for a in host_arrays:
-        copies.append(pagedvk.asarray(a, device=device))
-        guards.append(sentinel(device))
-    return copies, guards
-
-
-def assert_untouched(*arrays):
-    for a in arrays:
-        assert (a.numpy() == SENTINEL).all(), "a kernel wrote outside its own buffers"
 
 
 def close_all(*arrays):
@@ -75,16 +54,15 @@ def bad_tables(case, num_blocks):
 def test_unchecked_device_tables_stay_inside_their_buffers(rng, warm):
     # An engine that trusts its tables runs with validate=False and updates them on the device in place:
     # no Python check ever sees the values, so the kernel's own bounds are all that keep it inside the
-    # caches. Sentinel arrays allocated right before and after the caches and the output must keep their
-    # pattern (on a GPU a stray read or write past a buffer lands in its neighbours).
+    # caches. Sentinels right before and after the caches and the output, in the same buffer, must keep
+    # their pattern (a stray read or write past a binding lands in its neighbours).
     device = warm
     live = device.live_objects()
     case = Case(rng, num_seqs=12, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, max_len=100)
     num_blocks = case.key_cache.shape[0]
-    (k, v), guards = fenced(device, case.key_cache, case.value_cache)
+    poison = np.full(case.query.shape, np.nan, np.float32)
+    (k, v, out), guards = fenced(device, case.key_cache, case.value_cache, poison)
     q = pagedvk.asarray(case.query)
-    out = pagedvk.empty(case.query.shape)
-    guards.append(sentinel(device))
     bt, sl = pagedvk.asarray(case.block_tables), pagedvk.asarray(case.seq_lens)
     ref = case.reference()
     valid = list(range(0, 12, 2))
@@ -125,11 +103,10 @@ def test_every_id_and_length_bad(rng, device):
     bt = np.where(np.arange(case.block_tables.size).reshape(case.block_tables.shape) % 2,
                   -7, 10**6).astype(np.int32)
     sl = np.array([2**31 - 1, 1, 8, case.block_tables.shape[1] * 8], np.int32)
-    guard = sentinel(device)
-    out = pagedvk.paged_attention(case.query, case.key_cache, case.value_cache, pagedvk.asarray(bt),
-                                  pagedvk.asarray(sl), validate=False)
+    (k, v), guards = fenced(device, case.key_cache, case.value_cache)
+    out = pagedvk.paged_attention(case.query, k, v, pagedvk.asarray(bt), pagedvk.asarray(sl), validate=False)
     assert (out == 0).all()
-    assert_untouched(guard)
+    assert_untouched(*guards)
 
 
 # -- 3. device errors: out of memory -------------------------------------------------------------------

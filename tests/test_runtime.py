@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import run_python
+from conftest import Case, rel_error, run_python
 from pagedvk import selection
 from pagedvk.runtime.instance import DeviceInfo
 
@@ -46,7 +46,8 @@ def fake(index, type_):
     return DeviceInfo(index=index, name=f"fake {type_} {index}", type=type_, vendor="x", driver="x",
                       driver_version="1", api_version="1.3.0", device_local_bytes=1, subgroup_size=32, fp16=False,
                       storage16=False, storage8=False, bf16=False, cooperative_matrix=False,
-                      max_storage_buffer_range=1, max_allocation_bytes=1, max_workgroup_count=(65535,) * 3,
+                      max_storage_buffer_range=1, max_allocation_bytes=1, min_storage_buffer_offset_alignment=16,
+                      max_workgroup_count=(65535,) * 3,
                       extensions=frozenset())
 
 
@@ -203,3 +204,53 @@ def test_owned_objects_share_close_and_with(device):
     import gc
     gc.collect()
     assert device.live_objects() == live
+
+
+# -- buffer ranges: arrays over sub-ranges of one buffer (the tests' sentinels sit in the same buffer) --
+
+def test_arrays_over_ranges_of_one_buffer(rng, device):
+    from pagedvk.array import DeviceArray
+    from pagedvk.layouts import bind_caches
+    buffer = device.buffer(4096)
+    device.fill(buffer, 0x7F7F7F7F)
+    a_host, b_host = rng.standard_normal(10).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    a = DeviceArray._over(buffer, 1024, a_host.shape, np.float32).write(a_host)
+    b = DeviceArray._over(buffer, 2048, b_host.shape, np.float32).write(b_host)
+    assert (a.buffer.size, a.buffer.offset) == (48, 1024)   # its own range, rounded up to 16 bytes
+    np.testing.assert_array_equal(a.numpy(), a_host)
+    np.testing.assert_array_equal(b.numpy(), b_host)
+    device.fill(b.buffer, 0)
+    whole = device.download(buffer).view(np.float32)
+    np.testing.assert_array_equal(whole[256:266], a_host)
+    assert (whole[512:576] == 0).all()
+    untouched = np.ones(1024, bool)
+    untouched[256:266] = untouched[512:576] = False
+    assert (whole[untouched].view(np.uint32) == 0x7F7F7F7F).all()   # nothing written outside the ranges
+    # What a kernel bounds block ids by is the range, not the buffer.
+    assert bind_caches(a, b, "glsl").key_bytes == 48
+    del buffer   # the arrays keep it alive; closing one frees nothing the other uses
+    a.close()
+    assert a.closed and not b.closed
+    np.testing.assert_array_equal(b.numpy(), 0)
+    b.close()
+
+
+def test_buffer_range_offsets_are_checked(device):
+    from pagedvk.array import DeviceArray
+    from pagedvk.runtime.memory import BufferRange
+    buffer = device.buffer(256)
+    with pytest.raises(ValueError, match=r"offset must be a multiple of 4 in \[0, 240\] .* got 248"):
+        BufferRange(buffer, 248, 16)
+    with pytest.raises(ValueError, match="offset must be a multiple of 4"):
+        BufferRange(buffer, 6, 16)
+    # A kernel binding must start at minStorageBufferOffsetAlignment: refused before anything is bound.
+    align = device.info.min_storage_buffer_offset_alignment
+    case = Case(np.random.default_rng(0), num_seqs=1, head_size=32, max_len=20)
+    q = DeviceArray._over(device.buffer(case.query.nbytes + 2 * align), align // 2 // 4 * 4 or align,
+                          case.query.shape, np.float32).write(case.query)
+    if q.buffer.offset % align:   # a device that takes any multiple of 4 has nothing to refuse
+        with pytest.raises(ValueError, match=rf"must start at a multiple of {align} bytes "
+                                             r"\(minStorageBufferOffsetAlignment"):
+            pagedvk.paged_attention(q, *case.args()[1:])
+    q = DeviceArray._over(q.buffer.buffer, align, case.query.shape, np.float32).write(case.query)
+    assert rel_error(pagedvk.paged_attention(q, *case.args()[1:]).numpy(), case.reference()) < 1e-5

@@ -56,6 +56,7 @@ class DeviceInfo:
     cooperative_matrix: bool  # VK_KHR_cooperative_matrix
     max_storage_buffer_range: int
     max_allocation_bytes: int
+    min_storage_buffer_offset_alignment: int   # where a bound sub-range of a buffer may start
     max_workgroup_count: tuple   # maxComputeWorkGroupCount: workgroups per grid dimension
     extensions: frozenset = field(repr=False)
     handle: object = field(default=None, repr=False, compare=False)  # VkPhysicalDevice
@@ -182,6 +183,7 @@ def describe(index: int, pd) -> DeviceInfo:
         cooperative_matrix="VK_KHR_cooperative_matrix" in extensions,
         max_storage_buffer_range=props.limits.maxStorageBufferRange,
         max_allocation_bytes=maint3.maxMemoryAllocationSize,
+        min_storage_buffer_offset_alignment=props.limits.minStorageBufferOffsetAlignment,
         max_workgroup_count=tuple(props.limits.maxComputeWorkGroupCount), extensions=extensions, handle=pd)
 
 

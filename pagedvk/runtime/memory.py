@@ -67,6 +67,8 @@ class Buffer(Owned):
     because Vulkan has no empty buffers and kernels read in 16-byte chunks. Freed by close(), when garbage
     collected, or when its device closes, whichever comes first."""
 
+    offset = 0   # where its bytes start in `handle`'s memory (a BufferRange starts further in)
+
     def __init__(self, device: "Device", nbytes: int, host_visible: bool = False):
         self.device = device
         self.uid = next(_buffer_uids)
@@ -118,6 +120,41 @@ class Buffer(Owned):
 
     def _drop_handles(self) -> None:
         self.handle = self.memory = self.mapped = None
+
+
+class BufferRange:
+    """Bytes [offset, offset + nbytes) of a Buffer, accepted wherever a Buffer is: uploads, downloads, fills
+    and copies add `offset`, a descriptor binds [offset, offset + size) and nothing of the rest. Tests lay an
+    array and the sentinels guarding it out in one buffer this way, so a stray access past the array's
+    binding would land in a sentinel. It keeps its buffer alive until closed; closing it frees nothing else.
+    Like a Buffer's, `size` is nbytes rounded up to 16 bytes (kernels read in 16-byte chunks)."""
+
+    def __init__(self, buffer: Buffer, offset: int, nbytes: int):
+        size = max(16, (nbytes + 15) // 16 * 16)
+        if offset % 4 or not 0 <= offset <= buffer.size - size:
+            raise ValueError(f"offset must be a multiple of 4 in [0, {buffer.size - size}] for a {nbytes}-byte "
+                             f"range of a {buffer.size}-byte buffer, got {offset}")
+        self.buffer, self.device = buffer, buffer.device
+        self.offset, self.nbytes, self.size = buffer.offset + offset, nbytes, size
+        self.uid = next(_buffer_uids)   # its own: what was recorded with a range is not the buffer's
+
+    @property
+    def handle(self):
+        return None if self.buffer is None else self.buffer.handle
+
+    @property
+    def mapped(self):
+        return None if self.buffer is None else self.buffer.mapped
+
+    @property
+    def closed(self) -> bool:
+        return self.buffer is None or self.buffer.closed
+
+    def close(self) -> None:
+        self.buffer = None
+
+    def device_address(self) -> int:
+        return self.buffer.device_address() + self.offset - self.buffer.offset
 
 
 def _budget_or_none(device, host_visible: bool) -> HeapBudget | None:
@@ -197,7 +234,8 @@ class DeviceMemory:
             self.require_open()
             self._settle(wait=True)   # the host must not write memory that timed-out work may still use
             if buf.mapped is not None:
-                np.frombuffer(buf.mapped, np.uint8)[offset:offset + src.nbytes] = src
+                start = buf.offset + offset
+                np.frombuffer(buf.mapped, np.uint8)[start:start + src.nbytes] = src
                 return
             staging = self._staging_buffer(src.nbytes)
             np.frombuffer(staging.mapped, np.uint8)[:src.nbytes] = src
@@ -210,24 +248,26 @@ class DeviceMemory:
             self.require_open()
             self._settle(wait=True)   # nor read what it may still write
             if buf.mapped is not None:
-                return np.frombuffer(buf.mapped, np.uint8)[offset:offset + nbytes].copy()
+                start = buf.offset + offset
+                return np.frombuffer(buf.mapped, np.uint8)[start:start + nbytes].copy()
             staging = self._staging_buffer(nbytes)
             if nbytes:
                 self.copy(buf, staging, nbytes, src_offset=offset)
             return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
 
     def copy(self, src: Buffer, dst: Buffer, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> None:
-        region = vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=nbytes)
-        self.run_once(lambda cmd: vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, 1, [region]))
+        self.copy_regions([(src, dst, [(src_offset, dst_offset, nbytes)])])
 
     def copy_regions(self, copies) -> None:
         """Many buffer-to-buffer copies in one submission: copies is [(src, dst, [(src_offset, dst_offset,
-        nbytes), ...])], one vkCmdCopyBuffer each (regions of one copy must not overlap)."""
+        nbytes), ...])], one vkCmdCopyBuffer each (regions of one copy must not overlap). Offsets count from
+        each buffer's own start (a BufferRange's offset is added here)."""
         def record(cmd):
             for src, dst, regions in copies:
                 if regions:
                     vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, len(regions), [
-                        vk.VkBufferCopy(srcOffset=s, dstOffset=d, size=n) for s, d, n in regions])
+                        vk.VkBufferCopy(srcOffset=src.offset + s, dstOffset=dst.offset + d, size=n)
+                        for s, d, n in regions])
         self.run_once(record)
 
     def upload_regions(self, data: np.ndarray, targets) -> None:
@@ -257,4 +297,4 @@ class DeviceMemory:
 
     def fill(self, buf: Buffer, value: int = 0) -> None:
         """Set every 32-bit word of the buffer to `value`."""
-        self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, 0, buf.size, value))
+        self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, buf.offset, buf.size, value))

@@ -122,10 +122,16 @@ class DescriptorSet(Owned):
         device = pipeline.device
         if len(buffers) != len(pipeline.bindings):
             raise ValueError(f"{pipeline.name} takes {len(pipeline.bindings)} buffers, got {len(buffers)}")
+        align = device.info.min_storage_buffer_offset_alignment
+        for i, b in enumerate(buffers):
+            if b.offset % align:
+                raise ValueError(f"binding {i} of {pipeline.name}: a buffer range must start at a multiple of "
+                                 f"{align} bytes (minStorageBufferOffsetAlignment of {device.info.name}), "
+                                 f"got offset {b.offset}")
         self.device = device
         self._buffers = tuple(weakref.ref(b) for b in buffers)
         self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
-        infos = [vk.VkDescriptorBufferInfo(buffer=b.handle, offset=0, range=b.size) for b in buffers]
+        infos = [vk.VkDescriptorBufferInfo(buffer=b.handle, offset=b.offset, range=b.size) for b in buffers]
         writes = [vk.VkWriteDescriptorSet(
             sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=self.handle, dstBinding=i, descriptorCount=1,
             descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[info]) for i, info in enumerate(infos)]
