@@ -54,6 +54,29 @@ uint workgroup_index() {
     return gl_WorkGroupID.x + gl_NumWorkGroups.x * (gl_WorkGroupID.y + gl_NumWorkGroups.y * gl_WorkGroupID.z);
 }
 
+// -- The hooks attention variants go through (ALiBi, logit softcapping, sliding windows, sinks), shared by decode
+// and prefill: whether the query at sequence position query_pos sees the key at key_pos (positions count from 0),
+// and a visible key's logit from the scaled dot product of query and key. Plain attention: causal visibility
+// (prefill's causal flag; decode's one query is its sequence's last position), the dot product itself.
+bool key_visible(uint key_pos, uint query_pos) { return pc.causal == 0u || key_pos <= query_pos; }
+
+float logit(float scaled_dot, uint head, uint key_pos, uint query_pos) { return scaled_dot; }
+
+// The hooks for four query rows (prefill) or four heads (decode) at once: -inf where a key is not visible, or
+// at or past `keys` (a row's keys in the cache, 0 for rows or blocks that are not there).
+vec4 logits4(vec4 scaled_dot, uvec4 heads, uint key_pos, uvec4 query_pos, uvec4 keys) {
+    vec4 l = vec4(NEG_INF);
+    for (uint j = 0u; j < 4u; j++) {
+        if (key_pos < keys[j] && key_visible(key_pos, query_pos[j])) {
+            l[j] = logit(scaled_dot[j], heads[j], key_pos, query_pos[j]);
+        }
+    }
+    return l;
+}
+
+// The sequence position of query i: a sequence's queries are its last q_len tokens.
+uint query_position(uint i, uint seq_len) { return uint(max(int(seq_len) - int(pc.q_len) + int(i), 0)); }
+
 // Keys a query row sees. The q_len queries are the last q_len positions of the sequence, so with causal
 // masking query i sees keys 0 .. seq_len - q_len + i (not 0 .. i: that only holds when seq_len == q_len).
 uint visible_keys(uint i, uint seq_len) {

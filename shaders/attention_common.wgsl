@@ -49,6 +49,29 @@ fn workgroup_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
 }
 
 // Keys query i sees (the q_len queries are the last q_len positions of the sequence).
+// The hooks attention variants go through, shared by decode and prefill (see attention_common.glsl).
+fn key_visible(key_pos: u32, query_pos: u32) -> bool {
+    return pc.causal == 0u || key_pos <= query_pos;
+}
+
+fn logit(scaled_dot: f32, head: u32, key_pos: u32, query_pos: u32) -> f32 {
+    return scaled_dot;
+}
+
+fn logits4(scaled_dot: vec4<f32>, heads: vec4<u32>, key_pos: u32, query_pos: vec4<u32>, keys: vec4<u32>) -> vec4<f32> {
+    var l = vec4<f32>(neg_inf());
+    for (var j = 0u; j < 4u; j++) {
+        if (key_pos < keys[j] && key_visible(key_pos, query_pos[j])) {
+            l[j] = logit(scaled_dot[j], heads[j], key_pos, query_pos[j]);
+        }
+    }
+    return l;
+}
+
+fn query_position(i: u32, seq_len: u32) -> u32 {
+    return u32(max(i32(seq_len) - i32(pc.q_len) + i32(i), 0));
+}
+
 fn visible_keys(i: u32, seq_len: u32) -> u32 {
     if (pc.causal == 0u) {
         return seq_len;

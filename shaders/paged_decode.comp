@@ -132,9 +132,10 @@ void main() {
             }
             for (uint g = 0u; g < MAX_GROUP; g++) {
                 if (g < group) {
-                    const float logit = phys >= 0 ? s[g] : NEG_INF;
-                    s_p[(g * P + t) >> 2][t & 3u] = logit;
-                    mt[g] = max(mt[g], logit);
+                    const uint key = base + t, last = seq_len - 1u;   // the query is the sequence's last token
+                    const float l = phys >= 0 && key_visible(key, last) ? logit(s[g], head0 + g, key, last) : NEG_INF;
+                    s_p[(g * P + t) >> 2][t & 3u] = l;
+                    mt[g] = max(mt[g], l);
                 }
             }
         }

@@ -205,8 +205,12 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                     }
                 }
             }
-            let logit_a = select(ninf4, s_a, in_a & vec4<bool>(phys >= 0));
-            let logit_b = select(ninf4, s_b, in_b & vec4<bool>(phys >= 0));
+            // The query is the sequence's last token; heads past the group and blocks outside the cache see nothing.
+            let keys_a = select(vec4<u32>(0u), vec4<u32>(seq_len), in_a & vec4<bool>(phys >= 0));
+            let keys_b = select(vec4<u32>(0u), vec4<u32>(seq_len), in_b & vec4<bool>(phys >= 0));
+            let last = vec4<u32>(seq_len - 1u);
+            let logit_a = logits4(s_a, vec4<u32>(head0) + vec4<u32>(0u, 1u, 2u, 3u), base + t, last, keys_a);
+            let logit_b = logits4(s_b, vec4<u32>(head0) + vec4<u32>(4u, 5u, 6u, 7u), base + t, last, keys_b);
             store4(0u, t, group, P, logit_a);
             store4(4u, t, group, P, logit_b);
             mt_a = max(mt_a, logit_a);

@@ -109,6 +109,14 @@ void main() {
     }
     const uvec4 keys_a = uvec4(keys[0], keys[1], keys[2], keys[3]);
     const uvec4 keys_b = uvec4(keys[4], keys[5], keys[6], keys[7]);
+    // Each row's query head and sequence position, for the logit hooks.
+    uvec4 head_a, head_b, qpos_a, qpos_b;
+    for (uint r = 0u; r < 4u; r++) {
+        head_a[r] = kv_head * group + (row0 + r) % group;
+        head_b[r] = kv_head * group + (row0 + 4u + r) % group;
+        qpos_a[r] = query_position((row0 + r) / group, seq_len);
+        qpos_b[r] = query_position((row0 + 4u + r) / group, seq_len);
+    }
     // Each row's first query chunk; rows that see nothing read row 0's (in bounds) and are masked.
     uint qb[ROWS];
     for (uint r = 0u; r < ROWS; r++) qb[r] = row_base(seq, kv_head, keys[r] > 0u ? row0 + r : row0) / 4u;
@@ -141,11 +149,9 @@ void main() {
                 x_b += vec4(dot(k, Q(qb_b.x + c)), dot(k, Q(qb_b.y + c)), dot(k, Q(qb_b.z + c)), dot(k, Q(qb_b.w + c)));
             }
         }
-        x_a *= pc.scale;
-        x_b *= pc.scale;
         // A token outside the cache is visible to no row.
-        x_a = mix(vec4(NEG_INF), x_a, lessThan(uvec4(token), phys >= 0 ? keys_a : uvec4(0u)));
-        x_b = mix(vec4(NEG_INF), x_b, lessThan(uvec4(token), phys >= 0 ? keys_b : uvec4(0u)));
+        x_a = logits4(x_a * pc.scale, head_a, token, qpos_a, phys >= 0 ? keys_a : uvec4(0u));
+        x_b = logits4(x_b * pc.scale, head_b, token, qpos_b, phys >= 0 ? keys_b : uvec4(0u));
         s_p[tid * 2u] = x_a;
         s_p[tid * 2u + 1u] = x_b;
         barrier();

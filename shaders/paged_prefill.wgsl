@@ -113,6 +113,17 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                            row_keys(seq, kv_head, row0 + 5u, row_end, seq_len),
                            row_keys(seq, kv_head, row0 + 6u, row_end, seq_len),
                            row_keys(seq, kv_head, row0 + 7u, row_end, seq_len));
+    // Each row's query head and sequence position, for the logit hooks.
+    var head_a = vec4<u32>(0u);
+    var head_b = vec4<u32>(0u);
+    var qpos_a = vec4<u32>(0u);
+    var qpos_b = vec4<u32>(0u);
+    for (var r = 0u; r < 4u; r++) {
+        head_a[r] = kv_head * group + (row0 + r) % group;
+        head_b[r] = kv_head * group + (row0 + 4u + r) % group;
+        qpos_a[r] = query_position((row0 + r) / group, seq_len);
+        qpos_b[r] = query_position((row0 + 4u + r) / group, seq_len);
+    }
     // Each row's first query quad; rows that see nothing read row 0's (in bounds) and are masked.
     var qb_a = vec4<u32>(0u);
     var qb_b = vec4<u32>(0u);
@@ -159,11 +170,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                                  dot(k, Q(qb_b.w + c)));
             }
         }
-        x_a *= pc.scale;
-        x_b *= pc.scale;
         // A token outside the cache is visible to no row.
-        x_a = select(ninf4, x_a, vec4<u32>(token) < select(vec4<u32>(0u), keys_a, phys >= 0));
-        x_b = select(ninf4, x_b, vec4<u32>(token) < select(vec4<u32>(0u), keys_b, phys >= 0));
+        x_a = logits4(x_a * pc.scale, head_a, token, qpos_a, select(vec4<u32>(0u), keys_a, phys >= 0));
+        x_b = logits4(x_b * pc.scale, head_b, token, qpos_b, select(vec4<u32>(0u), keys_b, phys >= 0));
         s_p[tid * 2u] = x_a;
         s_p[tid * 2u + 1u] = x_b;
         workgroupBarrier();

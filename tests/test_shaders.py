@@ -6,13 +6,13 @@ import shutil
 import struct
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 import pagedvk
 from pagedvk import abi, kernels, spirv
+from conftest import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 MODULES = [(k, key) for k in abi.KERNELS for key in k.keys()]
@@ -236,8 +236,5 @@ def test_driver_compile_does_not_count_against_the_timeout():
             assert np.abs(out - ref).max() < 1e-3, backend
         print("ok")
     """
-    env = dict(os.environ, PAGEDVK_TIMEOUT="0.05", MESA_SHADER_CACHE_DISABLE="true",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                            timeout=600)
+    result = run_python(code, PAGEDVK_TIMEOUT="0.05", MESA_SHADER_CACHE_DISABLE="true")
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
