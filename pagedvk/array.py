@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Union
+
 import ml_dtypes
 import numpy as np
 
@@ -160,6 +162,11 @@ class DeviceArray(Owned):
     def __repr__(self) -> str:
         state = ", closed" if self.closed else ""
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device={self.device.info.name!r}{state})"
+
+
+# What the ops take for an array argument: numpy arrays are copied to the device for the call, DeviceArrays are
+# used where they are.
+Array = Union[np.ndarray, "DeviceArray"]
 
 
 def segment_limit(device) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import checks, kernels
 from .abi import RESHAPE_AND_CACHE
-from .array import DeviceArray, asarray
+from .array import Array, DeviceArray, asarray
 from .opargs import backend_name, device_of
 from .dtypes import QUERY_TYPES, fp8_scale, storage_type
 from .layouts import bind_caches, cache_spec
@@ -23,8 +23,9 @@ ID_DTYPES = (np.int32, np.int64)
 WORKGROUP = RESHAPE_AND_CACHE.workgroup_size[0]
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=1.0,
-                      v_scale=1.0, layout="vllm", *, backend=None, validate=True) -> None:
+def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: Array, slot_mapping: Array,
+                      kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0, layout: str = "vllm",
+                      *, backend: str | None = None, validate: bool = True) -> None:
     """Write each token's key and value into the cache slot slot_mapping gives it, in place.
 
     key, value   float32, float16 or bfloat16, one dtype, [num_tokens, num_kv_heads, head_size]
@@ -147,7 +148,7 @@ def _grouped(copies) -> list:
     return list(groups.values())
 
 
-def copy_blocks(key_caches, value_caches, block_mapping) -> None:
+def copy_blocks(key_caches: list, value_caches: list, block_mapping: Array) -> None:
     """Copy blocks within each layer's caches, every layer in one submission (vLLM's copy_blocks).
 
     key_caches, value_caches  sequences of DeviceArray caches, one per layer, any layout and dtype, all with
@@ -203,7 +204,7 @@ def _distinct_targets(pairs: np.ndarray) -> None:
                          "and read in one call")
 
 
-def swap_blocks(src, dst, block_mapping) -> None:
+def swap_blocks(src: Array, dst: Array, block_mapping: Array) -> None:
     """Copy blocks between device and host memory, one submission a call (vLLM's swap_blocks, for
     preemption): block_mapping[i] = (a block of src, a block of dst).
 

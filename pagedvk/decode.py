@@ -17,7 +17,7 @@ import numpy as np
 
 from . import checks, kernels
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
-from .array import DeviceArray, asarray, empty
+from .array import Array, DeviceArray, asarray, empty
 from .dtypes import CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
@@ -200,7 +200,7 @@ class DecodePlan(Owned):
             if tuple(out.shape) != tuple(query.shape):
                 raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
 
-    def run(self, query, key_cache, value_cache, out=None):
+    def run(self, query: Array, key_cache: Array, value_cache: Array, out: Array | None = None) -> Array:
         """Attention of each sequence's query over its cached tokens. query [num_seqs, num_heads,
         head_size] -> [num_seqs, num_heads, head_size]; numpy query in gives numpy out, DeviceArray in
         gives DeviceArray out (``out`` is written and returned when given)."""
@@ -327,8 +327,10 @@ class DecodePlan(Owned):
                 f"backend={self.backend!r}, partitions={self.num_partitions}, device={self.device!r}{state})")
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, out=None, layout="vllm",
-                    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, backend=None, validate=True):
+def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array, *,
+                    scale: float | None = None, out: Array | None = None, layout: str = "vllm",
+                    kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
+                    backend: str | None = None, validate: bool = True) -> Array:
     """Decode attention over a paged KV cache: each sequence's one query token over its cached tokens.
 
     query        float32, float16 or bfloat16 [num_seqs, num_heads, head_size]; num_heads a multiple of

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import checks, kernels
 from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL
-from .array import asarray, empty
+from .array import Array, asarray, empty
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
@@ -145,9 +145,10 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
             a.close()
 
 
-def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, causal=True,
-                            layout="nhd", kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, backend=None,
-                            validate=True):
+def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array,
+                            *, scale: float | None = None, causal: bool = True, layout: str = "nhd",
+                            kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
+                            backend: str | None = None, validate: bool = True) -> tuple[Array, Array]:
     """Attention of each sequence's last q_len tokens over its paged KV cache.
 
     query        float32, float16 or bfloat16 [num_seqs, num_heads, q_len, head_size]; query i of sequence s
@@ -176,8 +177,10 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_len
                 dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:3]), np.float32)))
 
 
-def paged_attention_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, *, scale=None,
-                             causal=True, layout="nhd", backend=None, validate=True):
+def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_cache: Array, block_tables: Array,
+                             seq_lens: Array, out: Array, lse: Array, *, scale: float | None = None,
+                             causal: bool = True, layout: str = "nhd", backend: str | None = None,
+                             validate: bool = True) -> tuple[Array, Array, Array]:
     """Gradients of paged_attention_prefill: (dq, dk_cache, dv_cache) for the upstream gradient dout.
 
     query, dout, out  float32, float16 or bfloat16, one dtype, [num_seqs, num_heads, q_len, head_size]
