@@ -13,9 +13,6 @@ import sys
 
 from pagedvk import bench
 
-# The reference shapes of shared/device/README.md: 32 query heads, 8 KV heads, head 128, block 16.
-FULL = [(1, 4096), (8, 4096), (64, 4096), (256, 2048), (32, 16384), (1, 32768), (8, 32768)]
-SMALL = [(1, 1024), (8, 512), (32, 256)]
 
 
 def main(argv=None) -> int:
@@ -30,8 +27,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ceiling = bench.read_bandwidth(iters=args.iters)
     rows = []
-    shapes = (SMALL if args.small else FULL) if args.shapes is None else [
-        tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    shapes = (bench.SMALL_SWEEP if args.small else bench.SWEEP) if args.shapes is None else bench.parse_shapes(args.shapes)
     for num_seqs, context in shapes:
         shape = bench.DecodeShape(num_seqs=num_seqs, context=context, block_size=args.block_size, dtype=args.dtype)
         r = bench.decode(shape, iters=args.iters, backend=args.backend)

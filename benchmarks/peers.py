@@ -20,7 +20,6 @@ import numpy as np
 
 from pagedvk import bench
 
-SHAPES = [(1, 4096), (8, 4096), (64, 4096), (256, 2048), (32, 16384), (1, 32768), (8, 32768)]
 ROTATE_BYTES = 1 << 30
 
 
@@ -85,7 +84,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("peers.py needs torch with CUDA: torch.cuda.is_available() is False", file=sys.stderr)
         return 2
-    shapes = SHAPES if args.shapes is None else [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    shapes = bench.SWEEP if args.shapes is None else bench.parse_shapes(args.shapes)
     ceiling = bench.read_bandwidth(iters=args.iters)
     print(f"read kernel: {ceiling['GBps']:.0f} GB/s; torch {torch.__version__} on {torch.cuda.get_device_name()}",
           flush=True)

@@ -22,6 +22,23 @@ from .dtypes import QUERY_TYPES
 from .runtime.pipeline import Launch
 from .selection import get_device
 
+# Issue 9's decode shapes (batch, context): 32 query heads, 8 KV heads, head 128, block 16 (DecodeShape's
+# defaults); and a sweep lavapipe finishes in a minute or two.
+SWEEP = [(1, 4096), (8, 4096), (64, 4096), (256, 2048), (32, 16384), (1, 32768), (8, 32768)]
+SMALL_SWEEP = [(1, 1024), (8, 512), (32, 256)]
+
+
+def parse_shapes(text: str) -> list:
+    """Shapes written as comma-separated BATCHxCONTEXT ("64x4096,8x32768") -> [(64, 4096), (8, 32768)]."""
+    try:
+        shapes = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise ValueError(f"shapes must be comma-separated BATCHxCONTEXT of positive ints, got {text!r}")
+    return shapes
+
+
 ROTATE_BYTES = 512 << 20  # caches rotated per timing loop: several times any GPU's last-level cache
 CHECKED_SEQS = 4          # sequences checked against the float64 reference (it is slow on long contexts)
 

@@ -54,3 +54,11 @@ def test_bench_help_describes_every_option():
     for help_text in ("sequences in the batch", "query heads", "key/value heads", "per head, at most 256",
                       "tokens per cache block", "tokens cached per sequence", "cache dtype (fp8 caches run with float16 queries)"):
         assert help_text in " ".join(result.stdout.split()), help_text
+
+
+def test_benchmark_shapes_are_parsed_or_refused():
+    from pagedvk import bench
+    assert bench.parse_shapes("64x4096,8x32768") == [(64, 4096), (8, 32768)]
+    for bad in ("64x", "64x4096x2", "0x16", "a,b", ""):
+        with pytest.raises(ValueError, match="shapes must be comma-separated BATCHxCONTEXT"):
+            bench.parse_shapes(bad)
