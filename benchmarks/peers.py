@@ -64,7 +64,8 @@ def sdpa_times(torch, shape: bench.DecodeShape, dtype, iters: int) -> dict:
         return float(np.median(times))
 
     result = {"sdpa_contiguous_us": timed(contiguous_step), "sdpa_gather_us": timed(gather_step)}
-    del contiguous, paged
+    contiguous.clear()   # the caches' memory goes back before the next shape's
+    paged.clear()
     torch.cuda.empty_cache()
     return result
 

@@ -18,7 +18,7 @@ import numpy as np
 from . import checks, kernels
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import Array, DeviceArray, asarray, empty
-from .dtypes import CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
+from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
@@ -180,8 +180,9 @@ class DecodePlan(Owned):
     def _check_run(self, query, key_cache, value_cache, out) -> None:
         checks.kind("query", query)
         checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
-        kv_cache_dtype = "auto" if np.dtype(key_cache.dtype) != np.dtype(np.uint8) else {
-            "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}.get(self.spec.storage.tag, "auto")
+        # A uint8 cache (vLLM's fp8) is read as the plan's storage type.
+        kv_cache_dtype = "auto" if np.dtype(key_cache.dtype) != np.dtype(np.uint8) else next(
+            (name for name, t in KV_CACHE_DTYPES.items() if t == self.spec.storage), "auto")
         spec = cache_spec(key_cache, value_cache, self.layout, kv_cache_dtype)
         for name in ("num_kv_heads", "head_size", "block_size", "storage"):
             if getattr(spec, name) != getattr(self.spec, name):

@@ -1,6 +1,5 @@
 """The PAGEDVK_* variables: parsed in one place, a bad value refused by name before anything is submitted."""
 
-import numpy as np
 import pytest
 
 from conftest import run_python

@@ -5,7 +5,6 @@ import gc
 import threading
 import weakref
 
-import numpy as np
 import pytest
 
 import pagedvk
