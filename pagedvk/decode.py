@@ -9,7 +9,7 @@ buffer recorded the first time those buffers were seen.
 from __future__ import annotations
 
 import math
-
+import os
 import threading
 from collections import OrderedDict
 
@@ -27,9 +27,9 @@ from .runtime.pipeline import Launch, fold_grid
 
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
-LOGIT_SLOTS = 4096                           # heads per workgroup x partition size (LOGIT_SLOTS in the kernel)
-MIN_PARTITION = 128
-TARGET_WORKGROUPS = 1024                     # enough to fill any GPU of today several times over
+TILE = 128                                   # tokens the kernel takes at a time (TILE in the kernel)
+WORKGROUPS_PER_UNIT = 4                      # decode workgroups that keep one compute unit's memory pipe busy
+UNITS_ESTIMATE = {"discrete": 64, "integrated": 16, "virtual": 16, "other": 16}   # where the driver says nothing
 
 
 def group_size(num_heads: int, num_kv_heads: int) -> int:
@@ -38,17 +38,28 @@ def group_size(num_heads: int, num_kv_heads: int) -> int:
     return max(g for g in range(1, MAX_GROUP + 1) if group % g == 0)
 
 
-def partitioning(num_seqs: int, workgroups_per_seq: int, heads_per_workgroup: int, max_seq_len: int) -> tuple:
-    """(partition_size, num_partitions): the one rule for splitting contexts (vLLM's v1/v2 choice).
+def compute_units(info) -> int:
+    """The device's compute units (SMs, CUs, CPU cores for lavapipe): reported where Vulkan exposes them,
+    else an estimate by device type."""
+    if info.compute_units:
+        return info.compute_units
+    if info.type == "cpu":
+        return os.cpu_count() or 1
+    return UNITS_ESTIMATE.get(info.type, 16)
 
-    Partitions start as long as the kernel's shared memory allows (4096 / heads per workgroup tokens,
-    rounded down to a power of two) and halve, down to 128 tokens, until the launch has
-    TARGET_WORKGROUPS workgroups. A context that fits one partition needs no reduce pass.
+
+def partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units: int) -> tuple:
+    """(partition_size, num_partitions): the one rule for splitting contexts (split-K).
+
+    A split costs a second pass and the partial results' traffic, so contexts are split only when the
+    unsplit grid (a workgroup per sequence and head group) would leave compute units idle: into as many
+    partitions as fill `units` x WORKGROUPS_PER_UNIT workgroups, each at least one TILE of tokens, their
+    size rounded up to whole tiles.
     """
-    size = 1 << ((LOGIT_SLOTS // heads_per_workgroup).bit_length() - 1)  # a power of two: whole blocks
-    base = num_seqs * workgroups_per_seq
-    while size > MIN_PARTITION and max_seq_len > size // 2 and base * -(-max_seq_len // size) < TARGET_WORKGROUPS:
-        size //= 2
+    base = max(1, num_seqs * workgroups_per_seq)
+    tiles = max(1, -(-max_seq_len // TILE))
+    parts = min(tiles, max(1, -(-units * WORKGROUPS_PER_UNIT // base)))
+    size = -(-tiles // parts) * TILE
     return size, max(1, -(-max_seq_len // size))
 
 
@@ -106,7 +117,7 @@ class DecodePlan(Owned):
     attention for the sequences that hold them, never a read outside the caches. Lengths may grow after
     the plan is made (the last partition takes every token past its start), up to the block-table row.
     partition_size (tokens) overrides the split-K rule of ``partitioning``; it must be a multiple of
-    block_size, at least 4 and at most 4096 / (query heads per workgroup).
+    block_size.
     """
 
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
@@ -145,12 +156,11 @@ class DecodePlan(Owned):
         workgroups_per_seq = num_heads // self.group_size
         if partition_size is None:
             self.partition_size, self.num_partitions = partitioning(
-                self.num_seqs, workgroups_per_seq, self.group_size, max_seq_len)
+                self.num_seqs, workgroups_per_seq, max_seq_len, compute_units(self.device.info))
         else:
-            limit = LOGIT_SLOTS // self.group_size
-            if partition_size % block_size or not 4 <= partition_size <= limit:
-                raise ValueError(f"partition_size must be a multiple of block_size ({block_size}) in [4, {limit}], "
-                                 f"got {partition_size}")
+            _integer("partition_size", partition_size, 1)
+            if partition_size % block_size:
+                raise ValueError(f"partition_size must be a multiple of block_size ({block_size}), got {partition_size}")
             self.partition_size, self.num_partitions = partition_size, max(1, -(-max_seq_len // partition_size))
         limits = self.device.info.max_workgroup_count
         self.grid = fold_grid(workgroups_per_seq * self.num_seqs * self.num_partitions, limits)

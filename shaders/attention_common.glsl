@@ -102,44 +102,47 @@ uint value_offset(uint h, uint t, uint d) {
     return h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
 }
 
-// key_load(b, q) / value_load(b, q): quad q of block b of each cache. A cache larger than one binding is split
-// into segments of blocks_per_segment whole blocks (pagedvk.array.DeviceArray), reached through
-// KV_SEGMENTS bindings (KV_SEGMENTED) or through buffer device addresses held in the cache's binding
-// (KV_ADDRESSED); otherwise the cache is one binding. Only these two functions know which.
+// key_load(b, i) / value_load(b, i): element i (a quad, or a 16-byte chunk where the module defines KV_CHUNKS:
+// KV_ELEM in kv_storage.glsl) of block b of each cache. A cache larger than one binding is split into segments
+// of blocks_per_segment whole blocks (pagedvk.array.DeviceArray), reached through KV_SEGMENTS bindings
+// (KV_SEGMENTED) or through buffer device addresses held in the cache's binding (KV_ADDRESSED); otherwise the
+// cache is one binding. Only these two functions know which.
+uint key_block_elems() { return pc.k_block_stride / KV_ELEM_QUADS; }
+uint value_block_elems() { return pc.v_block_stride / (4u * KV_ELEM_QUADS); }
 #if defined(KV_ADDRESSED)
-layout(buffer_reference, std430, buffer_reference_align = 4) readonly buffer KvSegment { KV_QUAD quads[]; };
-KV_QUAD key_load(uint b, uint q) {
+layout(buffer_reference, std430, buffer_reference_align = KV_ELEM_ALIGN) readonly buffer KvSegment { KV_ELEM elems[]; };
+KV_ELEM key_load(uint b, uint i) {
     const uint s = b / pc.blocks_per_segment;
-    return KvSegment(key_cache[s]).quads[(b - s * pc.blocks_per_segment) * pc.k_block_stride + q];
+    return KvSegment(key_cache[s]).elems[(b - s * pc.blocks_per_segment) * key_block_elems() + i];
 }
-KV_QUAD value_load(uint b, uint q) {
+KV_ELEM value_load(uint b, uint i) {
     const uint s = b / pc.blocks_per_segment;
-    return KvSegment(value_cache[s]).quads[(b - s * pc.blocks_per_segment) * (pc.v_block_stride >> 2) + q];
+    return KvSegment(value_cache[s]).elems[(b - s * pc.blocks_per_segment) * value_block_elems() + i];
 }
 #elif defined(KV_SEGMENTED)
-KV_QUAD key_load(uint b, uint q) {
+KV_ELEM key_load(uint b, uint i) {
     const uint s = b / pc.blocks_per_segment;
-    const uint i = (b - s * pc.blocks_per_segment) * pc.k_block_stride + q;
+    const uint j = (b - s * pc.blocks_per_segment) * key_block_elems() + i;
     switch (s) {
-        case 0u: return key_cache[i];
-        case 1u: return key_cache_1[i];
-        case 2u: return key_cache_2[i];
-        default: return key_cache_3[i];
+        case 0u: return key_cache[j];
+        case 1u: return key_cache_1[j];
+        case 2u: return key_cache_2[j];
+        default: return key_cache_3[j];
     }
 }
-KV_QUAD value_load(uint b, uint q) {
+KV_ELEM value_load(uint b, uint i) {
     const uint s = b / pc.blocks_per_segment;
-    const uint i = (b - s * pc.blocks_per_segment) * (pc.v_block_stride >> 2) + q;
+    const uint j = (b - s * pc.blocks_per_segment) * value_block_elems() + i;
     switch (s) {
-        case 0u: return value_cache[i];
-        case 1u: return value_cache_1[i];
-        case 2u: return value_cache_2[i];
-        default: return value_cache_3[i];
+        case 0u: return value_cache[j];
+        case 1u: return value_cache_1[j];
+        case 2u: return value_cache_2[j];
+        default: return value_cache_3[j];
     }
 }
 #elif defined(KV_QUAD)
-KV_QUAD key_load(uint b, uint q) { return key_cache[b * pc.k_block_stride + q]; }
-KV_QUAD value_load(uint b, uint q) { return value_cache[b * (pc.v_block_stride >> 2) + q]; }
+KV_ELEM key_load(uint b, uint i) { return key_cache[b * key_block_elems() + i]; }
+KV_ELEM value_load(uint b, uint i) { return value_cache[b * value_block_elems() + i]; }
 #endif
 
 // One key element and one value element (at value_offset v of block b), converted.

@@ -61,6 +61,27 @@ vec4 kv_quad(uint w) {
 }
 #endif
 
+// What the caches' bindings hold: quads, or (a module that defines KV_CHUNKS before including this file)
+// whole 16-byte chunks, so that one load instruction reads 16 bytes whatever the storage type. Every cache's
+// blocks start on a 16-byte boundary (a block is at least 32 elements of 4 consecutive head dims), so
+// chunks never straddle blocks; chunk_quad() takes quad i (< KV_CHUNK_QUADS) out of a chunk.
+#if defined(KV_CHUNKS)
+#define KV_ELEM uvec4
+#define KV_ELEM_QUADS KV_CHUNK_QUADS
+#define KV_ELEM_ALIGN 16
+#if defined(KV_F32)
+vec4 chunk_quad(uvec4 w, uint i) { return kv_quad(w); }
+#elif defined(KV_F16) || defined(KV_BF16)
+vec4 chunk_quad(uvec4 w, uint i) { return kv_quad(i == 0u ? w.xy : w.zw); }
+#else
+vec4 chunk_quad(uvec4 w, uint i) { return kv_quad(w[i]); }
+#endif
+#else
+#define KV_ELEM KV_QUAD
+#define KV_ELEM_QUADS 1u
+#define KV_ELEM_ALIGN 4
+#endif
+
 // The caches' bindings 1 and 2. KV_ADDRESSED: each holds the device addresses (low, high word) of the
 // cache's segments; KV_SEGMENTED: segments 1-3 get bindings of their own after the kernel's others, from
 // KV_SEGMENT_BINDING on (pagedvk/abi.py declares them).
@@ -70,18 +91,18 @@ vec4 kv_quad(uint w) {
     layout(std430, set = 0, binding = 2) readonly buffer ValueCache { uvec2 value_cache[]; };
 #elif defined(KV_SEGMENTED)
 #define CACHE_BINDINGS \
-    layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; }; \
-    layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; }; \
-    layout(std430, set = 0, binding = KV_SEGMENT_BINDING) readonly buffer KeyCache1 { KV_QUAD key_cache_1[]; }; \
-    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 1) readonly buffer KeyCache2 { KV_QUAD key_cache_2[]; }; \
-    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 2) readonly buffer KeyCache3 { KV_QUAD key_cache_3[]; }; \
-    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 3) readonly buffer ValueCache1 { KV_QUAD value_cache_1[]; }; \
-    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 4) readonly buffer ValueCache2 { KV_QUAD value_cache_2[]; }; \
-    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 5) readonly buffer ValueCache3 { KV_QUAD value_cache_3[]; };
+    layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_ELEM key_cache[]; }; \
+    layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_ELEM value_cache[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING) readonly buffer KeyCache1 { KV_ELEM key_cache_1[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 1) readonly buffer KeyCache2 { KV_ELEM key_cache_2[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 2) readonly buffer KeyCache3 { KV_ELEM key_cache_3[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 3) readonly buffer ValueCache1 { KV_ELEM value_cache_1[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 4) readonly buffer ValueCache2 { KV_ELEM value_cache_2[]; }; \
+    layout(std430, set = 0, binding = KV_SEGMENT_BINDING + 5) readonly buffer ValueCache3 { KV_ELEM value_cache_3[]; };
 #else
 #define CACHE_BINDINGS \
-    layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_QUAD key_cache[]; }; \
-    layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_QUAD value_cache[]; };
+    layout(std430, set = 0, binding = 1) readonly buffer KeyCache { KV_ELEM key_cache[]; }; \
+    layout(std430, set = 0, binding = 2) readonly buffer ValueCache { KV_ELEM value_cache[]; };
 #endif
 
 // Queries and outputs. Outputs are written two consecutive elements at a time (OUT_PAIR), so that no two

@@ -1,27 +1,33 @@
 #version 450
 // Paged-attention decode: one query token per sequence attends over that sequence's cached keys and
 // values, found through its block-table row, in either cache layout and any storage type
-// (kv_storage.glsl). Grown from the seed decode kernel.
+// (kv_storage.glsl). Built to read the caches at memory bandwidth.
 //
-// One workgroup per (group of query heads sharing one kv head, sequence, partition of the context):
-//   * GQA: the workgroup serves every query head of its group, so each key and value is read once for
-//     all of them instead of once per head;
-//   * split-K: a long context is cut into partitions of partition_size tokens that run in parallel, and
-//     paged_decode_reduce.comp merges their partial results (with one partition the result is written to
-//     `out` directly and no reduce runs). The last partition takes every token from its start to the
-//     sequence's end, so lengths that grew after the plan chose its partitions are still covered whole.
-// A partition is walked in tiles of partition_size tokens with an online softmax:
-//   A. each thread computes the logits of whole tokens (key quads; in vLLM's layout neighbouring threads
-//      read neighbouring 16-byte chunks of one block, so the reads coalesce) into shared memory, and the
-//      workgroup takes each head's tile max;
-//   B. the running max, sum and accumulators are rescaled, logits become weights;
-//   C. each thread accumulates the weighted values of the two head dims it owns, for every head.
-// The softmax denominator is summed per thread and reduced once at the end; no epsilon is added, so a
+// One workgroup per (group of up to 8 query heads sharing one kv head, sequence, partition of the context):
+//   * GQA: every key and value is read once for all the group's heads;
+//   * split-K: when the grid would not fill the device, a context is cut into partitions that run in
+//     parallel, and paged_decode_reduce.comp merges their partial results (with one partition the result is
+//     written to `out` directly). The last partition takes every token from its start to the sequence's end,
+//     so lengths that grew after the plan chose its partitions are still covered whole.
+// A partition is walked in tiles of TILE tokens, one pass with an online softmax:
+//   K. thread t takes token t of the tile: it loads the token's whole key as 16-byte chunks, all issued
+//      before the first is used, and dots it with the group's queries (read from shared memory, where every
+//      thread of the workgroup reads the same address: a broadcast);
+//   S. the workgroup takes each head's tile max, rescales what earlier tiles accumulated and turns logits
+//      into weights in shared memory;
+//   V. vLLM's layout keeps a head dim's tokens contiguous, so thread t owns head dim t (and t + 128): it
+//      loads the tile's values of that dim as 16-byte chunks, a batch at a time, and accumulates them
+//      weighted for every head. In the nhd layout a token's head dims are contiguous, so threads own a quad
+//      of head dims and a share of the tokens, and their sums meet in shared memory at the end.
+// The per-head state of up to 8 heads is two vec4s (heads 0-3, heads 4-7; the second is skipped when the
+// group has at most 4 heads), so every product is a 4x4 matrix-vector product and the WGSL twin has the same
+// shape. The softmax denominator is summed per thread and reduced once at the end; no epsilon is added, so a
 // sequence of length 0 gives zeros and any other matches float64 to float32 rounding.
 //
 // Every index into a buffer is bounded here, not only in Python: block ids outside the cache, lengths
 // beyond the block-table row and rows beyond the table are treated as empty, never read.
 #extension GL_GOOGLE_include_directive : require
+#define KV_CHUNKS   // the caches are read 16 bytes at a time (kv_storage.glsl)
 #include "kv_storage.glsl"
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
@@ -37,56 +43,80 @@ layout(std430, set = 0, binding = 7) writeonly buffer PartialStats { vec2 partia
 
 #include "attention_common.glsl"
 
-const uint MAX_GROUP = 8u;          // query heads per workgroup
-const uint LOGIT_SLOTS = 4096u;     // group_size * partition_size must fit
+const uint MAX_GROUP = 8u;                      // query heads per workgroup: two vec4s
+const uint TILE = WG;                           // tokens per tile: one key token per thread
+const uint CQ = KV_CHUNK_QUADS;                 // quads per 16-byte chunk
+const uint CHUNK_TOKENS = 4u * CQ;              // value tokens in one chunk of vLLM's layout
+const uint BATCH = 8u;                          // chunks a thread loads before it uses any
+const uint MAX_QUADS = MAX_HEAD_SIZE / 4u;
 
-shared vec4 s_q[MAX_GROUP * MAX_HEAD_SIZE / 4];      // the group's queries * scale, [group][quad]
-shared vec4 s_p[LOGIT_SLOTS / 4];                    // logits, then weights, [group][token] (4 tokens a vec4)
-shared float s_red[MAX_GROUP * WG];                  // reduction scratch, [group][thread]
-shared int s_phys[LOGIT_SLOTS / MIN_BLOCK_SIZE];     // the tile's physical blocks, -1 where invalid
+shared vec4 s_q[MAX_QUADS * MAX_GROUP];         // queries * scale: [quad][head]
+shared vec4 s_w[TILE / 4u * MAX_GROUP];         // logits, then weights: [token quad][head], 4 tokens a vec4
+shared int s_phys[TILE / MIN_BLOCK_SIZE];       // the tile's physical blocks, -1 where invalid
+shared float s_o[4u * MAX_HEAD_SIZE * MAX_GROUP / 2u]; // sums at the end: [lane][head][dim]; reductions' scratch
 
-// Reduce v[g] over the workgroup for every g < group; max when is_max, else sum.
-void workgroup_reduce(inout float v[MAX_GROUP], uint group, bool is_max) {
+// Max (is_max) or sum of (a, b) over the workgroup, in two rounds of 16. Scratch: s_o (its sums come later)
+// for the threads' values, s_w (its weights were used, the next tile's are not written yet) for the rounds.
+void workgroup_reduce(inout vec4 a, inout vec4 b, bool is_max) {
     const uint tid = gl_LocalInvocationID.x;
-    for (uint g = 0u; g < MAX_GROUP; g++) if (g < group) s_red[g * WG + tid] = v[g];
     barrier();
-    for (uint stride = WG / 2u; stride > 0u; stride >>= 1) {
-        if (tid < stride) {
-            for (uint g = 0u; g < MAX_GROUP; g++) {
-                if (g < group) {
-                    float a = s_red[g * WG + tid], b = s_red[g * WG + tid + stride];
-                    s_red[g * WG + tid] = is_max ? max(a, b) : a + b;
-                }
-            }
+    for (uint j = 0u; j < 4u; j++) { s_o[8u * tid + j] = a[j]; s_o[8u * tid + 4u + j] = b[j]; }
+    barrier();
+    if (tid < 32u) {   // thread tid reduces one half (heads 0-3 or 4-7) of eight threads' values
+        const uint h = tid & 1u, first = (tid >> 1) * 8u;
+        vec4 r = vec4(NEG_INF);
+        for (uint i = 0u; i < 8u; i++) {
+            const uint o = 8u * (first + i) + 4u * h;
+            const vec4 x = vec4(s_o[o], s_o[o + 1u], s_o[o + 2u], s_o[o + 3u]);
+            r = i == 0u ? x : is_max ? max(r, x) : r + x;
         }
-        barrier();
+        s_w[tid] = r;
     }
-    for (uint g = 0u; g < MAX_GROUP; g++) if (g < group) v[g] = s_red[g * WG];
+    barrier();
+    a = s_w[0]; b = s_w[1];
+    for (uint i = 1u; i < 16u; i++) {
+        a = is_max ? max(a, s_w[2u * i]) : a + s_w[2u * i];
+        b = is_max ? max(b, s_w[2u * i + 1u]) : b + s_w[2u * i + 1u];
+    }
     barrier();
 }
 
 // The first n (<= 4) elements of v, the rest zero: slots past a sequence's end may hold anything, NaN
 // included, and 0 * NaN is NaN.
 vec4 first(vec4 v, uint n) {
-    return vec4(v.x, n > 1u ? v.y : 0.0, n > 2u ? v.z : 0.0, n > 3u ? v.w : 0.0);
+    return n >= 4u ? v : vec4(v.x, n > 1u ? v.y : 0.0, n > 2u ? v.z : 0.0, 0.0);
+}
+
+// The group's queries times one key quad: columns are heads (0-3 or 4-7 by h), rows head dims.
+mat4 queries(uint c, uint h) {
+    const uint i = (c * MAX_GROUP) + 4u * h;
+    return mat4(s_q[i], s_q[i + 1u], s_q[i + 2u], s_q[i + 3u]);
+}
+
+// The weights of tile tokens 4 tq .. 4 tq + 3 (rows) for heads 4h .. 4h + 3 (columns).
+mat4 weights(uint tq, uint h) {
+    const uint i = tq * MAX_GROUP + 4u * h;
+    return mat4(s_w[i], s_w[i + 1u], s_w[i + 2u], s_w[i + 3u]);
 }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
 #ifdef HEAD_SIZE
-    const uint hs = HEAD_SIZE;          // a compile-time head size lets the dot-product loops unroll
+    const uint hs = HEAD_SIZE;          // a compile-time head size lets the loops over head dims unroll
 #else
     const uint hs = pc.head_size;
 #endif
-    const uint bs = pc.block_size;
+    const uint bs = pc.block_size;          // a power of two (8, 16 or 32): divisions by it are shifts
+    const uint bs_log2 = uint(findLSB(bs)), bs_mask = bs - 1u;
     const uint group = pc.group_size;
+    const bool wide = group > 4u;       // heads 4-7 in use
     const uint P = pc.partition_size;
     const uint head_groups = pc.num_heads / max(group, 1u);
     const uint wg = workgroup_index();
     const uint seq = (wg / head_groups) % max(pc.num_seqs, 1u);
     const uint part = wg / (head_groups * max(pc.num_seqs, 1u));
-    if (group == 0u || group > MAX_GROUP || group * P > LOGIT_SLOTS || P == 0u || hs > MAX_HEAD_SIZE
-        || part >= pc.num_partitions) return;
+    if (group == 0u || group > MAX_GROUP || P == 0u || hs > MAX_HEAD_SIZE || bs < MIN_BLOCK_SIZE
+        || bs > TILE || part >= pc.num_partitions) return;
     const uint head0 = (wg % head_groups) * group;               // first query head of this workgroup
     const uint kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     const uint hq = hs / 4u;                                     // quads of one head
@@ -98,116 +128,203 @@ void main() {
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
     const uint start = part * P;                                  // first token of the partition
     const uint end = part + 1u == pc.num_partitions ? seq_len : min(seq_len, start + P);
+    const uint last = seq_len - 1u;                               // the query's position
 
-    for (uint i = tid; i < group * hq; i += WG) s_q[i] = q_quad(query[q_quad0 + i]) * pc.scale;
+    for (uint i = tid; i < MAX_GROUP * hq; i += WG) {
+        const uint g = i % MAX_GROUP, c = i / MAX_GROUP;
+        s_q[i] = g < group ? q_quad(query[q_quad0 + g * hq + c]) * pc.scale : vec4(0.0);
+    }
+    const uvec4 heads_a = head0 + uvec4(0u, 1u, 2u, 3u), heads_b = heads_a + 4u;
+    const uvec4 in_a = uvec4(lessThan(uvec4(0u, 1u, 2u, 3u), uvec4(group)));
+    const uvec4 in_b = uvec4(lessThan(uvec4(4u, 5u, 6u, 7u), uvec4(group)));
 
-    float m[MAX_GROUP], l[MAX_GROUP], acc0[MAX_GROUP], acc1[MAX_GROUP];
-    for (uint g = 0u; g < MAX_GROUP; g++) { m[g] = NEG_INF; l[g] = 0.0; acc0[g] = 0.0; acc1[g] = 0.0; }
-    const uint d0 = 2u * tid;                                    // this thread's head dims: d0, d0 + 1
+    // The V stage's share of the work. vLLM's layout: head dims tid and tid + WG. nhd: quad column `col` of
+    // the head and every `lanes`-th token from `lane`.
+    const bool dims_contiguous = pc.v_dim_stride == 1u;
+    const uint lanes = dims_contiguous ? WG / hq : 1u;
+    const uint col = tid % hq, lane = tid / hq;
 
-    for (uint base = start; base < end; base += P) {
-        const uint len = min(P, end - base);
-        const uint blocks = (len + bs - 1u) / bs;
-        barrier();   // the previous tile's s_p and s_phys are no longer read
-        for (uint i = tid; i < blocks; i += WG) {
-            int b = block_tables[row + base / bs + i];
-            s_phys[i] = (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
+    vec4 m_a = vec4(NEG_INF), m_b = vec4(NEG_INF);   // running max per head
+    vec4 l_a = vec4(0.0), l_b = vec4(0.0);           // this thread's share of the softmax sum
+    vec4 acc_a[4], acc_b[4];                         // [dim slot] of heads 0-3 / 4-7
+    for (uint i = 0u; i < 4u; i++) { acc_a[i] = vec4(0.0); acc_b[i] = vec4(0.0); }
+
+    for (uint base = start; base < end; base += TILE) {
+        const uint len = min(TILE, end - base);
+        const uint blocks = (len + bs_mask) >> bs_log2;
+        barrier();   // the previous tile's s_w and s_phys are no longer read
+        if (tid < blocks) {
+            const int b = block_tables[row + (base >> bs_log2) + tid];
+            s_phys[tid] = (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
         }
         barrier();
 
-        // A: logits of whole tokens, and each thread's max per head.
-        float mt[MAX_GROUP];
-        for (uint g = 0u; g < MAX_GROUP; g++) mt[g] = NEG_INF;
-        for (uint t = tid; t < len; t += WG) {
-            float s[MAX_GROUP];
-            for (uint g = 0u; g < MAX_GROUP; g++) s[g] = 0.0;
-            const int phys = s_phys[t / bs];
-            if (phys >= 0) {
-                const uint k0 = key_offset(kv_head, t % bs, 0u);
-                for (uint c = 0u; c < hq; c++) {
-                    const vec4 kc = kv_quad(key_load(uint(phys), k0 + (c / KV_CHUNK_QUADS) * pc.k_chunk_stride
-                                                       + c % KV_CHUNK_QUADS));
-                    for (uint g = 0u; g < MAX_GROUP; g++) if (g < group) s[g] += dot(kc, s_q[g * hq + c]);
-                }
-            }
-            for (uint g = 0u; g < MAX_GROUP; g++) {
-                if (g < group) {
-                    const uint key = base + t, last = seq_len - 1u;   // the query is the sequence's last token
-                    const float l = phys >= 0 && key_visible(key, last) ? logit(s[g], head0 + g, key, last) : NEG_INF;
-                    s_p[(g * P + t) >> 2][t & 3u] = l;
-                    mt[g] = max(mt[g], l);
-                }
-            }
-        }
-        workgroup_reduce(mt, group, true);
-
-        // B: rescale what earlier tiles accumulated to the new max; weights, each thread summing its own.
-        for (uint g = 0u; g < MAX_GROUP; g++) {
-            if (g < group) {
-                const float m_new = max(m[g], mt[g]);
-                const float alpha = m_new == NEG_INF ? 1.0 : exp(m[g] - m_new);
-                m[g] = m_new;
-                l[g] *= alpha; acc0[g] *= alpha; acc1[g] *= alpha;
-            }
-        }
-        for (uint t = tid; t < len; t += WG) {
-            for (uint g = 0u; g < MAX_GROUP; g++) {
-                if (g < group) {
-                    const float logit = s_p[(g * P + t) >> 2][t & 3u];
-                    const float p = logit == NEG_INF ? 0.0 : exp(logit - m[g]);
-                    s_p[(g * P + t) >> 2][t & 3u] = p;
-                    l[g] += p;
-                }
-            }
-        }
-        barrier();
-
-        // C: weighted values of head dims d0 and d0 + 1, four tokens at a time (tiles start on a block, and
-        // blocks hold a multiple of 4 tokens, so four tokens never straddle two blocks).
-        if (d0 < hs) {
-            for (uint t0 = 0u; t0 < len; t0 += 4u) {
-                const int phys = s_phys[t0 / bs];
-                if (phys < 0) continue;
-                const uint n = min(4u, len - t0);
-                const uint v0 = value_offset(kv_head, t0 % bs, d0);
-                vec4 va, vb;   // dims d0 and d0 + 1 of the four tokens
-                if (pc.v_token_stride == 1u) {   // vLLM's layout: a quad is four tokens of one dim
-                    va = first(kv_quad(value_load(uint(phys), v0 >> 2)), n);
-                    vb = first(kv_quad(value_load(uint(phys), (v0 + pc.v_dim_stride) >> 2)), n);
-                } else {                         // nhd: a quad is four dims of one token
-                    va = vec4(0.0); vb = vec4(0.0);
-                    for (uint i = 0u; i < n; i++) {
-                        const uint vi = v0 + i * pc.v_token_stride;
-                        const vec4 v = kv_quad(value_load(uint(phys), vi >> 2));
-                        va[i] = v[vi & 3u];
-                        vb[i] = v[(vi & 3u) + 1u];
+        // K: the logits of token tid of the tile.
+        vec4 s_a = vec4(0.0), s_b = vec4(0.0);
+        const int phys = tid < len ? s_phys[tid >> bs_log2] : -1;
+        if (phys >= 0) {
+            const uint b = uint(phys), t = tid & bs_mask;
+            if (hq % CQ == 0u) {     // the head is whole chunks (always in vLLM's layout)
+                const uint chunks = hq / CQ;
+                for (uint c0 = 0u; c0 < chunks; c0 += BATCH) {
+                    uvec4 w[BATCH];
+                    for (uint k = 0u; k < BATCH; k++) {
+                        if (c0 + k < chunks) w[k] = key_load(b, key_offset(kv_head, t, (c0 + k) * CQ) / CQ);
+                    }
+                    // (Loops over register arrays run to their constant bound, guarded: a `break` could keep
+                    // the compiler from unrolling them and put the arrays in memory.)
+                    for (uint k = 0u; k < BATCH; k++) {
+                        if (c0 + k < chunks) {
+                            for (uint i = 0u; i < CQ; i++) s_a += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 0u);
+                        }
+                    }
+                    if (wide) {
+                        for (uint k = 0u; k < BATCH; k++) {
+                            if (c0 + k < chunks) {
+                                for (uint i = 0u; i < CQ; i++) s_b += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 1u);
+                            }
+                        }
                     }
                 }
-                for (uint g = 0u; g < MAX_GROUP; g++) {
-                    if (g < group) {
-                        const vec4 p = first(s_p[(g * P + t0) >> 2], n);
-                        acc0[g] += dot(va, p);
-                        acc1[g] += dot(vb, p);
+            } else {                 // nhd with a head of part chunks: quad by quad
+                for (uint c = 0u; c < hq; c++) {
+                    const uint q = key_offset(kv_head, t, c);
+                    const vec4 kq = chunk_quad(key_load(b, q / CQ), q % CQ);
+                    s_a += kq * queries(c, 0u);
+                    if (wide) s_b += kq * queries(c, 1u);
+                }
+            }
+        }
+        const uint key = base + tid;
+        const uvec4 keys_a = phys >= 0 ? in_a * seq_len : uvec4(0u), keys_b = phys >= 0 ? in_b * seq_len : uvec4(0u);
+        const vec4 x_a = logits4(s_a, heads_a, key, uvec4(last), keys_a);
+        const vec4 x_b = wide ? logits4(s_b, heads_b, key, uvec4(last), keys_b) : vec4(NEG_INF);
+
+        // S: the tile's max per head, the rescale, this token's weights.
+        vec4 t_a = x_a, t_b = x_b;
+        workgroup_reduce(t_a, t_b, true);
+        const vec4 n_a = max(m_a, t_a), n_b = max(m_b, t_b);
+        // exp(-inf - -inf) would be NaN: a head with no visible key so far keeps weight 0.
+        const vec4 alpha_a = mix(exp(m_a - n_a), vec4(1.0), equal(n_a, vec4(NEG_INF)));
+        const vec4 alpha_b = mix(exp(m_b - n_b), vec4(1.0), equal(n_b, vec4(NEG_INF)));
+        const vec4 p_a = mix(exp(x_a - n_a), vec4(0.0), equal(x_a, vec4(NEG_INF)));
+        const vec4 p_b = mix(exp(x_b - n_b), vec4(0.0), equal(x_b, vec4(NEG_INF)));
+        m_a = n_a; m_b = n_b;
+        l_a = l_a * alpha_a + p_a; l_b = l_b * alpha_b + p_b;
+        for (uint i = 0u; i < 4u; i++) { acc_a[i] *= alpha_a; acc_b[i] *= alpha_b; }
+        for (uint g = 0u; g < 4u; g++) {
+            s_w[(tid >> 2) * MAX_GROUP + g][tid & 3u] = p_a[g];
+            s_w[(tid >> 2) * MAX_GROUP + 4u + g][tid & 3u] = p_b[g];
+        }
+        barrier();
+
+        // V: weighted values.
+        if (!dims_contiguous) {
+            // vLLM's layout: a head dim's bs tokens of one block are contiguous, CHUNK_TOKENS a chunk.
+            for (uint slot = 0u; slot < 2u; slot++) {
+                const uint d = tid + slot * WG;
+                if (d >= hs) continue;
+                const uint row_elem = value_offset(kv_head, 0u, d);        // the dim's row in a block
+                if (bs % CHUNK_TOKENS == 0u) {
+                    const uint chunks = (len + CHUNK_TOKENS - 1u) / CHUNK_TOKENS;
+                    for (uint n0 = 0u; n0 < chunks; n0 += BATCH) {
+                        uvec4 w[BATCH];
+                        for (uint k = 0u; k < BATCH; k++) {
+                            const uint t0 = (n0 + k) * CHUNK_TOKENS;
+                            const int ph = n0 + k < chunks ? s_phys[t0 >> bs_log2] : -1;
+                            w[k] = ph >= 0 ? value_load(uint(ph), (row_elem + (t0 & bs_mask)) / CHUNK_TOKENS) : uvec4(0u);
+                        }
+                        for (uint k = 0u; k < BATCH; k++) {
+                            for (uint i = 0u; i < CQ; i++) {
+                                const uint t0 = (n0 + k) * CHUNK_TOKENS + 4u * i;
+                                if (t0 < len) {
+                                    const vec4 v = first(chunk_quad(w[k], i), len - t0);
+                                    acc_a[slot] += v * weights(t0 >> 2, 0u);
+                                    if (wide) acc_b[slot] += v * weights(t0 >> 2, 1u);
+                                }
+                            }
+                        }
+                    }
+                } else {            // rows shorter than a chunk (fp8 with 8-token blocks): quad by quad
+                    for (uint t0 = 0u; t0 < len; t0 += 4u) {
+                        const int ph = s_phys[t0 >> bs_log2];
+                        if (ph < 0) continue;
+                        const uint q = (row_elem + (t0 & bs_mask)) >> 2;
+                        const vec4 v = first(chunk_quad(value_load(uint(ph), q / CQ), q % CQ), len - t0);
+                        acc_a[slot] += v * weights(t0 >> 2, 0u);
+                        if (wide) acc_b[slot] += v * weights(t0 >> 2, 1u);
+                    }
+                }
+            }
+        } else if (lane < lanes) {
+            // nhd: four head dims of one token are one quad; this thread takes every lanes-th token.
+            for (uint t0 = lane; t0 < len; t0 += BATCH * lanes) {
+                uvec4 w[BATCH];
+                for (uint k = 0u; k < BATCH; k++) {
+                    const uint t = t0 + k * lanes;
+                    const int ph = t < len ? s_phys[t >> bs_log2] : -1;
+                    const uint q = value_offset(kv_head, t & bs_mask, 4u * col) >> 2;
+                    w[k] = ph >= 0 ? value_load(uint(ph), q / CQ) : uvec4(0u);
+                }
+                for (uint k = 0u; k < BATCH; k++) {
+                    const uint t = t0 + k * lanes;
+                    if (t >= len) continue;
+                    const uint q = value_offset(kv_head, t & bs_mask, 4u * col) >> 2;
+                    const vec4 v = s_phys[t >> bs_log2] >= 0 ? chunk_quad(w[k], q % CQ) : vec4(0.0);
+                    const uint wi = (t >> 2) * MAX_GROUP;
+                    const vec4 pa = vec4(s_w[wi][t & 3u], s_w[wi + 1u][t & 3u], s_w[wi + 2u][t & 3u], s_w[wi + 3u][t & 3u]);
+                    for (uint j = 0u; j < 4u; j++) acc_a[j] += v[j] * pa;
+                    if (wide) {
+                        const vec4 pb = vec4(s_w[wi + 4u][t & 3u], s_w[wi + 5u][t & 3u], s_w[wi + 6u][t & 3u],
+                                             s_w[wi + 7u][t & 3u]);
+                        for (uint j = 0u; j < 4u; j++) acc_b[j] += v[j] * pb;
                     }
                 }
             }
         }
     }
-    workgroup_reduce(l, group, false);
+    workgroup_reduce(l_a, l_b, false);
 
-    for (uint g = 0u; g < MAX_GROUP; g++) {
-        if (g >= group) break;
+    // Each head's sums meet in s_o ([lane][head][dim]; one lane in vLLM's layout), then are normalized
+    // and written two dims at a time.
+    const uint n_lanes = dims_contiguous ? lanes : 1u;
+    if (!dims_contiguous) {
+        for (uint slot = 0u; slot < 2u; slot++) {
+            const uint d = tid + slot * WG;
+            if (d >= hs) continue;
+            for (uint g = 0u; g < 4u; g++) {
+                s_o[g * hs + d] = acc_a[slot][g];
+                s_o[(g + 4u) * hs + d] = acc_b[slot][g];
+            }
+        }
+    } else if (lane < lanes) {
+        for (uint j = 0u; j < 4u; j++) {
+            for (uint g = 0u; g < 4u; g++) {
+                s_o[(lane * MAX_GROUP + g) * hs + 4u * col + j] = acc_a[j][g];
+                s_o[(lane * MAX_GROUP + g + 4u) * hs + 4u * col + j] = acc_b[j][g];
+            }
+        }
+    }
+    barrier();
+    const uint half_hs = hs / 2u;
+    for (uint i = tid; i < group * half_hs; i += WG) {
+        const uint g = i / half_hs, d0 = 2u * (i % half_hs);
+        vec2 o = vec2(0.0);
+        for (uint r = 0u; r < n_lanes; r++) {
+            o += vec2(s_o[(r * MAX_GROUP + g) * hs + d0], s_o[(r * MAX_GROUP + g) * hs + d0 + 1u]);
+        }
+        const float l = g < 4u ? l_a[g] : l_b[g - 4u];
+        const float m = g < 4u ? m_a[g] : m_b[g - 4u];
+        o *= l > 0.0 ? 1.0 / l : 0.0;
         const uint head = head0 + g;
-        const float inv = l[g] > 0.0 ? 1.0 / l[g] : 0.0;
-        const vec2 o = vec2(acc0[g], acc1[g]) * inv;
         if (pc.num_partitions == 1u) {
             const uint pair = ((seq * pc.num_heads + head) * hs + d0) >> 1;
-            if (d0 < hs && pair < uint(out_.length())) out_[pair] = out_pair(o * pc.v_scale);
+            if (pair < uint(out_.length())) out_[pair] = out_pair(o * pc.v_scale);
         } else {
             const uint slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
-            if (slot >= uint(partial_stats.length()) || (slot + 1u) * hs > 2u * uint(partial_out.length())) break;
-            if (d0 < hs) partial_out[(slot * hs + d0) >> 1] = o;
-            if (tid == 0u) partial_stats[slot] = vec2(m[g], l[g]);
+            if (slot >= uint(partial_stats.length()) || (slot + 1u) * hs > 2u * uint(partial_out.length())) continue;
+            partial_out[(slot * hs + d0) >> 1] = o;
+            if (d0 == 0u) partial_stats[slot] = vec2(m, l);
         }
     }
 }

@@ -169,6 +169,12 @@ def test_partition_size_is_checked(rng):
 def test_partitioning_rule():
     from pagedvk.decode import group_size, partitioning
     assert group_size(32, 8) == 4 and group_size(64, 4) == 8 and group_size(12, 1) == 6 and group_size(7, 7) == 1
-    assert partitioning(256, 8, 4, 2048) == (1024, 2)       # a big batch: long partitions
-    assert partitioning(1, 8, 4, 4096) == (128, 32)         # one sequence: as many workgroups as allowed
-    assert partitioning(64, 8, 4, 100) == (1024, 1)         # short contexts need no reduce
+    # (num_seqs, workgroups per sequence, longest context, compute units) -> (partition size, partitions)
+    assert partitioning(256, 8, 2048, 132) == (2048, 1)     # a grid that fills the device is not split
+    assert partitioning(8, 8, 4096, 132) == (512, 8)        # 64 workgroups become 512
+    assert partitioning(1, 8, 4096, 132) == (128, 32)       # one sequence: partitions of one tile at least
+    assert partitioning(64, 8, 100, 132) == (128, 1)        # short contexts need no reduce
+    assert partitioning(1, 8, 0, 132) == (128, 1)           # nothing cached
+    with pytest.raises(TypeError, match="partition_size must be an int"):
+        pagedvk.DecodePlan(np.zeros((1, 1), np.int32), np.zeros(1, np.int32), num_heads=8, num_kv_heads=2,
+                           head_size=64, block_size=16, num_blocks=1, partition_size=1.5)

@@ -47,7 +47,7 @@ def fake(index, type_):
                       driver_version="1", api_version="1.3.0", device_local_bytes=1, subgroup_size=32, fp16=False,
                       storage16=False, storage8=False, bf16=False, cooperative_matrix=False,
                       max_storage_buffer_range=1, max_allocation_bytes=1, min_storage_buffer_offset_alignment=16,
-                      max_workgroup_count=(65535,) * 3,
+                      max_workgroup_count=(65535,) * 3, compute_units=0,
                       extensions=frozenset())
 
 

@@ -58,6 +58,8 @@ class DeviceInfo:
     max_allocation_bytes: int
     min_storage_buffer_offset_alignment: int   # where a bound sub-range of a buffer may start
     max_workgroup_count: tuple   # maxComputeWorkGroupCount: workgroups per grid dimension
+    compute_units: int           # SMs / CUs where the driver says (VK_NV_shader_sm_builtins,
+                                 # VK_AMD_shader_core_properties), else 0 (see decode.partitioning)
     extensions: frozenset = field(repr=False)
     handle: object = field(default=None, repr=False, compare=False)  # VkPhysicalDevice
 
@@ -165,8 +167,19 @@ def describe(index: int, pd) -> DeviceInfo:
         sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES, pNext=subgroup)
     maint3 = vk.VkPhysicalDeviceMaintenance3Properties(
         sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES, pNext=driver)
-    props2 = vk.VkPhysicalDeviceProperties2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=maint3)
+    chain = maint3
+    sm = amd = None
+    if "VK_NV_shader_sm_builtins" in extensions:
+        chain = sm = vk.VkPhysicalDeviceShaderSMBuiltinsPropertiesNV(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_SM_BUILTINS_PROPERTIES_NV, pNext=chain)
+    if "VK_AMD_shader_core_properties" in extensions:
+        chain = amd = vk.VkPhysicalDeviceShaderCorePropertiesAMD(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_CORE_PROPERTIES_AMD, pNext=chain)
+    props2 = vk.VkPhysicalDeviceProperties2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, pNext=chain)
     vk.vkGetPhysicalDeviceProperties2(pd, props2)
+    compute_units = (sm.shaderSMCount if sm is not None else
+                     amd.shaderEngineCount * amd.shaderArraysPerEngineCount * amd.computeUnitsPerShaderArray
+                     if amd is not None else 0)
     f11, f12 = query_features(pd)
     memory = vk.vkGetPhysicalDeviceMemoryProperties(pd)
     local = sum(memory.memoryHeaps[i].size for i in range(memory.memoryHeapCount)
@@ -184,7 +197,8 @@ def describe(index: int, pd) -> DeviceInfo:
         max_storage_buffer_range=props.limits.maxStorageBufferRange,
         max_allocation_bytes=maint3.maxMemoryAllocationSize,
         min_storage_buffer_offset_alignment=props.limits.minStorageBufferOffsetAlignment,
-        max_workgroup_count=tuple(props.limits.maxComputeWorkGroupCount), extensions=extensions, handle=pd)
+        max_workgroup_count=tuple(props.limits.maxComputeWorkGroupCount), compute_units=int(compute_units),
+        extensions=extensions, handle=pd)
 
 
 def query_features(pd, f11=None, f12=None):

@@ -17,6 +17,9 @@ MEMORY_BUDGET_EXTENSION = "VK_EXT_memory_budget"
 # Vulkan 1.2 buffer device addresses (the binding leaves these two constants None, so their values are here).
 BUFFER_USAGE_SHADER_DEVICE_ADDRESS = 0x00020000
 MEMORY_ALLOCATE_DEVICE_ADDRESS = 0x00000002
+# Buffers at least this large get an allocation of their own (VkMemoryDedicatedAllocateInfo, core in
+# Vulkan 1.1); None: only where the driver asks for it. See BENCHMARKS.md, "allocation history".
+DEDICATED_MIN_BYTES: int | None = None
 _buffer_uids = itertools.count()  # never reused, unlike id(): a key for what was recorded with a buffer
 
 
@@ -96,10 +99,15 @@ class Buffer(Owned):
                 budget = device.memory_budget(heap)
                 raise OutOfMemoryError(f"allocating a buffer: {gib(nbytes)} ({nbytes} bytes) is more than the "
                                        f"whole memory heap; {budget}", nbytes, budget)
-            flags = vk.VkMemoryAllocateFlagsInfo(sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
-                                                 flags=MEMORY_ALLOCATE_DEVICE_ADDRESS) if addressable else None
+            chain = None
+            if DEDICATED_MIN_BYTES is not None and self.size >= DEDICATED_MIN_BYTES:
+                chain = vk.VkMemoryDedicatedAllocateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO, buffer=self.handle)
+            if addressable:
+                chain = vk.VkMemoryAllocateFlagsInfo(sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
+                                                     flags=MEMORY_ALLOCATE_DEVICE_ADDRESS, pNext=chain or vk.ffi.NULL)
             self.memory = vk.vkAllocateMemory(d, vk.VkMemoryAllocateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=flags or vk.ffi.NULL,
+                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=chain or vk.ffi.NULL,
                 allocationSize=req.size, memoryTypeIndex=type_index), None)
             vk.vkBindBufferMemory(d, self.handle, self.memory, 0)
             if mappable:
