@@ -1,7 +1,9 @@
-"""`pagedvk bench --suite`: its JSON record, its plot and its usage errors, run as a user runs it (a subprocess)."""
+"""`pagedvk bench --suite` (its JSON record, its plot, its usage errors) and benchmarks/peers.py without torch,
+run as a user runs them (a subprocess)."""
 
 import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -119,3 +121,21 @@ def test_single_shape_json_path_is_written(tmp_path):
     figures = json.loads(path.read_text())
     assert figures["ok"] and figures["rel_error"] < 1e-5 and figures["num_seqs"] == 2 and figures["context"] == 40
     assert "KV bandwidth" in result.stdout   # the text summary still printed
+
+
+def test_peers_without_torch_prints_pagedvk_figures(tmp_path):
+    peers = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+    # torch made unimportable, whether or not it is installed here
+    code = (f"import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = {str(peers)!r}; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    path = tmp_path / "peers.json"
+    result = run_python(code, argv=["--shapes", "2x24", "--dtypes", "f16,e5m2", "--iters", "2", "--repeats", "1",
+                                    "--json", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no torch peers: torch is not installed; pagedvk's figures alone" in result.stdout
+    for dtype in ("float16", "float8_e5m2"):
+        assert f"| {dtype} | 2 | 24 |" in result.stdout and "| - | - | - |" in result.stdout
+    record = json.loads(path.read_text())
+    assert [(r["dtype"], r["backend"]) for r in record["rows"]] == [
+        ("float16", "glsl"), ("float16", "wgsl"), ("float8_e5m2", "glsl"), ("float8_e5m2", "wgsl")]
+    assert all(r["ok"] for r in record["rows"]) and "peers" not in record
