@@ -62,8 +62,8 @@ def sdpa_times(torch, shape: bench.DecodeShape, iters: int, repeats: int, gqa: s
     blocks_per_seq = math.ceil(T / bs)
     num_blocks = B * blocks_per_seq
     q = torch.randn(B, H, 1, D, device=dev, dtype=dtype)
-    contiguous = [(torch.randn(B, Hkv, T, D, device=dev, dtype=dtype), torch.randn(B, Hkv, T, D, device=dev, dtype=dtype))
-                  for _ in range(layers)]
+    contiguous = [(torch.randn(B, Hkv, T, D, device=dev, dtype=dtype),
+                   torch.randn(B, Hkv, T, D, device=dev, dtype=dtype)) for _ in range(layers)]
     paged = [(torch.randn(num_blocks, bs, Hkv, D, device=dev, dtype=dtype),
               torch.randn(num_blocks, bs, Hkv, D, device=dev, dtype=dtype)) for _ in range(layers)]
     tables = torch.randperm(num_blocks, device=dev).reshape(B, blocks_per_seq)
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     torch, why_not = load_torch()
 
     def on_row(r):
-        print(f"pagedvk {r['backend']} {r['dtype']:>13} {r['num_seqs']:>4} x {r['context']:>6}: {r['median_us']:9.1f} us "
+        print(f"pagedvk {r['backend']} {r['dtype']:>13} {r['num_seqs']:>4} x {r['context']:>6}: "
+              f"{r['median_us']:9.1f} us "
               f"({100 * r['fraction_of_read']:.0f}% of read), err {r['rel_error']:.1e}", flush=True)
 
     record = suite.run(shapes, args.dtypes, args.backends, iters=args.iters, repeats=args.repeats, on_row=on_row)
@@ -139,7 +140,8 @@ def main(argv=None) -> int:
                     continue   # SDPA has no fp8 path
                 shape = bench.DecodeShape(num_seqs=num_seqs, context=context, dtype=dtype)
                 peers[num_seqs, context, dtype] = t = sdpa_times(torch, shape, args.iters, args.repeats, gqa)
-                print(f"torch {dtype:>9} {num_seqs:>4} x {context:>6}: SDPA contiguous {t['sdpa_contiguous_us']:.1f} us, "
+                print(f"torch {dtype:>9} {num_seqs:>4} x {context:>6}: "
+                      f"SDPA contiguous {t['sdpa_contiguous_us']:.1f} us, "
                       f"gather {t['gather_us']:.1f} us, gather + SDPA {t['gather_sdpa_us']:.1f} us", flush=True)
         record["peers"] = [{"num_seqs": b, "context": c, "dtype": d, **t} for (b, c, d), t in peers.items()]
 

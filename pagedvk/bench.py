@@ -159,8 +159,8 @@ class DecodeInputs:
         self.caches, self.host_caches = [], None
         try:
             for _ in range(layers):
-                k = rng.standard_normal((self.num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size, x),
-                                        dtype=np.float32).astype(dtype, copy=False)
+                k = rng.standard_normal((self.num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size,
+                                         x), dtype=np.float32).astype(dtype, copy=False)
                 v = rng.standard_normal((self.num_blocks, shape.num_kv_heads, shape.head_size, shape.block_size),
                                         dtype=np.float32).astype(dtype, copy=False)
                 self.host_caches = self.host_caches or (k, v)
@@ -202,7 +202,8 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
                       device=device, backend=backend)
     try:
         dk, dv = inputs.caches[0]
-        out.write(np.full(out.shape, np.nan, inputs.query_dtype))   # a plan that writes nothing must not pass on another's output
+        # poisoned: a plan that writes nothing must not pass on the previous plan's output
+        out.write(np.full(out.shape, np.nan, inputs.query_dtype))
         plan.run(query, dk, dv, out=out)
         n = min(CHECKED_SEQS, shape.num_seqs)
         k, v = inputs.host_caches

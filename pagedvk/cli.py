@@ -15,6 +15,7 @@ from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
 from .errors import PagedVKError
 from .selection import devices, select
 
+
 def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -154,7 +155,8 @@ def check_options(parser, args) -> None:
             parser.error(f"argument {option}: not allowed with{'' if args.suite else 'out'} --suite")
     if not args.suite:
         d = bench.DecodeShape()
-        args.num_seqs, args.context, args.dtype = args.num_seqs or d.num_seqs, args.context or d.context, args.dtype or d.dtype
+        args.num_seqs, args.context = args.num_seqs or d.num_seqs, args.context or d.context
+        args.dtype = args.dtype or d.dtype
 
 
 def check_shape(parser, args) -> None:

@@ -103,7 +103,8 @@ def test_dtypes_and_backends_are_parsed_or_refused():
     (["--suite", "--shapes", "4x"], "argument --shapes: shapes must be comma-separated BATCHxCONTEXT"),
     (["--suite", "--dtypes", "f16,f64"], "argument --dtypes: dtypes must be comma-separated names from"),
     (["--suite", "--backends", "glsl,metal"], "argument --backends: backends must be comma-separated names"),
-    (["--suite", "--head-size", "36", "--dtypes", "f16"], "argument --head-size: must be a multiple of 8 up to 256 for float16"),
+    (["--suite", "--head-size", "36", "--dtypes", "f16"],
+     "argument --head-size: must be a multiple of 8 up to 256 for float16"),
     (["--suite", "--head-size", "40"], "argument --head-size: must be a multiple of 16 up to 256 for float8"),
 ])
 def test_suite_usage_errors(argv, message):
