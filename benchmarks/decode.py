@@ -47,8 +47,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"read": ceiling, "decode": rows}, f, indent=1)
-    tolerance = 1e-5 if args.dtype == "float32" else 2e-3
-    return 0 if all(r["rel_error"] <= tolerance for r in rows) else 1
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import kernels, reference
+from . import config, kernels, reference
 from .abi import READ_BANDWIDTH
 from .array import asarray, empty
 from .decode import DecodePlan
-from .dtypes import QUERY_TYPES
+from .dtypes import CACHE_TYPES, QUERY_TYPES
 from .runtime.pipeline import Launch
 from .selection import get_device
 
@@ -38,6 +38,29 @@ def parse_shapes(text: str) -> list:
         raise ValueError(f"shapes must be comma-separated BATCHxCONTEXT of positive ints, got {text!r}")
     return shapes
 
+
+# Cache dtypes by numpy name or by their kernels' tag (f32, f16, bf16, e4m3, e5m2), in the sweep's order.
+DTYPE_NAMES = {**{t.tag: str(t) for t in CACHE_TYPES.values()}, **{str(t): str(t) for t in CACHE_TYPES.values()}}
+
+
+def parse_dtypes(text: str) -> list:
+    """Cache dtypes written as comma-separated names or tags ("f16,bfloat16") -> ["float16", "bfloat16"]."""
+    items = text.split(",")
+    if any(item not in DTYPE_NAMES for item in items):
+        raise ValueError(f"dtypes must be comma-separated names from {', '.join(DTYPE_NAMES)}, got {text!r}")
+    return [DTYPE_NAMES[item] for item in items]
+
+
+def parse_backends(text: str) -> list:
+    """Kernel languages written as comma-separated names ("glsl,wgsl")."""
+    items = text.split(",")
+    if any(item.strip().lower() not in config.BACKENDS for item in items):
+        raise ValueError(f"backends must be comma-separated names from {', '.join(config.BACKENDS)}, got {text!r}")
+    return [item.strip().lower() for item in items]
+
+
+# rel. error allowed against float64: float32 storage, or 16-bit (and fp8, read into 16-bit queries) outputs
+TOLERANCE = {str(dtype): 1e-5 if dtype == np.float32 else 2e-3 for dtype in CACHE_TYPES}
 
 ROTATE_BYTES = 512 << 20  # caches rotated per timing loop: several times any GPU's last-level cache
 CHECKED_SEQS = 4          # sequences checked against the float64 reference (it is slow on long contexts)
@@ -114,49 +137,85 @@ def read_bandwidth(device=None, nbytes: int = 1 << 30, iters: int = 20, progress
     return {"bytes": nbytes, "GBps": nbytes / median, **percentiles(times)}
 
 
-def decode(shape: DecodeShape, iters: int = 50, warmup: int = 1, repeats: int = 3, layers: int | None = None,
-           device=None, backend: str | None = None, seed: int = 0, progress: bool = False) -> dict:
-    """Time decode attention for one shape: `iters` runs back to back in one submission, rotating over
-    `layers` caches, submitted warmup + repeats times; the figures are over the repeats' runs."""
-    device = get_device(device)
-    rng = np.random.default_rng(seed)
-    dtype = np.dtype(shape.dtype)
-    x = 16 // dtype.itemsize
-    blocks_per_seq = math.ceil(shape.context / shape.block_size)
-    num_blocks = shape.num_seqs * blocks_per_seq
-    if layers is None:
-        layers = max(1, min(8, math.ceil(ROTATE_BYTES / max(shape.kv_bytes, 1))))
-    block_tables = rng.permutation(num_blocks).astype(np.int32).reshape(shape.num_seqs, blocks_per_seq)
-    seq_lens = np.full(shape.num_seqs, shape.context, np.int32)
-    bar = Progress(layers + warmup + repeats, "decode", progress)
-    caches = []
-    for _ in range(layers):
-        k = rng.standard_normal((num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size, x),
-                                dtype=np.float32).astype(dtype, copy=False)
-        v = rng.standard_normal((num_blocks, shape.num_kv_heads, shape.head_size, shape.block_size),
-                                dtype=np.float32).astype(dtype, copy=False)
-        caches.append((k, v, asarray(k, device), asarray(v, device)))
-        bar.step()
-    # fp8 caches serve 16-bit models: their queries are float16.
-    query_dtype = dtype if dtype in QUERY_TYPES else np.dtype(np.float16)
-    query_host = rng.standard_normal((shape.num_seqs, shape.num_heads, shape.head_size), dtype=np.float32).astype(query_dtype)
-    query, out = asarray(query_host, device), empty(query_host.shape, query_dtype, device)
-    plan = DecodePlan(block_tables, seq_lens, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                      head_size=shape.head_size, block_size=shape.block_size, num_blocks=num_blocks, dtype=dtype,
-                      query_dtype=query_dtype, device=device, backend=backend)
+class DecodeInputs:
+    """One shape's decode inputs on the device, made once and timed by any number of plans: `layers` random
+    K/V caches (rotated while timing), random block tables, full-length sequences, a query and an output.
+    Layer 0's caches stay on the host too, for the reference check."""
+
+    def __init__(self, shape: DecodeShape, layers: int | None = None, device=None, seed: int = 0,
+                 progress: bool = False):
+        self.shape, self.device = shape, get_device(device)
+        rng = np.random.default_rng(seed)
+        self.dtype = dtype = np.dtype(shape.dtype)
+        x = 16 // dtype.itemsize
+        blocks_per_seq = math.ceil(shape.context / shape.block_size)
+        self.num_blocks = shape.num_seqs * blocks_per_seq
+        if layers is None:
+            layers = max(1, min(8, math.ceil(ROTATE_BYTES / max(shape.kv_bytes, 1))))
+        self.layers = layers
+        self.block_tables = rng.permutation(self.num_blocks).astype(np.int32).reshape(shape.num_seqs, blocks_per_seq)
+        self.seq_lens = np.full(shape.num_seqs, shape.context, np.int32)
+        bar = Progress(layers, "caches", progress)
+        self.caches, self.host_caches = [], None
+        try:
+            for _ in range(layers):
+                k = rng.standard_normal((self.num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size,
+                                         x), dtype=np.float32).astype(dtype, copy=False)
+                v = rng.standard_normal((self.num_blocks, shape.num_kv_heads, shape.head_size, shape.block_size),
+                                        dtype=np.float32).astype(dtype, copy=False)
+                self.host_caches = self.host_caches or (k, v)
+                self.caches.append((asarray(k, self.device), asarray(v, self.device)))
+                bar.step()
+            # fp8 caches serve 16-bit models: their queries are float16.
+            self.query_dtype = dtype if dtype in QUERY_TYPES else np.dtype(np.float16)
+            self.query_host = rng.standard_normal((shape.num_seqs, shape.num_heads, shape.head_size),
+                                                  dtype=np.float32).astype(self.query_dtype)
+            self.query = asarray(self.query_host, self.device)
+            self.out = empty(self.query_host.shape, self.query_dtype, self.device)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for array in [a for pair in self.caches for a in pair] + [getattr(self, n, None) for n in ("query", "out")]:
+            if array is not None:
+                array.close()
+        self.caches = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 50, warmup: int = 1,
+                repeats: int = 3, progress: bool = False) -> dict:
+    """Check one plan's result against float64, then time it: `iters` runs back to back in one submission,
+    rotating over the inputs' caches, submitted warmup + repeats times; the figures are over the repeats' runs."""
+    shape, device = inputs.shape, inputs.device
+    query, out = inputs.query, inputs.out
+    bar = Progress(warmup + repeats, "decode", progress)
+    plan = DecodePlan(inputs.block_tables, inputs.seq_lens, num_heads=shape.num_heads,
+                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=shape.block_size,
+                      num_blocks=inputs.num_blocks, dtype=inputs.dtype, query_dtype=inputs.query_dtype,
+                      device=device, backend=backend)
     try:
-        k, v, dk, dv = caches[0]
+        dk, dv = inputs.caches[0]
+        # poisoned: a plan that writes nothing must not pass on the previous plan's output
+        out.write(np.full(out.shape, np.nan, inputs.query_dtype))
         plan.run(query, dk, dv, out=out)
         n = min(CHECKED_SEQS, shape.num_seqs)
-        ref = reference.paged_attention(query_host[:n], k, v, block_tables[:n], seq_lens[:n])
+        k, v = inputs.host_caches
+        ref = reference.paged_attention(inputs.query_host[:n], k, v, inputs.block_tables[:n], inputs.seq_lens[:n])
         got = out.numpy()[:n].astype(np.float64)
         error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         # All timed runs go into one command buffer, a timestamp after each, as a model's layers follow
         # one another: the GPU stays busy (and clocked up) between runs, and host overhead stays out.
         steps = []
         for i in range(iters):
-            _, _, dk, dv = caches[i % layers]
-            steps += plan._steps(query, dk, dv, out, num_blocks)
+            dk, dv = inputs.caches[i % inputs.layers]
+            steps += plan._steps(query, dk, dv, out, inputs.num_blocks)
         launch = Launch(device, steps, timestamps=len(steps) // iters)
         try:
             times = []
@@ -169,12 +228,15 @@ def decode(shape: DecodeShape, iters: int = 50, warmup: int = 1, repeats: int = 
             launch.close()
     finally:
         plan.close()
-        for *_, dk, dv in caches:
-            dk.close()
-            dv.close()
-        query.close()
-        out.close()
     stats = percentiles(times)
-    return {**asdict(shape), "backend": plan.backend, "device": device.info.name, "layers": layers,
-            "iters": iters * repeats, "partitions": plan.num_partitions, "partition_size": plan.partition_size, "rel_error": error, "checked_seqs": n, "kv_bytes": shape.kv_bytes,
+    return {**asdict(shape), "backend": plan.backend, "device": device.info.name, "layers": inputs.layers,
+            "iters": iters * repeats, "partitions": plan.num_partitions, "partition_size": plan.partition_size,
+            "rel_error": error, "checked_seqs": n, "ok": error <= TOLERANCE[shape.dtype], "kv_bytes": shape.kv_bytes,
             "GBps": shape.kv_bytes / (stats["median_us"] * 1e3), **stats}
+
+
+def decode(shape: DecodeShape, iters: int = 50, warmup: int = 1, repeats: int = 3, layers: int | None = None,
+           device=None, backend: str | None = None, seed: int = 0, progress: bool = False) -> dict:
+    """Time decode attention for one shape on fresh inputs (see DecodeInputs and time_decode)."""
+    with DecodeInputs(shape, layers, device, seed, progress) as inputs:
+        return time_decode(inputs, backend, iters, warmup, repeats, progress)

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 import numpy as np
 
-from . import bench, config
-from .dtypes import CACHE_TYPES, device_dtypes
+from . import bench, config, suite
+from .dtypes import device_dtypes
 from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
 from .errors import PagedVKError
 from .selection import devices, select
-
-# rel. error allowed against float64: float32 storage, or 16-bit (and fp8, read into 16-bit queries) outputs
-TOLERANCE = {str(dtype): 1e-5 if dtype == np.float32 else 2e-3 for dtype in CACHE_TYPES}
 
 
 def gib(n: int) -> str:
@@ -41,16 +39,20 @@ def cmd_devices(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.suite:
+        return cmd_suite(args)
     shape = bench.DecodeShape(num_seqs=args.num_seqs, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                               head_size=args.head_size, block_size=args.block_size, context=args.context,
                               dtype=args.dtype)
-    ceiling = bench.read_bandwidth(args.device, iters=args.iters, progress=not args.json)
+    ceiling = bench.read_bandwidth(args.device, iters=args.iters, progress=args.json != "-")
     r = bench.decode(shape, iters=args.iters, repeats=args.repeats, layers=args.layers, device=args.device,
-                     backend=args.backend, progress=not args.json)
+                     backend=args.backend, progress=args.json != "-")
     r["read_GBps"] = ceiling["GBps"]
     r["fraction_of_read"] = r["GBps"] / ceiling["GBps"]
-    ok = r["rel_error"] <= TOLERANCE[shape.dtype]
-    if args.json:
+    ok = r["ok"]
+    if args.json not in (None, "-"):
+        write_json(r, args.json)
+    if args.json == "-":
         print(json.dumps(r, indent=1))
     else:
         print(f"device       {r['device']} (backend {r['backend']})")
@@ -65,6 +67,44 @@ def cmd_bench(args) -> int:
               f"device's read kernel ({ceiling['GBps']:.1f} GB/s over {gib(ceiling['bytes'])})")
     return 0 if ok else 1
 
+
+def write_json(record: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+def cmd_suite(args) -> int:
+    shapes = args.shapes or (bench.SMALL_SWEEP if args.small else bench.SWEEP)
+    to_stdout = args.json == "-"
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if to_stdout else (lambda *a: print(*a, flush=True))
+
+    def on_row(r):
+        log(f"{r['dtype']:>13} {r['backend']} {r['num_seqs']:>4} x {r['context']:>6}: {r['median_us']:9.1f} us "
+            f"{r['GBps']:8.1f} GB/s ({100 * r['fraction_of_read']:.0f}% of read)  err {r['rel_error']:.1e}"
+            f"{'' if r['ok'] else ' FAILED'}")
+
+    record = suite.run(shapes, args.dtypes or list(bench.TOLERANCE), args.backends or list(config.BACKENDS),
+                       num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_size=args.head_size,
+                       block_size=args.block_size, iters=args.iters, repeats=args.repeats, layers=args.layers,
+                       device=args.device, progress=not to_stdout, on_row=on_row)
+    record["command"] = shlex.join(["pagedvk", *args.argv])
+    ceiling = record["read"]
+    log(f"\ndevice {record['device']} ({record['driver']}); read kernel {ceiling['GBps']:.1f} GB/s over "
+        f"{gib(ceiling['bytes'])}; pagedvk {record['pagedvk']} {record['commit'] or ''}\n{record['command']}\n")
+    log(suite.table(record))
+    if to_stdout:
+        print(json.dumps(record, indent=1))
+    else:
+        path = args.json or "bench_suite.json"
+        write_json(record, path)
+        log(f"\nwrote {path}")
+    plot_path = args.plot or "bench_suite.png"
+    if suite.plot(record, plot_path):
+        log(f"wrote {plot_path}")
+    else:
+        log(f"plot skipped: matplotlib is not installed ({suite.PLOT_HINT} adds it)")
+    return 0 if all(r["ok"] for r in record["rows"]) else 1
 
 def positive(text: str) -> int:
     """An argparse type: an integer of at least 1 (a usage error otherwise, never a traceback later)."""
@@ -85,18 +125,47 @@ def backend(text: str) -> str:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown in --help, except None, whose meaning each option's help states itself."""
+    """Defaults shown in --help, except None (each option's help states its meaning) and off switches."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+
+def parsed(parse):
+    """An argparse type from one of pagedvk.bench's parsers: its ValueError becomes a usage error."""
+    def argument_type(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return argument_type
+
+
+SINGLE_SHAPE = ("num_seqs", "context", "dtype", "backend")   # what --suite sweeps instead
+SUITE_ONLY = ("small", "shapes", "dtypes", "backends", "plot")
+
+
+def check_options(parser, args) -> None:
+    """Options that only one of the single-shape bench and --suite reads are refused by the other, never
+    silently ignored; the single shape's defaults are filled in here."""
+    given = lambda name: getattr(args, name) not in (None, False)
+    for name in SINGLE_SHAPE if args.suite else SUITE_ONLY:
+        if given(name):
+            option = "--" + name.replace("_", "-")
+            parser.error(f"argument {option}: not allowed with{'' if args.suite else 'out'} --suite")
+    if not args.suite:
+        d = bench.DecodeShape()
+        args.num_seqs, args.context = args.num_seqs or d.num_seqs, args.context or d.context
+        args.dtype = args.dtype or d.dtype
 
 
 def check_shape(parser, args) -> None:
     """Shape options that must agree with each other, refused as usage errors naming the options."""
-    x = 16 // np.dtype(args.dtype).itemsize
-    if args.head_size % x or args.head_size > MAX_HEAD_SIZE:
-        parser.error(f"argument --head-size: must be a multiple of {x} up to {MAX_HEAD_SIZE} for "
-                     f"{args.dtype}, got {args.head_size}")
+    for dtype in (args.dtypes or list(bench.TOLERANCE)) if args.suite else [args.dtype]:
+        x = 16 // np.dtype(dtype).itemsize
+        if args.head_size % x or args.head_size > MAX_HEAD_SIZE:
+            parser.error(f"argument --head-size: must be a multiple of {x} up to {MAX_HEAD_SIZE} for "
+                         f"{dtype}, got {args.head_size}")
     if args.num_heads % args.num_kv_heads:
         parser.error(f"argument --num-heads: must be a multiple of --num-kv-heads ({args.num_kv_heads}), "
                      f"got {args.num_heads}")
@@ -116,23 +185,42 @@ def main(argv=None) -> int:
         run=cmd_devices)
     b = sub.add_parser("bench", help="time decode attention on the selected device", formatter_class=HelpFormatter,
                        description="Time one decode shape with GPU timestamps, check it against the float64 "
-                                   "reference, and compare its KV bandwidth to the device's read kernel.")
+                                   "reference, and compare its KV bandwidth to the device's read kernel; "
+                                   "--suite sweeps cache dtypes x shapes x backends and writes JSON and a plot.")
     d = bench.DecodeShape()
-    b.add_argument("--num-seqs", type=positive, default=d.num_seqs, help="sequences in the batch")
+    b.add_argument("--num-seqs", type=positive, default=None, help=f"sequences in the batch (default: {d.num_seqs})")
     b.add_argument("--num-heads", type=positive, default=d.num_heads, help="query heads")
     b.add_argument("--num-kv-heads", type=positive, default=d.num_kv_heads,
                    help="key/value heads (GQA: num-heads must be a multiple)")
     b.add_argument("--head-size", type=positive, default=d.head_size, help=f"per head, at most {MAX_HEAD_SIZE}")
     b.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=d.block_size,
                    help="tokens per cache block")
-    b.add_argument("--context", type=positive, default=d.context, help="tokens cached per sequence")
-    b.add_argument("--dtype", choices=sorted(TOLERANCE), default=d.dtype, help="cache dtype (fp8 caches run with float16 queries)")
+    b.add_argument("--context", type=positive, default=None, help=f"tokens cached per sequence (default: {d.context})")
+    b.add_argument("--dtype", choices=sorted(bench.TOLERANCE), default=None,
+                   help=f"cache dtype (fp8 caches run with float16 queries) (default: {d.dtype})")
     b.add_argument("--iters", type=positive, default=20, help="runs back to back in one submission")
     b.add_argument("--repeats", type=positive, default=3, help="timed submissions (after one warm-up)")
     b.add_argument("--layers", type=positive, default=None, help="caches rotated (default: enough for 512 MiB)")
     b.add_argument("--backend", type=backend, default=None, help="glsl or wgsl (default: PAGEDVK_BACKEND or glsl)")
     b.add_argument("--device", default=None, help="index or name (default: PAGEDVK_DEVICE or the best)")
-    b.add_argument("--json", action="store_true", help="print the figures as JSON")
+    b.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the figures as JSON to PATH, or print them without PATH (default: none; "
+                        "with --suite bench_suite.json)")
+    s = b.add_argument_group("suite", "--suite times every cache dtype x shape x backend, each shape's caches "
+                                      "allocated once and freed before the next, in the same process as the "
+                                      "read kernel; the plot needs matplotlib (pip install pagedvk[bench])")
+    s.add_argument("--suite", action="store_true", help="sweep dtypes x shapes x backends")
+    sweep = s.add_mutually_exclusive_group()
+    sweep.add_argument("--small", action="store_true", help="a sweep lavapipe finishes in minutes: "
+                       + ",".join(f"{b}x{c}" for b, c in bench.SMALL_SWEEP))
+    sweep.add_argument("--shapes", type=parsed(bench.parse_shapes), default=None,
+                       help="comma-separated BATCHxCONTEXT, run in this order (default: "
+                            + ",".join(f"{b}x{c}" for b, c in bench.SWEEP) + ")")
+    s.add_argument("--dtypes", type=parsed(bench.parse_dtypes), default=None,
+                   help="comma-separated cache dtypes, by name or tag (default: f32,f16,bf16,e4m3,e5m2)")
+    s.add_argument("--backends", type=parsed(bench.parse_backends), default=None,
+                   help="comma-separated kernel languages (default: glsl,wgsl)")
+    s.add_argument("--plot", default=None, metavar="PATH", help="the plot's PNG (default: bench_suite.png)")
     b.set_defaults(run=cmd_bench)
     m = sub.add_parser("demo", help="serve a stream of requests with a small model over a paged KV cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -144,13 +232,16 @@ def main(argv=None) -> int:
     m.add_argument("--num-blocks", type=int, default=48, help="device blocks (few enough to preempt)")
     m.add_argument("--block-size", type=int, default=8)
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--dtype", choices=sorted(TOLERANCE), default="float32", help="cache dtype")
+    m.add_argument("--dtype", choices=sorted(bench.TOLERANCE), default="float32", help="cache dtype")
     m.add_argument("--layout", choices=("vllm", "nhd"), default="vllm", help="cache layout")
     m.add_argument("--check", action="store_true",
                    help="compare every step's attention with float64 and every sample's tokens with a dense run")
     m.set_defaults(run=cmd_demo)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.command == "bench":
+        check_options(b, args)
         check_shape(b, args)
     try:
         return args.run(args)

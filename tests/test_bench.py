@@ -1,0 +1,142 @@
+"""`pagedvk bench --suite` (its JSON record, its plot, its usage errors) and benchmarks/peers.py without torch,
+run as a user runs them (a subprocess)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_python
+from pagedvk import bench, suite
+
+TINY = [(1, 40), (2, 24)]   # shapes lavapipe times in a second, context not a multiple of the block
+SUITE = f"""
+import sys
+from pagedvk import bench
+from pagedvk.cli import main
+bench.SMALL_SWEEP = {TINY!r}   # --small, shrunk further for a test
+sys.exit(main(sys.argv[1:]))
+"""
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def test_suite_small_writes_its_record(tmp_path):
+    path, png = tmp_path / "suite.json", tmp_path / "suite.png"
+    result = run_python(SUITE, argv=["bench", "--suite", "--small", "--iters", "2", "--repeats", "1", "--layers",
+                                     "1", "--json", str(path), "--plot", str(png)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = json.loads(path.read_text())
+    assert record["device"] and record["driver"] and record["read"]["GBps"] > 0
+    assert record["pagedvk"] == __import__("pagedvk").__version__ and "commit" in record
+    assert record["command"].startswith("pagedvk bench --suite --small")
+    dtypes = list(bench.TOLERANCE)
+    assert record["order"] == [f"{b}x{c} {d}" for b, c in TINY for d in dtypes]
+    expected = [(b, c, d, backend) for b, c in TINY for d in dtypes for backend in ("glsl", "wgsl")]
+    rows = record["rows"]
+    assert [(r["num_seqs"], r["context"], r["dtype"], r["backend"]) for r in rows] == expected
+    for r in rows:
+        assert r["ok"] and r["rel_error"] <= bench.TOLERANCE[r["dtype"]], r
+        # GB/s on the cache's own bytes: fp8 counts one byte an element
+        own_bytes = 2 * r["num_seqs"] * r["context"] * 8 * 128 * np.dtype(r["dtype"]).itemsize
+        assert r["median_us"] > 0 and r["GBps"] == pytest.approx(own_bytes / (r["median_us"] * 1e3))
+        assert r["fraction_of_read"] == pytest.approx(r["GBps"] / record["read"]["GBps"])
+    assert "| dtype | backend | batch | context | GPU median | GB/s | of read BW |" in result.stdout
+    if HAS_MATPLOTLIB:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not png.exists()
+        assert "plot skipped: matplotlib is not installed (pip install pagedvk[bench] adds it)" in result.stdout
+
+
+def record_of(rows):
+    return {"device": "test device", "read": {"GBps": 100.0}, "num_heads": 32, "num_kv_heads": 8, "head_size": 128,
+            "block_size": 16, "rows": [{"num_seqs": b, "context": c, "dtype": d, "backend": k, "fraction_of_read": f}
+                                       for b, c, d, k, f in rows]}
+
+
+def test_plot_series_orders_shapes_by_kv_bytes():
+    rng = np.random.default_rng(0)
+    f = rng.uniform(0.1, 1.0, 5)
+    record = record_of([(8, 4096, "float16", "glsl", f[0]), (1, 32768, "float16", "glsl", f[1]),
+                        (1, 4096, "float16", "wgsl", f[2]), (1, 4096, "float16", "glsl", f[3]),
+                        (64, 4096, "float8_e5m2", "glsl", f[4])])
+    series = suite.plot_series(record)
+    shapes = ["1x4096", "8x4096", "1x32768", "64x4096"]   # equal bytes: the shorter context first
+    assert series == {
+        "float16": {"shapes": shapes, "lines": {"glsl": [100 * f[3], 100 * f[0], 100 * f[1], None],
+                                                "wgsl": [100 * f[2], None, None, None]}},
+        "float8_e5m2": {"shapes": shapes, "lines": {"glsl": [None, None, None, 100 * f[4]]}}}
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (pip install pagedvk[bench]); "
+                                               "the suite's JSON is tested without it")
+def test_plot_writes_a_png(tmp_path):
+    record = record_of([(1, 4096, d, k, 0.5) for d in ("float32", "float16") for k in ("glsl", "wgsl")]
+                       + [(8, 4096, "float32", "glsl", 0.25)])
+    assert suite.plot(record, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dtypes_and_backends_are_parsed_or_refused():
+    assert bench.parse_dtypes("f16,bfloat16,e4m3") == ["float16", "bfloat16", "float8_e4m3fn"]
+    assert bench.parse_backends("wgsl,GLSL") == ["wgsl", "glsl"]
+    for bad in ("f64", "f16,", "", "fp8"):
+        with pytest.raises(ValueError, match="dtypes must be comma-separated names from f32, f16"):
+            bench.parse_dtypes(bad)
+    for bad in ("metal", "glsl,", ""):
+        with pytest.raises(ValueError, match="backends must be comma-separated names from glsl, wgsl"):
+            bench.parse_backends(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "--context", "64"], "argument --context: not allowed with --suite"),
+    (["--suite", "--num-seqs", "2"], "argument --num-seqs: not allowed with --suite"),
+    (["--suite", "--dtype", "float16"], "argument --dtype: not allowed with --suite"),
+    (["--suite", "--backend", "wgsl"], "argument --backend: not allowed with --suite"),
+    (["--shapes", "1x16"], "argument --shapes: not allowed without --suite"),
+    (["--small"], "argument --small: not allowed without --suite"),
+    (["--dtypes", "f16"], "argument --dtypes: not allowed without --suite"),
+    (["--plot", "x.png"], "argument --plot: not allowed without --suite"),
+    (["--suite", "--small", "--shapes", "1x16"], "argument --shapes: not allowed with argument --small"),
+    (["--suite", "--shapes", "4x"], "argument --shapes: shapes must be comma-separated BATCHxCONTEXT"),
+    (["--suite", "--dtypes", "f16,f64"], "argument --dtypes: dtypes must be comma-separated names from"),
+    (["--suite", "--backends", "glsl,metal"], "argument --backends: backends must be comma-separated names"),
+    (["--suite", "--head-size", "36", "--dtypes", "f16"],
+     "argument --head-size: must be a multiple of 8 up to 256 for float16"),
+    (["--suite", "--head-size", "40"], "argument --head-size: must be a multiple of 16 up to 256 for float8"),
+])
+def test_suite_usage_errors(argv, message):
+    result = run_python(SUITE, argv=["bench", *argv])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_single_shape_json_path_is_written(tmp_path):
+    path = tmp_path / "one.json"
+    result = run_python(SUITE, argv=["bench", "--num-seqs", "2", "--num-heads", "4", "--num-kv-heads", "2",
+                                     "--head-size", "32", "--context", "40", "--iters", "2", "--repeats", "1",
+                                     "--layers", "1", "--json", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(path.read_text())
+    assert figures["ok"] and figures["rel_error"] < 1e-5 and figures["num_seqs"] == 2 and figures["context"] == 40
+    assert "KV bandwidth" in result.stdout   # the text summary still printed
+
+
+def test_peers_without_torch_prints_pagedvk_figures(tmp_path):
+    peers = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+    # torch made unimportable, whether or not it is installed here
+    code = (f"import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = {str(peers)!r}; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    path = tmp_path / "peers.json"
+    result = run_python(code, argv=["--shapes", "2x24", "--dtypes", "f16,e5m2", "--iters", "2", "--repeats", "1",
+                                    "--json", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no torch peers: torch is not installed; pagedvk's figures alone" in result.stdout
+    for dtype in ("float16", "float8_e5m2"):
+        assert f"| {dtype} | 2 | 24 |" in result.stdout and "| - | - | - |" in result.stdout
+    record = json.loads(path.read_text())
+    assert [(r["dtype"], r["backend"]) for r in record["rows"]] == [
+        ("float16", "glsl"), ("float16", "wgsl"), ("float8_e5m2", "glsl"), ("float8_e5m2", "wgsl")]
+    assert all(r["ok"] for r in record["rows"]) and "peers" not in record
