@@ -26,6 +26,7 @@ from .runtime.owned import Owned
 from .runtime.pipeline import Launch, fold_grid
 
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
+CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
 LOGIT_SLOTS = 4096                           # heads per workgroup x partition size (LOGIT_SLOTS in the kernel)
 MIN_PARTITION = 128
@@ -50,6 +51,20 @@ def partitioning(num_seqs: int, workgroups_per_seq: int, heads_per_workgroup: in
     while size > MIN_PARTITION and max_seq_len > size // 2 and base * -(-max_seq_len // size) < TARGET_WORKGROUPS:
         size //= 2
     return size, max(1, -(-max_seq_len // size))
+
+
+def _signature(arrays) -> tuple | None:
+    """What the run checks read of these arrays (None stays None): kind, contiguity, shape, dtype; None
+    when one is not an array (the checks reject it)."""
+    signature = []
+    for a in arrays:
+        if a is None or type(a) is DeviceArray:
+            signature.append(a if a is None else (DeviceArray, a.shape, a.dtype))
+        elif isinstance(a, np.ndarray):
+            signature.append((type(a), a.shape, a.dtype, a.flags.c_contiguous))
+        else:
+            return None
+    return tuple(signature)
 
 
 def _integer(name: str, value, low: int, high: int | None = None) -> None:
@@ -166,6 +181,7 @@ class DecodePlan(Owned):
                                 if split else None)
         self.reduce_grid = fold_grid(num_heads * self.num_seqs, limits)
         self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
+        self._checked = set()           # argument signatures _check_run has passed
         self._closed = False
 
     @classmethod
@@ -178,6 +194,18 @@ class DecodePlan(Owned):
                    dtype=spec.storage.dtype, query_dtype=query_dtype, layout=layout, device=device, **kw)
 
     def _check_run(self, query, key_cache, value_cache, out) -> None:
+        """The run arguments' checks. They read only kinds, shapes and dtypes, so arguments that look like
+        ones already passed pass again without them (a layer's run repeats the last layer's shapes)."""
+        signature = _signature((query, key_cache, value_cache, out))
+        if signature is not None and signature in self._checked:
+            return
+        self._check_run_arguments(query, key_cache, value_cache, out)
+        if signature is not None:
+            if len(self._checked) >= CHECKED_SIGNATURES:
+                self._checked.clear()
+            self._checked.add(signature)
+
+    def _check_run_arguments(self, query, key_cache, value_cache, out) -> None:
         checks.kind("query", query)
         checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
         # A uint8 cache (vLLM's fp8) is read as the plan's storage type.
@@ -207,7 +235,13 @@ class DecodePlan(Owned):
         gives DeviceArray out (``out`` is written and returned when given)."""
         self._require_open()
         self._check_run(query, key_cache, value_cache, out)
-        device_of(query, key_cache, value_cache, out, device=self.device)
+        dev = self.device
+        if (type(query) is type(key_cache) is type(value_cache) is type(out) is DeviceArray
+                and query.device is key_cache.device is value_cache.device is out.device is dev):
+            # A decode step's per-layer call: nothing to copy, the launch is recorded once.
+            self._launch(query, key_cache, value_cache, out, num_blocks=key_cache.shape[0], cache=True)
+            return out
+        device_of(query, key_cache, value_cache, out, device=dev)
         temporaries = []
 
         def on_device(a):
@@ -253,20 +287,22 @@ class DecodePlan(Owned):
             raise ClosedError(f"{self!r} is closed")
 
     def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool):
-        buffers = (q.buffer, *k.buffers, *v.buffers, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
-        key = tuple(b.uid for b in buffers) + (timed,)
+        # The plan's own tables and scratch are the same in every launch: the key holds the callers' buffers.
+        key = (q.buffer.uid, *[b.uid for b in k.buffers], *[b.uid for b in v.buffers], o.buffer.uid, timed)
         launch = self._launches.get(key)
-        if launch is not None and launch.stale:
-            self._forget(key)
-            launch = None
-        if launch is None:
-            launch = Launch(self.device, self._steps(q, k, v, o, num_blocks), timestamps=timed)
-            if cache:
-                self._launches[key] = launch
-                while len(self._launches) > RECORDED_LAUNCHES:
-                    self._forget(next(iter(self._launches)))
-        else:
+        if launch is not None:
             self._launches.move_to_end(key)
+            try:
+                return launch.submit()
+            except ClosedError:
+                # A buffer it binds was closed or collected (its uid is never reused, so only a plan
+                # table given by the caller can be): record anew, which raises if one still is.
+                self._forget(key)
+        launch = Launch(self.device, self._steps(q, k, v, o, num_blocks), timestamps=timed)
+        if cache:
+            self._launches[key] = launch
+            while len(self._launches) > RECORDED_LAUNCHES:
+                self._forget(next(iter(self._launches)))
         try:
             return launch.submit()
         finally:

@@ -187,11 +187,13 @@ class Launch(Owned):
                     pipeline.record_dispatch(cmd, dset, push, grid)
 
             cmd_buffer.record(record, timestamps=groups + 1 if groups else 0)
+        # Each bound buffer once (steps share tables, scratch, outputs): what submit() checks every time.
+        self._refs = tuple({id(b): weakref.ref(b) for _, buffers, _, _ in steps for b in buffers}.values())
 
     @property
     def buffers(self) -> tuple:
-        """The bound buffers; None for one already garbage collected."""
-        return tuple(b for dset in self.descriptor_sets for b in dset.buffers)
+        """The bound buffers, each once; None for one already garbage collected."""
+        return tuple(ref() for ref in self._refs)
 
     @property
     def stale(self) -> bool:
