@@ -10,7 +10,8 @@ Two figures, each the median over --iters calls after a warm-up:
             recorded once), 1 sequence x --context tokens;
   one-shot  pagedvk.paged_attention with numpy inputs (query, caches, tables, lengths), 1 sequence x
             --oneshot-context tokens, numpy out: uploads, launch and download.
-GPU time is DecodePlan.time_ns of the same launch (timestamp queries), so "wall - GPU" is the host's share.
+GPU time is DecodePlan.time_ns of the same launch (timestamp queries), so "wall - GPU" is the host's share;
+"host thread CPU" is the calling thread's CPU time per call (the waits left out).
 32 query heads, 8 KV heads, head 128, block 16, float16 by default (--dtype).
 """
 
@@ -37,15 +38,19 @@ def make_inputs(rng, context: int, dtype, num_heads=32, num_kv_heads=8, head_siz
     return q, k, v, tables, lens
 
 
-def wall_ns(call, iters: int, warmup: int = 10) -> float:
+def wall_ns(call, iters: int, warmup: int = 10) -> tuple:
+    """Medians of the wall time and of the calling thread's CPU time per call. The CPU time leaves out
+    the waits, where a CPU driver (lavapipe) runs the kernel on threads of its own: on a shared machine it
+    is the steadier measure of what Python and the driver's submission cost."""
     for _ in range(warmup):
         call()
-    times = []
+    wall, cpu = [], []
     for _ in range(iters):
-        t = time.perf_counter_ns()
+        c, t = time.thread_time_ns(), time.perf_counter_ns()
         call()
-        times.append(time.perf_counter_ns() - t)
-    return float(np.median(times))
+        wall.append(time.perf_counter_ns() - t)
+        cpu.append(time.thread_time_ns() - c)
+    return float(np.median(wall)), float(np.median(cpu))
 
 
 def gpu_ns(plan, q, k, v, out, iters: int) -> float:
@@ -53,9 +58,10 @@ def gpu_ns(plan, q, k, v, out, iters: int) -> float:
     return float(np.median([plan.time_ns(q, k, v, out) for _ in range(iters)]))
 
 
-def report(name: str, wall: float, gpu: float) -> None:
-    print(f"{name:<9} wall {wall / 1e3:9.1f} us   GPU {gpu / 1e3:9.1f} us   wall - GPU {(wall - gpu) / 1e3:9.1f} us",
-          flush=True)
+def report(name: str, wall: tuple, gpu: float) -> None:
+    (wall, cpu) = wall
+    print(f"{name:<16} wall {wall / 1e3:9.1f} us   GPU {gpu / 1e3:9.1f} us   wall - GPU {(wall - gpu) / 1e3:8.1f} us"
+          f"   host thread CPU {cpu / 1e3:7.1f} us", flush=True)
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, rel_error
+from conftest import Case, rel_error, run_threads
 from pagedvk import decode
 from pagedvk.decode import release_cached_plans
 
@@ -83,6 +83,19 @@ def test_cached_one_shot_with_device_arrays(rng, fresh_cache):
     finally:
         for a in (k, v, q, out):
             a.close()
+
+
+def test_threads_share_a_cached_plan(fresh_cache):
+    # One key, one staging buffer: calls from several threads with their own tables must not mix.
+    def body(i):
+        rng = np.random.default_rng(100 + i)
+        case = Case(rng, seq_lens=[80, 80], num_heads=4, num_kv_heads=2, head_size=32)
+        for _ in range(5):
+            reshuffled(rng, case, [80, int(rng.integers(0, 81))])
+            assert rel_error(pagedvk.paged_attention(*case.args()), case.reference()) <= 1e-5
+
+    run_threads(body)
+    assert len(fresh_cache.entries) == 1
 
 
 def test_evicted_plans_are_closed(rng, fresh_cache):
