@@ -24,8 +24,8 @@ from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.owned import Owned
-from .selection import get_device
 from .runtime.pipeline import Launch, Transfers, fold_grid
+from .selection import get_device
 
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
@@ -387,7 +387,10 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     out          optional array of the query's shape and dtype to write into
     Returns [num_seqs, num_heads, head_size] in the query's dtype: numpy for a numpy query, a DeviceArray
     for a DeviceArray. For many layers with the same block tables, make one DecodePlan and call its run()
-    per layer. validate=False skips the block-table value checks (see DecodePlan).
+    per layer. validate=False skips the block-table value checks (see DecodePlan). Calls that repeat a signature
+    (shapes, dtypes, options, longest context) with numpy block tables reuse a plan the device keeps, with
+    staging for the numpy arguments: the tables and lengths are still copied in every call
+    (``pagedvk.decode.release_cached_plans`` frees what is kept).
 
     >>> out = pagedvk.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
     """
@@ -420,7 +423,7 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
 # One-shot calls repeat shapes (a model's layers, a benchmark's loop): each device keeps the plans of its last
 # few call signatures, each with device arrays and a staging buffer for the numpy arguments.
 ONESHOT_PLANS = 8                  # per device
-ONESHOT_HOST_BYTES = 64 << 20      # calls with more bytes of numpy arguments are not cached (nor their staging)
+ONESHOT_HOST_BYTES = 16 << 20      # calls with more bytes of numpy arguments are not cached (nor their staging)
 
 
 def _oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, options) -> tuple | None:
