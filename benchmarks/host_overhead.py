@@ -5,7 +5,8 @@
     python benchmarks/host_overhead.py --context 1024 --iters 500
     PAGEDVK_DEVICE=nvidia python benchmarks/host_overhead.py
 
-Two figures, each the median over --iters calls after a warm-up:
+Two figures, each the median over --iters calls after a warm-up (on lavapipe use a short --context: its GPU
+time swings with the machine's load, and a long kernel's swing hides the host's microseconds):
   run       DecodePlan.run on device arrays (query, caches, out), the same buffers every call (the launch is
             recorded once), 1 sequence x --context tokens;
   one-shot  pagedvk.paged_attention with numpy inputs (query, caches, tables, lengths), 1 sequence x
@@ -38,10 +39,12 @@ def make_inputs(rng, context: int, dtype, num_heads=32, num_kv_heads=8, head_siz
     return q, k, v, tables, lens
 
 
-def wall_ns(call, iters: int, warmup: int = 10) -> tuple:
-    """Medians of the wall time and of the calling thread's CPU time per call. The CPU time leaves out
-    the waits, where a CPU driver (lavapipe) runs the kernel on threads of its own: on a shared machine it
-    is the steadier measure of what Python and the driver's submission cost."""
+def measure(call, gpu, iters: int, warmup: int = 10) -> tuple:
+    """Medians of the wall time and of the calling thread's CPU time over `iters` calls in a row (the steady
+    state: the launch recorded, the code warm), then of the same launch's GPU time over as many gpu() calls
+    (ns, from timestamp queries). The CPU time leaves out the waits, where a CPU driver (lavapipe) runs the
+    kernel on threads of its own: on a shared machine it is the steadier measure of what Python and the
+    driver's submission cost."""
     for _ in range(warmup):
         call()
     wall, cpu = [], []
@@ -50,16 +53,13 @@ def wall_ns(call, iters: int, warmup: int = 10) -> tuple:
         call()
         wall.append(time.perf_counter_ns() - t)
         cpu.append(time.thread_time_ns() - c)
-    return float(np.median(wall)), float(np.median(cpu))
+    gpu()   # its own recording's warm-up
+    gpu_ns = [gpu() for _ in range(iters)]
+    return float(np.median(wall)), float(np.median(cpu)), float(np.median(gpu_ns))
 
 
-def gpu_ns(plan, q, k, v, out, iters: int) -> float:
-    plan.time_ns(q, k, v, out)   # warm-up
-    return float(np.median([plan.time_ns(q, k, v, out) for _ in range(iters)]))
-
-
-def report(name: str, wall: tuple, gpu: float) -> None:
-    (wall, cpu) = wall
+def report(name: str, figures: tuple) -> None:
+    wall, cpu, gpu = figures
     print(f"{name:<16} wall {wall / 1e3:9.1f} us   GPU {gpu / 1e3:9.1f} us   wall - GPU {(wall - gpu) / 1e3:8.1f} us"
           f"   host thread CPU {cpu / 1e3:7.1f} us", flush=True)
 
@@ -83,20 +83,21 @@ def main(argv=None) -> int:
     dq, dk, dv, out = asarray(q, device), asarray(k, device), asarray(v, device), empty(q.shape, dtype, device)
     plan = pagedvk.DecodePlan.for_caches(dk, dv, tables, lens, q.shape[1], device=device, backend=args.backend)
     try:
-        wall = wall_ns(lambda: plan.run(dq, dk, dv, out=out), args.iters)
-        report(f"run 1x{args.context}", wall, gpu_ns(plan, dq, dk, dv, out, args.iters))
+        report(f"run 1x{args.context}", measure(lambda: plan.run(dq, dk, dv, out=out),
+                                                lambda: plan.time_ns(dq, dk, dv, out), args.iters))
     finally:
         plan.close()
         for a in (dq, dk, dv, out):
             a.close()
 
-    # One-shot: numpy in, numpy out.
+    # One-shot: numpy in, numpy out; its GPU time is that of the same decode on device arrays.
     q, k, v, tables, lens = make_inputs(rng, args.oneshot_context, dtype)
-    wall = wall_ns(lambda: pagedvk.paged_attention(q, k, v, tables, lens, backend=args.backend), args.iters)
     dq, dk, dv, out = asarray(q, device), asarray(k, device), asarray(v, device), empty(q.shape, dtype, device)
     plan = pagedvk.DecodePlan.for_caches(dk, dv, tables, lens, q.shape[1], device=device, backend=args.backend)
     try:
-        report(f"one-shot 1x{args.oneshot_context}", wall, gpu_ns(plan, dq, dk, dv, out, args.iters))
+        report(f"one-shot 1x{args.oneshot_context}",
+               measure(lambda: pagedvk.paged_attention(q, k, v, tables, lens, backend=args.backend),
+                       lambda: plan.time_ns(dq, dk, dv, out), args.iters))
     finally:
         plan.close()
         for a in (dq, dk, dv, out):
