@@ -6,6 +6,7 @@ error from deep inside a submission (a timeout that does not convert once left G
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -23,7 +24,11 @@ def _get(name: str) -> str | None:
 
 
 def _seconds_ns(name: str, default: float) -> int:
-    text = _get(name)
+    return _parse_seconds_ns(name, _get(name), default)
+
+
+@functools.lru_cache(maxsize=64)   # read at every launch: parse each text once (a bad one raises each time)
+def _parse_seconds_ns(name: str, text: str | None, default: float) -> int:
     if not text:
         return int(default * 1e9)
     try:

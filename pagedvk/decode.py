@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
 
-from . import checks, kernels
+from . import checks, config, kernels
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import Array, DeviceArray, asarray, empty
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
@@ -23,9 +24,11 @@ from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.owned import Owned
-from .runtime.pipeline import Launch, fold_grid
+from .runtime.pipeline import Launch, Transfers, fold_grid
+from .selection import get_device
 
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
+CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
 TILE = 128                                   # tokens the kernel takes at a time (TILE in the kernel)
 WORKGROUPS_PER_UNIT = 4                      # decode workgroups that keep one compute unit's memory pipe busy
@@ -61,6 +64,20 @@ def partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units
     parts = min(tiles, max(1, -(-units * WORKGROUPS_PER_UNIT // base)))
     size = -(-tiles // parts) * TILE
     return size, max(1, -(-max_seq_len // size))
+
+
+def _signature(arrays) -> tuple | None:
+    """What the run checks read of these arrays (None stays None): kind, contiguity, shape, dtype; None
+    when one is not an array (the checks reject it)."""
+    signature = []
+    for a in arrays:
+        if a is None or type(a) is DeviceArray:
+            signature.append(a if a is None else (DeviceArray, a.shape, a.dtype))
+        elif isinstance(a, np.ndarray):
+            signature.append((type(a), a.shape, a.dtype, a.flags.c_contiguous))
+        else:
+            return None
+    return tuple(signature)
 
 
 def _integer(name: str, value, low: int, high: int | None = None) -> None:
@@ -176,6 +193,7 @@ class DecodePlan(Owned):
                                 if split else None)
         self.reduce_grid = fold_grid(num_heads * self.num_seqs, limits)
         self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
+        self._checked = set()           # argument signatures _check_run has passed
         self._closed = False
 
     @classmethod
@@ -188,6 +206,18 @@ class DecodePlan(Owned):
                    dtype=spec.storage.dtype, query_dtype=query_dtype, layout=layout, device=device, **kw)
 
     def _check_run(self, query, key_cache, value_cache, out) -> None:
+        """The run arguments' checks. They read only kinds, shapes and dtypes, so arguments that look like
+        ones already passed pass again without them (a layer's run repeats the last layer's shapes)."""
+        signature = _signature((query, key_cache, value_cache, out))
+        if signature is not None and signature in self._checked:
+            return
+        self._check_run_arguments(query, key_cache, value_cache, out)
+        if signature is not None:
+            if len(self._checked) >= CHECKED_SIGNATURES:
+                self._checked.clear()
+            self._checked.add(signature)
+
+    def _check_run_arguments(self, query, key_cache, value_cache, out) -> None:
         checks.kind("query", query)
         checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
         # A uint8 cache (vLLM's fp8) is read as the plan's storage type.
@@ -217,7 +247,13 @@ class DecodePlan(Owned):
         gives DeviceArray out (``out`` is written and returned when given)."""
         self._require_open()
         self._check_run(query, key_cache, value_cache, out)
-        device_of(query, key_cache, value_cache, out, device=self.device)
+        dev = self.device
+        if (type(query) is type(key_cache) is type(value_cache) is type(out) is DeviceArray
+                and query.device is key_cache.device is value_cache.device is out.device is dev):
+            # A decode step's per-layer call: nothing to copy, the launch is recorded once.
+            self._launch(query, key_cache, value_cache, out, num_blocks=key_cache.shape[0], cache=True)
+            return out
+        device_of(query, key_cache, value_cache, out, device=dev)
         temporaries = []
 
         def on_device(a):
@@ -245,14 +281,15 @@ class DecodePlan(Owned):
             for a in temporaries:
                 a.close()
 
-    def _launch(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool = False):
+    def _launch(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool = False,
+                transfers: Transfers | None = None):
         # One thread at a time per plan: its recorded launches are looked up, evicted and submitted under
         # the lock, so no thread submits a launch another has just evicted (the device serializes
         # submissions anyway), and close(), which frees the plan's arrays under the same lock, either
         # waits for a run or makes it raise.
         with self._lock:
             self._require_open()
-            return self._launch_locked(q, k, v, o, num_blocks, cache, timed)
+            return self._launch_locked(q, k, v, o, num_blocks, cache, timed, transfers)
 
     @property
     def closed(self) -> bool:
@@ -262,21 +299,24 @@ class DecodePlan(Owned):
         if self._closed:
             raise ClosedError(f"{self!r} is closed")
 
-    def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool):
-        buffers = (q.buffer, *k.buffers, *v.buffers, self.block_tables.buffer, self.seq_lens.buffer, o.buffer)
-        key = tuple(b.uid for b in buffers) + (timed,)
+    def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool, transfers):
+        # The plan's own tables and scratch are the same in every launch: the key holds the callers' buffers.
+        key = (q.buffer.uid, *[b.uid for b in k.buffers], *[b.uid for b in v.buffers], o.buffer.uid, timed,
+               transfers.uids if transfers is not None else ())
         launch = self._launches.get(key)
-        if launch is not None and launch.stale:
-            self._forget(key)
-            launch = None
-        if launch is None:
-            launch = Launch(self.device, self._steps(q, k, v, o, num_blocks), timestamps=timed)
-            if cache:
-                self._launches[key] = launch
-                while len(self._launches) > RECORDED_LAUNCHES:
-                    self._forget(next(iter(self._launches)))
-        else:
+        if launch is not None:
             self._launches.move_to_end(key)
+            try:
+                return launch.submit()
+            except ClosedError:
+                # A buffer it binds was closed or collected (its uid is never reused, so only a plan
+                # table given by the caller can be): record anew, which raises if one still is.
+                self._forget(key)
+        launch = Launch(self.device, self._steps(q, k, v, o, num_blocks), timestamps=timed, transfers=transfers)
+        if cache:
+            self._launches[key] = launch
+            while len(self._launches) > RECORDED_LAUNCHES:
+                self._forget(next(iter(self._launches)))
         try:
             return launch.submit()
         finally:
@@ -357,15 +397,215 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     out          optional array of the query's shape and dtype to write into
     Returns [num_seqs, num_heads, head_size] in the query's dtype: numpy for a numpy query, a DeviceArray
     for a DeviceArray. For many layers with the same block tables, make one DecodePlan and call its run()
-    per layer. validate=False skips the block-table value checks (see DecodePlan).
+    per layer. validate=False skips the block-table value checks (see DecodePlan). Calls that repeat a signature
+    (shapes, dtypes, options, longest context) with numpy block tables reuse a plan the device keeps, with
+    staging for the numpy arguments: the tables and lengths are still copied in every call
+    (``pagedvk.decode.release_cached_plans`` frees what is kept).
 
     >>> out = pagedvk.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
     """
     checks.kind("query", query)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     query_type = storage_type("query", query, QUERY_TYPES)
+    device = device_of(query, key_cache, value_cache, block_tables, seq_lens, out)
+    options = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, layout=layout, kv_cache_dtype=kv_cache_dtype,
+                   backend=backend)
+    key = _oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, options)
+    if key is not None:
+        plans = _oneshot_plans(device)
+        entry = plans.get(key)
+        if entry is None:
+            entry = plans.add(key, _OneShot.make(query, key_cache, value_cache, block_tables, seq_lens, out,
+                                                 options, query_type, validate, device))
+        elif validate:   # a hit has this call's shapes checked already, not its tables' values
+            checks.block_table_values(block_tables, seq_lens, entry.plan.block_size, entry.plan.num_blocks)
+        result = entry(query, key_cache, value_cache, block_tables, seq_lens, out)
+        if result is not None:
+            return result
+        # Evicted by another thread between the look-up and the call: run uncached.
     with DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1], layout=layout,
                                kv_cache_dtype=kv_cache_dtype, query_dtype=query_type.dtype, scale=scale,
                                k_scale=k_scale, v_scale=v_scale, backend=backend, validate=validate,
-                               device=device_of(query, key_cache, value_cache, block_tables, seq_lens, out)) as plan:
+                               device=device) as plan:
         return plan.run(query, key_cache, value_cache, out=out)
+
+
+# One-shot calls repeat shapes (a model's layers, a benchmark's loop): each device keeps the plans of its last
+# few call signatures, each with device arrays and a staging buffer for the numpy arguments.
+ONESHOT_PLANS = 8                  # per device
+ONESHOT_HOST_BYTES = 16 << 20      # calls with more bytes of numpy arguments are not cached (nor their staging)
+
+
+def _oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, options) -> tuple | None:
+    """What a cached plan serves: every argument's kind, shape, dtype and contiguity (so a hit passes the checks a
+    first call ran), the longest context (the split-K rule reads it) and the options, each with its type (1 and
+    True are equal, but True is refused). None when the call is not cached: device tables (their values
+    would be read back), a DeviceArray result made for the caller, a large numpy argument, or an argument the
+    checks will refuse."""
+    signature = _signature((query, key_cache, value_cache, out, block_tables, seq_lens))
+    if (signature is None or type(block_tables) is not np.ndarray or type(seq_lens) is not np.ndarray
+            or (out is None and type(query) is DeviceArray) or seq_lens.ndim != 1 or seq_lens.dtype != np.int32):
+        return None
+    host = sum(a.nbytes for a in (query, key_cache, value_cache, out, block_tables, seq_lens)
+               if isinstance(a, np.ndarray))
+    if host > ONESHOT_HOST_BYTES:
+        return None
+    if options["backend"] is None:   # then PAGEDVK_BACKEND picks it, which may change between calls
+        options = dict(options, backend=(None, config.backend()))
+    key = (signature, int(seq_lens.max(initial=0)), tuple((k, type(v), v) for k, v in options.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class _OneShotPlans:
+    """A device's cached one-shot entries, least recently used first; an evicted one is closed."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.entries = OrderedDict()
+
+    def get(self, key):
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None or entry.closed:   # closed: its device was
+                return None
+            self.entries.move_to_end(key)
+            return entry
+
+    def add(self, key, entry):
+        with self.lock:
+            evicted = [e for e in [self.entries.pop(key, None)] if e is not None]
+            self.entries[key] = entry
+            while len(self.entries) > ONESHOT_PLANS:
+                evicted.append(self.entries.popitem(last=False)[1])
+        for e in evicted:   # outside the lock: closing waits for a call still using it
+            e.close()
+        return entry
+
+    def clear(self) -> None:
+        with self.lock:
+            entries, self.entries = list(self.entries.values()), OrderedDict()
+        for e in entries:
+            e.close()
+
+    def plans(self) -> list:
+        with self.lock:
+            return [e.plan for e in self.entries.values()]
+
+
+_ONESHOT = weakref.WeakKeyDictionary()   # device -> _OneShotPlans
+_ONESHOT_LOCK = threading.Lock()
+
+
+def release_cached_plans(device=None) -> None:
+    """Close the plans, arrays and staging that paged_attention keeps for repeated shapes on a device
+    (default: the default device); later calls make them again."""
+    with _ONESHOT_LOCK:
+        plans = _ONESHOT.pop(get_device(device), None)
+    if plans is not None:
+        plans.clear()
+
+
+def _oneshot_plans(device) -> _OneShotPlans:
+    with _ONESHOT_LOCK:
+        plans = _ONESHOT.get(device)
+        if plans is None:
+            plans = _ONESHOT[device] = _OneShotPlans()
+        return plans
+
+
+def _stage(staged: list, array: DeviceArray, offset: int) -> int:
+    """Lay the array's segments out in a staging buffer from `offset`: append (segment, its offset) for each
+    non-empty one (Vulkan has no empty copies) and return the next 16-byte-aligned offset."""
+    for b in array.buffers:
+        if b.nbytes:
+            staged.append((b, offset))
+        offset += b.nbytes
+    return (offset + 15) // 16 * 16
+
+
+class _OneShot(Owned):
+    """A plan kept for the one-shot calls of one key, with device arrays for the numpy query, caches and output,
+    and a host-visible staging buffer. A call writes its numpy arguments into the staging (the block tables
+    and lengths every time: a kept plan never serves earlier tables) and submits one recorded launch that
+    copies them in, runs the decode and copies the output out."""
+
+    IN = ("block_tables", "seq_lens", "query", "key_cache", "value_cache")
+
+    @classmethod
+    def make(cls, query, key_cache, value_cache, block_tables, seq_lens, out, options, query_type, validate,
+             device) -> "_OneShot":
+        plan = DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
+                                     query_dtype=query_type.dtype, validate=validate, device=device, **options)
+        try:
+            plan._check_run(query, key_cache, value_cache, out)
+            return cls(plan, dict(zip(cls.IN, (block_tables, seq_lens, query, key_cache, value_cache))), out)
+        except BaseException:
+            plan.close()
+            raise
+
+    def __init__(self, plan: DecodePlan, args: dict, out):
+        self.plan, self.lock, dev = plan, threading.Lock(), plan.device
+        self.staging = None
+        # The arrays the launch binds in place of numpy arguments (the plan's own tables among them).
+        self.arrays = {"block_tables": plan.block_tables, "seq_lens": plan.seq_lens}
+        self._owned = []
+        try:
+            for name in ("query", "key_cache", "value_cache"):
+                if isinstance(args[name], np.ndarray):
+                    self.arrays[name] = empty(args[name].shape, args[name].dtype, dev)
+                    self._owned.append(self.arrays[name])
+            # The output comes back through the staging unless the caller gave a DeviceArray for it.
+            self.out = None if type(out) is DeviceArray else empty(args["query"].shape, plan.query_dtype, dev)
+            if self.out is not None:
+                self._owned.append(self.out)
+            self.inputs, staged_in, offset = [], [], 0   # staged: (segment buffer, staging offset)
+            for name in self.IN:
+                if isinstance(args[name], np.ndarray):
+                    self.inputs.append((name, offset))
+                    offset = _stage(staged_in, self.arrays[name], offset)
+            self.out_offset, staged_out = offset, []
+            if self.out is not None:
+                offset = _stage(staged_out, self.out, offset)
+            self.staging = dev.host_buffer(offset)
+            self.transfers = Transfers([(self.staging, b, [(at, 0, b.nbytes)]) for b, at in staged_in],
+                                       [(b, self.staging, [(0, at, b.nbytes)]) for b, at in staged_out])
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self.staging is None or self.staging.closed or self.plan.closed or self.plan.block_tables.closed
+
+    def __call__(self, query, key_cache, value_cache, block_tables, seq_lens, out):
+        """The call's result, or None when this entry was closed (evicted) first."""
+        args = dict(zip(self.IN, (block_tables, seq_lens, query, key_cache, value_cache)))
+        dev, plan = self.plan.device, self.plan
+        with self.lock:   # one call at a time writes the staging
+            if self.closed:
+                return None
+            for name, offset in self.inputs:
+                dev.upload(self.staging, args[name], offset)
+            bound = [self.arrays.get(name, args[name]) for name in ("query", "key_cache", "value_cache")]
+            o = out if self.out is None else self.out
+            plan._launch(*bound, o, num_blocks=key_cache.shape[0], cache=True, transfers=self.transfers)
+            if self.out is None:
+                return out
+            result = dev.download(self.staging, self.out.nbytes, self.out_offset)
+        result = result.view(self.out.dtype).reshape(self.out.shape)
+        if out is None:
+            return result
+        out[...] = result
+        return out
+
+    def close(self) -> None:
+        with self.lock:
+            self.plan.close()
+            for a in self._owned:
+                a.close()
+            if self.staging is not None:
+                self.staging.close()

@@ -16,6 +16,21 @@ from .owned import Owned
 
 DESCRIPTORS_PER_POOL = 4096
 
+# The binding's raw cffi entry points for the per-submission calls: its wrappers convert every list
+# argument into a new cffi array (microseconds each), while a CommandBuffer keeps its own arrays. They
+# return the VkResult; call them through this module's names (tests put simulated drivers there).
+# VkResult vkQueueSubmit(VkQueue, uint32_t submitCount, const VkSubmitInfo*, VkFence)
+queue_submit = vk.lib.vkQueueSubmit
+# VkResult vkWaitForFences(VkDevice, uint32_t fenceCount, const VkFence*, VkBool32 waitAll, uint64_t timeout)
+wait_for_fences = vk.lib.vkWaitForFences
+# VkResult vkResetFences(VkDevice, uint32_t fenceCount, const VkFence*)
+reset_fences = vk.lib.vkResetFences
+
+
+def vk_error(result: int) -> Exception:
+    """The binding's exception for a VkResult error code (what its wrappers raise)."""
+    return vk.exception_codes.get(result, vk.VkError)()
+
 
 class DeviceCommands:
     """The command half of Device: command buffers and descriptor sets from its pools, which Vulkan
@@ -81,8 +96,11 @@ class CommandBuffer(Owned):
             except vk.VkError as e:
                 vk.vkFreeCommandBuffers(d, device.command_pool, 1, [self.handle])
                 raise_vk(e, "creating a fence", device=device)
-        self._submit_info = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, commandBufferCount=1,
-                                            pCommandBuffers=[self.handle])
+        # What every submission passes, made once (see queue_submit).
+        self._handles = vk.ffi.new("VkCommandBuffer[1]", [self.handle])
+        self._submit_info = vk.ffi.new("VkSubmitInfo*", {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                                                          "commandBufferCount": 1, "pCommandBuffers": self._handles})
+        self._fences = vk.ffi.new("VkFence[1]", [self.fence])
         self.pending = False    # submitted, and its fence not yet seen signalled and reset
         self.query_pool, self.queries = None, 0
         self._query_pools = []  # the finalizer's view of the query pools made by timed records
@@ -145,11 +163,11 @@ class CommandBuffer(Owned):
         timeout = timeout_ns() if timeout is None else timeout
         with dev.lock:
             self._require_idle()
-            dev._settle(wait=True)   # work whose wait timed out goes first, as it did on the queue
-            try:
-                vk.vkQueueSubmit(dev.queue, 1, [self._submit_info], self.fence)
-            except vk.VkError as e:
-                raise_vk(e, "vkQueueSubmit", device=dev)
+            if dev._in_flight or dev._deferred:
+                dev._settle(wait=True)   # work whose wait timed out goes first, as it did on the queue
+            result = queue_submit(dev.queue, 1, self._submit_info, self.fence)
+            if result != vk.VK_SUCCESS:
+                raise_vk(vk_error(result), "vkQueueSubmit", device=dev)
             self.pending = True
             if wait:
                 self.wait(timeout)
@@ -163,20 +181,20 @@ class CommandBuffer(Owned):
             if not self.pending:
                 return
             timeout = timeout_ns() if timeout is None else timeout
-            try:
-                result = vk.vkWaitForFences(dev.handle, 1, [self.fence], vk.VK_TRUE, timeout)
-            except vk.VkTimeout:   # the binding raises VK_TIMEOUT (a success code) as an exception
-                result = vk.VK_TIMEOUT
-            except vk.VkError as e:
-                self._keep_in_flight()   # it may still run: free nothing under it
-                raise_vk(e, "vkWaitForFences", device=dev)
+            result = wait_for_fences(dev.handle, 1, self._fences, vk.VK_TRUE, timeout)
             if result == vk.VK_TIMEOUT:
                 self._keep_in_flight()
                 raise GPUTimeoutError(f"{dev.info.name}: the GPU did not finish within PAGEDVK_TIMEOUT="
                                     f"{timeout / 1e9:g} s; the work goes on, and later calls wait for it first")
-            vk.vkResetFences(dev.handle, 1, [self.fence])
+            if result != vk.VK_SUCCESS:
+                self._keep_in_flight()   # it may still run: free nothing under it
+                raise_vk(vk_error(result), "vkWaitForFences", device=dev)
+            result = reset_fences(dev.handle, 1, self._fences)
+            if result != vk.VK_SUCCESS:   # still pending: the next use waits on the signalled fence again
+                raise_vk(vk_error(result), "vkResetFences", device=dev)
             self.pending = False
-            dev._in_flight[:] = [f for f in dev._in_flight if f != self.fence]   # reset: nothing to wait for
+            if dev._in_flight:   # reset: nothing to wait for
+                dev._in_flight[:] = [f for f in dev._in_flight if f != self.fence]
             if self.query_pool is not None:
                 self._elapsed.stamps = self._read_timestamps()
 

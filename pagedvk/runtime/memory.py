@@ -180,6 +180,15 @@ def _free_buffer(d, handle, memory) -> None:
         vk.vkFreeMemory(d, memory, None)
 
 
+def record_copies(cmd, copies) -> None:
+    """Record buffer-to-buffer copies: copies is [(src, dst, [(src_offset, dst_offset, nbytes), ...])], one
+    vkCmdCopyBuffer each; offsets count from each buffer's own start (a BufferRange's offset is added)."""
+    for src, dst, regions in copies:
+        if regions:
+            vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, len(regions), [
+                vk.VkBufferCopy(srcOffset=src.offset + s, dstOffset=dst.offset + d, size=n) for s, d, n in regions])
+
+
 class DeviceMemory:
     """The memory half of Device: which memory type and heap buffers come from, what a heap can still
     give, buffers, and copies between host and device (mapped where the memory is the host's, else through
@@ -223,6 +232,12 @@ class DeviceMemory:
     def buffer(self, nbytes: int) -> Buffer:
         self.require_open()
         return Buffer(self, nbytes)
+
+    def host_buffer(self, nbytes: int) -> Buffer:
+        """A host-visible buffer, mapped (`mapped`): a staging area of the caller's own, written and read
+        with upload() and download(), which copy in place."""
+        self.require_open()
+        return Buffer(self, nbytes, host_visible=True)
 
     def _staging_buffer(self, nbytes: int) -> Buffer:
         # One staging buffer, grown as needed and reused; callers hold self.lock.
@@ -270,13 +285,7 @@ class DeviceMemory:
         """Many buffer-to-buffer copies in one submission: copies is [(src, dst, [(src_offset, dst_offset,
         nbytes), ...])], one vkCmdCopyBuffer each (regions of one copy must not overlap). Offsets count from
         each buffer's own start (a BufferRange's offset is added here)."""
-        def record(cmd):
-            for src, dst, regions in copies:
-                if regions:
-                    vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, len(regions), [
-                        vk.VkBufferCopy(srcOffset=src.offset + s, dstOffset=dst.offset + d, size=n)
-                        for s, d, n in regions])
-        self.run_once(record)
+        self.run_once(lambda cmd: record_copies(cmd, copies))
 
     def upload_regions(self, data: np.ndarray, targets) -> None:
         """Host bytes into many places of many buffers in one submission, through the reused staging buffer:

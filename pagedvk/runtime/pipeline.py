@@ -12,7 +12,7 @@ from ..config import compile_timeout_ns
 from ..errors import ClosedError
 from .commands import memory_barrier
 from .device import Device
-from .memory import raise_vk
+from .memory import raise_vk, record_copies
 from .owned import Owned
 
 STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
@@ -155,6 +155,21 @@ def require_open_buffers(buffers) -> None:
         raise ClosedError("an array bound to this launch was closed (or dropped) before it ran")
 
 
+class Transfers:
+    """Copies a Launch records around its dispatches, so that staging host data, the dispatches and
+    reading results back take one submission: `before` runs first, `after` last; each is
+    [(src, dst, [(src_offset, dst_offset, nbytes), ...])] as in Device.copy_regions. `uids` (of every
+    buffer copied) tells launches recorded with other copies apart."""
+
+    def __init__(self, before=(), after=()):
+        self.before, self.after = tuple(before), tuple(after)
+        self.uids = tuple(b.uid for src, dst, _ in self.before + self.after for b in (src, dst))
+
+    @property
+    def buffers(self) -> tuple:
+        return tuple(b for src, dst, _ in self.before + self.after for b in (src, dst))
+
+
 class Launch(Owned):
     """Dispatches recorded once into one command buffer, each ordered after the one before, and their
     descriptor sets.
@@ -163,21 +178,29 @@ class Launch(Owned):
     timestamps: False, or True for the GPU time of all steps (submit() returns it), or an int k to also
     stamp after every k steps (submit() then returns each group's time: many runs in one submission
     keep the GPU busy between them, as a model's layers do).
+    transfers: copies recorded before and after the dispatches (Transfers); timestamps count them too.
     """
 
-    def __init__(self, device, steps, timestamps: bool | int = False):
+    def __init__(self, device, steps, timestamps: bool | int = False, transfers: Transfers | None = None):
+        transfers = transfers or Transfers()
         self.group = len(steps) if timestamps is True else int(timestamps)
         self.per_group = self.group and timestamps is not True
         groups = len(steps) // self.group if self.group else 0
         if self.group and len(steps) % self.group:
             raise ValueError(f"{len(steps)} steps do not make groups of {self.group}")
         # Under the device lock from the check to the end of recording: no buffer is freed in between.
+        bound = [b for _, buffers, _, _ in steps for b in buffers] + list(transfers.buffers)
         with device.lock:
-            require_open_buffers([b for _, buffers, _, _ in steps for b in buffers])
+            require_open_buffers(bound)
             self.descriptor_sets = [pipeline.descriptor_set(buffers) for pipeline, buffers, _, _ in steps]
             self.command_buffer = cmd_buffer = device.command_buffer()
 
             def record(cmd):
+                if transfers.before:
+                    record_copies(cmd, transfers.before)
+                    memory_barrier(cmd, vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+                                   vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                                   vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
                 for i, ((pipeline, _, push, grid), dset) in enumerate(zip(steps, self.descriptor_sets)):
                     if i:
                         memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
@@ -185,13 +208,19 @@ class Launch(Owned):
                         if self.group and i % self.group == 0:
                             cmd_buffer.stamp(cmd)
                     pipeline.record_dispatch(cmd, dset, push, grid)
+                if transfers.after:
+                    memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
+                                   vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_READ_BIT)
+                    record_copies(cmd, transfers.after)
 
             cmd_buffer.record(record, timestamps=groups + 1 if groups else 0)
+        # Each bound buffer once (steps share tables, scratch, outputs): what submit() checks every time.
+        self._refs = tuple({id(b): weakref.ref(b) for b in bound}.values())
 
     @property
     def buffers(self) -> tuple:
-        """The bound buffers; None for one already garbage collected."""
-        return tuple(b for dset in self.descriptor_sets for b in dset.buffers)
+        """The bound buffers, each once; None for one already garbage collected."""
+        return tuple(ref() for ref in self._refs)
 
     @property
     def stale(self) -> bool:
