@@ -62,6 +62,12 @@ def parse_backends(text: str) -> list:
 # rel. error allowed against float64: float32 storage, or 16-bit (and fp8, read into 16-bit queries) outputs
 TOLERANCE = {str(dtype): 1e-5 if dtype == np.float32 else 2e-3 for dtype in CACHE_TYPES}
 
+# GPUs drop their shader clock within a second of idling (the H200: 1980 -> 345 MHz; its memory clock
+# stays) and raise it again only after some busy time, so a short timing run that follows host work (making
+# the next shape's caches) measures the idle clock: 4-5x slower for the same kernel and buffers. Every timing
+# first keeps the GPU busy this long. See BENCHMARKS.md, "the slow shapes".
+WARMUP_SECONDS = 0.5
+
 ROTATE_BYTES = 512 << 20  # caches rotated per timing loop: several times any GPU's last-level cache
 CHECKED_SEQS = 4          # sequences checked against the float64 reference (it is slow on long contexts)
 
@@ -102,6 +108,16 @@ class Progress:
             sys.stderr.flush()
 
 
+def warm_up(launch, submissions: int = 1) -> None:
+    """Submit `launch` at least `submissions` times and until WARMUP_SECONDS have passed: the GPU's clocks
+    are up when the timed submissions start."""
+    deadline = time.monotonic() + WARMUP_SECONDS
+    for _ in range(max(1, submissions)):
+        launch.submit()
+    while time.monotonic() < deadline:
+        launch.submit()
+
+
 def percentiles(ns) -> dict:
     a = np.asarray(ns, dtype=np.float64)
     return {"median_us": float(np.median(a)) / 1e3, "p10_us": float(np.percentile(a, 10)) / 1e3,
@@ -123,6 +139,7 @@ def read_bandwidth(device=None, nbytes: int = 1 << 30, iters: int = 20, progress
     launch = Launch(device, [step] * iters, timestamps=1)   # back to back, a timestamp after each
     bar = Progress(3, "read bandwidth", progress)
     try:
+        warm_up(launch)
         times = []
         for i in range(3):
             t = launch.submit()
@@ -190,7 +207,7 @@ class DecodeInputs:
 
 
 def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 50, warmup: int = 1,
-                repeats: int = 3, progress: bool = False) -> dict:
+                repeats: int = 3, progress: bool = False, partition_size: int | None = None) -> dict:
     """Check one plan's result against float64, then time it: `iters` runs back to back in one submission,
     rotating over the inputs' caches, submitted warmup + repeats times; the figures are over the repeats' runs."""
     shape, device = inputs.shape, inputs.device
@@ -199,7 +216,7 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
     plan = DecodePlan(inputs.block_tables, inputs.seq_lens, num_heads=shape.num_heads,
                       num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=shape.block_size,
                       num_blocks=inputs.num_blocks, dtype=inputs.dtype, query_dtype=inputs.query_dtype,
-                      device=device, backend=backend)
+                      device=device, backend=backend, partition_size=partition_size)
     try:
         dk, dv = inputs.caches[0]
         # poisoned: a plan that writes nothing must not pass on the previous plan's output
@@ -218,6 +235,7 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
             steps += plan._steps(query, dk, dv, out, inputs.num_blocks)
         launch = Launch(device, steps, timestamps=len(steps) // iters)
         try:
+            warm_up(launch, warmup)
             times = []
             for i in range(warmup + repeats):
                 t = launch.submit()

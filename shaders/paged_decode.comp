@@ -47,38 +47,50 @@ const uint MAX_GROUP = 8u;                      // query heads per workgroup: tw
 const uint TILE = WG;                           // tokens per tile: one key token per thread
 const uint CQ = KV_CHUNK_QUADS;                 // quads per 16-byte chunk
 const uint CHUNK_TOKENS = 4u * CQ;              // value tokens in one chunk of vLLM's layout
-const uint BATCH = 8u;                          // chunks a thread loads before it uses any
+const uint K_BATCH = 16u;                       // key chunks a thread loads before it uses any
+const uint V_BATCH = 16u;                       // value chunks likewise
+const uint V_PREFETCH = V_BATCH;                // value chunks loaded together with the keys (a tile's 128
+                                                // tokens of one head dim are 16 chunks of 16-bit values)
+const uint TILE_BLOCKS = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
 const uint MAX_QUADS = MAX_HEAD_SIZE / 4u;
 
 shared vec4 s_q[MAX_QUADS * MAX_GROUP];         // queries * scale: [quad][head]
 shared vec4 s_w[TILE / 4u * MAX_GROUP];         // logits, then weights: [token quad][head], 4 tokens a vec4
-shared int s_phys[TILE / MIN_BLOCK_SIZE];       // the tile's physical blocks, -1 where invalid
+shared int s_phys[2u * TILE_BLOCKS];            // physical blocks of this tile and the next, -1 where invalid
 shared float s_o[4u * MAX_HEAD_SIZE * MAX_GROUP / 2u]; // sums at the end: [lane][head][dim]; reductions' scratch
 
-// Max (is_max) or sum of (a, b) over the workgroup, in two rounds of 16. Scratch: s_o (its sums come later)
-// for the threads' values, s_w (its weights were used, the next tile's are not written yet) for the rounds.
+// Max (is_max) or sum of (a, b) over the workgroup: each thread's values into s_o (its sums come only at
+// the end), 32 threads reduce eight threads' values each, then every thread reduces those 16 x 2. Two
+// barriers: the caller's barriers separate one call's reads from the next call's writes.
+const uint REDUCE_ROUND = 8u * WG;   // where in s_o the 16 x 2 partial results go
 void workgroup_reduce(inout vec4 a, inout vec4 b, bool is_max) {
     const uint tid = gl_LocalInvocationID.x;
-    barrier();
     for (uint j = 0u; j < 4u; j++) { s_o[8u * tid + j] = a[j]; s_o[8u * tid + 4u + j] = b[j]; }
     barrier();
     if (tid < 32u) {   // thread tid reduces one half (heads 0-3 or 4-7) of eight threads' values
         const uint h = tid & 1u, first = (tid >> 1) * 8u;
-        vec4 r = vec4(NEG_INF);
+        vec4 r = vec4(0.0);
         for (uint i = 0u; i < 8u; i++) {
             const uint o = 8u * (first + i) + 4u * h;
             const vec4 x = vec4(s_o[o], s_o[o + 1u], s_o[o + 2u], s_o[o + 3u]);
             r = i == 0u ? x : is_max ? max(r, x) : r + x;
         }
-        s_w[tid] = r;
+        for (uint j = 0u; j < 4u; j++) s_o[REDUCE_ROUND + 4u * tid + j] = r[j];
     }
     barrier();
-    a = s_w[0]; b = s_w[1];
-    for (uint i = 1u; i < 16u; i++) {
-        a = is_max ? max(a, s_w[2u * i]) : a + s_w[2u * i];
-        b = is_max ? max(b, s_w[2u * i + 1u]) : b + s_w[2u * i + 1u];
+    for (uint i = 0u; i < 16u; i++) {
+        const uint o = REDUCE_ROUND + 8u * i;
+        const vec4 x = vec4(s_o[o], s_o[o + 1u], s_o[o + 2u], s_o[o + 3u]);
+        const vec4 y = vec4(s_o[o + 4u], s_o[o + 5u], s_o[o + 6u], s_o[o + 7u]);
+        a = i == 0u ? x : is_max ? max(a, x) : a + x;
+        b = i == 0u ? y : is_max ? max(b, y) : b + y;
     }
-    barrier();
+}
+
+// A block-table entry, -1 where it is not a block of the caches.
+int physical_block(uint i) {
+    const int b = block_tables[i];
+    return (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
 }
 
 // The first n (<= 4) elements of v, the rest zero: slots past a sequence's end may hold anything, NaN
@@ -149,38 +161,60 @@ void main() {
     vec4 acc_a[4], acc_b[4];                         // [dim slot] of heads 0-3 / 4-7
     for (uint i = 0u; i < 4u; i++) { acc_a[i] = vec4(0.0); acc_b[i] = vec4(0.0); }
 
-    for (uint base = start; base < end; base += TILE) {
+    // Block ids are fetched a tile ahead into the other half of s_phys.
+    uint next_blocks = min(TILE, end - min(start, end)) + bs_mask >> bs_log2;
+    if (tid < next_blocks) s_phys[tid] = physical_block(row + (start >> bs_log2) + tid);
+    barrier();
+    uint tile = 0u;
+    for (uint base = start; base < end; base += TILE, tile++) {
         const uint len = min(TILE, end - base);
-        const uint blocks = (len + bs_mask) >> bs_log2;
-        barrier();   // the previous tile's s_w and s_phys are no longer read
-        if (tid < blocks) {
-            const int b = block_tables[row + (base >> bs_log2) + tid];
-            s_phys[tid] = (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
-        }
-        barrier();
+        const uint cur = (tile & 1u) * TILE_BLOCKS, nxt = TILE_BLOCKS - cur;
+        const uint nbase = base + TILE;
+        next_blocks = nbase < end ? (min(TILE, end - nbase) + bs_mask) >> bs_log2 : 0u;
+        const int next_phys = tid < next_blocks ? physical_block(row + (nbase >> bs_log2) + tid) : -1;
 
-        // K: the logits of token tid of the tile.
+        // Loads first: token tid's key (K_BATCH chunks at a time) and the first V_PREFETCH chunks of head
+        // dim tid's values (vLLM's layout), all in flight together.
+        const int phys = tid < len ? s_phys[cur + (tid >> bs_log2)] : -1;
+        const uint t = tid & bs_mask;
+        uvec4 w[K_BATCH + V_PREFETCH];
+        const uint kchunks = hq / CQ;             // whole chunks of a key (see below for part chunks)
+        const bool key_chunks = hq % CQ == 0u;
+        if (phys >= 0 && key_chunks) {
+            for (uint k = 0u; k < K_BATCH; k++) {
+                if (k < kchunks) w[k] = key_load(uint(phys), key_offset(kv_head, t, k * CQ) / CQ);
+            }
+        }
+        const bool prefetch = !dims_contiguous && bs % CHUNK_TOKENS == 0u && tid < hs;
+        const uint row_elem = value_offset(kv_head, 0u, tid);   // head dim tid's row in a block (vLLM's layout)
+        const uint vchunks = (len + CHUNK_TOKENS - 1u) / CHUNK_TOKENS;
+        if (prefetch) {
+            for (uint n = 0u; n < V_PREFETCH; n++) {
+                const uint t0 = n * CHUNK_TOKENS;
+                const int ph = n < vchunks ? s_phys[cur + (t0 >> bs_log2)] : -1;
+                w[K_BATCH + n] = ph >= 0 ? value_load(uint(ph), (row_elem + (t0 & bs_mask)) / CHUNK_TOKENS) : uvec4(0u);
+            }
+        }
+
+        // K: the logits of token tid of the tile. (Loops over register arrays run to their constant bound,
+        // guarded: a `break` could keep the compiler from unrolling them and put the arrays in memory.)
         vec4 s_a = vec4(0.0), s_b = vec4(0.0);
-        const int phys = tid < len ? s_phys[tid >> bs_log2] : -1;
         if (phys >= 0) {
-            const uint b = uint(phys), t = tid & bs_mask;
-            if (hq % CQ == 0u) {     // the head is whole chunks (always in vLLM's layout)
-                const uint chunks = hq / CQ;
-                for (uint c0 = 0u; c0 < chunks; c0 += BATCH) {
-                    uvec4 w[BATCH];
-                    for (uint k = 0u; k < BATCH; k++) {
-                        if (c0 + k < chunks) w[k] = key_load(b, key_offset(kv_head, t, (c0 + k) * CQ) / CQ);
+            if (key_chunks) {
+                for (uint c0 = 0u; c0 < kchunks; c0 += K_BATCH) {
+                    if (c0 > 0u) {   // keys longer than one batch (float32 or head sizes over 128)
+                        for (uint k = 0u; k < K_BATCH; k++) {
+                            if (c0 + k < kchunks) w[k] = key_load(uint(phys), key_offset(kv_head, t, (c0 + k) * CQ) / CQ);
+                        }
                     }
-                    // (Loops over register arrays run to their constant bound, guarded: a `break` could keep
-                    // the compiler from unrolling them and put the arrays in memory.)
-                    for (uint k = 0u; k < BATCH; k++) {
-                        if (c0 + k < chunks) {
+                    for (uint k = 0u; k < K_BATCH; k++) {
+                        if (c0 + k < kchunks) {
                             for (uint i = 0u; i < CQ; i++) s_a += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 0u);
                         }
                     }
                     if (wide) {
-                        for (uint k = 0u; k < BATCH; k++) {
-                            if (c0 + k < chunks) {
+                        for (uint k = 0u; k < K_BATCH; k++) {
+                            if (c0 + k < kchunks) {
                                 for (uint i = 0u; i < CQ; i++) s_b += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 1u);
                             }
                         }
@@ -189,7 +223,7 @@ void main() {
             } else {                 // nhd with a head of part chunks: quad by quad
                 for (uint c = 0u; c < hq; c++) {
                     const uint q = key_offset(kv_head, t, c);
-                    const vec4 kq = chunk_quad(key_load(b, q / CQ), q % CQ);
+                    const vec4 kq = chunk_quad(key_load(uint(phys), q / CQ), q % CQ);
                     s_a += kq * queries(c, 0u);
                     if (wide) s_b += kq * queries(c, 1u);
                 }
@@ -216,6 +250,7 @@ void main() {
             s_w[(tid >> 2) * MAX_GROUP + g][tid & 3u] = p_a[g];
             s_w[(tid >> 2) * MAX_GROUP + 4u + g][tid & 3u] = p_b[g];
         }
+        if (tid < next_blocks) s_phys[nxt + tid] = next_phys;
         barrier();
 
         // V: weighted values.
@@ -224,21 +259,23 @@ void main() {
             for (uint slot = 0u; slot < 2u; slot++) {
                 const uint d = tid + slot * WG;
                 if (d >= hs) continue;
-                const uint row_elem = value_offset(kv_head, 0u, d);        // the dim's row in a block
+                const uint row_d = value_offset(kv_head, 0u, d);
                 if (bs % CHUNK_TOKENS == 0u) {
-                    const uint chunks = (len + CHUNK_TOKENS - 1u) / CHUNK_TOKENS;
-                    for (uint n0 = 0u; n0 < chunks; n0 += BATCH) {
-                        uvec4 w[BATCH];
-                        for (uint k = 0u; k < BATCH; k++) {
-                            const uint t0 = (n0 + k) * CHUNK_TOKENS;
-                            const int ph = n0 + k < chunks ? s_phys[t0 >> bs_log2] : -1;
-                            w[k] = ph >= 0 ? value_load(uint(ph), (row_elem + (t0 & bs_mask)) / CHUNK_TOKENS) : uvec4(0u);
+                    for (uint n0 = 0u; n0 < vchunks; n0 += V_BATCH) {
+                        const bool prefetched = slot == 0u && n0 < V_PREFETCH;
+                        if (!prefetched) {
+                            for (uint k = 0u; k < V_BATCH; k++) {
+                                const uint t0 = (n0 + k) * CHUNK_TOKENS;
+                                const int ph = n0 + k < vchunks ? s_phys[cur + (t0 >> bs_log2)] : -1;
+                                w[K_BATCH + k] = ph >= 0 ? value_load(uint(ph), (row_d + (t0 & bs_mask)) / CHUNK_TOKENS)
+                                                         : uvec4(0u);
+                            }
                         }
-                        for (uint k = 0u; k < BATCH; k++) {
+                        for (uint k = 0u; k < V_BATCH; k++) {
                             for (uint i = 0u; i < CQ; i++) {
                                 const uint t0 = (n0 + k) * CHUNK_TOKENS + 4u * i;
                                 if (t0 < len) {
-                                    const vec4 v = first(chunk_quad(w[k], i), len - t0);
+                                    const vec4 v = first(chunk_quad(w[K_BATCH + k], i), len - t0);
                                     acc_a[slot] += v * weights(t0 >> 2, 0u);
                                     if (wide) acc_b[slot] += v * weights(t0 >> 2, 1u);
                                 }
@@ -247,9 +284,9 @@ void main() {
                     }
                 } else {            // rows shorter than a chunk (fp8 with 8-token blocks): quad by quad
                     for (uint t0 = 0u; t0 < len; t0 += 4u) {
-                        const int ph = s_phys[t0 >> bs_log2];
+                        const int ph = s_phys[cur + (t0 >> bs_log2)];
                         if (ph < 0) continue;
-                        const uint q = (row_elem + (t0 & bs_mask)) >> 2;
+                        const uint q = (row_d + (t0 & bs_mask)) >> 2;
                         const vec4 v = first(chunk_quad(value_load(uint(ph), q / CQ), q % CQ), len - t0);
                         acc_a[slot] += v * weights(t0 >> 2, 0u);
                         if (wide) acc_b[slot] += v * weights(t0 >> 2, 1u);
@@ -258,25 +295,24 @@ void main() {
             }
         } else if (lane < lanes) {
             // nhd: four head dims of one token are one quad; this thread takes every lanes-th token.
-            for (uint t0 = lane; t0 < len; t0 += BATCH * lanes) {
-                uvec4 w[BATCH];
-                for (uint k = 0u; k < BATCH; k++) {
-                    const uint t = t0 + k * lanes;
-                    const int ph = t < len ? s_phys[t >> bs_log2] : -1;
-                    const uint q = value_offset(kv_head, t & bs_mask, 4u * col) >> 2;
-                    w[k] = ph >= 0 ? value_load(uint(ph), q / CQ) : uvec4(0u);
+            for (uint t0 = lane; t0 < len; t0 += V_BATCH * lanes) {
+                for (uint k = 0u; k < V_BATCH; k++) {
+                    const uint tk = t0 + k * lanes;
+                    const int ph = tk < len ? s_phys[cur + (tk >> bs_log2)] : -1;
+                    const uint q = value_offset(kv_head, tk & bs_mask, 4u * col) >> 2;
+                    w[K_BATCH + k] = ph >= 0 ? value_load(uint(ph), q / CQ) : uvec4(0u);
                 }
-                for (uint k = 0u; k < BATCH; k++) {
-                    const uint t = t0 + k * lanes;
-                    if (t >= len) continue;
-                    const uint q = value_offset(kv_head, t & bs_mask, 4u * col) >> 2;
-                    const vec4 v = s_phys[t >> bs_log2] >= 0 ? chunk_quad(w[k], q % CQ) : vec4(0.0);
-                    const uint wi = (t >> 2) * MAX_GROUP;
-                    const vec4 pa = vec4(s_w[wi][t & 3u], s_w[wi + 1u][t & 3u], s_w[wi + 2u][t & 3u], s_w[wi + 3u][t & 3u]);
+                for (uint k = 0u; k < V_BATCH; k++) {
+                    const uint tk = t0 + k * lanes;
+                    if (tk >= len) continue;
+                    const uint q = value_offset(kv_head, tk & bs_mask, 4u * col) >> 2;
+                    const vec4 v = s_phys[cur + (tk >> bs_log2)] >= 0 ? chunk_quad(w[K_BATCH + k], q % CQ) : vec4(0.0);
+                    const uint wi = (tk >> 2) * MAX_GROUP;
+                    const vec4 pa = vec4(s_w[wi][tk & 3u], s_w[wi + 1u][tk & 3u], s_w[wi + 2u][tk & 3u], s_w[wi + 3u][tk & 3u]);
                     for (uint j = 0u; j < 4u; j++) acc_a[j] += v[j] * pa;
                     if (wide) {
-                        const vec4 pb = vec4(s_w[wi + 4u][t & 3u], s_w[wi + 5u][t & 3u], s_w[wi + 6u][t & 3u],
-                                             s_w[wi + 7u][t & 3u]);
+                        const vec4 pb = vec4(s_w[wi + 4u][tk & 3u], s_w[wi + 5u][tk & 3u], s_w[wi + 6u][tk & 3u],
+                                             s_w[wi + 7u][tk & 3u]);
                         for (uint j = 0u; j < 4u; j++) acc_b[j] += v[j] * pb;
                     }
                 }
@@ -284,6 +320,7 @@ void main() {
         }
     }
     workgroup_reduce(l_a, l_b, false);
+    barrier();   // s_o's reduction scratch is read; the sums go there next
 
     // Each head's sums meet in s_o ([lane][head][dim]; one lane in vLLM's layout), then are normalized
     // and written two dims at a time.
