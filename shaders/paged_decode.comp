@@ -10,15 +10,16 @@
 //     written to `out` directly). The last partition takes every token from its start to the sequence's end,
 //     so lengths that grew after the plan chose its partitions are still covered whole.
 // A partition is walked in tiles of TILE tokens, one pass with an online softmax:
-//   K. thread t takes token t of the tile: it loads the token's whole key as 16-byte chunks, all issued
-//      before the first is used, and dots it with the group's queries (read from shared memory, where every
-//      thread of the workgroup reads the same address: a broadcast);
+//   K. thread t takes token t of the tile: it loads the token's key as 16-byte chunks, K_BATCH at a time,
+//      each batch issued before any of it is used, and dots it with the group's queries (read from shared
+//      memory, where every thread of the workgroup reads the same address: a broadcast);
 //   S. the workgroup takes each head's tile max, rescales what earlier tiles accumulated and turns logits
-//      into weights in shared memory;
+//      into weights in shared memory; the next tile's block ids are fetched meanwhile (s_phys holds two);
 //   V. vLLM's layout keeps a head dim's tokens contiguous, so thread t owns head dim t (and t + 128): it
-//      loads the tile's values of that dim as 16-byte chunks, a batch at a time, and accumulates them
+//      loads the tile's values of that dim as 16-byte chunks, V_BATCH at a time, and accumulates them
 //      weighted for every head. In the nhd layout a token's head dims are contiguous, so threads own a quad
 //      of head dims and a share of the tokens, and their sums meet in shared memory at the end.
+// Three barriers a tile.
 // The per-head state of up to 8 heads is two vec4s (heads 0-3, heads 4-7; the second is skipped when the
 // group has at most 4 heads), so every product is a 4x4 matrix-vector product and the WGSL twin has the same
 // shape. The softmax denominator is summed per thread and reduced once at the end; no epsilon is added, so a
@@ -47,10 +48,11 @@ const uint MAX_GROUP = 8u;                      // query heads per workgroup: tw
 const uint TILE = WG;                           // tokens per tile: one key token per thread
 const uint CQ = KV_CHUNK_QUADS;                 // quads per 16-byte chunk
 const uint CHUNK_TOKENS = 4u * CQ;              // value tokens in one chunk of vLLM's layout
-const uint K_BATCH = 16u;                       // key chunks a thread loads before it uses any
-const uint V_BATCH = 16u;                       // value chunks likewise
-const uint V_PREFETCH = V_BATCH;                // value chunks loaded together with the keys (a tile's 128
-                                                // tokens of one head dim are 16 chunks of 16-bit values)
+// Chunks a thread loads before it uses any. Measured on the H200 (BENCHMARKS.md, "decode kernel steps"):
+// batches of 4 beat 8 and 16, and loading a tile's values together with its keys was slower still; more
+// registers for loads in flight cost more occupancy than they gain.
+const uint K_BATCH = 4u;
+const uint V_BATCH = 4u;
 const uint TILE_BLOCKS = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
 const uint MAX_QUADS = MAX_HEAD_SIZE / 4u;
 
@@ -173,11 +175,10 @@ void main() {
         next_blocks = nbase < end ? (min(TILE, end - nbase) + bs_mask) >> bs_log2 : 0u;
         const int next_phys = tid < next_blocks ? physical_block(row + (nbase >> bs_log2) + tid) : -1;
 
-        // Loads first: token tid's key (K_BATCH chunks at a time) and the first V_PREFETCH chunks of head
-        // dim tid's values (vLLM's layout), all in flight together.
+        // Loads first: token tid's key, K_BATCH chunks at a time.
         const int phys = tid < len ? s_phys[cur + (tid >> bs_log2)] : -1;
         const uint t = tid & bs_mask;
-        uvec4 w[K_BATCH + V_PREFETCH];
+        uvec4 w[K_BATCH + V_BATCH];   // key chunks, then value chunks
         const uint kchunks = hq / CQ;             // whole chunks of a key (see below for part chunks)
         const bool key_chunks = hq % CQ == 0u;
         if (phys >= 0 && key_chunks) {
@@ -185,16 +186,7 @@ void main() {
                 if (k < kchunks) w[k] = key_load(uint(phys), key_offset(kv_head, t, k * CQ) / CQ);
             }
         }
-        const bool prefetch = !dims_contiguous && bs % CHUNK_TOKENS == 0u && tid < hs;
-        const uint row_elem = value_offset(kv_head, 0u, tid);   // head dim tid's row in a block (vLLM's layout)
         const uint vchunks = (len + CHUNK_TOKENS - 1u) / CHUNK_TOKENS;
-        if (prefetch) {
-            for (uint n = 0u; n < V_PREFETCH; n++) {
-                const uint t0 = n * CHUNK_TOKENS;
-                const int ph = n < vchunks ? s_phys[cur + (t0 >> bs_log2)] : -1;
-                w[K_BATCH + n] = ph >= 0 ? value_load(uint(ph), (row_elem + (t0 & bs_mask)) / CHUNK_TOKENS) : uvec4(0u);
-            }
-        }
 
         // K: the logits of token tid of the tile. (Loops over register arrays run to their constant bound,
         // guarded: a `break` could keep the compiler from unrolling them and put the arrays in memory.)
@@ -202,7 +194,7 @@ void main() {
         if (phys >= 0) {
             if (key_chunks) {
                 for (uint c0 = 0u; c0 < kchunks; c0 += K_BATCH) {
-                    if (c0 > 0u) {   // keys longer than one batch (float32 or head sizes over 128)
+                    if (c0 > 0u) {   // the next batch (the first was loaded above)
                         for (uint k = 0u; k < K_BATCH; k++) {
                             if (c0 + k < kchunks) w[k] = key_load(uint(phys), key_offset(kv_head, t, (c0 + k) * CQ) / CQ);
                         }
@@ -262,14 +254,11 @@ void main() {
                 const uint row_d = value_offset(kv_head, 0u, d);
                 if (bs % CHUNK_TOKENS == 0u) {
                     for (uint n0 = 0u; n0 < vchunks; n0 += V_BATCH) {
-                        const bool prefetched = slot == 0u && n0 < V_PREFETCH;
-                        if (!prefetched) {
-                            for (uint k = 0u; k < V_BATCH; k++) {
-                                const uint t0 = (n0 + k) * CHUNK_TOKENS;
-                                const int ph = n0 + k < vchunks ? s_phys[cur + (t0 >> bs_log2)] : -1;
-                                w[K_BATCH + k] = ph >= 0 ? value_load(uint(ph), (row_d + (t0 & bs_mask)) / CHUNK_TOKENS)
-                                                         : uvec4(0u);
-                            }
+                        for (uint k = 0u; k < V_BATCH; k++) {
+                            const uint t0 = (n0 + k) * CHUNK_TOKENS;
+                            const int ph = n0 + k < vchunks ? s_phys[cur + (t0 >> bs_log2)] : -1;
+                            w[K_BATCH + k] = ph >= 0 ? value_load(uint(ph), (row_d + (t0 & bs_mask)) / CHUNK_TOKENS)
+                                                     : uvec4(0u);
                         }
                         for (uint k = 0u; k < V_BATCH; k++) {
                             for (uint i = 0u; i < CQ; i++) {
