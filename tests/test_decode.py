@@ -159,6 +159,29 @@ def test_split_contexts(rng, partition_size, num_heads, num_kv_heads):
     assert rel_error(out, case.reference()) <= TOL
 
 
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+def test_split_and_unsplit_agree(rng, layout):
+    # The same inputs through one partition, through many, and through the one-shot call: the same result to
+    # float32 rounding (the partitions' sums only add in another order), each also against float64.
+    case = Case(rng, seq_lens=[1, 17, 700, 1500], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
+    k, v = case.key_cache, case.value_cache
+    if layout == "nhd":
+        k = np.ascontiguousarray(k.transpose(0, 3, 1, 2, 4).reshape(k.shape[0], 16, 2, 64))
+        v = np.ascontiguousarray(v.transpose(0, 3, 1, 2))
+    outs = []
+    for partition_size in (2048, 128, 32):
+        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                                block_size=16, num_blocks=k.shape[0], dtype=np.float16, layout=layout,
+                                partition_size=partition_size) as plan:
+            outs.append(plan.run(case.query, k, v, out=np.full(case.query.shape, np.nan, np.float16)))
+            assert plan.num_partitions == -(-1500 // partition_size)
+    outs.append(pagedvk.paged_attention(case.query, k, v, case.block_tables, case.seq_lens, layout=layout))
+    ref = case.reference()
+    for out in outs:
+        assert rel_error(out, ref) <= 2e-3
+        np.testing.assert_allclose(out.astype(np.float32), outs[0].astype(np.float32), rtol=0, atol=2e-3)
+
+
 def test_partition_size_is_checked(rng):
     case = Case(rng, head_size=64)
     with pytest.raises(ValueError, match="partition_size must be a multiple of block_size"):
