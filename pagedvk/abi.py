@@ -92,7 +92,10 @@ class VariantKey:
     def includes(self) -> dict:
         """WGSL: which storage file stands in for each generic `//!include` name."""
         inc = {"kv_storage.wgsl": f"kv_{self.kv}.wgsl",
-               "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl"} if self.kv else {}
+               "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl",
+               # the decode reads its caches as 16-byte chunks
+               "kv_chunk_access.wgsl": "kv_chunk_segmented.wgsl" if self.access else "kv_chunk_bound.wgsl",
+               } if self.kv else {}
         inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
         if self.op in WRITE_INCLUDES_OPS:   # the cache writers' own files
             inc.update({"kv_write.wgsl": f"kv_write_{self.kv}.wgsl", "token_input.wgsl": f"token_{self.q}.wgsl",
