@@ -12,6 +12,7 @@ what each module was built from, so the library can refuse a module older than i
 from __future__ import annotations
 
 import argparse
+import array
 import concurrent.futures
 import functools
 import importlib.util
@@ -118,7 +119,7 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
-    out.write_bytes(drop_workgroup_zero_init(out.read_bytes()))
+    out.write_bytes(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes())))
 
 
 OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
@@ -155,6 +156,54 @@ def drop_workgroup_zero_init(spirv: bytes) -> bytes:
     for at, count in drop:
         kept.append(words[start:at].tobytes())
         start = at + count
+    kept.append(words[start:].tobytes())
+    return b"".join(kept)
+
+
+OP_CONSTANT, OP_CONSTANT_COMPOSITE, OP_LOAD, OP_ALL, OP_IEQUAL = 43, 44, 61, 155, 170
+OP_SELECTION_MERGE, OP_BRANCH, OP_BRANCH_CONDITIONAL = 247, 249, 250
+STORAGE_FUNCTION = 7
+
+
+def drop_loop_bounding(spirv: bytes) -> bytes:
+    """naga's SPIR-V without the exits it adds to every loop against infinite loops.
+
+    naga (since 25) gives each loop a vec2<u32> counter that starts at (u32::MAX, u32::MAX), counts down once
+    an iteration and breaks out at zero: `if all(counter == 0) break;` at the top of the body. A loop with
+    that second exit has no trip count a driver can compute, so none is unrolled, and a local array indexed
+    by a loop counter (paged_decode's load batch) is left in memory: on lavapipe the f16 decode ran at 0.6x
+    its GLSL twin. The kernels' loops are the GLSL twins' loops, which run with no such exit; so each such
+    break (an OpBranchConditional on OpAll(OpIEqual(load of such a counter, ...)) with its OpSelectionMerge)
+    becomes a branch into the body, and the driver drops the dead counter."""
+    words = memoryview(spirv).cast("I")
+    all_max, counters, loads, equal, tests = set(), set(), set(), set(), set()
+    u32_max = set()
+    replace = []   # (start of OpSelectionMerge, words through OpBranchConditional, label the body goes on at)
+    merge_at = None
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        w = words[i:i + count]
+        if op == OP_CONSTANT and count == 4 and w[3] == 0xFFFFFFFF:
+            u32_max.add(w[2])
+        elif op == OP_CONSTANT_COMPOSITE and count == 5 and w[3] in u32_max and w[4] in u32_max:
+            all_max.add(w[2])
+        elif op == OP_VARIABLE and count == 5 and w[3] == STORAGE_FUNCTION and w[4] in all_max:
+            counters.add(w[2])
+        elif op == OP_LOAD and w[3] in counters:
+            loads.add(w[2])
+        elif op == OP_IEQUAL and (w[3] in loads or w[4] in loads):
+            equal.add(w[2])
+        elif op == OP_ALL and w[3] in equal:
+            tests.add(w[2])
+        elif op == OP_BRANCH_CONDITIONAL and w[1] in tests and merge_at is not None:
+            replace.append((merge_at, i + count - merge_at, w[3]))
+        merge_at = i if op == OP_SELECTION_MERGE else None
+        i += count
+    kept, start = [], 0
+    for at, length, body in replace:
+        kept += [words[start:at].tobytes(), array.array("I", [(2 << 16) | OP_BRANCH, body]).tobytes()]
+        start = at + length
     kept.append(words[start:].tobytes())
     return b"".join(kept)
 

@@ -39,10 +39,12 @@ GRADIENT_CACHE_TYPES = ("f32", "f16", "bf16")
 # addresses, any number of them. "" is the one-binding cache.
 CACHE_ACCESS = ("", "seg", "bda")
 KV_SEGMENTS = 4
-# vLLM's head sizes: GLSL modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
-# on the H200). Not for WGSL: lavapipe compiles naga's unrolled output far more slowly.
 # Ops that write caches: their WGSL includes name write-side storage files (kv_write_<type>.wgsl, token_<type>.wgsl).
 WRITE_INCLUDES_OPS = ("reshape_and_cache",)
+# Ops that read their caches as 16-byte chunks (kv_chunk_access.wgsl; GLSL: KV_CHUNKS in kv_storage.glsl).
+CHUNK_READ_OPS = ("paged_decode",)
+# vLLM's head sizes: decode modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
+# on the H200), in both languages (WGSL: an `override` that build_shaders.py fixes).
 UNROLLED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 
 
@@ -93,6 +95,8 @@ class VariantKey:
         """WGSL: which storage file stands in for each generic `//!include` name."""
         inc = {"kv_storage.wgsl": f"kv_{self.kv}.wgsl",
                "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl"} if self.kv else {}
+        if self.op in CHUNK_READ_OPS and self.kv:
+            inc["kv_chunk_access.wgsl"] = "kv_chunk_segmented.wgsl" if self.access else "kv_chunk_bound.wgsl"
         inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
         if self.op in WRITE_INCLUDES_OPS:   # the cache writers' own files
             inc.update({"kv_write.wgsl": f"kv_write_{self.kv}.wgsl", "token_input.wgsl": f"token_{self.q}.wgsl",
@@ -118,7 +122,7 @@ class KernelABI:
     backends: tuple = BACKENDS
     kv_types: tuple = ()          # cache storage tags the op is built for; () if it reads no cache
     q_types: tuple = ()           # query/output storage tags; () if it has none
-    head_sizes: tuple = ()        # head sizes also built with HEAD_SIZE fixed (GLSL only)
+    head_sizes: tuple = ()        # head sizes also built with HEAD_SIZE fixed
     writes_cache: bool = False    # the caches' bindings (segments included) are written, not read
 
     @property
@@ -159,7 +163,7 @@ class KernelABI:
         for axis, value, allowed in (("cache storage", kv, self.kv_types), ("query storage", q, self.q_types)):
             if (value or allowed) and value not in allowed:
                 raise ValueError(f"{self.op} has no module for {axis} {value!r} (built: {', '.join(allowed)})")
-        fixed = head_size if head_size in self.head_sizes and backend == "glsl" and not access else 0
+        fixed = head_size if head_size in self.head_sizes and not access else 0
         return VariantKey(self.op, backend, kv, q, fixed, access)
 
     def accesses(self, backend: str) -> tuple:
@@ -172,7 +176,7 @@ class KernelABI:
         for backend in self.backends:
             for kv in self.kv_types or ("",):
                 for q in self.q_types or ("",):
-                    for hs in (0,) + (self.head_sizes if backend == "glsl" else ()):
+                    for hs in (0,) + self.head_sizes:
                         yield VariantKey(self.op, backend, kv, q, hs)
                     for access in self.accesses(backend)[1:]:
                         yield VariantKey(self.op, backend, kv, q, 0, access)

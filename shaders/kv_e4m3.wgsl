@@ -14,3 +14,8 @@ fn e4m3x2(w: u32) -> vec2<f32> {   // bytes 0 and 1 of w
 fn kv_quad(w: KvQuad) -> vec4<f32> {
     return vec4<f32>(e4m3x2(w), e4m3x2(w >> 16u));
 }
+
+// Quad i (0 to 3) of a 16-byte chunk (kv_chunk_bound.wgsl).
+fn chunk_quad(w: vec4<u32>, i: u32) -> vec4<f32> {
+    return kv_quad(w[i]);
+}

@@ -1,22 +1,22 @@
 // Paged-attention decode, WGSL: shaders/paged_decode.comp translated statement for statement, with the
 // same interface (PAGED_DECODE in pagedvk/abi.py) so one launcher runs either module. The algorithm and
-// its bounds rules are explained in the GLSL source; comments here cover what WGSL changes.
-//
-// The GLSL keeps the per-head state of a workgroup's (up to 8) query heads in float[8] arrays indexed in
-// loops; here each such array is two vec4s, heads 0-3 (_a) and 4-7 (_b), updated by vector arithmetic
-// (paged_prefill.comp says why: naga's guarded loops are not unrolled, and a local array indexed in a loop
-// becomes a chain of selects). Heads past the group are masked (their logits -inf, so their weights, sums
-// and accumulators stay 0) and never written out. HEAD_SIZE is an override that build_shaders.py fixes at
-// translation time; 0 means "from the push constants".
+// its bounds rules are explained in the GLSL source; comments here cover what WGSL changes:
+//   * the caches are bound as 16-byte chunks (array<vec4<u32>>, kv_chunk_access.wgsl) and chunk_quad()
+//     (kv_<type>.wgsl) takes a quad out of one, as kv_storage.glsl's KV_CHUNKS does;
+//   * GLSL's `c ? a : b` evaluates one side, WGSL's select() both: where a side would read out of bounds
+//     (a block id of -1, an s_phys slot past the tile) it is an `if`;
+//   * WGSL zero-initializes every `var`: the load batch `w` is declared once, outside the tile loop;
+//   * HEAD_SIZE is an override that build_shaders.py fixes at translation time; 0 means "from the push
+//     constants".
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
 //!include attention_common.wgsl
-//!include kv_access.wgsl
+//!include kv_chunk_access.wgsl
 
 @group(0) @binding(0) var<storage, read> query: array<QQuad>;                // [seqs, heads, head_size]
-@group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;           // see key_load()
-@group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;         // see value_load()
+@group(0) @binding(1) var<storage, read> key_cache: array<vec4<u32>>;        // see key_load()
+@group(0) @binding(2) var<storage, read> value_cache: array<vec4<u32>>;      // see value_load()
 @group(0) @binding(3) var<storage, read> block_tables: array<i32>;           // [seqs, max_blocks_per_seq]
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;               // [seqs]
 @group(0) @binding(5) var<storage, read_write> out: array<OutPair>;          // [seqs, heads, head_size]
@@ -28,118 +28,120 @@ const KV_SEGMENT_BINDING: u32 = 8u;   // the first of a segmented cache's extra 
 
 override HEAD_SIZE: u32 = 0u;
 
-const MAX_GROUP: u32 = 8u;          // query heads per workgroup: two vec4s
-const LOGIT_SLOTS: u32 = 4096u;     // group_size * partition_size must fit
+const MAX_GROUP: u32 = 8u;                      // query heads per workgroup: two vec4s
+const TILE: u32 = WG;                           // tokens per tile: one key token per thread
+const CQ: u32 = KV_CHUNK_QUADS;                 // quads per 16-byte chunk
+const CHUNK_TOKENS: u32 = 4u * CQ;              // value tokens in one chunk of vLLM's layout
+const K_BATCH: u32 = 16u;                       // key chunks a thread loads before it uses any
+const V_BATCH: u32 = 16u;                       // value chunks likewise
+const V_PREFETCH: u32 = V_BATCH;                // value chunks loaded together with the keys
+const TILE_BLOCKS: u32 = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
+const MAX_QUADS: u32 = MAX_HEAD_SIZE / 4u;
 
-var<workgroup> s_q: array<vec4<f32>, 512>;     // MAX_GROUP * MAX_HEAD_SIZE / 4: queries * scale, [group][quad]
-var<workgroup> s_p: array<vec4<f32>, 1024>;    // LOGIT_SLOTS / 4: logits, then weights, [group][token]
-var<workgroup> s_red: array<vec4<f32>, 256>;   // reduction scratch, [thread][heads 0-3 | heads 4-7]
-var<workgroup> s_phys: array<i32, 512>;        // LOGIT_SLOTS / MIN_BLOCK_SIZE: the tile's physical blocks, -1 where invalid
+var<workgroup> s_q: array<vec4<f32>, 512>;     // MAX_QUADS * MAX_GROUP: queries * scale, [quad][head]
+var<workgroup> s_w: array<vec4<f32>, 256>;     // TILE / 4 * MAX_GROUP: logits, then weights, [token quad][head]
+var<workgroup> s_phys: array<i32, 32>;         // 2 * TILE_BLOCKS: blocks of this tile and the next, -1 where invalid
+var<workgroup> s_o: array<f32, 4096>;          // 4 * MAX_HEAD_SIZE * MAX_GROUP / 2: sums at the end; reductions' scratch
 
-// Reduce (*a, *b) over the workgroup, lane by lane; max when is_max, else sum.
+// Max (is_max) or sum of (*a, *b) over the workgroup, as paged_decode.comp's workgroup_reduce.
+const REDUCE_ROUND: u32 = 8u * WG;   // where in s_o the 16 x 2 partial results go
 fn workgroup_reduce(a: ptr<function, vec4<f32>>, b: ptr<function, vec4<f32>>, is_max: bool, tid: u32) {
-    s_red[tid * 2u] = *a;
-    s_red[tid * 2u + 1u] = *b;
+    let va = *a;
+    let vb = *b;
+    s_o[8u * tid] = va.x;
+    s_o[8u * tid + 1u] = va.y;
+    s_o[8u * tid + 2u] = va.z;
+    s_o[8u * tid + 3u] = va.w;
+    s_o[8u * tid + 4u] = vb.x;
+    s_o[8u * tid + 5u] = vb.y;
+    s_o[8u * tid + 6u] = vb.z;
+    s_o[8u * tid + 7u] = vb.w;
     workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-        if (tid < stride) {
-            for (var h = 0u; h < 2u; h++) {
-                let x = s_red[tid * 2u + h];
-                let y = s_red[(tid + stride) * 2u + h];
-                s_red[tid * 2u + h] = select(x + y, max(x, y), is_max);
-            }
+    if (tid < 32u) {   // thread tid reduces one half (heads 0-3 or 4-7) of eight threads' values
+        let h = tid & 1u;
+        let first = (tid >> 1u) * 8u;
+        var r = vec4<f32>(0.0);
+        for (var i = 0u; i < 8u; i++) {
+            let o = 8u * (first + i) + 4u * h;
+            let x = vec4<f32>(s_o[o], s_o[o + 1u], s_o[o + 2u], s_o[o + 3u]);
+            r = select(select(r + x, max(r, x), is_max), x, i == 0u);
         }
-        workgroupBarrier();
+        s_o[REDUCE_ROUND + 4u * tid] = r.x;
+        s_o[REDUCE_ROUND + 4u * tid + 1u] = r.y;
+        s_o[REDUCE_ROUND + 4u * tid + 2u] = r.z;
+        s_o[REDUCE_ROUND + 4u * tid + 3u] = r.w;
     }
-    *a = s_red[0];
-    *b = s_red[1];
     workgroupBarrier();
+    var ra = vec4<f32>(0.0);
+    var rb = vec4<f32>(0.0);
+    for (var i = 0u; i < 16u; i++) {
+        let o = REDUCE_ROUND + 8u * i;
+        let x = vec4<f32>(s_o[o], s_o[o + 1u], s_o[o + 2u], s_o[o + 3u]);
+        let y = vec4<f32>(s_o[o + 4u], s_o[o + 5u], s_o[o + 6u], s_o[o + 7u]);
+        ra = select(select(ra + x, max(ra, x), is_max), x, i == 0u);
+        rb = select(select(rb + y, max(rb, y), is_max), y, i == 0u);
+    }
+    *a = ra;
+    *b = rb;
 }
 
-// The first n (<= 4) elements of v, the rest zero: slots past a sequence's end may hold anything, NaN
-// included, and 0 * NaN is NaN.
+// A block-table entry, -1 where it is not a block of the caches.
+fn physical_block(i: u32) -> i32 {
+    let b = block_tables[i];
+    return select(-1, b, b >= 0 && u32(b) < pc.num_blocks);
+}
+
+// The first n (1 <= n, only the first 4 count) elements of v, the rest zero: slots past a sequence's end may
+// hold anything, NaN included, and 0 * NaN is NaN.
 fn first(v: vec4<f32>, n: u32) -> vec4<f32> {
     return select(vec4<f32>(0.0), v, vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(n));
 }
 
-// Column j: query quad c of head g0 + j (times scale), for the dot products of a key quad with four heads.
-fn queries4(g0: u32, c: u32, hq: u32) -> mat4x4<f32> {
-    return mat4x4<f32>(s_q[g0 * hq + c], s_q[(g0 + 1u) * hq + c], s_q[(g0 + 2u) * hq + c], s_q[(g0 + 3u) * hq + c]);
+// The group's queries times one key quad: columns are heads (0-3 or 4-7 by h), rows head dims.
+fn queries(c: u32, h: u32) -> mat4x4<f32> {
+    let i = c * MAX_GROUP + 4u * h;
+    return mat4x4<f32>(s_q[i], s_q[i + 1u], s_q[i + 2u], s_q[i + 3u]);
 }
 
-// Where head g's logit or weight of token t sits in s_p ([group][token], four tokens a vec4).
-fn logit_slot(g: u32, t: u32, P: u32) -> u32 {
-    return (g * P + t) >> 2u;
+// The weights of tile tokens 4 tq .. 4 tq + 3 (rows) for heads 4h .. 4h + 3 (columns).
+fn weights(tq: u32, h: u32) -> mat4x4<f32> {
+    let i = tq * MAX_GROUP + 4u * h;
+    return mat4x4<f32>(s_w[i], s_w[i + 1u], s_w[i + 2u], s_w[i + 3u]);
 }
 
-// Token t's logits (or weights) of heads g0 .. g0 + 3, -inf for heads past the group.
-fn load4(g0: u32, t: u32, group: u32, P: u32) -> vec4<f32> {
-    var x = vec4<f32>(neg_inf());
-    if (g0 < group) {
-        x.x = s_p[logit_slot(g0, t, P)][t & 3u];
+// The tile's block holding tile token t (cur: the tile's half of s_phys), -1 where t >= n.
+fn tile_block(cur: u32, t: u32, n: u32, bs_log2: u32) -> i32 {
+    if (t >= n) {
+        return -1;
     }
-    if (g0 + 1u < group) {
-        x.y = s_p[logit_slot(g0 + 1u, t, P)][t & 3u];
-    }
-    if (g0 + 2u < group) {
-        x.z = s_p[logit_slot(g0 + 2u, t, P)][t & 3u];
-    }
-    if (g0 + 3u < group) {
-        x.w = s_p[logit_slot(g0 + 3u, t, P)][t & 3u];
-    }
-    return x;
+    return s_phys[cur + (t >> bs_log2)];
 }
 
-// Stores token t's logits (or weights) of the heads g0 .. g0 + 3 that are in the group.
-fn store4(g0: u32, t: u32, group: u32, P: u32, x: vec4<f32>) {
-    if (g0 < group) {
-        s_p[logit_slot(g0, t, P)][t & 3u] = x.x;
+// value_load(), zeros where the block is not there.
+fn value_or_zero(ph: i32, i: u32) -> vec4<u32> {
+    if (ph < 0) {
+        return vec4<u32>(0u);
     }
-    if (g0 + 1u < group) {
-        s_p[logit_slot(g0 + 1u, t, P)][t & 3u] = x.y;
-    }
-    if (g0 + 2u < group) {
-        s_p[logit_slot(g0 + 2u, t, P)][t & 3u] = x.z;
-    }
-    if (g0 + 3u < group) {
-        s_p[logit_slot(g0 + 3u, t, P)][t & 3u] = x.w;
-    }
-}
-
-// The weights of tokens t0 .. t0 + 3 for head g (zero past the group or past n tokens).
-fn weights(g: u32, t0: u32, n: u32, group: u32, P: u32) -> vec4<f32> {
-    if (g >= group) {
-        return vec4<f32>(0.0);
-    }
-    return first(s_p[logit_slot(g, t0, P)], n);
-}
-
-// Column j: weights() of head g0 + j.
-fn weights4(g0: u32, t0: u32, n: u32, group: u32, P: u32) -> mat4x4<f32> {
-    return mat4x4<f32>(weights(g0, t0, n, group, P), weights(g0 + 1u, t0, n, group, P),
-                       weights(g0 + 2u, t0, n, group, P), weights(g0 + 3u, t0, n, group, P));
-}
-
-// Dims (d, d + 1) of one token in the nhd layout: two consecutive elements of one value quad.
-fn value_pair(b: u32, v: u32) -> vec2<f32> {
-    let q = kv_quad(value_load(b, v >> 2u));
-    return vec2<f32>(q[v & 3u], q[(v & 3u) + 1u]);
+    return value_load(u32(ph), i);
 }
 
 @compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>) {
     let tid = lid.x;
-    let hs = select(pc.head_size, HEAD_SIZE, HEAD_SIZE > 0u);
-    let bs = pc.block_size;
+    let hs = select(pc.head_size, HEAD_SIZE, HEAD_SIZE > 0u);   // a fixed head size lets loops unroll
+    let bs = pc.block_size;          // a power of two (8, 16 or 32): divisions by it are shifts
+    let bs_log2 = firstTrailingBit(bs);
+    let bs_mask = bs - 1u;
     let group = pc.group_size;
+    let wide = group > 4u;           // heads 4-7 in use
     let P = pc.partition_size;
     let head_groups = pc.num_heads / max(group, 1u);
     let wg = workgroup_index(wid, nwg);
     let seq = (wg / head_groups) % max(pc.num_seqs, 1u);
     let part = wg / (head_groups * max(pc.num_seqs, 1u));
-    if (group == 0u || group > MAX_GROUP || group * P > LOGIT_SLOTS || P == 0u || hs > MAX_HEAD_SIZE
-        || part >= pc.num_partitions) {
+    if (group == 0u || group > MAX_GROUP || P == 0u || hs > MAX_HEAD_SIZE || bs < MIN_BLOCK_SIZE
+        || bs > TILE || part >= pc.num_partitions) {
         return;
     }
     let head0 = (wg % head_groups) * group;                   // first query head of this workgroup
@@ -158,161 +160,295 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     }
     let start = part * P;                                     // first token of the partition
     let end = select(min(seq_len, start + P), seq_len, part + 1u == pc.num_partitions);
+    let last = seq_len - 1u;                                  // the query's position
 
-    for (var i = tid; i < group * hq; i += WG) {
-        s_q[i] = q_quad(query[q_quad0 + i]) * pc.scale;
-    }
-
-    let ninf4 = vec4<f32>(neg_inf());
-    // Heads of the group, as lanes of the _a and _b vectors.
-    let in_a = vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(group);
-    let in_b = vec4<u32>(4u, 5u, 6u, 7u) < vec4<u32>(group);
-    var m_a = ninf4;
-    var m_b = ninf4;
-    var l_a = vec4<f32>(0.0);
-    var l_b = vec4<f32>(0.0);
-    var acc0_a = vec4<f32>(0.0);   // head dim d0, per head
-    var acc0_b = vec4<f32>(0.0);
-    var acc1_a = vec4<f32>(0.0);   // head dim d0 + 1
-    var acc1_b = vec4<f32>(0.0);
-    let d0 = 2u * tid;                                        // this thread's head dims: d0, d0 + 1
-
-    for (var base = start; base < end; base += P) {
-        let len = min(P, end - base);
-        let blocks = (len + bs - 1u) / bs;
-        workgroupBarrier();   // the previous tile's s_p and s_phys are no longer read
-        for (var i = tid; i < blocks; i += WG) {
-            let b = block_tables[row + base / bs + i];
-            s_phys[i] = select(-1, b, b >= 0 && u32(b) < pc.num_blocks);
+    for (var i = tid; i < MAX_GROUP * hq; i += WG) {
+        let g = i % MAX_GROUP;
+        let c = i / MAX_GROUP;
+        var q = vec4<f32>(0.0);
+        if (g < group) {
+            q = q_quad(query[q_quad0 + g * hq + c]) * pc.scale;
         }
-        workgroupBarrier();
+        s_q[i] = q;
+    }
+    let heads_a = vec4<u32>(head0) + vec4<u32>(0u, 1u, 2u, 3u);
+    let heads_b = heads_a + vec4<u32>(4u);
+    let in_a = select(vec4<u32>(0u), vec4<u32>(1u), vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(group));
+    let in_b = select(vec4<u32>(0u), vec4<u32>(1u), vec4<u32>(4u, 5u, 6u, 7u) < vec4<u32>(group));
+    let ninf4 = vec4<f32>(neg_inf());
 
-        // A: logits of whole tokens, and each thread's max per head.
-        var mt_a = ninf4;
-        var mt_b = ninf4;
-        for (var t = tid; t < len; t += WG) {
-            var s_a = vec4<f32>(0.0);
-            var s_b = vec4<f32>(0.0);
-            let phys = s_phys[t / bs];
-            if (phys >= 0) {
-                let k0 = key_offset(kv_head, t % bs, 0u);
+    // The V stage's share of the work (see the GLSL).
+    let dims_contiguous = pc.v_dim_stride == 1u;
+    let lanes = select(1u, WG / hq, dims_contiguous);
+    let col = tid % hq;
+    let lane = tid / hq;
+
+    var m_a = ninf4;                  // running max per head
+    var m_b = ninf4;
+    var l_a = vec4<f32>(0.0);         // this thread's share of the softmax sum
+    var l_b = vec4<f32>(0.0);
+    var acc_a: array<vec4<f32>, 4>;   // [dim slot] of heads 0-3 / 4-7 (zero-initialized)
+    var acc_b: array<vec4<f32>, 4>;
+    var w: array<vec4<u32>, 32>;      // K_BATCH + V_PREFETCH chunks in flight
+
+    // Block ids are fetched a tile ahead into the other half of s_phys.
+    var next_blocks = (min(TILE, end - min(start, end)) + bs_mask) >> bs_log2;
+    if (tid < next_blocks) {
+        s_phys[tid] = physical_block(row + (start >> bs_log2) + tid);
+    }
+    workgroupBarrier();
+    var tile = 0u;
+    for (var base = start; base < end; base += TILE) {
+        let len = min(TILE, end - base);
+        let cur = (tile & 1u) * TILE_BLOCKS;
+        let nxt = TILE_BLOCKS - cur;
+        tile++;
+        let nbase = base + TILE;
+        next_blocks = 0u;
+        if (nbase < end) {
+            next_blocks = (min(TILE, end - nbase) + bs_mask) >> bs_log2;
+        }
+        var next_phys = -1;
+        if (tid < next_blocks) {
+            next_phys = physical_block(row + (nbase >> bs_log2) + tid);
+        }
+
+        // Loads first: token tid's key and the first V_PREFETCH chunks of head dim tid's values.
+        let phys = tile_block(cur, tid, len, bs_log2);
+        let t = tid & bs_mask;
+        let kchunks = hq / CQ;             // whole chunks of a key
+        let key_chunks = hq % CQ == 0u;
+        if (phys >= 0 && key_chunks) {
+            for (var k = 0u; k < K_BATCH; k++) {
+                if (k < kchunks) {
+                    w[k] = key_load(u32(phys), key_offset(kv_head, t, k * CQ) / CQ);
+                }
+            }
+        }
+        let prefetch = !dims_contiguous && bs % CHUNK_TOKENS == 0u && tid < hs;
+        let row_elem = value_offset(kv_head, 0u, tid);   // head dim tid's row in a block (vLLM's layout)
+        let vchunks = (len + CHUNK_TOKENS - 1u) / CHUNK_TOKENS;
+        if (prefetch) {
+            for (var n = 0u; n < V_PREFETCH; n++) {
+                let t0 = n * CHUNK_TOKENS;
+                let ph = tile_block(cur, t0, select(0u, len, n < vchunks), bs_log2);
+                w[K_BATCH + n] = value_or_zero(ph, (row_elem + (t0 & bs_mask)) / CHUNK_TOKENS);
+            }
+        }
+
+        // K: the logits of token tid of the tile.
+        var s_a = vec4<f32>(0.0);
+        var s_b = vec4<f32>(0.0);
+        if (phys >= 0) {
+            if (key_chunks) {
+                for (var c0 = 0u; c0 < kchunks; c0 += K_BATCH) {
+                    if (c0 > 0u) {   // keys longer than one batch (float32 or head sizes over 128)
+                        for (var k = 0u; k < K_BATCH; k++) {
+                            if (c0 + k < kchunks) {
+                                w[k] = key_load(u32(phys), key_offset(kv_head, t, (c0 + k) * CQ) / CQ);
+                            }
+                        }
+                    }
+                    for (var k = 0u; k < K_BATCH; k++) {
+                        if (c0 + k < kchunks) {
+                            for (var i = 0u; i < CQ; i++) {
+                                s_a += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 0u);
+                            }
+                        }
+                    }
+                    if (wide) {
+                        for (var k = 0u; k < K_BATCH; k++) {
+                            if (c0 + k < kchunks) {
+                                for (var i = 0u; i < CQ; i++) {
+                                    s_b += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 1u);
+                                }
+                            }
+                        }
+                    }
+                }
+            } else {                 // nhd with a head of part chunks: quad by quad
                 for (var c = 0u; c < hq; c++) {
-                    let kc = kv_quad(key_load(u32(phys), k0 + (c / KV_CHUNK_QUADS) * pc.k_chunk_stride
-                                                         + c % KV_CHUNK_QUADS));
-                    s_a += kc * queries4(0u, c, hq);
-                    if (group > 4u) {
-                        s_b += kc * queries4(4u, c, hq);
+                    let q = key_offset(kv_head, t, c);
+                    let kq = chunk_quad(key_load(u32(phys), q / CQ), q % CQ);
+                    s_a += kq * queries(c, 0u);
+                    if (wide) {
+                        s_b += kq * queries(c, 1u);
                     }
                 }
             }
-            // The query is the sequence's last token; heads past the group and blocks outside the cache see nothing.
-            let keys_a = select(vec4<u32>(0u), vec4<u32>(seq_len), in_a & vec4<bool>(phys >= 0));
-            let keys_b = select(vec4<u32>(0u), vec4<u32>(seq_len), in_b & vec4<bool>(phys >= 0));
-            let last = vec4<u32>(seq_len - 1u);
-            let logit_a = logits4(s_a, vec4<u32>(head0) + vec4<u32>(0u, 1u, 2u, 3u), base + t, last, keys_a);
-            let logit_b = logits4(s_b, vec4<u32>(head0) + vec4<u32>(4u, 5u, 6u, 7u), base + t, last, keys_b);
-            store4(0u, t, group, P, logit_a);
-            store4(4u, t, group, P, logit_b);
-            mt_a = max(mt_a, logit_a);
-            mt_b = max(mt_b, logit_b);
         }
-        workgroup_reduce(&mt_a, &mt_b, true, tid);
+        let key = base + tid;
+        let valid = phys >= 0;
+        let keys_a = select(vec4<u32>(0u), in_a * seq_len, valid);
+        let keys_b = select(vec4<u32>(0u), in_b * seq_len, valid);
+        let x_a = logits4(s_a, heads_a, key, vec4<u32>(last), keys_a);
+        var x_b = ninf4;
+        if (wide) {
+            x_b = logits4(s_b, heads_b, key, vec4<u32>(last), keys_b);
+        }
 
-        // B: rescale what earlier tiles accumulated to the new max; weights, each thread summing its own.
-        let mn_a = max(m_a, mt_a);
-        let mn_b = max(m_b, mt_b);
-        let alpha_a = select(exp(m_a - mn_a), vec4<f32>(1.0), mn_a == ninf4);
-        let alpha_b = select(exp(m_b - mn_b), vec4<f32>(1.0), mn_b == ninf4);
-        m_a = mn_a;
-        m_b = mn_b;
-        l_a *= alpha_a;
-        l_b *= alpha_b;
-        acc0_a *= alpha_a;
-        acc0_b *= alpha_b;
-        acc1_a *= alpha_a;
-        acc1_b *= alpha_b;
-        for (var t = tid; t < len; t += WG) {
-            let x_a = load4(0u, t, group, P);
-            let p_a = select(exp(x_a - m_a), vec4<f32>(0.0), x_a == ninf4);
-            store4(0u, t, group, P, p_a);
-            l_a += p_a;
-            if (group > 4u) {
-                let x_b = load4(4u, t, group, P);
-                let p_b = select(exp(x_b - m_b), vec4<f32>(0.0), x_b == ninf4);
-                store4(4u, t, group, P, p_b);
-                l_b += p_b;
-            }
+        // S: the tile's max per head, the rescale, this token's weights.
+        var t_a = x_a;
+        var t_b = x_b;
+        workgroup_reduce(&t_a, &t_b, true, tid);
+        let n_a = max(m_a, t_a);
+        let n_b = max(m_b, t_b);
+        // exp(-inf - -inf) would be NaN: a head with no visible key so far keeps weight 0.
+        let alpha_a = select(exp(m_a - n_a), vec4<f32>(1.0), n_a == ninf4);
+        let alpha_b = select(exp(m_b - n_b), vec4<f32>(1.0), n_b == ninf4);
+        let p_a = select(exp(x_a - n_a), vec4<f32>(0.0), x_a == ninf4);
+        let p_b = select(exp(x_b - n_b), vec4<f32>(0.0), x_b == ninf4);
+        m_a = n_a;
+        m_b = n_b;
+        l_a = l_a * alpha_a + p_a;
+        l_b = l_b * alpha_b + p_b;
+        for (var i = 0u; i < 4u; i++) {
+            acc_a[i] *= alpha_a;
+            acc_b[i] *= alpha_b;
+        }
+        for (var g = 0u; g < 4u; g++) {
+            s_w[(tid >> 2u) * MAX_GROUP + g][tid & 3u] = p_a[g];
+            s_w[(tid >> 2u) * MAX_GROUP + 4u + g][tid & 3u] = p_b[g];
+        }
+        if (tid < next_blocks) {
+            s_phys[nxt + tid] = next_phys;
         }
         workgroupBarrier();
 
-        // C: weighted values of head dims d0 and d0 + 1, four tokens at a time (tiles start on a block, and
-        // blocks hold a multiple of 4 tokens, so four tokens never straddle two blocks).
-        if (d0 < hs) {
-            for (var t0 = 0u; t0 < len; t0 += 4u) {
-                let phys = s_phys[t0 / bs];
-                if (phys < 0) {
+        // V: weighted values.
+        if (!dims_contiguous) {
+            // vLLM's layout: a head dim's bs tokens of one block are contiguous, CHUNK_TOKENS a chunk.
+            for (var slot = 0u; slot < 2u; slot++) {
+                let d = tid + slot * WG;
+                if (d >= hs) {
                     continue;
                 }
-                let n = min(4u, len - t0);
-                let v0 = value_offset(kv_head, t0 % bs, d0);
-                var va: vec4<f32>;   // dims d0 and d0 + 1 of the four tokens
-                var vb: vec4<f32>;
-                if (pc.v_token_stride == 1u) {   // vLLM's layout: a quad is four tokens of one dim
-                    va = first(kv_quad(value_load(u32(phys), v0 >> 2u)), n);
-                    vb = first(kv_quad(value_load(u32(phys), (v0 + pc.v_dim_stride) >> 2u)), n);
-                } else {                         // nhd: a quad is four dims of one token
-                    let ts = pc.v_token_stride;
-                    let x0 = value_pair(u32(phys), v0);
-                    var x1 = vec2<f32>(0.0);
-                    var x2 = vec2<f32>(0.0);
-                    var x3 = vec2<f32>(0.0);
-                    if (n > 1u) {
-                        x1 = value_pair(u32(phys), v0 + ts);
+                let row_d = value_offset(kv_head, 0u, d);
+                if (bs % CHUNK_TOKENS == 0u) {
+                    for (var n0 = 0u; n0 < vchunks; n0 += V_BATCH) {
+                        let prefetched = slot == 0u && n0 < V_PREFETCH;
+                        if (!prefetched) {
+                            for (var k = 0u; k < V_BATCH; k++) {
+                                let t0 = (n0 + k) * CHUNK_TOKENS;
+                                let ph = tile_block(cur, t0, select(0u, len, n0 + k < vchunks), bs_log2);
+                                w[K_BATCH + k] = value_or_zero(ph, (row_d + (t0 & bs_mask)) / CHUNK_TOKENS);
+                            }
+                        }
+                        for (var k = 0u; k < V_BATCH; k++) {
+                            for (var i = 0u; i < CQ; i++) {
+                                let t0 = (n0 + k) * CHUNK_TOKENS + 4u * i;
+                                if (t0 < len) {
+                                    let v = first(chunk_quad(w[K_BATCH + k], i), len - t0);
+                                    acc_a[slot] += v * weights(t0 >> 2u, 0u);
+                                    if (wide) {
+                                        acc_b[slot] += v * weights(t0 >> 2u, 1u);
+                                    }
+                                }
+                            }
+                        }
                     }
-                    if (n > 2u) {
-                        x2 = value_pair(u32(phys), v0 + 2u * ts);
+                } else {            // rows shorter than a chunk (fp8 with 8-token blocks): quad by quad
+                    for (var t0 = 0u; t0 < len; t0 += 4u) {
+                        let ph = s_phys[cur + (t0 >> bs_log2)];
+                        if (ph < 0) {
+                            continue;
+                        }
+                        let q = (row_d + (t0 & bs_mask)) >> 2u;
+                        let v = first(chunk_quad(value_load(u32(ph), q / CQ), q % CQ), len - t0);
+                        acc_a[slot] += v * weights(t0 >> 2u, 0u);
+                        if (wide) {
+                            acc_b[slot] += v * weights(t0 >> 2u, 1u);
+                        }
                     }
-                    if (n > 3u) {
-                        x3 = value_pair(u32(phys), v0 + 3u * ts);
-                    }
-                    va = vec4<f32>(x0.x, x1.x, x2.x, x3.x);
-                    vb = vec4<f32>(x0.y, x1.y, x2.y, x3.y);
                 }
-                let w_a = weights4(0u, t0, n, group, P);
-                acc0_a += va * w_a;
-                acc1_a += vb * w_a;
-                if (group > 4u) {
-                    let w_b = weights4(4u, t0, n, group, P);
-                    acc0_b += va * w_b;
-                    acc1_b += vb * w_b;
+            }
+        } else if (lane < lanes) {
+            // nhd: four head dims of one token are one quad; this thread takes every lanes-th token.
+            for (var t0 = lane; t0 < len; t0 += V_BATCH * lanes) {
+                for (var k = 0u; k < V_BATCH; k++) {
+                    let tk = t0 + k * lanes;
+                    let ph = tile_block(cur, tk, len, bs_log2);
+                    let q = value_offset(kv_head, tk & bs_mask, 4u * col) >> 2u;
+                    w[K_BATCH + k] = value_or_zero(ph, q / CQ);
+                }
+                for (var k = 0u; k < V_BATCH; k++) {
+                    let tk = t0 + k * lanes;
+                    if (tk >= len) {
+                        continue;
+                    }
+                    let q = value_offset(kv_head, tk & bs_mask, 4u * col) >> 2u;
+                    var v = vec4<f32>(0.0);
+                    if (s_phys[cur + (tk >> bs_log2)] >= 0) {
+                        v = chunk_quad(w[K_BATCH + k], q % CQ);
+                    }
+                    let wi = (tk >> 2u) * MAX_GROUP;
+                    let tj = tk & 3u;
+                    let pa = vec4<f32>(s_w[wi][tj], s_w[wi + 1u][tj], s_w[wi + 2u][tj], s_w[wi + 3u][tj]);
+                    for (var j = 0u; j < 4u; j++) {
+                        acc_a[j] += v[j] * pa;
+                    }
+                    if (wide) {
+                        let pb = vec4<f32>(s_w[wi + 4u][tj], s_w[wi + 5u][tj], s_w[wi + 6u][tj], s_w[wi + 7u][tj]);
+                        for (var j = 0u; j < 4u; j++) {
+                            acc_b[j] += v[j] * pb;
+                        }
+                    }
                 }
             }
         }
     }
     workgroup_reduce(&l_a, &l_b, false, tid);
+    workgroupBarrier();   // s_o's reduction scratch is read; the sums go there next
 
-    for (var g = 0u; g < group; g++) {
-        let head = head0 + g;
+    // Each head's sums meet in s_o ([lane][head][dim]; one lane in vLLM's layout), then are normalized
+    // and written two dims at a time.
+    let n_lanes = select(1u, lanes, dims_contiguous);
+    if (!dims_contiguous) {
+        for (var slot = 0u; slot < 2u; slot++) {
+            let d = tid + slot * WG;
+            if (d >= hs) {
+                continue;
+            }
+            for (var g = 0u; g < 4u; g++) {
+                s_o[g * hs + d] = acc_a[slot][g];
+                s_o[(g + 4u) * hs + d] = acc_b[slot][g];
+            }
+        }
+    } else if (lane < lanes) {
+        for (var j = 0u; j < 4u; j++) {
+            for (var g = 0u; g < 4u; g++) {
+                s_o[(lane * MAX_GROUP + g) * hs + 4u * col + j] = acc_a[j][g];
+                s_o[(lane * MAX_GROUP + g + 4u) * hs + 4u * col + j] = acc_b[j][g];
+            }
+        }
+    }
+    workgroupBarrier();
+    let half_hs = hs / 2u;
+    for (var i = tid; i < group * half_hs; i += WG) {
+        let g = i / half_hs;
+        let d0 = 2u * (i % half_hs);
+        var o = vec2<f32>(0.0);
+        for (var r = 0u; r < n_lanes; r++) {
+            o += vec2<f32>(s_o[(r * MAX_GROUP + g) * hs + d0], s_o[(r * MAX_GROUP + g) * hs + d0 + 1u]);
+        }
         let lo = g < 4u;
-        let j = g & 3u;
-        let l = select(l_b[j], l_a[j], lo);
-        let inv = select(0.0, 1.0 / l, l > 0.0);
-        let o = vec2<f32>(select(acc0_b[j], acc0_a[j], lo), select(acc1_b[j], acc1_a[j], lo)) * inv;
+        let l = select(l_b[g & 3u], l_a[g & 3u], lo);
+        let m = select(m_b[g & 3u], m_a[g & 3u], lo);
+        o *= select(0.0, 1.0 / l, l > 0.0);
+        let head = head0 + g;
         if (pc.num_partitions == 1u) {
             let pair = ((seq * pc.num_heads + head) * hs + d0) >> 1u;
-            if (d0 < hs && pair < arrayLength(&out)) {
+            if (pair < arrayLength(&out)) {
                 out[pair] = out_pair(o * pc.v_scale);
             }
         } else {
             let slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
             if (slot >= arrayLength(&partial_stats) || (slot + 1u) * hs > 2u * arrayLength(&partial_out)) {
-                break;
+                continue;
             }
-            if (d0 < hs) {
-                partial_out[(slot * hs + d0) >> 1u] = o;
-            }
-            if (tid == 0u) {
-                partial_stats[slot] = vec2<f32>(select(m_b[j], m_a[j], lo), l);
+            partial_out[(slot * hs + d0) >> 1u] = o;
+            if (d0 == 0u) {
+                partial_stats[slot] = vec2<f32>(m, l);
             }
         }
     }

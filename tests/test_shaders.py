@@ -100,10 +100,12 @@ def test_unknown_variant_is_named():
 
 
 def test_variant_keys_are_built_in_one_place():
-    # Head sizes with a module of their own get it on GLSL; any other runs the generic module.
+    # Head sizes with a module of their own get it in either language; any other runs the generic module.
     assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 128).name == "paged_decode.kv_f16.q_bf16.h128.glsl"
     assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 48).name == "paged_decode.kv_f16.q_bf16.glsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.q_f32.wgsl"
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.q_f32.h128.wgsl"
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, access="seg").name == "paged_decode.kv_e4m3.seg.q_f32.wgsl"
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).constants() == {"HEAD_SIZE": 128}
     key = abi.PAGED_PREFILL.key("wgsl", "bf16", "f16")
     assert key.includes() == {"kv_storage.wgsl": "kv_bf16.wgsl", "q_storage.wgsl": "q_f16.wgsl",
                               "kv_access.wgsl": "kv_bound.wgsl"}
@@ -238,3 +240,55 @@ def test_driver_compile_does_not_count_against_the_timeout():
     """
     result = run_python(code, PAGEDVK_TIMEOUT="0.05", MESA_SHADER_CACHE_DISABLE="true")
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+def loop_bound_exits(spv: bytes) -> int:
+    """Conditional branches on all(counter == ...) of a vec2 counter that starts at (u32::MAX, u32::MAX):
+    naga's bounding of every loop."""
+    words = struct.unpack(f"<{len(spv) // 4}I", spv)
+    u32_max, all_max, counters, loads, equal, tests, exits, i = set(), set(), set(), set(), set(), set(), 0, 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        w = words[i:i + count]
+        if op == 43 and count == 4 and w[3] == 0xFFFFFFFF:
+            u32_max.add(w[2])
+        elif op == 44 and count == 5 and {w[3], w[4]} <= u32_max:
+            all_max.add(w[2])
+        elif op == 59 and count == 5 and w[3] == 7 and w[4] in all_max:
+            counters.add(w[2])
+        elif op == 61 and w[3] in counters:
+            loads.add(w[2])
+        elif op == 170 and loads & {w[3], w[4]}:
+            equal.add(w[2])
+        elif op == 155 and w[3] in equal:
+            tests.add(w[2])
+        elif op == 250 and w[1] in tests:
+            exits += 1
+        i += count
+    return exits
+
+
+def test_wgsl_build_drops_loop_bounding(tmp_path):
+    # naga adds to every loop an exit on a counter, which keeps drivers from unrolling it (and from keeping
+    # a local array indexed in it in registers); the build removes those exits (the kernels run in the
+    # decode and prefill tests).
+    sys.path.insert(0, str(REPO))
+    try:
+        import build_shaders
+    finally:
+        sys.path.pop(0)
+    src = tmp_path / "loops.wgsl"
+    src.write_text("@group(0) @binding(0) var<storage, read_write> o: array<u32>;\n"
+                   "@compute @workgroup_size(1) fn main() {\n"
+                   "  var w: array<u32, 4>;\n"
+                   "  for (var k = 0u; k < 4u; k++) { w[k] = o[k]; }\n"
+                   "  var i = 0u; loop { if (i >= o[4]) { break; } o[5] += w[i & 3u]; i++; }\n}\n")
+    raw = tmp_path / "raw.spv"
+    build_shaders.run(build_shaders.naga_command(src, raw), "naga")
+    assert loop_bound_exits(raw.read_bytes()) == 2
+    build_shaders.compile_wgsl(src, tmp_path / "loops.spv", {})
+    build_shaders.validate(tmp_path / "loops.spv")
+    assert loop_bound_exits((tmp_path / "loops.spv").read_bytes()) == 0
+    for name in IDS:
+        if name.endswith(".wgsl"):
+            assert loop_bound_exits(kernels.module_path(name).read_bytes()) == 0, name

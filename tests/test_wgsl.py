@@ -62,12 +62,18 @@ def test_storage_files_stand_in_for_the_generic_includes():
     key = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg")
     names = [p.name for p in abi.source_files(SHADERS, key)]
     assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_bf16.wgsl", "attention_common.wgsl",
-                     "kv_segmented.wgsl"]
+                     "kv_chunk_segmented.wgsl"]
+    # The decode reads 16-byte chunks; prefill keeps its quads.
+    key = abi.PAGED_PREFILL.key("wgsl", "f16", "f16")
+    assert "kv_bound.wgsl" in [p.name for p in abi.source_files(SHADERS, key)]
+    assert [p.name for p in abi.source_files(SHADERS, abi.PAGED_DECODE.key("wgsl", "f16", "f16"))][-1] \
+        == "kv_chunk_bound.wgsl"
     for tag in abi.STORAGE_TYPES:
         text = (SHADERS / f"kv_{tag}.wgsl").read_text()
         assert re.search(r"^alias KvQuad = (vec4<u32>|vec2<u32>|u32);$", text, re.M), tag
         assert re.search(r"^const KV_CHUNK_QUADS: u32 = [124]u;$", text, re.M), tag
         assert "fn kv_quad(w: KvQuad) -> vec4<f32>" in text, tag
+        assert "fn chunk_quad(w: vec4<u32>, i: u32) -> vec4<f32>" in text, tag
     for tag in abi.QUERY_TYPES:
         text = (SHADERS / f"q_{tag}.wgsl").read_text()
         assert "fn q_quad(w: QQuad) -> vec4<f32>" in text and "fn out_pair(v: vec2<f32>) -> OutPair" in text, tag
