@@ -32,9 +32,8 @@ const MAX_GROUP: u32 = 8u;                      // query heads per workgroup: tw
 const TILE: u32 = WG;                           // tokens per tile: one key token per thread
 const CQ: u32 = KV_CHUNK_QUADS;                 // quads per 16-byte chunk
 const CHUNK_TOKENS: u32 = 4u * CQ;              // value tokens in one chunk of vLLM's layout
-const K_BATCH: u32 = 16u;                       // key chunks a thread loads before it uses any
-const V_BATCH: u32 = 16u;                       // value chunks likewise
-const V_PREFETCH: u32 = V_BATCH;                // value chunks loaded together with the keys
+const K_BATCH: u32 = 4u;                        // key chunks a thread loads before it uses any (see the GLSL)
+const V_BATCH: u32 = 4u;                        // value chunks likewise
 const TILE_BLOCKS: u32 = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
 const MAX_QUADS: u32 = MAX_HEAD_SIZE / 4u;
 
@@ -189,7 +188,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     var l_b = vec4<f32>(0.0);
     var acc_a: array<vec4<f32>, 4>;   // [dim slot] of heads 0-3 / 4-7 (zero-initialized)
     var acc_b: array<vec4<f32>, 4>;
-    var w: array<vec4<u32>, 32>;      // K_BATCH + V_PREFETCH chunks in flight
+    var w: array<vec4<u32>, 8>;       // K_BATCH key chunks, then V_BATCH value chunks in flight
 
     // Block ids are fetched a tile ahead into the other half of s_phys.
     var next_blocks = (min(TILE, end - min(start, end)) + bs_mask) >> bs_log2;
@@ -213,7 +212,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             next_phys = physical_block(row + (nbase >> bs_log2) + tid);
         }
 
-        // Loads first: token tid's key and the first V_PREFETCH chunks of head dim tid's values.
+        // Loads first: token tid's key, K_BATCH chunks at a time.
         let phys = tile_block(cur, tid, len, bs_log2);
         let t = tid & bs_mask;
         let kchunks = hq / CQ;             // whole chunks of a key
@@ -225,16 +224,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                 }
             }
         }
-        let prefetch = !dims_contiguous && bs % CHUNK_TOKENS == 0u && tid < hs;
-        let row_elem = value_offset(kv_head, 0u, tid);   // head dim tid's row in a block (vLLM's layout)
         let vchunks = (len + CHUNK_TOKENS - 1u) / CHUNK_TOKENS;
-        if (prefetch) {
-            for (var n = 0u; n < V_PREFETCH; n++) {
-                let t0 = n * CHUNK_TOKENS;
-                let ph = tile_block(cur, t0, select(0u, len, n < vchunks), bs_log2);
-                w[K_BATCH + n] = value_or_zero(ph, (row_elem + (t0 & bs_mask)) / CHUNK_TOKENS);
-            }
-        }
 
         // K: the logits of token tid of the tile.
         var s_a = vec4<f32>(0.0);
@@ -326,13 +316,10 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                 let row_d = value_offset(kv_head, 0u, d);
                 if (bs % CHUNK_TOKENS == 0u) {
                     for (var n0 = 0u; n0 < vchunks; n0 += V_BATCH) {
-                        let prefetched = slot == 0u && n0 < V_PREFETCH;
-                        if (!prefetched) {
-                            for (var k = 0u; k < V_BATCH; k++) {
-                                let t0 = (n0 + k) * CHUNK_TOKENS;
-                                let ph = tile_block(cur, t0, select(0u, len, n0 + k < vchunks), bs_log2);
-                                w[K_BATCH + k] = value_or_zero(ph, (row_d + (t0 & bs_mask)) / CHUNK_TOKENS);
-                            }
+                        for (var k = 0u; k < V_BATCH; k++) {
+                            let t0 = (n0 + k) * CHUNK_TOKENS;
+                            let ph = tile_block(cur, t0, select(0u, len, n0 + k < vchunks), bs_log2);
+                            w[K_BATCH + k] = value_or_zero(ph, (row_d + (t0 & bs_mask)) / CHUNK_TOKENS);
                         }
                         for (var k = 0u; k < V_BATCH; k++) {
                             for (var i = 0u; i < CQ; i++) {
