@@ -85,7 +85,7 @@ def plot(record: dict, path) -> bool:
         ax.set_xticks(x, panel["shapes"], rotation=45, ha="right")
         ax.set_title(dtype)
         ax.set_xlabel("batch x context (by KV bytes)")
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, 100)   # shared by every panel: set per panel, the first panel's data would clip the rest
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("% of the read kernel's bandwidth")
     axes[0].legend()
