@@ -21,6 +21,26 @@ def test_devices_describe_each_device():
         assert info.device_local_bytes > 0 and info.api_version.startswith("1.")
         for flag in ("fp16", "storage16", "storage8", "bf16", "cooperative_matrix"):
             assert isinstance(getattr(info, flag), bool)
+        assert isinstance(info.compute_units, int) and info.compute_units >= 0
+
+
+def test_compute_units_reported_or_estimated():
+    from pagedvk.decode import UNITS_ESTIMATE, compute_units
+    info = pagedvk.devices()[0]
+    units = compute_units(info)
+    assert units == (info.compute_units or (os.cpu_count() if info.type == "cpu" else UNITS_ESTIMATE[info.type]))
+    assert units >= 1
+
+
+def test_dedicated_allocations_hold_data(rng, monkeypatch):
+    # Buffers past DEDICATED_MIN_BYTES get an allocation of their own (the allocation-history probe's
+    # switch); the data goes in and out the same.
+    from pagedvk.runtime import memory
+    monkeypatch.setattr(memory, "DEDICATED_MIN_BYTES", 1 << 12)
+    host = rng.standard_normal((64, 1024)).astype(np.float32)
+    a = pagedvk.asarray(host)
+    np.testing.assert_array_equal(a.numpy(), host)
+    a.close()
 
 
 def test_select_by_index_and_name(monkeypatch):
