@@ -136,13 +136,34 @@ def test_build_without_naga_or_node_says_what_to_install(tmp_path):
     assert "WGSL needs naga" in result.stderr and "Node.js" in result.stderr and "npm ci" in result.stderr
 
 
-def test_build_reports_compile_errors(tmp_path, monkeypatch):
-    # A broken shader fails the build with the compiler's message and leaves no module behind.
+def build_script():
+    """The repository's build_shaders.py as a module (it is a script, not part of the package)."""
     sys.path.insert(0, str(REPO))
     try:
         import build_shaders
     finally:
         sys.path.pop(0)
+    return build_shaders
+
+
+def naga_and_build(tmp_path, source: str) -> tuple:
+    """(naga's own SPIR-V, the build's) for a WGSL source, the build's also through spirv-val."""
+    build_shaders = build_script()
+    src, raw, built = tmp_path / "m.wgsl", tmp_path / "raw.spv", tmp_path / "built.spv"
+    src.write_text(source)
+    build_shaders.run(build_shaders.naga_command(src, raw), "naga")
+    build_shaders.compile_wgsl(src, built, {})
+    build_shaders.validate(built)
+    return raw.read_bytes(), built.read_bytes()
+
+
+def installed_wgsl_modules():
+    return [kernels.module_path(name).read_bytes() for name in IDS if name.endswith(".wgsl")]
+
+
+def test_build_reports_compile_errors(tmp_path, monkeypatch):
+    # A broken shader fails the build with the compiler's message and leaves no module behind.
+    build_shaders = build_script()
     bad = tmp_path / "broken.comp"
     bad.write_text("#version 450\nvoid main() { undefined_name = 1; }\n")
     with pytest.raises(build_shaders.BuildError, match="undefined_name"):
@@ -163,11 +184,7 @@ def test_push_constant_packing():
 
 
 def test_wgsl_includes_are_pasted_and_tracked(tmp_path):
-    sys.path.insert(0, str(REPO))
-    try:
-        import build_shaders
-    finally:
-        sys.path.pop(0)
+    build_shaders = build_script()
     (tmp_path / "common.wgsl").write_text("fn twice(x: u32) -> u32 { return 2u * x; }\n")
     module = tmp_path / "m.wgsl"
     module.write_text("// a module\n//!include common.wgsl\nfn f() -> u32 { return twice(1u); }\n")
@@ -198,26 +215,15 @@ def workgroup_null_stores(spv: bytes) -> int:
 def test_wgsl_build_drops_workgroup_zeroing_only(tmp_path):
     # naga zeroes workgroup memory at entry, which lavapipe took a minute to compile for paged_decode;
     # the build drops that, and keeps a zeroing the source writes itself (after a barrier).
-    sys.path.insert(0, str(REPO))
-    try:
-        import build_shaders
-    finally:
-        sys.path.pop(0)
-    src = tmp_path / "zero.wgsl"
-    src.write_text("var<workgroup> a: array<f32, 64>;\nvar<workgroup> b: array<f32, 64>;\n"
-                   "@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n"
-                   "@compute @workgroup_size(64) fn main(@builtin(local_invocation_id) l: vec3<u32>) {\n"
-                   "  a[l.x] = o[l.x]; workgroupBarrier(); b = array<f32, 64>(); workgroupBarrier();\n"
-                   "  o[l.x] = a[63u - l.x] + b[l.x];\n}\n")
-    raw = tmp_path / "raw.spv"
-    build_shaders.run(build_shaders.naga_command(src, raw), "naga")
-    assert workgroup_null_stores(raw.read_bytes()) == 3   # a and b zeroed at entry, b by the source
-    build_shaders.compile_wgsl(src, tmp_path / "zero.spv", {})
-    build_shaders.validate(tmp_path / "zero.spv")
-    assert workgroup_null_stores((tmp_path / "zero.spv").read_bytes()) == 1
-    for name in IDS:
-        if name.endswith(".wgsl"):
-            assert workgroup_null_stores(kernels.module_path(name).read_bytes()) == 0, name
+    raw, built = naga_and_build(tmp_path, (
+        "var<workgroup> a: array<f32, 64>;\nvar<workgroup> b: array<f32, 64>;\n"
+        "@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n"
+        "@compute @workgroup_size(64) fn main(@builtin(local_invocation_id) l: vec3<u32>) {\n"
+        "  a[l.x] = o[l.x]; workgroupBarrier(); b = array<f32, 64>(); workgroupBarrier();\n"
+        "  o[l.x] = a[63u - l.x] + b[l.x];\n}\n"))
+    assert workgroup_null_stores(raw) == 3   # a and b zeroed at entry, b by the source
+    assert workgroup_null_stores(built) == 1
+    assert all(workgroup_null_stores(m) == 0 for m in installed_wgsl_modules())
 
 
 def test_driver_compile_does_not_count_against_the_timeout():
@@ -272,23 +278,12 @@ def test_wgsl_build_drops_loop_bounding(tmp_path):
     # naga adds to every loop an exit on a counter, which keeps drivers from unrolling it (and from keeping
     # a local array indexed in it in registers); the build removes those exits (the kernels run in the
     # decode and prefill tests).
-    sys.path.insert(0, str(REPO))
-    try:
-        import build_shaders
-    finally:
-        sys.path.pop(0)
-    src = tmp_path / "loops.wgsl"
-    src.write_text("@group(0) @binding(0) var<storage, read_write> o: array<u32>;\n"
-                   "@compute @workgroup_size(1) fn main() {\n"
-                   "  var w: array<u32, 4>;\n"
-                   "  for (var k = 0u; k < 4u; k++) { w[k] = o[k]; }\n"
-                   "  var i = 0u; loop { if (i >= o[4]) { break; } o[5] += w[i & 3u]; i++; }\n}\n")
-    raw = tmp_path / "raw.spv"
-    build_shaders.run(build_shaders.naga_command(src, raw), "naga")
-    assert loop_bound_exits(raw.read_bytes()) == 2
-    build_shaders.compile_wgsl(src, tmp_path / "loops.spv", {})
-    build_shaders.validate(tmp_path / "loops.spv")
-    assert loop_bound_exits((tmp_path / "loops.spv").read_bytes()) == 0
-    for name in IDS:
-        if name.endswith(".wgsl"):
-            assert loop_bound_exits(kernels.module_path(name).read_bytes()) == 0, name
+    raw, built = naga_and_build(tmp_path, (
+        "@group(0) @binding(0) var<storage, read_write> o: array<u32>;\n"
+        "@compute @workgroup_size(1) fn main() {\n"
+        "  var w: array<u32, 4>;\n"
+        "  for (var k = 0u; k < 4u; k++) { w[k] = o[k]; }\n"
+        "  var i = 0u; loop { if (i >= o[4]) { break; } o[5] += w[i & 3u]; i++; }\n}\n"))
+    assert loop_bound_exits(raw) == 2
+    assert loop_bound_exits(built) == 0
+    assert all(loop_bound_exits(m) == 0 for m in installed_wgsl_modules())
