@@ -137,14 +137,12 @@ def read_bandwidth(device=None, nbytes: int = 1 << 30, iters: int = 20, progress
     step = (pipeline, (src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=nbytes // 16),
             (threads // 256, 1, 1))
     launch = Launch(device, [step] * iters, timestamps=1)   # back to back, a timestamp after each
-    bar = Progress(3, "read bandwidth", progress)
+    bar = Progress(2, "read bandwidth", progress)
     try:
         warm_up(launch)
         times = []
-        for i in range(3):
-            t = launch.submit()
-            if i:   # the first submission warms up
-                times.extend(t)
+        for _ in range(2):
+            times.extend(launch.submit())
             bar.step()
     finally:
         launch.close()
@@ -209,10 +207,11 @@ class DecodeInputs:
 def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 50, warmup: int = 1,
                 repeats: int = 3, progress: bool = False, partition_size: int | None = None) -> dict:
     """Check one plan's result against float64, then time it: `iters` runs back to back in one submission,
-    rotating over the inputs' caches, submitted warmup + repeats times; the figures are over the repeats' runs."""
+    rotating over the inputs' caches, warmed up (`warm_up`: at least `warmup` submissions) and then submitted
+    `repeats` times; the figures are over the repeats' runs."""
     shape, device = inputs.shape, inputs.device
     query, out = inputs.query, inputs.out
-    bar = Progress(warmup + repeats, "decode", progress)
+    bar = Progress(repeats, "decode", progress)
     plan = DecodePlan(inputs.block_tables, inputs.seq_lens, num_heads=shape.num_heads,
                       num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=shape.block_size,
                       num_blocks=inputs.num_blocks, dtype=inputs.dtype, query_dtype=inputs.query_dtype,
@@ -237,10 +236,8 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
         try:
             warm_up(launch, warmup)
             times = []
-            for i in range(warmup + repeats):
-                t = launch.submit()
-                if i >= warmup:
-                    times.extend(t)
+            for _ in range(repeats):
+                times.extend(launch.submit())
                 bar.step()
         finally:
             launch.close()
