@@ -89,6 +89,11 @@ void workgroup_reduce(inout vec4 a, inout vec4 b, bool is_max) {
     }
 }
 
+// Blocks of the tile that starts at token `base` of a partition ending at `end` (0 past the end).
+uint tile_blocks(uint base, uint end, uint bs_log2) {
+    return base < end ? (min(TILE, end - base) + (1u << bs_log2) - 1u) >> bs_log2 : 0u;
+}
+
 // A block-table entry, -1 where it is not a block of the caches.
 int physical_block(uint i) {
     const int b = block_tables[i];
@@ -164,7 +169,7 @@ void main() {
     for (uint i = 0u; i < 4u; i++) { acc_a[i] = vec4(0.0); acc_b[i] = vec4(0.0); }
 
     // Block ids are fetched a tile ahead into the other half of s_phys.
-    uint next_blocks = min(TILE, end - min(start, end)) + bs_mask >> bs_log2;
+    uint next_blocks = tile_blocks(start, end, bs_log2);
     if (tid < next_blocks) s_phys[tid] = physical_block(row + (start >> bs_log2) + tid);
     barrier();
     uint tile = 0u;
@@ -172,7 +177,7 @@ void main() {
         const uint len = min(TILE, end - base);
         const uint cur = (tile & 1u) * TILE_BLOCKS, nxt = TILE_BLOCKS - cur;
         const uint nbase = base + TILE;
-        next_blocks = nbase < end ? (min(TILE, end - nbase) + bs_mask) >> bs_log2 : 0u;
+        next_blocks = tile_blocks(nbase, end, bs_log2);
         const int next_phys = tid < next_blocks ? physical_block(row + (nbase >> bs_log2) + tid) : -1;
 
         // Loads first: token tid's key, K_BATCH chunks at a time.

@@ -84,6 +84,14 @@ fn workgroup_reduce(a: ptr<function, vec4<f32>>, b: ptr<function, vec4<f32>>, is
     *b = rb;
 }
 
+// Blocks of the tile that starts at token `base` of a partition ending at `end` (0 past the end).
+fn tile_blocks(base: u32, end: u32, bs_log2: u32) -> u32 {
+    if (base >= end) {
+        return 0u;
+    }
+    return (min(TILE, end - base) + (1u << bs_log2) - 1u) >> bs_log2;
+}
+
 // A block-table entry, -1 where it is not a block of the caches.
 fn physical_block(i: u32) -> i32 {
     let b = block_tables[i];
@@ -191,7 +199,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     var w: array<vec4<u32>, 8>;       // K_BATCH key chunks, then V_BATCH value chunks in flight
 
     // Block ids are fetched a tile ahead into the other half of s_phys.
-    var next_blocks = (min(TILE, end - min(start, end)) + bs_mask) >> bs_log2;
+    var next_blocks = tile_blocks(start, end, bs_log2);
     if (tid < next_blocks) {
         s_phys[tid] = physical_block(row + (start >> bs_log2) + tid);
     }
@@ -203,10 +211,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         let nxt = TILE_BLOCKS - cur;
         tile++;
         let nbase = base + TILE;
-        next_blocks = 0u;
-        if (nbase < end) {
-            next_blocks = (min(TILE, end - nbase) + bs_mask) >> bs_log2;
-        }
+        next_blocks = tile_blocks(nbase, end, bs_log2);
         var next_phys = -1;
         if (tid < next_blocks) {
             next_phys = physical_block(row + (nbase >> bs_log2) + tid);
