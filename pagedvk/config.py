@@ -52,6 +52,31 @@ def compile_timeout_ns() -> int:
     return _seconds_ns("PAGEDVK_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S)
 
 
+DEFAULT_SPIN_US = 1000.0   # GPUs; CPU devices (lavapipe) default to 0: a spinning thread takes a core from the kernel
+MAX_SPIN_US = 1e6
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_spin_ns(text: str | None, default_us: float) -> int:
+    if not text:
+        return int(default_us * 1e3)
+    try:
+        us = float(text)
+    except ValueError:
+        us = math.nan
+    if not (math.isfinite(us) and 0 <= us <= MAX_SPIN_US):
+        raise ValueError(f"PAGEDVK_SPIN_US must be a number of microseconds in [0, {MAX_SPIN_US:g}], got {text!r}")
+    return int(us * 1e3)
+
+
+def spin_ns(cpu_device: bool) -> int:
+    """PAGEDVK_SPIN_US (microseconds; default 1000 on GPUs, 0 on CPU devices) in nanoseconds: how long a wait
+    polls its fence before it sleeps in the driver. A driver's blocking wait wakes the thread tens of
+    microseconds after the GPU finished (NVIDIA, measured: BENCHMARKS.md, host time); polling sees it at once,
+    at the price of a busy core while the GPU works, as CUDA's default spin-then-block scheduling does."""
+    return _parse_spin_ns(_get("PAGEDVK_SPIN_US"), 0.0 if cpu_device else DEFAULT_SPIN_US)
+
+
 def backend(argument: str | None = None) -> str:
     """The kernel language: the `backend` argument if given, else PAGEDVK_BACKEND, else glsl (any case)."""
     source, text = ("backend", argument) if argument is not None else ("PAGEDVK_BACKEND", _get("PAGEDVK_BACKEND"))

@@ -482,3 +482,33 @@ def test_lengths_that_outgrow_the_plan_are_covered(rng, device):
         lens.write(case.seq_lens)
         out = plan.run(case.query, case.key_cache, case.value_cache)
     assert rel_error(out, case.reference()) <= 1e-5
+
+
+def test_spinning_wait_sees_the_result_and_still_times_out(rng, warm, monkeypatch):
+    # PAGEDVK_SPIN_US: waits poll the fence first. The result is the same, the polling really runs, and a
+    # PAGEDVK_TIMEOUT shorter than the spin still ends the wait with GPUTimeoutError.
+    real, polls = commands.get_fence_status, []
+
+    def counting(*args):
+        polls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(commands, "get_fence_status", counting)
+    monkeypatch.setenv("PAGEDVK_SPIN_US", "100000")
+    case = Case(rng, num_seqs=2, head_size=32, max_len=40)
+    out = pagedvk.paged_attention(*case.args())
+    np.testing.assert_allclose(out, case.reference(), rtol=1e-5, atol=1e-5)
+    assert polls
+    device = warm
+    case = long_case(rng, device)
+    q, k, v, bt, sl = (pagedvk.asarray(a) for a in case.args())
+    out = pagedvk.empty(case.query.shape)
+    with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=8, validate=False) as plan:
+        expected = plan.run(q, k, v, out).numpy()
+        monkeypatch.setenv("PAGEDVK_TIMEOUT", "1e-9")
+        with pytest.raises(GPUTimeoutError):
+            plan.run(q, k, v, out)
+        monkeypatch.delenv("PAGEDVK_TIMEOUT")
+        np.testing.assert_array_equal(plan.run(q, k, v, out).numpy(), expected)
+    close_all(q, k, v, bt, sl, out)
+    release_cached_plans()
