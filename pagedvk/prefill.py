@@ -88,9 +88,9 @@ class _Problem:
             raise TypeError(f"causal must be a bool, not {type(causal).__name__}")
         checks.kind("query", query)
         self.ragged = len(query.shape) == 3
-        if not self.ragged:
-            checks.ndim("query", query, 4, "[num_tokens, num_heads, head_size] (with query_start_loc) or "
-                        "[num_seqs, num_heads, q_len, head_size]")
+        if len(query.shape) not in (3, 4):
+            raise ValueError(f"query must have 3 dimensions [num_tokens, num_heads, head_size] (with query_start_loc) "
+                             f"or 4 [num_seqs, num_heads, q_len, head_size], got shape {tuple(query.shape)}")
         self.query_type = storage_type("query", query, QUERY_TYPES)
         spec = self.spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype, cache_types)
         self.num_heads, self.head_size = query.shape[1], query.shape[-1]

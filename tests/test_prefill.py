@@ -310,7 +310,8 @@ def test_rejects_num_heads_not_a_multiple_of_kv_heads(rng):
 
 
 @pytest.mark.parametrize("name,value,match", [
-    ("query", lambda c: c.query[0, 0], r"query must have 4 dimensions"),
+    ("query", lambda c: c.query[0, 0], r"query must have 3 dimensions \[num_tokens, num_heads, head_size\] \(with "
+                                       r"query_start_loc\) or 4 \[num_seqs, num_heads, q_len, head_size\], got"),
     ("query", lambda c: c.query[..., :32].copy(), r"query.shape\[3\] \(head_size, from the caches\) must be 64"),
     ("query", lambda c: c.query[:2].copy(), r"block_tables.shape\[0\] \(num_seqs, from query\) must be 2"),
     ("query", lambda c: c.query[:, :, :0].copy(), r"query.shape\[2\] \(q_len\) must be at least 1"),
