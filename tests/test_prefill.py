@@ -195,6 +195,13 @@ def test_ragged_gqa_groups_and_causal(rng, backend, num_heads, num_kv_heads, cau
                       causal=causal, block_size=8), backend)
 
 
+def test_work_tiles_cover_each_sequence_and_skip_empty_ones():
+    # 3 queries x group 4 = 12 rows: tiles at rows 0 and 8; no queries: no tile; 1 query: one tile.
+    tiles = pagedvk.prefill.work_tiles(np.array([0, 3, 3, 4], np.int32), group=4, rows_per_tile=8)
+    assert tiles.dtype == np.int32 and tiles.tolist() == [[0, 0], [0, 8], [2, 0]]
+    assert pagedvk.prefill.work_tiles(np.array([0, 0], np.int32), 4, 8).shape == (0, 2)
+
+
 def test_ragged_batch_equals_its_parts_run_alone(rng, backend):
     # Each sequence's rows are tiled from the sequence's own first row, so running it alone does the same sums.
     case = PrefillCase(rng, q_lens=[4, 1, 0, 9], layout="vllm")
