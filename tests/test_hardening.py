@@ -393,12 +393,15 @@ def test_closed_device_is_refused_everywhere(rng):
 
 
 @pytest.mark.parametrize("backend", ["glsl", "wgsl"])
-def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, device, backend):
+@pytest.mark.parametrize("ragged", [False, True], ids=["fixed_q_len", "ragged"])
+def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, device, backend, ragged):
     # The same bad device-resident tables (validate=False) through the prefill forward and backward: the
     # kernels treat bad blocks as empty and clamp lengths, so valid sequences stay right, the caches and
-    # the neighbouring sentinels are untouched, and nothing is written outside the gradient caches.
+    # the neighbouring sentinels are untouched, and nothing is written outside the gradient caches. The
+    # ragged batch gives the bad sequences 1, 5 and 4 queries (sequence 5's 4 past its clamped length).
     from test_prefill import PrefillCase
-    case = PrefillCase(rng, q_len=3, layout="vllm", seq_lens=[40, 17, 64, 33, 20, 50], num_heads=4,
+    shape = dict(q_lens=[3, 1, 0, 5, 2, 4]) if ragged else dict(q_len=3)
+    case = PrefillCase(rng, **shape, layout="vllm", seq_lens=[40, 17, 64, 33, 20, 50], num_heads=4,
                        num_kv_heads=2, head_size=32)
     num_blocks = case.key_cache.shape[0]
     (k, v), guards = fenced(device, case.key_cache, case.value_cache)
@@ -407,14 +410,16 @@ def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, devic
     bad_bt[1, 0], bad_bt[3, :], bad_sl[5] = num_blocks, -(2**31), 2**31 - 1
     bt, sl = pagedvk.asarray(bad_bt), pagedvk.asarray(bad_sl)
     opts = dict(layout="vllm", backend=backend, validate=False)
-    out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, sl, **opts)
+    loc = [pagedvk.asarray(case.query_start_loc)] if ragged else []
+    out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, sl, *loc, **opts)
     ref_out, ref_lse = case.reference()
-    valid = [0, 2, 4]
+    valid = (np.concatenate([np.arange(*case.query_start_loc[s:s + 2]) for s in (0, 2, 4)]) if ragged
+             else [0, 2, 4])
     got = out.numpy()
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got[valid], ref_out[valid], rtol=1e-5, atol=1e-5)
     dout = pagedvk.asarray(rng.standard_normal(case.query.shape).astype(np.float32))
-    dq, dk, dv = pagedvk.paged_attention_backward(dout, q, k, v, bt, sl, out, lse, **opts)
+    dq, dk, dv = pagedvk.paged_attention_backward(dout, q, k, v, bt, sl, out, lse, *loc, **opts)
     assert np.isfinite(dq.numpy()).all() and np.isfinite(dk.numpy()).all() and np.isfinite(dv.numpy()).all()
     ref_dq = pagedvk.reference.paged_attention_backward(dout.numpy(), *case.args(), **case.options())[0]
     np.testing.assert_allclose(dq.numpy()[valid], ref_dq[valid], rtol=1e-4, atol=1e-5)
@@ -422,7 +427,7 @@ def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, devic
     np.testing.assert_array_equal(v.numpy(), case.value_cache)
     assert_untouched(*guards)
     assert device.lost is None
-    close_all(k, v, q, bt, sl, out, lse, dout, dq, dk, dv, *guards)
+    close_all(k, v, q, bt, sl, out, lse, dout, dq, dk, dv, *loc, *guards)
 
 
 # -- issue 7 points 3 and 4: grids past the device's limits, lengths that outgrow a plan -----------------------
