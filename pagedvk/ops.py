@@ -25,8 +25,6 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
           blocksparse_vert_stride, **plan_options) -> DecodePlan:
     """Check vLLM's arguments (block-sparse ones are ignored unless blocksparse_vert_stride > 1, as vLLM
     does) and make the plan that runs them."""
-    if alibi_slopes is not None:
-        raise _unsupported("ALiBi", "alibi_slopes")
     # As in vLLM, tp_rank and the other blocksparse_* arguments matter only for block-sparse attention.
     if blocksparse_vert_stride > 1:
         raise _unsupported("block-sparse attention", "blocksparse_vert_stride > 1")
@@ -46,8 +44,9 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
     query_type = storage_type("query", query, QUERY_TYPES)
     return DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
                                  kv_cache_dtype=kv_cache_dtype, query_dtype=query_type.dtype, scale=scale,
-                                 k_scale=k_scale, v_scale=v_scale,
-                                 device=device_of(query, key_cache, value_cache, block_tables, seq_lens, out),
+                                 k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                                 device=device_of(query, key_cache, value_cache, block_tables, seq_lens, out,
+                                                  alibi_slopes),
                                  **plan_options)
 
 
@@ -55,7 +54,8 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
                        block_size, max_seq_len, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0,
                        v_scale=1.0, tp_rank=0, blocksparse_local_blocks=0, blocksparse_vert_stride=0,
                        blocksparse_block_size=64, blocksparse_head_sliding_step=0):
-    """vLLM's ``paged_attention_v1``: writes softmax(scale q k^T) v into ``out`` and returns it.
+    """vLLM's ``paged_attention_v1``: writes softmax(scale q k^T) v into ``out`` and returns it; alibi_slopes
+    (float32 [num_heads], or None) adds vLLM's ALiBi bias slope * (key position - query position).
 
     Shapes as ``pagedvk.paged_attention`` in vLLM's cache layout; fp8 caches as uint8 with kv_cache_dtype
     "fp8" / "fp8_e4m3" / "fp8_e5m2" and k_scale / v_scale. ``num_kv_heads`` and ``block_size`` must agree

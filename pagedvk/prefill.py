@@ -17,6 +17,7 @@ from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, s
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.pipeline import fold_grid
+from .variants import Variants
 
 FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
 DQ_ROWS = 8              # and of paged_backward_dq
@@ -69,7 +70,8 @@ class _Problem:
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=block_tables.shape[1], num_blocks=self.num_blocks,
             num_seqs=self.num_seqs, q_len=self.q_len, causal=int(self.causal), scale=self.scale * k_scale,
-            v_scale=v_scale, group_size=1, partition_size=0, num_partitions=1, **spec.strides())
+            v_scale=v_scale, group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0,
+            **spec.strides())
 
     def key(self, kernel, access: str = ""):
         return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, access=access)
@@ -148,7 +150,9 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
 def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array,
                             *, scale: float | None = None, causal: bool = True, layout: str = "nhd",
                             kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
-                            backend: str | None = None, validate: bool = True) -> tuple[Array, Array]:
+                            backend: str | None = None, validate: bool = True, alibi_slopes: Array | None = None,
+                            logits_soft_cap: float | None = None, sinks: Array | None = None,
+                            window_left: int = -1) -> tuple[Array, Array]:
     """Attention of each sequence's last q_len tokens over its paged KV cache.
 
     query        float32, float16 or bfloat16 [num_seqs, num_heads, q_len, head_size]; query i of sequence s
@@ -162,8 +166,10 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                  (zeros out, lse -inf)
     scale        softmax scale, default 1 / sqrt(head_size); accumulation is float32
     Returns (out [num_seqs, num_heads, q_len, head_size] in the query's dtype, lse float32 [num_seqs,
-    num_heads, q_len]), lse the natural-log sum of exp(scale q.k) over the keys seen: numpy for a numpy
-    query, DeviceArrays for a DeviceArray query.
+    num_heads, q_len]), lse the natural-log sum of exp(logit) over the keys seen and the sink: numpy for a
+    numpy query, DeviceArrays for a DeviceArray query.
+    alibi_slopes float32 [num_heads], logits_soft_cap, sinks float32 [num_heads], window_left: the attention
+                 variants (pagedvk.variants); the window counts back from each query's own position
     validate=False skips the checks of the tables' values (as DecodePlan's): the kernels bound every
     index themselves, so bad values give wrong rows for their sequences, never an access outside a buffer.
 
@@ -171,16 +177,23 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
     """
     p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate,
                  kv_cache_dtype, k_scale, v_scale)
-    return _run(p, [(PAGED_PREFILL, p.grid(FORWARD_ROWS))],
-                dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                     seq_lens=seq_lens),
-                dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:3]), np.float32)))
+    variants = Variants(p.num_heads, p.device, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                        sinks=sinks, window_left=window_left)
+    try:
+        p.push_fields.update(variants.push())
+        return _run(p, [(PAGED_PREFILL, p.grid(FORWARD_ROWS))],
+                    dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                         seq_lens=seq_lens, **variants.arrays),
+                    dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:3]), np.float32)))
+    finally:
+        variants.close()
 
 
 def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_cache: Array, block_tables: Array,
                              seq_lens: Array, out: Array, lse: Array, *, scale: float | None = None,
                              causal: bool = True, layout: str = "nhd", backend: str | None = None,
-                             validate: bool = True) -> tuple[Array, Array, Array]:
+                             validate: bool = True, alibi_slopes=None, logits_soft_cap=None, sinks=None,
+                             window_left: int = -1) -> tuple[Array, Array, Array]:
     """Gradients of paged_attention_prefill: (dq, dk_cache, dv_cache) for the upstream gradient dout.
 
     query, dout, out  float32, float16 or bfloat16, one dtype, [num_seqs, num_heads, q_len, head_size]
@@ -192,8 +205,16 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
     are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a DeviceArray query
     gives DeviceArrays. validate as for paged_attention_prefill.
 
+    The attention variants are not supported here yet: alibi_slopes, logits_soft_cap, sinks and window_left
+    are accepted, so a forward's arguments can be passed on, and refused unless off.
+
     >>> dq, dk, dv = pagedvk.paged_attention_backward(dout, q, key_cache, value_cache, block_tables, seq_lens, out, lse)
     """
+    for name, value, off in (("alibi_slopes", alibi_slopes, None), ("logits_soft_cap", logits_soft_cap, None),
+                             ("sinks", sinks, None), ("window_left", window_left, -1)):
+        if value is not off and not (off == -1 and isinstance(value, int) and value == -1):
+            raise ValueError(f"paged_attention_backward does not support attention variants: {name} must be "
+                             f"{off} (its default), got {value!r}")
     p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate,
                  cache_types=GRADIENT_CACHE_TYPES)
     query_layout = "[num_seqs, num_heads, q_len, head_size] (the query's shape)"
