@@ -294,3 +294,87 @@ def test_rejected_merge_arguments(rng):
         pagedvk.merge_attention_states(*[np.ascontiguousarray(a[..., :30]), s] * 2)
     with pytest.raises(TypeError, match="out_a must"):
         pagedvk.merge_attention_states(a.astype(np.int32), s, a, s)
+
+
+# -- prefill ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def poisoned_prefill(monkeypatch):
+    """Prefill's outputs (it allocates them) start as NaN, so an element never written fails rel_error."""
+    def poisoned_empty(shape, dtype=np.float32, device=None):
+        a = pagedvk.empty(shape, dtype, device)
+        a.device.fill(a.buffer, 0x7FC00000)
+        return a
+    monkeypatch.setattr(pagedvk.prefill, "empty", poisoned_empty)
+
+
+def prefill(case, query, key_cache, value_cache, backend, layout, causal=True, **kw):
+    """(out, lse) of prefill and of the float64 reference, the last q_len tokens of each sequence as queries."""
+    got = pagedvk.paged_attention_prefill(query, key_cache, value_cache, case.block_tables, case.seq_lens,
+                                          layout=layout, causal=causal, backend=backend, **kw)
+    ref = reference.paged_attention_prefill(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                            causal=causal, layout="vllm", **kw)
+    return got, ref
+
+
+@pytest.mark.parametrize("layout", ("vllm", "nhd"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_each_variant_and_all(rng, backend, variant, layout, poisoned_prefill):
+    case = Case(rng, seq_lens=[200, 9, 70], num_heads=8, num_kv_heads=2, head_size=32, block_size=16)
+    query = rng.standard_normal((3, 8, 9, 32)).astype(np.float32)
+    kw = variant_args(rng, 8, VARIANTS[variant])
+    for causal in (True, False) if variant == "all" else (True,):
+        (out, lse), (ref_out, ref_lse) = prefill(case, query, *in_layout(case, layout, np.float32), backend, layout,
+                                                 causal, **kw)
+        assert rel_error(out, ref_out) <= TOL and rel_error(lse, ref_lse) <= TOL
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_prefill_all_variants_every_dtype(rng, backend, cache_dtype, poisoned_prefill):
+    case = Case(rng, seq_lens=[150, 40], num_heads=4, num_kv_heads=1, head_size=32, block_size=8, dtype=cache_dtype)
+    query_dtype = np.float32 if cache_dtype is np.float32 else np.float16
+    query = rng.standard_normal((2, 4, 6, 32)).astype(query_dtype)
+    kw = variant_args(rng, 4, VARIANTS["all"])
+    (out, lse), (ref_out, ref_lse) = prefill(case, query, *in_layout(case, "nhd", cache_dtype), backend, "nhd", **kw)
+    assert rel_error(out, ref_out) <= (TOL if query_dtype is np.float32 else 2e-3)
+    assert rel_error(lse, ref_lse) <= 1e-5
+
+
+def test_prefill_window_does_not_read_blocks_before_it(rng, backend, poisoned_prefill):
+    # NaN in every block wholly before the first query's window.
+    case = Case(rng, seq_lens=[600, 300], num_heads=4, num_kv_heads=2, head_size=32, block_size=16)
+    q_len, window_left = 5, 30
+    query = rng.standard_normal((2, 4, q_len, 32)).astype(np.float32)
+    ref = reference.paged_attention_prefill(query, *case.args()[1:], layout="vllm", window_left=window_left)
+    for s, n in enumerate(case.seq_lens):
+        for b in case.block_tables[s, :(n - q_len - window_left) // 16]:
+            case.key_cache[b] = case.value_cache[b] = np.nan
+    out, lse = pagedvk.paged_attention_prefill(query, *case.args()[1:], layout="vllm", backend=backend,
+                                               window_left=window_left)
+    assert rel_error(out, ref[0]) <= TOL and rel_error(lse, ref[1]) <= TOL
+
+
+def test_prefill_of_one_token_equals_decode(rng, backend):
+    # One query per sequence, every variant: prefill's out and lse are decode's.
+    case = Case(rng, seq_lens=[130, 20, 64], num_heads=8, num_kv_heads=2, head_size=64)
+    kw = variant_args(rng, 8, VARIANTS["all"])
+    out, lse = pagedvk.paged_attention_prefill(case.query[:, :, None], *case.args()[1:], layout="vllm",
+                                               backend=backend, **kw)
+    d_out, d_lse = pagedvk.paged_attention(*case.args(), backend=backend, return_lse=True, **kw)
+    assert rel_error(out[:, :, 0], d_out) <= 1e-6 and rel_error(lse[:, :, 0], d_lse) <= 1e-6
+
+
+@pytest.mark.parametrize("name,value", [("alibi_slopes", np.zeros(4, np.float32)), ("logits_soft_cap", 5.0),
+                                        ("sinks", np.zeros(4, np.float32)), ("window_left", 0)])
+def test_backward_refuses_variants(rng, name, value):
+    case = Case(rng, seq_lens=[20], num_heads=4, num_kv_heads=2, head_size=32)
+    k, v = in_layout(case, "nhd", np.float32)
+    q = rng.standard_normal((1, 4, 3, 32)).astype(np.float32)
+    with pytest.raises(ValueError, match=f"paged_attention_backward does not support attention variants: {name} "
+                                         f"must be"):
+        pagedvk.paged_attention_backward(q, q, k, v, case.block_tables, case.seq_lens, q,
+                                         np.zeros((1, 4, 3), np.float32), **{name: value})
+    with pytest.raises(ValueError, match=r"logits_soft_cap must be finite and in \(0, "):
+        pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, logits_soft_cap=-1.0)
+    with pytest.raises(ValueError, match=r"sinks.shape\[0\] \(num_heads\) must be 4"):
+        pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, sinks=np.zeros(3, np.float32))
