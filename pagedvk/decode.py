@@ -26,7 +26,7 @@ from .opargs import backend_name, device_of, softmax_scale
 from .runtime.owned import Owned
 from .runtime.pipeline import Launch, Transfers, fold_grid
 from .selection import get_device
-from .variants import Variants
+from .variants import Variants, per_head
 
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
@@ -263,35 +263,50 @@ class DecodePlan(Owned):
                 raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
 
     def run(self, query: Array, key_cache: Array, value_cache: Array, out: Array | None = None,
-            lse: Array | None = None, return_lse: bool = False):
+            lse: Array | None = None, return_lse: bool = False, sinks: Array | None = None):
         """Attention of each sequence's query over its cached tokens. query [num_seqs, num_heads,
         head_size] -> [num_seqs, num_heads, head_size]; numpy query in gives numpy out, DeviceArray in
         gives DeviceArray out (``out`` is written and returned when given).
 
         return_lse=True (or an ``lse`` to write, given with ``out``) returns (out, lse): lse float32
         [num_seqs, num_heads], the natural-log log-sum-exp of each head's logits (the sink's included),
-        -inf for a sequence with no visible key; pagedvk.merge_attention_states merges such results."""
+        -inf for a sequence with no visible key; pagedvk.merge_attention_states merges such results.
+
+        sinks (float32 [num_heads]) stand in for the plan's for this run: models whose layers have their own
+        sinks (gpt-oss) share one plan. Give them as a DeviceArray: a numpy one is copied at every run."""
         self._require_open()
         self._check_run(query, key_cache, value_cache, out)
         if not isinstance(return_lse, (bool, np.bool_)):
             raise TypeError(f"return_lse must be a bool, not {type(return_lse).__name__}")
         if lse is not None:
             self._check_lse(lse, out)
+        if sinks is not None:
+            per_head("sinks", sinks, self.num_heads)
+            device_of(sinks, device=self.device)
+        sinks_d = asarray(sinks, device=self.device) if sinks is not None else None
+        try:
+            # A copied sinks array is the run's own: its launch is not kept.
+            return self._run(query, key_cache, value_cache, out, lse, return_lse, sinks_d, sinks_d is sinks)
+        finally:
+            if sinks_d is not None and sinks_d is not sinks:
+                sinks_d.close()
+
+    def _run(self, query, key_cache, value_cache, out, lse, return_lse, sinks, keep: bool):
         if return_lse or lse is not None:
-            return self._run_with_lse(query, key_cache, value_cache, out, lse)
+            return self._run_with_lse(query, key_cache, value_cache, out, lse, sinks, keep)
         dev = self.device
         if (type(query) is type(key_cache) is type(value_cache) is type(out) is DeviceArray
                 and query.device is key_cache.device is value_cache.device is out.device is dev):
             # A decode step's per-layer call: nothing to copy, the launch is recorded once.
-            self._launch(query, key_cache, value_cache, out, num_blocks=key_cache.shape[0], cache=True)
+            self._launch(query, key_cache, value_cache, out, num_blocks=key_cache.shape[0], cache=keep, sinks=sinks)
             return out
-        return self._run_copied(query, key_cache, value_cache, out)
+        return self._run_copied(query, key_cache, value_cache, out, None, sinks, keep)
 
-    def _run_with_lse(self, query, key_cache, value_cache, out, lse) -> tuple:
+    def _run_with_lse(self, query, key_cache, value_cache, out, lse, sinks, keep: bool) -> tuple:
         """run() returning (out, lse): lse as given, else numpy for a numpy result, a DeviceArray for a DeviceArray."""
         lse_d = lse if isinstance(lse, DeviceArray) else empty((self.num_seqs, self.num_heads), np.float32, self.device)
         try:
-            result = self._run_copied(query, key_cache, value_cache, out, lse_d)
+            result = self._run_copied(query, key_cache, value_cache, out, lse_d, sinks, keep)
             if isinstance(lse, np.ndarray):
                 lse[...] = lse_d.numpy()
                 return result, lse
@@ -303,7 +318,7 @@ class DecodePlan(Owned):
             if lse_d is not None and lse_d is not lse:
                 lse_d.close()
 
-    def _run_copied(self, query, key_cache, value_cache, out, lse=None):
+    def _run_copied(self, query, key_cache, value_cache, out, lse, sinks, keep: bool):
         dev = self.device
         device_of(query, key_cache, value_cache, out, device=dev)
         temporaries = []
@@ -319,7 +334,8 @@ class DecodePlan(Owned):
             o = out if isinstance(out, DeviceArray) else empty(query.shape, self.query_dtype, self.device)
             if o is not out:
                 temporaries.append(o)
-            self._launch(q, k, v, o, num_blocks=key_cache.shape[0], cache=not temporaries, lse=lse)
+            self._launch(q, k, v, o, num_blocks=key_cache.shape[0], cache=keep and not temporaries, lse=lse,
+                         sinks=sinks)
             if isinstance(out, np.ndarray):
                 out[...] = o.numpy()
                 return out
@@ -334,14 +350,14 @@ class DecodePlan(Owned):
                 a.close()
 
     def _launch(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool = False,
-                transfers: Transfers | None = None, lse: DeviceArray | None = None):
+                transfers: Transfers | None = None, lse: DeviceArray | None = None, sinks: DeviceArray | None = None):
         # One thread at a time per plan: its recorded launches are looked up, evicted and submitted under
         # the lock, so no thread submits a launch another has just evicted (the device serializes
         # submissions anyway), and close(), which frees the plan's arrays under the same lock, either
         # waits for a run or makes it raise.
         with self._lock:
             self._require_open()
-            return self._launch_locked(q, k, v, o, num_blocks, cache, timed, transfers, lse)
+            return self._launch_locked(q, k, v, o, num_blocks, cache, timed, transfers, lse, sinks)
 
     @property
     def closed(self) -> bool:
@@ -351,10 +367,11 @@ class DecodePlan(Owned):
         if self._closed:
             raise ClosedError(f"{self!r} is closed")
 
-    def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool, transfers, lse):
+    def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool, transfers, lse, sinks):
         # The plan's own tables and scratch are the same in every launch: the key holds the callers' buffers.
         key = (q.buffer.uid, *[b.uid for b in k.buffers], *[b.uid for b in v.buffers], o.buffer.uid, timed,
-               transfers.uids if transfers is not None else (), lse.buffer.uid if lse is not None else None)
+               transfers.uids if transfers is not None else (), *[a.buffer.uid if a is not None else None
+                                                                   for a in (lse, sinks)])
         launch = self._launches.get(key)
         if launch is not None:
             self._launches.move_to_end(key)
@@ -364,7 +381,8 @@ class DecodePlan(Owned):
                 # A buffer it binds was closed or collected (its uid is never reused, so only a plan
                 # table given by the caller can be): record anew, which raises if one still is.
                 self._forget(key)
-        launch = Launch(self.device, self._steps(q, k, v, o, num_blocks, lse), timestamps=timed, transfers=transfers)
+        launch = Launch(self.device, self._steps(q, k, v, o, num_blocks, lse, sinks), timestamps=timed,
+                        transfers=transfers)
         if cache:
             self._launches[key] = launch
             while len(self._launches) > RECORDED_LAUNCHES:
@@ -375,9 +393,10 @@ class DecodePlan(Owned):
             if not cache:
                 launch.close()
 
-    def _steps(self, q, k, v, o, num_blocks: int, lse: DeviceArray | None = None) -> list:
+    def _steps(self, q, k, v, o, num_blocks: int, lse: DeviceArray | None = None,
+               sinks: DeviceArray | None = None) -> list:
         """The dispatches of one run: decode, and the reduce of its partitions when split. Both take the same
-        push constants; lse, when given, is written."""
+        push constants; lse, when given, is written; sinks, when given, stand in for the plan's."""
         tables = (self.block_tables.buffer, self.seq_lens.buffer)
         partials = (self.partial_out.buffer, self.partial_stats.buffer)
         spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,
@@ -391,13 +410,14 @@ class DecodePlan(Owned):
             num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs, q_len=1,
             causal=0, scale=self.scale * self.k_scale, v_scale=self.v_scale, group_size=self.group_size,
             partition_size=self.partition_size, num_partitions=self.num_partitions,
-            blocks_per_segment=caches.blocks_per_segment, **spec.strides(), **self.variants.push(lse is not None))
+            blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
+            **self.variants.push(lse=lse is not None, sinks=sinks is not None))
         lse_buffer = (lse if lse is not None else self._no_lse).buffer
         decode = (pipeline, (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials,
-                             *self.variants.buffers(), lse_buffer, *caches.extra), push, self.grid)
+                             *self.variants.buffers(sinks), lse_buffer, *caches.extra), push, self.grid)
         if self.reduce_pipeline is None:
             return [decode]
-        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer, self.variants.buffers()[1],
+        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer, self.variants.buffers(sinks)[1],
                                          lse_buffer), push, self.reduce_grid)
         return [decode, reduce]
 

@@ -30,7 +30,7 @@ from .array import DeviceArray, asarray, empty
 MAX_WINDOW_LEFT = 2**31 - 2   # the window (window_left + 1) travels as a u32 push constant; kept well inside it
 
 
-def _per_head(name: str, a, num_heads: int):
+def per_head(name: str, a, num_heads: int):
     if a is None:
         return None
     checks.kind(name, a)
@@ -75,8 +75,8 @@ class Variants:
         self.softcap = soft_cap(logits_soft_cap)
         self.window = window(window_left)
         self.window_left = int(window_left)
-        given = {"alibi_slopes": _per_head("alibi_slopes", alibi_slopes, num_heads),
-                 "sinks": _per_head("sinks", sinks, num_heads)}
+        given = {"alibi_slopes": per_head("alibi_slopes", alibi_slopes, num_heads),
+                 "sinks": per_head("sinks", sinks, num_heads)}
         for name, a in given.items():
             if isinstance(a, DeviceArray) and a.device is not device:
                 raise ValueError(f"{name} is on {a.device!r}, but the other arrays are on {device!r}")
@@ -95,13 +95,15 @@ class Variants:
     def plain(self) -> bool:
         return not (self.flags or self.softcap or self.window)
 
-    def buffers(self) -> tuple:
-        """The alibi_slopes and sinks bindings, in ATTENTION_VARIANT_INPUTS' order."""
-        return self.arrays["alibi_slopes"].buffer, self.arrays["sinks"].buffer
+    def buffers(self, sinks: DeviceArray | None = None) -> tuple:
+        """The alibi_slopes and sinks bindings, in ATTENTION_VARIANT_INPUTS' order; `sinks` in place of these."""
+        return self.arrays["alibi_slopes"].buffer, (sinks if sinks is not None else self.arrays["sinks"]).buffer
 
-    def push(self, lse: bool = False) -> dict:
-        """The variants' push constants; lse sets VARIANT_LSE (the kernel writes the log-sum-exp)."""
-        return dict(softcap=self.softcap, window=self.window, variants=self.flags | (VARIANT_LSE if lse else 0))
+    def push(self, lse: bool = False, sinks: bool = False) -> dict:
+        """The variants' push constants; lse sets VARIANT_LSE (the kernel writes the log-sum-exp), sinks
+        VARIANT_SINKS (sinks given for this launch)."""
+        flags = self.flags | (VARIANT_LSE if lse else 0) | (VARIANT_SINKS if sinks else 0)
+        return dict(softcap=self.softcap, window=self.window, variants=flags)
 
     def span(self, max_seq_len: int, block_size: int) -> int:
         """Tokens a decode must read of a sequence of max_seq_len: the window, from its first key's block."""

@@ -170,6 +170,34 @@ def test_one_call_op_takes_every_variant(rng, backend):
     assert rel_error(out, ref_out) <= TOL and rel_error(lse, ref_lse) <= TOL
 
 
+@pytest.mark.parametrize("partition_size", (None, 32), ids=("one_partition", "split"))
+def test_sinks_per_run(rng, backend, partition_size):
+    # One plan for every layer, each layer its own sinks (gpt-oss): given to run() they stand in for the
+    # plan's, as a DeviceArray (the recorded launch is kept and resubmitted) or numpy (copied each run).
+    case = Case(rng, seq_lens=[180, 60], num_heads=8, num_kv_heads=2, head_size=64)
+    layers = [rng.standard_normal(8).astype(np.float32) for _ in range(3)]
+    plan_sinks = variant_args(rng, 8, ["sinks"])
+    dev = [pagedvk.asarray(a) for a in case.args()]
+    for kw in ({}, plan_sinks):
+        with pagedvk.DecodePlan.for_caches(*dev[1:], 8, backend=backend, partition_size=partition_size, **kw) as plan:
+            out = pagedvk.asarray(case.poisoned_out())
+            for _ in range(2):
+                for sinks in layers:
+                    for given in (pagedvk.asarray(sinks), sinks):
+                        plan.run(dev[0], dev[1], dev[2], out=out, sinks=given)
+                        ref = reference.paged_attention(*case.args(), sinks=sinks)
+                        assert rel_error(out.numpy(), ref) <= TOL
+                        if isinstance(given, pagedvk.DeviceArray):
+                            given.close()
+            plan.run(dev[0], dev[1], dev[2], out=out)   # the plan's own again (none, or its sinks)
+            assert rel_error(out.numpy(), reference.paged_attention(*case.args(), **kw)) <= TOL
+            with pytest.raises(ValueError, match=r"sinks.shape\[0\] \(num_heads\) must be 8"):
+                plan.run(dev[0], dev[1], dev[2], out=out, sinks=layers[0][:4])
+            out.close()
+    for a in dev:
+        a.close()
+
+
 @pytest.mark.parametrize("op", ("v1", "v2"))
 def test_vllm_ops_take_alibi_slopes(rng, backend, op, monkeypatch):
     monkeypatch.setenv("PAGEDVK_BACKEND", backend)
