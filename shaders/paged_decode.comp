@@ -359,8 +359,8 @@ void main() {
             o *= fin.x;
             const uint pair = ((seq * pc.num_heads + head) * hs + d0) >> 1;
             if (pair < uint(out_.length())) out_[pair] = out_pair(o * pc.v_scale);
-            const uint row = seq * pc.num_heads + head;
-            if (d0 == 0u && (pc.variants & VARIANT_LSE) != 0u && row < uint(lse.length())) lse[row] = fin.y;
+            const uint lse_row = seq * pc.num_heads + head;
+            if (d0 == 0u && (pc.variants & VARIANT_LSE) != 0u && lse_row < uint(lse.length())) lse[lse_row] = fin.y;
         } else {
             o *= l > 0.0 ? 1.0 / l : 0.0;
             const uint slot = (seq * pc.num_heads + head) * pc.num_partitions + part;

@@ -441,9 +441,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             if (pair < arrayLength(&out)) {
                 out[pair] = out_pair(o * pc.v_scale);
             }
-            let row = seq * pc.num_heads + head;
-            if (d0 == 0u && (pc.variants & VARIANT_LSE) != 0u && row < arrayLength(&lse)) {
-                lse[row] = fin.y;
+            let lse_row = seq * pc.num_heads + head;
+            if (d0 == 0u && (pc.variants & VARIANT_LSE) != 0u && lse_row < arrayLength(&lse)) {
+                lse[lse_row] = fin.y;
             }
         } else {
             o *= select(0.0, 1.0 / l, l > 0.0);
