@@ -152,7 +152,7 @@ class DecodePlan(Owned):
         if validate:  # reads device-resident tables back; engines that trust their tables can skip it
             checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
         self.backend = backend_name(backend)
-        self.device = device_of(block_tables, seq_lens, device=device)
+        self.device = device_of(block_tables, seq_lens, alibi_slopes, sinks, device=device)
         self.num_seqs = block_tables.shape[0]
         self.num_heads, self.num_kv_heads, self.head_size = int(num_heads), int(num_kv_heads), int(head_size)
         self.block_size, self.num_blocks = int(block_size), int(num_blocks)
@@ -169,9 +169,10 @@ class DecodePlan(Owned):
         self.seq_lens = asarray(seq_lens, device=self.device)
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
                        if a is not given]
-        self.variants = Variants(self.num_heads, self.device, alibi_slopes=alibi_slopes,
-                                 logits_soft_cap=logits_soft_cap, sinks=sinks, window_left=window_left)
-        self._owned += self.variants.owned
+        self.variants = Variants(self.num_heads, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                                 sinks=sinks, window_left=window_left)
+        self.variant_arrays = {name: asarray(a, device=self.device) for name, a in self.variants.inputs.items()}
+        self._owned += [a for name, a in self.variant_arrays.items() if a is not self.variants.inputs[name]]
         self._no_lse = empty((4,), np.float32, self.device)   # the lse binding of runs that return none
         self._owned.append(self._no_lse)
         key = PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, head_size)
@@ -407,19 +408,24 @@ class DecodePlan(Owned):
         push = PAGED_DECODE.pack_push(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
-            num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs, q_len=1,
-            causal=0, scale=self.scale * self.k_scale, v_scale=self.v_scale, group_size=self.group_size,
-            partition_size=self.partition_size, num_partitions=self.num_partitions,
-            blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
+            num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs,
+            q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.scale * self.k_scale,
+            v_scale=self.v_scale, group_size=self.group_size, partition_size=self.partition_size,
+            num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
             **self.variants.push(lse=lse is not None, sinks=sinks is not None))
         lse_buffer = (lse if lse is not None else self._no_lse).buffer
         decode = (pipeline, (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials,
-                             *self.variants.buffers(sinks), lse_buffer, *caches.extra), push, self.grid)
+                             *self._variant_buffers(sinks), lse_buffer, *caches.extra), push, self.grid)
         if self.reduce_pipeline is None:
             return [decode]
-        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer, self.variants.buffers(sinks)[1],
+        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1],
                                          lse_buffer), push, self.reduce_grid)
         return [decode, reduce]
+
+    def _variant_buffers(self, sinks: DeviceArray | None) -> tuple:
+        """The alibi_slopes and sinks bindings (ATTENTION_VARIANT_INPUTS' order); `sinks` in place of the plan's."""
+        return (self.variant_arrays["alibi_slopes"].buffer,
+                (sinks if sinks is not None else self.variant_arrays["sinks"]).buffer)
 
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
         """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""

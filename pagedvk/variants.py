@@ -25,7 +25,6 @@ import numpy as np
 
 from . import checks
 from .abi import VARIANT_ALIBI, VARIANT_LSE, VARIANT_SINKS
-from .array import DeviceArray, asarray, empty
 
 MAX_WINDOW_LEFT = 2**31 - 2   # the window (window_left + 1) travels as a u32 push constant; kept well inside it
 
@@ -67,37 +66,17 @@ def window(window_left) -> int:
 
 
 class Variants:
-    """The checked variant arguments of a plan or a call, with their per-head arrays on the device (16-byte
-    placeholders where a variant is off). ``close`` frees what it copied or allocated."""
+    """The checked variant arguments of a plan or a call: the push constants they give and ``inputs``, the
+    alibi_slopes and sinks bindings' arrays as given (numpy or DeviceArray), a 16-byte numpy placeholder where
+    a variant is off; the op puts them on its device."""
 
-    def __init__(self, num_heads: int, device, *, alibi_slopes=None, logits_soft_cap=None, sinks=None,
-                 window_left: int = -1):
+    def __init__(self, num_heads: int, *, alibi_slopes=None, logits_soft_cap=None, sinks=None, window_left: int = -1):
         self.softcap = soft_cap(logits_soft_cap)
         self.window = window(window_left)
-        self.window_left = int(window_left)
         given = {"alibi_slopes": per_head("alibi_slopes", alibi_slopes, num_heads),
                  "sinks": per_head("sinks", sinks, num_heads)}
-        for name, a in given.items():
-            if isinstance(a, DeviceArray) and a.device is not device:
-                raise ValueError(f"{name} is on {a.device!r}, but the other arrays are on {device!r}")
         self.flags = (VARIANT_ALIBI if alibi_slopes is not None else 0) | (VARIANT_SINKS if sinks is not None else 0)
-        self.owned, self.arrays = [], {}
-        try:
-            for name, a in given.items():
-                self.arrays[name] = asarray(a, device=device) if a is not None else empty((4,), np.float32, device)
-                if self.arrays[name] is not a:
-                    self.owned.append(self.arrays[name])
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def plain(self) -> bool:
-        return not (self.flags or self.softcap or self.window)
-
-    def buffers(self, sinks: DeviceArray | None = None) -> tuple:
-        """The alibi_slopes and sinks bindings, in ATTENTION_VARIANT_INPUTS' order; `sinks` in place of these."""
-        return self.arrays["alibi_slopes"].buffer, (sinks if sinks is not None else self.arrays["sinks"]).buffer
+        self.inputs = {name: a if a is not None else np.zeros(4, np.float32) for name, a in given.items()}
 
     def push(self, lse: bool = False, sinks: bool = False) -> dict:
         """The variants' push constants; lse sets VARIANT_LSE (the kernel writes the log-sum-exp), sinks
@@ -109,7 +88,12 @@ class Variants:
         """Tokens a decode must read of a sequence of max_seq_len: the window, from its first key's block."""
         return max_seq_len if not self.window else min(max_seq_len, self.window + block_size - 1)
 
-    def close(self) -> None:
-        for a in self.owned:
-            a.close()
-        self.owned = []
+
+def refuse(op: str, **variants) -> None:
+    """ValueError naming the first variant argument that is not off, for ops that support none yet."""
+    for name, value in variants.items():
+        off = -1 if name == "window_left" else None
+        if not (value is None if off is None else (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+                                                   and value == -1)):
+            raise ValueError(f"{op} does not support attention variants: {name} must be {off} (its default), "
+                             f"got {value!r}")
