@@ -368,6 +368,21 @@ def test_prefill_all_variants_every_dtype(rng, backend, cache_dtype, poisoned_pr
     assert rel_error(lse, ref_lse) <= 1e-5
 
 
+@pytest.mark.parametrize("layout", ("vllm", "nhd"))
+def test_ragged_prefill_with_every_variant(rng, backend, layout, poisoned_prefill):
+    # A ragged batch (prompt chunks, a decode token, a sequence without new tokens), every variant at once.
+    case = Case(rng, seq_lens=[200, 40, 90, 33], num_heads=8, num_kv_heads=2, head_size=32, block_size=16)
+    q_lens = [17, 1, 0, 33]
+    loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = rng.standard_normal((int(loc[-1]), 8, 32)).astype(np.float32)
+    kw = variant_args(rng, 8, VARIANTS["all"])
+    out, lse = pagedvk.paged_attention_prefill(query, *in_layout(case, layout, np.float32), case.block_tables,
+                                               case.seq_lens, loc, layout=layout, backend=backend, **kw)
+    ref_out, ref_lse = reference.paged_attention_prefill(query, case.key_cache, case.value_cache, case.block_tables,
+                                                         case.seq_lens, loc, layout="vllm", **kw)
+    assert rel_error(out, ref_out) <= TOL and rel_error(lse, ref_lse) <= TOL
+
+
 def test_prefill_window_does_not_read_blocks_before_it(rng, backend, poisoned_prefill):
     # NaN in every block wholly before the first query's window.
     case = Case(rng, seq_lens=[600, 300], num_heads=4, num_kv_heads=2, head_size=32, block_size=16)
