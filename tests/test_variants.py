@@ -383,6 +383,24 @@ def test_ragged_prefill_with_every_variant(rng, backend, layout, poisoned_prefil
     assert rel_error(out, ref_out) <= TOL and rel_error(lse, ref_lse) <= TOL
 
 
+@pytest.mark.parametrize("window_size", [(-1, -1), (40, 0), (40, -1)])
+def test_unified_attention_takes_the_variants(rng, backend, window_size, monkeypatch):
+    # vLLM's spelling: window_size (left, right), softcap 0 for none, alibi_slopes, sinks.
+    monkeypatch.setenv("PAGEDVK_BACKEND", backend)
+    case = Case(rng, seq_lens=[120, 9], num_heads=8, num_kv_heads=2, head_size=32, block_size=16)
+    loc = np.array([0, 7, 16], np.int32)
+    query = rng.standard_normal((16, 8, 32)).astype(np.float32)
+    kw = variant_args(rng, 8, ["alibi_slopes", "sinks"])
+    k, v = in_layout(case, "nhd", np.float32)
+    out = np.full_like(query, np.nan)
+    pagedvk.ops.unified_attention(query, k, v, out, loc, 9, case.seq_lens, 120, 0.2, True, window_size,
+                                  case.block_tables, 1.5, None, None, None, **kw)
+    ref, _ = reference.paged_attention_prefill(query, case.key_cache, case.value_cache, case.block_tables,
+                                               case.seq_lens, loc, scale=0.2, layout="vllm", logits_soft_cap=1.5,
+                                               window_left=window_size[0], **kw)
+    assert rel_error(out, ref) <= TOL
+
+
 def test_prefill_window_does_not_read_blocks_before_it(rng, backend, poisoned_prefill):
     # NaN in every block wholly before the first query's window.
     case = Case(rng, seq_lens=[600, 300], num_heads=4, num_kv_heads=2, head_size=32, block_size=16)
