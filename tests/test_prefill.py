@@ -426,13 +426,10 @@ def test_unified_attention_fp8_descales(rng):
 
 
 @pytest.mark.parametrize("name,value,match", [
-    ("window_size", (128, 0), "sliding-window attention"),
-    ("softcap", 30.0, "logit softcapping"),
+    ("window_size", (128, 5), r"a window to the right of the query \(window_size\[1\] = 5, not -1 or 0\)"),
     ("q_descale", 1.0, "query scaling"),
-    ("alibi_slopes", np.ones(4, np.float32), "ALiBi"),
     ("output_scale", 1.0, "fp8 output"),
     ("qq_bias", np.zeros((8, 8), np.float32), "a query bias"),
-    ("sinks", np.zeros(4, np.float32), "attention sinks"),
     ("k_descale", np.array([[1.0, 2.0]], np.float32), "differs between sequences or kv heads"),
 ])
 def test_unified_attention_unsupported_options(rng, name, value, match):
