@@ -177,14 +177,17 @@ class DecodeInputs:
         self.block_tables = rng.permutation(self.num_blocks).astype(np.int32).reshape(shape.num_seqs, blocks_per_seq)
         self.seq_lens = np.full(shape.num_seqs, shape.context, np.int32)
         bar = Progress(layers, "caches", progress)
-        self.caches, self.host_caches = [], None
+        self.caches = []
+        # One random K/V, uploaded into every layer's buffers: the rotation is there so that no run finds its
+        # caches in the GPU's L2, which distinct buffers ensure; drawing every layer (8 for a short window over
+        # a long context) took minutes of the host's time.
+        k = rng.standard_normal((self.num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size, x),
+                                dtype=np.float32).astype(dtype, copy=False)
+        v = rng.standard_normal((self.num_blocks, shape.num_kv_heads, shape.head_size, shape.block_size),
+                                dtype=np.float32).astype(dtype, copy=False)
+        self.host_caches = (k, v)
         try:
             for _ in range(layers):
-                k = rng.standard_normal((self.num_blocks, shape.num_kv_heads, shape.head_size // x, shape.block_size,
-                                         x), dtype=np.float32).astype(dtype, copy=False)
-                v = rng.standard_normal((self.num_blocks, shape.num_kv_heads, shape.head_size, shape.block_size),
-                                        dtype=np.float32).astype(dtype, copy=False)
-                self.host_caches = self.host_caches or (k, v)
                 self.caches.append((asarray(k, self.device), asarray(v, self.device)))
                 bar.step()
             # fp8 caches serve 16-bit models: their queries are float16.
