@@ -125,6 +125,11 @@ class KernelABI:
     head_sizes: tuple = ()        # head sizes also built with HEAD_SIZE fixed
     writes_cache: bool = False    # the caches' bindings (segments included) are written, not read
 
+    def specializes_variants(self, key: VariantKey) -> bool:
+        """Whether the module declares VARIANTS_SPEC_ID: the GLSL modules of the attention kernels, which
+        include attention_common.glsl."""
+        return key.backend == "glsl" and self.push == ATTENTION_PUSH
+
     @property
     def push_size(self) -> int:
         return 4 * len(self.push)
@@ -233,6 +238,10 @@ ATTENTION_PUSH = tuple(PushField(name, kind) for name, kind in (
 VARIANT_ALIBI = 1                # alibi_slopes is read: logit += slope[head] * (key position - query position)
 VARIANT_SINKS = 2                # sinks is read: one more logit per head in the softmax denominator, no value
 VARIANT_LSE = 4                  # lse is written: the natural-log log-sum-exp of each (query, head)
+
+# The specialization constant (GLSL `VARIANTS`, attention_common.glsl) that a launch without variants sets
+# false: its pipeline then holds none of the variants' code. WGSL modules have none (naga emits none).
+VARIANTS_SPEC_ID = 0
 
 # The per-head inputs of the attention variants, float32 [num_heads] each; a 16-byte placeholder when the
 # variant is off (its VARIANT_* flag clear): read only where the flag is set.

@@ -175,8 +175,10 @@ class DecodePlan(Owned):
         self._owned += [a for name, a in self.variant_arrays.items() if a is not self.variants.inputs[name]]
         self._no_lse = empty((4,), np.float32, self.device)   # the lse binding of runs that return none
         self._owned.append(self._no_lse)
-        key = PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, head_size)
-        self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, key)
+        # The module (unrolled for this head size). Its pipeline for the plan's variants is made now; a run that
+        # adds lse or sinks, or reads segmented caches, gets its own at first use (kernels.pipeline keeps them).
+        self.key = PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, head_size)
+        kernels.pipeline(self.device, PAGED_DECODE, self.key, self.variants.used())
         self.group_size = group_size(num_heads, num_kv_heads)
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
@@ -200,9 +202,7 @@ class DecodePlan(Owned):
         self.partial_stats = empty((self.num_seqs, num_heads, self.num_partitions, 2) if split else (4,),
                                    np.float32, self.device)
         self._owned += [self.partial_out, self.partial_stats]
-        self.reduce_pipeline = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE,
-                                                 PAGED_DECODE_REDUCE.key(self.backend, q=self.query_type.tag))
-                                if split else None)
+        self.reduce_key = PAGED_DECODE_REDUCE.key(self.backend, q=self.query_type.tag) if split else None
         self.reduce_grid = fold_grid(num_heads * self.num_seqs, limits)
         self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
         self._checked = set()           # argument signatures _check_run has passed
@@ -403,8 +403,9 @@ class DecodePlan(Owned):
         spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,
                          self.block_size)
         caches = bind_caches(k, v, self.backend)
-        pipeline = self.pipeline if not caches.access else kernels.pipeline(self.device, PAGED_DECODE, PAGED_DECODE.key(
-            self.backend, self.spec.storage.tag, self.query_type.tag, access=caches.access))
+        key = self.key if not caches.access else PAGED_DECODE.key(self.backend, self.spec.storage.tag,
+                                                                  self.query_type.tag, access=caches.access)
+        variants = self.variants.used(lse=lse is not None, sinks=sinks is not None)
         push = PAGED_DECODE.pack_push(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
@@ -414,11 +415,11 @@ class DecodePlan(Owned):
             num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
             **self.variants.push(lse=lse is not None, sinks=sinks is not None))
         lse_buffer = (lse if lse is not None else self._no_lse).buffer
-        decode = (pipeline, (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials,
+        decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants), (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials,
                              *self._variant_buffers(sinks), lse_buffer, *caches.extra), push, self.grid)
-        if self.reduce_pipeline is None:
+        if self.reduce_key is None:
             return [decode]
-        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1],
+        reduce = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, self.reduce_key, variants), (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1],
                                          lse_buffer), push, self.reduce_grid)
         return [decode, reduce]
 

@@ -53,15 +53,22 @@ def load_spirv(kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> bytes:
     return path.read_bytes()
 
 
-def pipeline(device, kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> Pipeline:
-    """The device's pipeline for this module, created on first use and kept until the device closes."""
+def pipeline(device, kernel: abi_mod.KernelABI, key: abi_mod.VariantKey, variants: bool = True) -> Pipeline:
+    """The device's pipeline for this module, created on first use and kept until the device closes.
+
+    variants=False: the pipeline for launches without attention variants (no VARIANT_* flag, softcap or
+    window), with the variants' code specialized away where the module allows it (abi.VARIANTS_SPEC_ID).
+    """
     missing = [f for f in key.requires() if f not in device.features]
     if missing:
         raise UnsupportedFeatureError(f"{key.name} needs the Vulkan feature(s) {', '.join(missing)}, which "
                                       f"{device.info.name} does not have (or pagedvk did not enable)")
+    plain = not variants and kernel.specializes_variants(key)
+    cache_key = (key, "plain") if plain else key
     with _lock:
-        cached = device._pipelines.get(key)
+        cached = device._pipelines.get(cache_key)
         if cached is None or cached.closed:
-            cached = device._pipelines[key] = Pipeline(device, kernel, load_spirv(kernel, key), key.name,
-                                                        kernel.bindings_for(key))
+            cached = device._pipelines[cache_key] = Pipeline(
+                device, kernel, load_spirv(kernel, key), key.name + (" (no variants)" if plain else ""),
+                kernel.bindings_for(key), {abi_mod.VARIANTS_SPEC_ID: False} if plain else None)
         return cached

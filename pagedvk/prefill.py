@@ -154,6 +154,10 @@ class _Problem:
             self.push_fields, blocks_per_segment=caches.blocks_per_segment,
             num_blocks=self.spec.blocks_held(caches.key_bytes, caches.value_bytes)))
 
+    def variants_used(self) -> bool:
+        """Whether the push constants turn on an attention variant (kernels.pipeline's variants)."""
+        return any(self.push_fields[name] for name in ("softcap", "window", "variants"))
+
     def grid(self, tiles: np.ndarray) -> tuple:
         """Workgroups (kv head, tile), numbered linearly over a grid folded to the device's limits."""
         return fold_grid(len(tiles) * self.num_kv_heads, self.device.info.max_workgroup_count)
@@ -194,7 +198,8 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
         key = problem.key(abi, caches.access)
         extra = dict(zip([b.name for b in abi.bindings_for(key)[len(abi.bindings):]], caches.extra))
         buffers = [bound.get(b.name) or extra.get(b.name) or arrays[b.name].buffer for b in abi.bindings_for(key)]
-        steps.append((kernels.pipeline(problem.device, abi, key), buffers, problem.push(caches), grid))
+        steps.append((kernels.pipeline(problem.device, abi, key, problem.variants_used()), buffers,
+                      problem.push(caches), grid))
     return steps
 
 

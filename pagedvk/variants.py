@@ -12,9 +12,11 @@ window_left      a query at position p sees keys p - window_left .. p only (Flas
                  a query's window are never read.
 
 The kernels take them through the push constants (softcap, window, the VARIANT_* flags) and two per-head
-bindings. Off, each is a uniform branch on a push constant that every thread of a launch takes the same way,
-and no read: chosen over a module per variant combination, which would multiply the decode modules (more than
-500 today) for a test the memory-bound kernel does not feel. Positions count from 0 in the sequence.
+bindings: one module serves every combination, where a module per combination would multiply the decode
+modules (more than 300 today). A launch with none of them runs a pipeline of the same GLSL module with the
+specialization constant VARIANTS false, which holds none of their code: the push-constant tests alone cost
+the decode kernel 2-4% on the H200 (BENCHMARKS.md). WGSL modules, which naga builds without specialization
+constants, keep the tests. Positions count from 0 in the sequence.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ class Variants:
         VARIANT_SINKS (sinks given for this launch)."""
         flags = self.flags | (VARIANT_LSE if lse else 0) | (VARIANT_SINKS if sinks else 0)
         return dict(softcap=self.softcap, window=self.window, variants=flags)
+
+    def used(self, lse: bool = False, sinks: bool = False) -> bool:
+        """Whether a launch with these push constants needs the variants' code (kernels.pipeline's variants)."""
+        return any(self.push(lse, sinks).values())
 
     def span(self, max_seq_len: int, block_size: int) -> int:
         """Tokens a decode must read of a sequence of max_seq_len: the window, from its first key's block."""

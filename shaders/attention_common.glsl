@@ -64,17 +64,25 @@ const uint VARIANT_ALIBI = 1u;
 const uint VARIANT_SINKS = 2u;
 const uint VARIANT_LSE = 4u;
 
+// False in the pipeline a launch without variants uses (pagedvk/kernels.py, VARIANTS_SPEC_ID in abi.py): the
+// driver then drops every variant's code, where the push-constant tests alone cost the decode kernel 2-4% on
+// the H200. WGSL modules have no specialization constants (naga emits none) and keep the tests.
+layout(constant_id = 0) const bool VARIANTS = true;
+
+// Whether the launch's VARIANT_* flags include `flag`.
+bool variant_on(uint flag) { return VARIANTS && (pc.variants & flag) != 0u; }
+
 // Whether the query at sequence position query_pos sees the key at key_pos (positions count from 0): causal
 // masking (prefill's causal flag; decode's one query is its sequence's last position), and the sliding
 // window, which keeps the keys less than `window` positions before the query (FlashInfer's window_left + 1).
 bool key_visible(uint key_pos, uint query_pos) {
-    return (pc.causal == 0u || key_pos <= query_pos) && (pc.window == 0u || key_pos + pc.window > query_pos);
+    return (pc.causal == 0u || key_pos <= query_pos) && (!VARIANTS || pc.window == 0u || key_pos + pc.window > query_pos);
 }
 
 // The first key the window lets a query at query_pos see (0 without a window). Tile loops start at its block,
 // so blocks wholly before the window are never read.
 uint window_first_key(uint query_pos) {
-    return pc.window == 0u || query_pos < pc.window ? 0u : query_pos + 1u - pc.window;
+    return !VARIANTS || pc.window == 0u || query_pos < pc.window ? 0u : query_pos + 1u - pc.window;
 }
 
 // The end of an online softmax whose visible logits have max m and sum l of exp(logit - m), with a sink

@@ -1,7 +1,7 @@
 // The attention-variant hooks that read the variants' buffers, shared by decode and prefill: included after
 // attention_common.glsl by kernels that bind alibi_slopes and sinks (float32 [num_heads]; ATTENTION_VARIANT_INPUTS
-// in pagedvk/abi.py). Each is read only where its VARIANT_* flag is set: a uniform branch, the same for every
-// thread of a launch, so plain attention pays a test of a push constant and no read.
+// in pagedvk/abi.py). Each is read only where its VARIANT_* flag is set; a launch without variants runs the
+// pipeline specialized with VARIANTS false, which has none of this code.
 #ifndef ATTENTION_VARIANTS_GLSL
 #define ATTENTION_VARIANTS_GLSL
 
@@ -10,8 +10,8 @@
 // compute it as a quotient of exponentials, which overflows to NaN, and tanh(15) is 1 in float32.
 float logit(float scaled_dot, uint head, uint key_pos, uint query_pos) {
     float x = scaled_dot;
-    if (pc.softcap > 0.0) x = pc.softcap * tanh(clamp(x / pc.softcap, -15.0, 15.0));
-    if ((pc.variants & VARIANT_ALIBI) != 0u && head < uint(alibi_slopes.length())) {
+    if (VARIANTS && pc.softcap > 0.0) x = pc.softcap * tanh(clamp(x / pc.softcap, -15.0, 15.0));
+    if (variant_on(VARIANT_ALIBI) && head < uint(alibi_slopes.length())) {
         x += alibi_slopes[head] * (float(key_pos) - float(query_pos));
     }
     return x;
@@ -31,7 +31,7 @@ vec4 logits4(vec4 scaled_dot, uvec4 heads, uint key_pos, uvec4 query_pos, uvec4 
 
 // The head's sink logit (gpt-oss), NEG_INF without sinks.
 float sink_logit(uint head) {
-    return (pc.variants & VARIANT_SINKS) != 0u && head < uint(sinks.length()) ? sinks[head] : NEG_INF;
+    return variant_on(VARIANT_SINKS) && head < uint(sinks.length()) ? sinks[head] : NEG_INF;
 }
 
 #endif

@@ -360,7 +360,7 @@ void main() {
             const uint pair = ((seq * pc.num_heads + head) * hs + d0) >> 1;
             if (pair < uint(out_.length())) out_[pair] = out_pair(o * pc.v_scale);
             const uint lse_row = seq * pc.num_heads + head;
-            if (d0 == 0u && (pc.variants & VARIANT_LSE) != 0u && lse_row < uint(lse.length())) lse[lse_row] = fin.y;
+            if (d0 == 0u && variant_on(VARIANT_LSE) && lse_row < uint(lse.length())) lse[lse_row] = fin.y;
         } else {
             o *= l > 0.0 ? 1.0 / l : 0.0;
             const uint slot = (seq * pc.num_heads + head) * pc.num_partitions + part;

@@ -52,9 +52,9 @@ void main() {
         total += w;
         if (d0 < hs) acc += w * partial_out[((slot0 + i) * hs + d0) >> 1];
     }
-    const float sink = (pc.variants & VARIANT_SINKS) != 0u && head < uint(sinks.length()) ? sinks[head] : NEG_INF;
+    const float sink = variant_on(VARIANT_SINKS) && head < uint(sinks.length()) ? sinks[head] : NEG_INF;
     const vec2 fin = softmax_finish(m, total, sink);
     if (d0 < hs) out_[(o + d0) >> 1] = out_pair(acc * (fin.x * pc.v_scale));
     const uint row = seq * pc.num_heads + head;
-    if (tid == 0u && (pc.variants & VARIANT_LSE) != 0u && row < uint(lse.length())) lse[row] = fin.y;
+    if (tid == 0u && variant_on(VARIANT_LSE) && row < uint(lse.length())) lse[row] = fin.y;
 }

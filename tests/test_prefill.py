@@ -254,7 +254,8 @@ def modules_used(monkeypatch) -> list:
     """The (op, backend) of every pipeline the ops ask for from now on."""
     used, pipeline = [], pagedvk.kernels.pipeline
     monkeypatch.setattr(pagedvk.kernels, "pipeline",
-                        lambda device, abi, key: used.append((abi.op, key.backend)) or pipeline(device, abi, key))
+                        lambda device, abi, key, *args: used.append((abi.op, key.backend)) or pipeline(device, abi, key,
+                                                                                                      *args))
     return used
 
 

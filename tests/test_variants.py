@@ -439,3 +439,20 @@ def test_backward_refuses_variants(rng, name, value):
         pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, logits_soft_cap=-1.0)
     with pytest.raises(ValueError, match=r"sinks.shape\[0\] \(num_heads\) must be 4"):
         pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, sinks=np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("split", (False, True), ids=("one_partition", "split"))
+def test_runs_without_variants_take_the_pipeline_without_their_code(rng, backend, split):
+    """A run with no variant (nor lse) takes the pipeline specialized with VARIANTS false where the module has
+    the constant (GLSL): shown by giving that pipeline a window through the push constants, which it then
+    ignores. WGSL modules have no specialization constants and keep applying it."""
+    case = Case(rng, seq_lens=[300, 45], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
+    key_cache, value_cache = in_layout(case, "vllm", np.float32)
+    out = np.full(case.query.shape, np.nan, np.float32)
+    with pagedvk.DecodePlan.for_caches(key_cache, value_cache, case.block_tables, case.seq_lens, 8, backend=backend,
+                                       window_left=40, partition_size=32 if split else 512) as plan:
+        assert (plan.num_partitions > 1) == split
+        plan.variants.used = lambda lse=False, sinks=False: False   # the window's push constant, the plain pipeline
+        plan.run(case.query, key_cache, value_cache, out=out)
+    window_left = -1 if backend == "glsl" else 40
+    assert rel_error(out, reference.paged_attention(*case.args(), window_left=window_left)) <= TOL

@@ -37,8 +37,11 @@ class Pipeline(Owned):
     """A compute pipeline, its descriptor-set layout (one storage buffer per declared binding) and its
     pipeline layout (one push-constant range of the declared size)."""
 
-    def __init__(self, device: Device, abi, spirv: bytes, name: str, bindings: tuple | None = None):
+    def __init__(self, device: Device, abi, spirv: bytes, name: str, bindings: tuple | None = None,
+                 specialization: dict | None = None):
+        """specialization: {constant id: bool or 32-bit int} for the module's specialization constants."""
         self.device, self.abi, self.name = device, abi, name
+        self.specialization = dict(specialization or {})
         self.bindings = abi.bindings if bindings is None else bindings   # the module's, in binding order
         self.handle = self.layout = self.set_layout = self.module = None
         d = device.handle
@@ -58,7 +61,7 @@ class Pipeline(Owned):
                 sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(spirv), pCode=spirv), None)
             stage = vk.VkPipelineShaderStageCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, stage=STAGE, module=self.module,
-                pName="main")
+                pName="main", pSpecializationInfo=_specialization_info(self.specialization))
             self.handle = vk.vkCreateComputePipelines(d, device.pipeline_cache, 1, [vk.VkComputePipelineCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=self.layout)], None)[0]
         except vk.VkError as e:
@@ -103,6 +106,17 @@ class Pipeline(Owned):
             vk.vkCmdPushConstants(cmd, self.layout, STAGE, 0, len(push), vk.ffi.new("char[]", push))
         vk.vkCmdDispatch(cmd, *grid)
 
+
+
+def _specialization_info(values: dict):
+    """VkSpecializationInfo for {constant id: value}, each value 4 bytes (VkBool32 or a 32-bit int)."""
+    if not values:
+        return None
+    ids = sorted(values)
+    entries = [vk.VkSpecializationMapEntry(constantID=c, offset=4 * i, size=4) for i, c in enumerate(ids)]
+    data = np.array([int(values[c]) for c in ids], np.uint32).tobytes()
+    return vk.VkSpecializationInfo(mapEntryCount=len(entries), pMapEntries=entries, dataSize=len(data),
+                                   pData=vk.ffi.from_buffer(data))
 
 
 def _destroy_pipeline(d, pipeline, module, layout, set_layout) -> None:
