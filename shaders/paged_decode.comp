@@ -28,6 +28,7 @@
 // Every index into a buffer is bounded here, not only in Python: block ids outside the cache, lengths
 // beyond the block-table row and rows beyond the table are treated as empty, never read.
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #define KV_CHUNKS   // the caches are read 16 bytes at a time (kv_storage.glsl)
 #include "kv_storage.glsl"
 
@@ -59,6 +60,15 @@ const uint K_BATCH = 4u;
 const uint V_BATCH = 4u;
 const uint TILE_BLOCKS = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
 const uint MAX_QUADS = MAX_HEAD_SIZE / 4u;
+// Head dims a thread owns in vLLM's layout (dim tid, then tid + WG): one where the head size is fixed and at most
+// WG. A loop to this constant unrolls, so acc_a/acc_b stay in registers; with a bound of 2 and a skipped second
+// pass the H200's compiler kept them in local memory, and the kernel took 1.22x the time (630 against 516 us at
+// 64 x 4096 float16; BENCHMARKS.md).
+#ifdef HEAD_SIZE
+const uint SLOTS = (HEAD_SIZE + WG - 1u) / WG;
+#else
+const uint SLOTS = 2u;
+#endif
 
 shared vec4 s_q[MAX_QUADS * MAX_GROUP];         // queries * scale: [quad][head]
 shared vec4 s_w[TILE / 4u * MAX_GROUP];         // logits, then weights: [token quad][head], 4 tokens a vec4
@@ -259,7 +269,7 @@ void main() {
         // V: weighted values.
         if (!dims_contiguous) {
             // vLLM's layout: a head dim's bs tokens of one block are contiguous, CHUNK_TOKENS a chunk.
-            for (uint slot = 0u; slot < 2u; slot++) {
+            [[unroll]] for (uint slot = 0u; slot < SLOTS; slot++) {
                 const uint d = tid + slot * WG;
                 if (d >= hs) continue;
                 const uint row_d = value_offset(kv_head, 0u, d);
@@ -326,7 +336,7 @@ void main() {
     // and written two dims at a time.
     const uint n_lanes = dims_contiguous ? lanes : 1u;
     if (!dims_contiguous) {
-        for (uint slot = 0u; slot < 2u; slot++) {
+        [[unroll]] for (uint slot = 0u; slot < SLOTS; slot++) {
             const uint d = tid + slot * WG;
             if (d >= hs) continue;
             for (uint g = 0u; g < 4u; g++) {

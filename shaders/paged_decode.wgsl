@@ -141,6 +141,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         @builtin(num_workgroups) nwg: vec3<u32>) {
     let tid = lid.x;
     let hs = select(pc.head_size, HEAD_SIZE, HEAD_SIZE > 0u);   // a fixed head size lets loops unroll
+    // Head dims a thread owns in vLLM's layout: one where the head size is fixed and at most WG (the GLSL twin's
+    // SLOTS: a constant bound keeps acc_a/acc_b in registers).
+    let slots = select(2u, (HEAD_SIZE + WG - 1u) / WG, HEAD_SIZE > 0u);
     let bs = pc.block_size;          // a power of two (8, 16 or 32): divisions by it are shifts
     let bs_log2 = firstTrailingBit(bs);
     let bs_mask = bs - 1u;
@@ -319,7 +322,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         // V: weighted values.
         if (!dims_contiguous) {
             // vLLM's layout: a head dim's bs tokens of one block are contiguous, CHUNK_TOKENS a chunk.
-            for (var slot = 0u; slot < 2u; slot++) {
+            for (var slot = 0u; slot < slots; slot++) {
                 let d = tid + slot * WG;
                 if (d >= hs) {
                     continue;
@@ -402,7 +405,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     // and written two dims at a time.
     let n_lanes = select(1u, lanes, dims_contiguous);
     if (!dims_contiguous) {
-        for (var slot = 0u; slot < 2u; slot++) {
+        for (var slot = 0u; slot < slots; slot++) {
             let d = tid + slot * WG;
             if (d >= hs) {
                 continue;
