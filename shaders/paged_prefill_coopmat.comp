@@ -1,0 +1,263 @@
+#version 450
+// Paged-attention prefill forward on cooperative matrices (VK_KHR_cooperative_matrix): the op of
+// paged_prefill.comp, with its bindings, push constants and results (PAGED_PREFILL in pagedvk/abi.py), for
+// float16 queries and caches and a head size fixed at build time (HEAD_SIZE). Q.K^T and P.V are 16x16x16
+// float16 products accumulated in float32, the shape every device that reports one is asked for
+// (pagedvk.prefill chooses this module only where the device lists it, with 32-lane subgroups).
+//
+// One workgroup of four subgroups per (tile of BR = 64 query rows, kv head, sequence); rows are (query, head)
+// pairs of the heads sharing the kv head, query-major, as in paged_prefill.comp. Each subgroup owns 16 rows:
+// their queries stay in registers as matrices, their output accumulates in registers as matrices. The
+// context is walked in steps of BC = 64 keys (FlashAttention-2's loop, online softmax):
+//   1. the workgroup stages the step's keys in shared memory (float16, from the paged cache through
+//      kv_storage.glsl's key_load, so every cache layout and segmented caches read as in the scalar kernel);
+//   2. each subgroup multiplies its queries by the keys (S = Q.K^T) and stores S to shared memory;
+//   3. the workgroup stages the values in the same shared memory while each subgroup's lanes (two per row)
+//      mask and scale S, update the row's running max, and write P = exp(S - max) as float16;
+//   4. each subgroup rescales its accumulators row by row and adds P.V.
+// Which row of a 16x16 matrix an invocation's elements belong to is not specified by Vulkan, but it is the
+// same for every matrix of one type (element-wise arithmetic between matrices depends on it): loading a
+// matrix whose elements hold their own row number tells each invocation its rows (ROWS_OF below), so the
+// rescaling needs no trip through shared memory.
+//
+// Tokens past the workgroup's last visible key are staged as zeros (slots past a sequence's length may hold
+// NaN, and 0 * NaN is NaN); block ids outside the caches read as zeros and are masked.
+#extension GL_GOOGLE_include_directive : require
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#include "kv_storage.glsl"
+
+#if !defined(KV_F16) || !defined(Q_F16) || !defined(HEAD_SIZE)
+#error "paged_prefill_coopmat is built for float16 caches and queries with HEAD_SIZE fixed"
+#endif
+
+layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
+
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [seqs, heads, q_len, head_size]
+#define KV_SEGMENT_BINDING 7   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+CACHE_BINDINGS
+layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
+layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
+layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, q_len, head_size]
+layout(std430, set = 0, binding = 6) writeonly buffer Lse { float lse[]; };             // [seqs, heads, q_len]
+
+#include "attention_common.glsl"
+
+const uint D = HEAD_SIZE;        // a multiple of 64 (pagedvk/abi.py builds 64 and 128)
+const uint BR = 64u;             // query rows per workgroup: 16 per subgroup
+const uint BC = 64u;             // keys per step
+const uint DQ = D / 4u;          // float16 quads per key or query row
+const uint KS = DQ + 2u;         // row stride of staged keys, queries and [key][dim] values, in quads (padded
+                                 // against bank conflicts; a multiple of 16 bytes as matrix loads need)
+const uint TS = BC / 4u + 2u;    // row stride of staged [dim][key] values, of S (vec4) and of P, in quads
+
+#define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
+#define MAT_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
+#define MAT_C coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+
+shared f16vec4 s_kv[max(BC * KS, D * TS)];   // the step's keys, then its values; the queries at the start
+shared vec4 s_s[BR * TS];                    // each subgroup's 16 x BC logits; row numbers; output passes
+shared f16vec4 s_p[BR * TS];                 // each subgroup's 16 x BC weights
+shared float s_row[BR];                      // a per-row factor handed from a row's lanes to its subgroup
+
+f16vec4 half4(uvec2 w) { return f16vec4(unpackFloat2x16(w.x), unpackFloat2x16(w.y)); }
+
+// What one query row of the workgroup is: where it starts in query / out (elements), its head, its sequence
+// position, and the keys it sees (0 for rows past the end of the tile or of the query buffer). The one place
+// a row number becomes a (sequence, position).
+struct Row { uint base; uint head; uint pos; uint keys; bool valid; };
+Row query_row(uint seq, uint kv_head, uint gr, uint row_end, uint seq_len) {
+    const uint group = pc.num_heads / pc.num_kv_heads;
+    Row r;
+    r.base = row_base(seq, kv_head, gr);
+    r.head = kv_head * group + gr % group;
+    r.pos = query_position(gr / group, seq_len);
+    r.valid = gr < row_end && r.base + D <= uint(query.length()) * 4u;
+    r.keys = r.valid ? visible_keys(gr / group, seq_len) : 0u;
+    return r;
+}
+
+// The physical block of a token of the sequence, -1 past kv_end or outside the caches.
+int token_block(uint bt_row, uint token, uint kv_end) {
+    if (token >= kv_end) return -1;
+    int b = block_tables[bt_row + token / pc.block_size];
+    return (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
+}
+
+void main() {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint warp = gl_SubgroupID, lane = gl_SubgroupInvocationID;
+    const uint bs = pc.block_size;
+    const uint group = pc.num_heads / pc.num_kv_heads;
+    const uint rows = group * pc.q_len;
+    const uint tiles = (rows + BR - 1u) / BR;
+    const uint wg = workgroup_index();         // (row tile, kv head, sequence), tiles fastest
+    const uint kv_head = (wg / tiles) % pc.num_kv_heads;
+    const uint seq = wg / (tiles * pc.num_kv_heads);
+    const uint row0 = (wg % tiles) * BR;
+    if (seq >= pc.num_seqs || row0 >= rows || pc.head_size != D) return;
+    const uint row_end = min(row0 + BR, rows);
+
+    const uint bt_row = seq * pc.max_blocks_per_seq;
+    const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(bt_row), 0)));
+    const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
+    // Rows are query-major, so the last row sees the most keys.
+    const uint kv_end = visible_keys((row_end - 1u) / group, seq_len);
+
+    // This lane's row for the softmax and the output (two lanes per row, each half of the columns).
+    const uint my_row = warp * 16u + lane / 2u, half_ = lane & 1u;
+    const Row me = query_row(seq, kv_head, row0 + my_row, row_end, seq_len);
+
+    // The queries, staged as float16 and loaded into each subgroup's matrices; rows that are not there are zeros.
+    for (uint i = tid; i < BR * DQ; i += WG) {
+        const Row q = query_row(seq, kv_head, row0 + i / DQ, row_end, seq_len);
+        s_kv[(i / DQ) * KS + i % DQ] = q.valid ? half4(query[q.base / 4u + i % DQ]) : f16vec4(0.0);
+    }
+    // Each element's row number, for ROWS_OF (see the top).
+    if (lane < 16u) {
+        for (uint c = 0u; c < 4u; c++) s_s[(warp * 16u + lane) * TS + c] = vec4(float(lane));
+    }
+    barrier();
+    MAT_A q[D / 16u];
+    for (uint k = 0u; k < D / 16u; k++) {
+        coopMatLoad(q[k], s_kv, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
+    }
+    MAT_C rows_of;
+    coopMatLoad(rows_of, s_s, warp * 16u * TS, TS, gl_CooperativeMatrixLayoutRowMajor);
+#define ROWS_OF(i) (warp * 16u + uint(rows_of[i]))   // the workgroup row of an invocation's element i
+
+    MAT_C o[D / 16u];
+    for (uint j = 0u; j < D / 16u; j++) o[j] = MAT_C(0.0);
+    float m = NEG_INF, l = 0.0;   // the row's running max; this lane's share of its denominator
+    const bool values_by_dim = pc.v_dim_stride == 1u;   // nhd: a token's head dims are contiguous
+
+    for (uint base = 0u; base < kv_end; base += BC) {
+        barrier();   // every subgroup is done with the last step's values (and, first, the queries)
+        // 1. Keys, [key][dim].
+        for (uint i = tid; i < BC * DQ; i += WG) {
+            const uint t = i / DQ, c = i % DQ;
+            const int b = token_block(bt_row, base + t, kv_end);
+            s_kv[t * KS + c] = b >= 0 ? half4(key_load(uint(b), key_offset(kv_head, (base + t) % bs, c)))
+                                      : f16vec4(0.0);
+        }
+        barrier();
+
+        // 2. S = Q.K^T for this subgroup's rows: K^T is the staged keys read column-major.
+        MAT_C s[BC / 16u];
+        for (uint n = 0u; n < BC / 16u; n++) s[n] = MAT_C(0.0);
+        for (uint k = 0u; k < D / 16u; k++) {
+            for (uint n = 0u; n < BC / 16u; n++) {
+                MAT_B kt;
+                coopMatLoad(kt, s_kv, n * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutColumnMajor);
+                s[n] = coopMatMulAdd(q[k], kt, s[n]);
+            }
+        }
+        for (uint n = 0u; n < BC / 16u; n++) {
+            coopMatStore(s[n], s_s, warp * 16u * TS + n * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
+        }
+        barrier();   // every subgroup is done with the keys
+
+        // 3a. Values, along whichever axis the cache holds contiguous: [key][dim] (nhd) or [dim][key] (vLLM).
+        if (values_by_dim) {
+            for (uint i = tid; i < BC * DQ; i += WG) {
+                const uint t = i / DQ, c = i % DQ;
+                const int b = token_block(bt_row, base + t, kv_end);
+                s_kv[t * KS + c] = b >= 0 ? half4(value_load(uint(b), value_offset(kv_head, (base + t) % bs, 4u * c) >> 2))
+                                          : f16vec4(0.0);
+            }
+        } else {
+            for (uint i = tid; i < D * (BC / 4u); i += WG) {
+                const uint d = i / (BC / 4u), t = 4u * (i % (BC / 4u));   // 4 tokens of one block (bs % 8 == 0)
+                const int b = token_block(bt_row, base + t, kv_end);
+                f16vec4 v = b >= 0 ? half4(value_load(uint(b), value_offset(kv_head, (base + t) % bs, d) >> 2))
+                                   : f16vec4(0.0);
+                for (uint e = 1u; e < 4u; e++) {   // the quad's later tokens may lie past kv_end
+                    if (base + t + e >= kv_end) v[e] = float16_t(0.0);
+                }
+                s_kv[d * TS + t / 4u] = v;
+            }
+        }
+
+        // 3b. This lane's half of its row: quads half_, half_ + 2, ... (the row's two lanes on different banks).
+        vec4 x[BC / 8u];
+        float mx = NEG_INF;
+        for (uint j = 0u; j < BC / 8u; j++) {
+            const uint cq = 2u * j + half_;
+            const vec4 dots = s_s[my_row * TS + cq] * pc.scale;
+            for (uint e = 0u; e < 4u; e++) {
+                const uint key = base + 4u * cq + e;
+                x[j][e] = key < me.keys && key_visible(key, me.pos) ? logit(dots[e], me.head, key, me.pos) : NEG_INF;
+            }
+            mx = max(mx, max(max(x[j].x, x[j].y), max(x[j].z, x[j].w)));
+        }
+        mx = max(mx, subgroupShuffleXor(mx, 1u));
+        const float m_new = max(m, mx);
+        const float alpha = m_new == NEG_INF ? 1.0 : exp(m - m_new);
+        m = m_new;
+        float sum = 0.0;
+        for (uint j = 0u; j < BC / 8u; j++) {
+            const vec4 p = mix(exp(x[j] - m), vec4(0.0), equal(x[j], vec4(NEG_INF)));
+            sum += dot(p, vec4(1.0));
+            s_p[my_row * TS + 2u * j + half_] = f16vec4(p);
+        }
+        l = l * alpha + sum;
+        if (half_ == 0u) s_row[my_row] = alpha;
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        for (uint j = 0u; j < D / 16u; j++) {
+            for (int i = 0; i < o[j].length(); i++) o[j][i] *= s_row[ROWS_OF(i)];
+        }
+        barrier();   // the values are staged
+
+        // 4. O += P.V
+        for (uint k = 0u; k < BC / 16u; k++) {
+            MAT_A p;
+            coopMatLoad(p, s_p, warp * 16u * TS + k * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
+            if (values_by_dim) {
+                for (uint j = 0u; j < D / 16u; j++) {
+                    MAT_B v;
+                    coopMatLoad(v, s_kv, k * 16u * KS + j * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
+                    o[j] = coopMatMulAdd(p, v, o[j]);
+                }
+            } else {
+                for (uint j = 0u; j < D / 16u; j++) {
+                    MAT_B v;
+                    coopMatLoad(v, s_kv, j * 16u * TS + k * 4u, TS, gl_CooperativeMatrixLayoutColumnMajor);
+                    o[j] = coopMatMulAdd(p, v, o[j]);
+                }
+            }
+        }
+    }
+
+    // The rows' denominators; a row that sees no key gives zeros and lse -inf.
+    l += subgroupShuffleXor(l, 1u);
+    if (half_ == 0u) s_row[my_row] = l > 0.0 ? pc.v_scale / l : 0.0;
+    subgroupMemoryBarrierShared();
+    subgroupBarrier();
+    for (uint j = 0u; j < D / 16u; j++) {
+        for (int i = 0; i < o[j].length(); i++) o[j][i] *= s_row[ROWS_OF(i)];
+    }
+    // Out through shared memory, 64 head dims at a time: rows of a workgroup are not evenly spaced in `out`.
+    const bool write = me.valid && me.base + D <= 2u * uint(out_.length());
+    for (uint pass = 0u; pass < D / 64u; pass++) {
+        for (uint j = 0u; j < 4u; j++) {
+            coopMatStore(o[pass * 4u + j], s_s, warp * 16u * TS + j * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
+        }
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        if (write) {
+            for (uint j = 0u; j < 8u; j++) {
+                const uint cq = 8u * half_ + j;
+                const vec4 v = s_s[my_row * TS + cq];
+                const uint d = me.base + pass * 64u + 4u * cq;
+                out_[d >> 1] = out_pair(v.xy);
+                out_[(d >> 1) + 1u] = out_pair(v.zw);
+            }
+        }
+        subgroupBarrier();   // read before the next pass overwrites
+    }
+    if (write && half_ == 0u && me.base / D < uint(lse.length())) lse[me.base / D] = l > 0.0 ? m + log(l) : NEG_INF;
+}

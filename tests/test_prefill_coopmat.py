@@ -1,0 +1,147 @@
+"""The cooperative-matrix prefill forward (shaders/paged_prefill_coopmat.comp) and the rule that picks it.
+
+The rule and the property query are tested everywhere, with made-up property lists where the device has
+none (lavapipe). The kernel itself runs only where the device lists its multiply: those tests are marked
+`needs_coopmat`, skipped elsewhere with the reason (lavapipe has no cooperative matrices)."""
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+import pagedvk
+from pagedvk import abi, prefill
+from pagedvk.runtime.instance import MatrixShape
+from conftest import rel_error
+from test_prefill import PrefillCase, poisoned_outputs  # noqa: F401 - the fixture poisons this module's outputs
+
+TOL = 2e-3   # float16 storage and operands
+F16_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
+NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
+
+_info = pagedvk.select()[0]
+_why = prefill.matrix_unavailable(_info)
+needs_coopmat = pytest.mark.skipif(bool(_why), reason=f"needs VK_KHR_cooperative_matrix: {_info.name}: {_why}")
+
+
+def with_shapes(shapes, subgroup_size=32):
+    return dataclasses.replace(_info, matrix_shapes=tuple(shapes), subgroup_size=subgroup_size)
+
+
+# -- the rule, on made-up devices --
+
+def test_the_device_listing_the_multiply_gets_the_matrix_kernel():
+    info = with_shapes([MatrixShape(16, 8, 16, "f16", "f16", "f16", "f16"), F16_SHAPE])
+    assert prefill.matrix_unavailable(info, NEEDS) == ""
+    assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 128) == "coopmat"
+    assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 64) == "coopmat"
+    assert prefill.describe_choice(info).startswith("coopmat (16x16x16 f16*f16+f32->f32 (subgroup))")
+
+
+@pytest.mark.parametrize("shapes,subgroup,features,reason", [
+    ([], 32, NEEDS, "lists no 16x16x16 f16*f16+f32->f32"),
+    ([MatrixShape(16, 16, 16, "f16", "f16", "f16", "f16")], 32, NEEDS, "lists no 16x16x16 f16*f16+f32->f32"),
+    ([MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32")], 32, NEEDS, "lists no"),
+    ([dataclasses.replace(F16_SHAPE, scope="workgroup")], 32, NEEDS, "lists no"),
+    ([F16_SHAPE], 64, NEEDS, "subgroup size is 64, not 32"),
+    ([F16_SHAPE], 32, NEEDS - {"vulkanMemoryModel"}, "lacks the Vulkan feature(s) vulkanMemoryModel"),
+])
+def test_other_devices_keep_the_scalar_kernel(shapes, subgroup, features, reason):
+    info = with_shapes(shapes, subgroup)
+    assert reason in prefill.matrix_unavailable(info, features)
+    assert prefill.matrix_kernel(info, features, "glsl", "f16", "f16", 128) == ""
+    with pytest.raises(ValueError, match=f"kernel=.coopmat. cannot run on .*{re.escape(reason)}"):
+        prefill.matrix_kernel(info, features, "glsl", "f16", "f16", 128, kernel="coopmat")
+
+
+@pytest.mark.parametrize("backend,kv,q,head_size", [
+    ("wgsl", "f16", "f16", 128), ("glsl", "f32", "f16", 128), ("glsl", "f16", "f32", 128),
+    ("glsl", "bf16", "bf16", 128), ("glsl", "f16", "f16", 80), ("glsl", "f16", "f16", 256)])
+def test_arguments_without_a_matrix_module_keep_the_scalar_kernel(backend, kv, q, head_size):
+    info = with_shapes([F16_SHAPE])
+    assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size) == ""
+    assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="scalar") == ""
+    with pytest.raises(ValueError, match="built for backend 'glsl' with float16 caches and queries at head sizes 64, 128"):
+        prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="coopmat")
+
+
+def test_kernel_argument_is_checked():
+    with pytest.raises(ValueError, match="kernel must be one of 'auto', 'scalar', 'coopmat', got 'fast'"):
+        prefill.matrix_kernel(_info, set(), "glsl", "f16", "f16", 128, kernel="fast")
+
+
+def test_matrix_modules_are_named_built_and_required():
+    key = abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, matrix="coopmat")
+    assert key.name == "paged_prefill.coopmat.kv_f16.q_f16.h128.glsl"
+    assert key.source == "paged_prefill_coopmat.comp" and key.target_env == "vulkan1.2"
+    assert key.defines() == {"KV_F16": 1, "Q_F16": 1, "HEAD_SIZE": 128}
+    assert set(key.requires()) == NEEDS
+    assert abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, "seg", "coopmat").defines()["KV_SEGMENTED"] == 1
+    built = {k for k in abi.PAGED_PREFILL.keys() if k.matrix}
+    assert key in built and len(built) == 2 * len(abi.CACHE_ACCESS)
+    with pytest.raises(ValueError, match="no 'coopmat' module for glsl, cache storage 'f16', query storage 'f16', "
+                                         "head size 96"):
+        abi.PAGED_PREFILL.key("glsl", "f16", "f16", 96, matrix="coopmat")
+
+
+# -- the device's own properties --
+
+def test_property_query_matches_the_extension():
+    for info in pagedvk.devices():
+        if "VK_KHR_cooperative_matrix" not in info.extensions:
+            assert info.matrix_shapes == ()
+        assert all(isinstance(s, MatrixShape) and s.m > 0 for s in info.matrix_shapes)
+
+
+def test_matrix_feature_is_enabled_only_with_the_extension(rng):
+    device = pagedvk.default_device()
+    assert ("cooperativeMatrix" in device.features) == bool(device.info.matrix_shapes)
+    if _why:   # the automatic choice runs the scalar kernel, and asking for the matrix one says why not
+        case = PrefillCase(rng, q_len=3, head_size=128)
+        assert max(run_f16(case, "auto")) <= TOL
+        with pytest.raises(ValueError, match="kernel='coopmat' cannot run"):
+            run_f16(case, "coopmat")
+
+
+# -- the kernel, where it runs --
+
+def run_f16(case, kernel):
+    q = case.query.astype(np.float16)
+    k, v = case.key_cache.astype(np.float16), case.value_cache.astype(np.float16)
+    out, lse = pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, kernel=kernel,
+                                               **case.options())
+    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens,
+                                                                 **case.options())
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    return rel_error(out, ref_out), rel_error(lse, ref_lse)
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+@pytest.mark.parametrize("causal", (True, False))
+@pytest.mark.parametrize("head_size", (64, 128))
+@pytest.mark.parametrize("q_len", (1, 7, 100))
+def test_matrix_kernel_matches_reference(rng, layout, causal, head_size, q_len):
+    case = PrefillCase(rng, q_len=q_len, layout=layout, causal=causal, head_size=head_size, num_heads=8,
+                       num_kv_heads=2, shared_prefix_blocks=2)
+    out_err, lse_err = run_f16(case, "coopmat")
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("block_size", (8, 16, 32))
+def test_matrix_kernel_many_tiles_and_block_sizes(rng, block_size):
+    # rows over several 64-row tiles, contexts over several 64-key steps, an empty sequence, MQA
+    case = PrefillCase(rng, q_len=70, head_size=128, num_heads=4, num_kv_heads=1, block_size=block_size,
+                       seq_lens=[70, 0, 333, 129])
+    out_err, lse_err = run_f16(case, "coopmat")
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+def test_auto_picks_the_matrix_kernel(rng):
+    device = pagedvk.default_device()
+    assert prefill.matrix_kernel(device.info, device.features, "glsl", "f16", "f16", 128) == "coopmat"
+    case = PrefillCase(rng, q_len=33, head_size=128)
+    assert run_f16(case, "auto")[0] <= TOL
