@@ -64,16 +64,16 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         base = vk.vkGetPhysicalDeviceFeatures(pd)
         # Buffer device addresses (with 64-bit integers) let GLSL kernels read caches larger than one binding.
         self.buffer_device_address = bool(have12.bufferDeviceAddress and base.shaderInt64)
+        # Cooperative matrices (the prefill's matrix kernel), turned on only with their extension.
+        self.cooperative_matrix = bool(coop is not None and coop.cooperativeMatrix)
+        self._coop_features = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR,
+            cooperativeMatrix=True) if self.cooperative_matrix else None
         f12 = vk.VkPhysicalDeviceVulkan12Features(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, pNext=self._coop_features,
             shaderFloat16=have12.shaderFloat16, shaderInt8=have12.shaderInt8,
             storageBuffer8BitAccess=have12.storageBuffer8BitAccess,
             bufferDeviceAddress=self.buffer_device_address, vulkanMemoryModel=have12.vulkanMemoryModel)
-        # Cooperative matrices (the prefill's matrix kernel), turned on only with their extension.
-        self.cooperative_matrix = bool(coop is not None and coop.cooperativeMatrix)
-        if self.cooperative_matrix:
-            f12.pNext = self._coop_features = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
-                sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR, cooperativeMatrix=True)
         f11 = vk.VkPhysicalDeviceVulkan11Features(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12,
             storageBuffer16BitAccess=have11.storageBuffer16BitAccess)

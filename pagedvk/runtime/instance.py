@@ -264,7 +264,7 @@ def query_features(pd, f11=None, f12=None, chain=None):
     """The Vulkan 1.1 and 1.2 feature structs of a device (filled in); pass structs to chain them, and in
     `chain` an extension's feature struct to fill in too."""
     f12 = f12 or vk.VkPhysicalDeviceVulkan12Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
-                                                     pNext=chain or vk.ffi.NULL)
+                                                     pNext=chain)
     f11 = f11 or vk.VkPhysicalDeviceVulkan11Features(
         sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12)
     feats = vk.VkPhysicalDeviceFeatures2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=f11)
