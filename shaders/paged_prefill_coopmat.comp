@@ -9,11 +9,14 @@
 // pairs of the heads sharing the kv head, query-major, as in paged_prefill.comp. Each subgroup owns 16 rows:
 // their queries stay in registers as matrices, their output accumulates in registers as matrices. The
 // context is walked in steps of BC = 64 keys (FlashAttention-2's loop, online softmax):
-//   1. the workgroup stages the step's keys in shared memory (float16, from the paged cache through
-//      kv_storage.glsl's key_load, so every cache layout and segmented caches read as in the scalar kernel);
+//   1. the workgroup stages the step's keys in shared memory (float16, 16-byte chunks from the paged cache
+//      through kv_storage.glsl's key_load, so every cache layout and segmented caches read as in the scalar
+//      kernel); they were loaded into registers during the step before, so the loads' latency hides behind
+//      that step's softmax and P.V;
 //   2. each subgroup multiplies its queries by the keys (S = Q.K^T) and stores S to shared memory;
-//   3. the workgroup stages the values in the same shared memory while each subgroup's lanes (two per row)
-//      mask and scale S, update the row's running max, and write P = exp(S - max) as float16;
+//   3. the workgroup loads the values (and the next step's keys) into registers; meanwhile each subgroup's
+//      lanes (two per row) mask and scale S, update the row's running max, and write P = exp(S - max) as
+//      float16; then the values go to the same shared memory as the keys;
 //   4. each subgroup rescales its accumulators row by row and adds P.V.
 // Which row of a 16x16 matrix an invocation's elements belong to is not specified by Vulkan, but it is the
 // same for every matrix of one type (element-wise arithmetic between matrices depends on it): loading a
@@ -28,6 +31,8 @@
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_control_flow_attributes : require
+#define KV_CHUNKS   // the caches' bindings hold 16-byte chunks: 8 float16 elements a load
 #include "kv_storage.glsl"
 
 #if !defined(KV_F16) || !defined(Q_F16) || !defined(HEAD_SIZE)
@@ -50,6 +55,8 @@ const uint D = HEAD_SIZE;        // a multiple of 64 (pagedvk/abi.py builds 64 a
 const uint BR = 64u;             // query rows per workgroup: 16 per subgroup
 const uint BC = 64u;             // keys per step
 const uint DQ = D / 4u;          // float16 quads per key or query row
+const uint DC = D / 8u;          // 16-byte chunks per key row
+const uint LOADS = BC * DC / WG; // chunks of keys (and of values) each thread stages per step
 const uint KS = DQ + 2u;         // row stride of staged keys, queries and [key][dim] values, in quads (padded
                                  // against bank conflicts; a multiple of 16 bytes as matrix loads need)
 const uint TS = BC / 4u + 2u;    // row stride of staged [dim][key] values, of S (vec4) and of P, in quads
@@ -85,6 +92,35 @@ int token_block(uint bt_row, uint token, uint kv_end) {
     if (token >= kv_end) return -1;
     int b = block_tables[bt_row + token / pc.block_size];
     return (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
+}
+
+// Chunk i (< BC * DC) of a step's keys from `base` on: token i / DC, head dims 8 (i % DC) on. Zeros for
+// tokens that are not there.
+uvec4 key_chunk(uint bt_row, uint kv_head, uint base, uint i, uint kv_end) {
+    const uint t = base + i / DC;
+    const int b = token_block(bt_row, t, kv_end);
+    return b >= 0 ? key_load(uint(b), key_offset(kv_head, t % pc.block_size, 2u * (i % DC)) >> 1) : uvec4(0u);
+}
+
+// Chunk i of a step's values, along the axis the cache holds contiguous: by_dim (nhd) token i / DC, head dims
+// 8 (i % DC) on, as the keys; else (vLLM) head dim i / (BC / 8), tokens 8 (i % (BC / 8)) on, of which those
+// at or past kv_end are zeroed (they may hold NaN).
+uvec4 value_chunk(uint bt_row, uint kv_head, uint base, uint i, uint kv_end, bool by_dim) {
+    const uint t = base + (by_dim ? i / DC : 8u * (i % (BC / 8u)));
+    const uint d = by_dim ? 8u * (i % DC) : i / (BC / 8u);
+    const int b = token_block(bt_row, t, kv_end);
+    uvec4 w = b >= 0 ? value_load(uint(b), value_offset(kv_head, t % pc.block_size, d) >> 3) : uvec4(0u);
+    if (!by_dim) {
+        for (uint j = 0u; j < 4u; j++) {   // word j holds tokens t + 2j, t + 2j + 1
+            w[j] &= (t + 2u * j < kv_end ? 0xffffu : 0u) | (t + 2u * j + 1u < kv_end ? 0xffff0000u : 0u);
+        }
+    }
+    return w;
+}
+
+// Where chunk i goes in s_kv: keys and nhd values [key][dim] (row stride KS), vLLM values [dim][key] (TS).
+uint chunk_slot(uint i, bool by_dim) {
+    return by_dim ? (i / DC) * KS + 2u * (i % DC) : (i / (BC / 8u)) * TS + 2u * (i % (BC / 8u));
 }
 
 void main() {
@@ -130,64 +166,50 @@ void main() {
 #define ROWS_OF(i) (warp * 16u + uint(rows_of[i]))   // the workgroup row of an invocation's element i
 
     MAT_C o[D / 16u];
-    for (uint j = 0u; j < D / 16u; j++) o[j] = MAT_C(0.0);
+    [[unroll]] for (uint j = 0u; j < D / 16u; j++) o[j] = MAT_C(0.0);
     float m = NEG_INF, l = 0.0;   // the row's running max; this lane's share of its denominator
     const bool values_by_dim = pc.v_dim_stride == 1u;   // nhd: a token's head dims are contiguous
+    uvec4 keys[LOADS], values[LOADS];
+    [[unroll]] for (uint r = 0u; r < LOADS; r++) keys[r] = key_chunk(bt_row, kv_head, 0u, tid + r * WG, kv_end);
 
     for (uint base = 0u; base < kv_end; base += BC) {
         barrier();   // every subgroup is done with the last step's values (and, first, the queries)
         // 1. Keys, [key][dim].
-        for (uint i = tid; i < BC * DQ; i += WG) {
-            const uint t = i / DQ, c = i % DQ;
-            const int b = token_block(bt_row, base + t, kv_end);
-            s_kv[t * KS + c] = b >= 0 ? half4(key_load(uint(b), key_offset(kv_head, (base + t) % bs, c)))
-                                      : f16vec4(0.0);
+        [[unroll]] for (uint r = 0u; r < LOADS; r++) {
+            const uint at = chunk_slot(tid + r * WG, true);
+            s_kv[at] = half4(keys[r].xy);
+            s_kv[at + 1u] = half4(keys[r].zw);
         }
         barrier();
 
         // 2. S = Q.K^T for this subgroup's rows: K^T is the staged keys read column-major.
         MAT_C s[BC / 16u];
-        for (uint n = 0u; n < BC / 16u; n++) s[n] = MAT_C(0.0);
-        for (uint k = 0u; k < D / 16u; k++) {
-            for (uint n = 0u; n < BC / 16u; n++) {
+        [[unroll]] for (uint n = 0u; n < BC / 16u; n++) s[n] = MAT_C(0.0);
+        [[unroll]] for (uint k = 0u; k < D / 16u; k++) {
+            [[unroll]] for (uint n = 0u; n < BC / 16u; n++) {
                 MAT_B kt;
                 coopMatLoad(kt, s_kv, n * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutColumnMajor);
                 s[n] = coopMatMulAdd(q[k], kt, s[n]);
             }
         }
-        for (uint n = 0u; n < BC / 16u; n++) {
+        [[unroll]] for (uint n = 0u; n < BC / 16u; n++) {
             coopMatStore(s[n], s_s, warp * 16u * TS + n * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
         }
-        barrier();   // every subgroup is done with the keys
-
-        // 3a. Values, along whichever axis the cache holds contiguous: [key][dim] (nhd) or [dim][key] (vLLM).
-        if (values_by_dim) {
-            for (uint i = tid; i < BC * DQ; i += WG) {
-                const uint t = i / DQ, c = i % DQ;
-                const int b = token_block(bt_row, base + t, kv_end);
-                s_kv[t * KS + c] = b >= 0 ? half4(value_load(uint(b), value_offset(kv_head, (base + t) % bs, 4u * c) >> 2))
-                                          : f16vec4(0.0);
-            }
-        } else {
-            for (uint i = tid; i < D * (BC / 4u); i += WG) {
-                const uint d = i / (BC / 4u), t = 4u * (i % (BC / 4u));   // 4 tokens of one block (bs % 8 == 0)
-                const int b = token_block(bt_row, base + t, kv_end);
-                f16vec4 v = b >= 0 ? half4(value_load(uint(b), value_offset(kv_head, (base + t) % bs, d) >> 2))
-                                   : f16vec4(0.0);
-                for (uint e = 1u; e < 4u; e++) {   // the quad's later tokens may lie past kv_end
-                    if (base + t + e >= kv_end) v[e] = float16_t(0.0);
-                }
-                s_kv[d * TS + t / 4u] = v;
-            }
+        // 3a. This step's values and the next step's keys, into registers.
+        [[unroll]] for (uint r = 0u; r < LOADS; r++) {
+            values[r] = value_chunk(bt_row, kv_head, base, tid + r * WG, kv_end, values_by_dim);
+            keys[r] = key_chunk(bt_row, kv_head, base + BC, tid + r * WG, kv_end);
         }
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();   // this subgroup's S is in s_s
 
         // 3b. This lane's half of its row: quads half_, half_ + 2, ... (the row's two lanes on different banks).
         vec4 x[BC / 8u];
         float mx = NEG_INF;
-        for (uint j = 0u; j < BC / 8u; j++) {
+        [[unroll]] for (uint j = 0u; j < BC / 8u; j++) {
             const uint cq = 2u * j + half_;
             const vec4 dots = s_s[my_row * TS + cq] * pc.scale;
-            for (uint e = 0u; e < 4u; e++) {
+            [[unroll]] for (uint e = 0u; e < 4u; e++) {
                 const uint key = base + 4u * cq + e;
                 x[j][e] = key < me.keys && key_visible(key, me.pos) ? logit(dots[e], me.head, key, me.pos) : NEG_INF;
             }
@@ -198,7 +220,7 @@ void main() {
         const float alpha = m_new == NEG_INF ? 1.0 : exp(m - m_new);
         m = m_new;
         float sum = 0.0;
-        for (uint j = 0u; j < BC / 8u; j++) {
+        [[unroll]] for (uint j = 0u; j < BC / 8u; j++) {
             const vec4 p = mix(exp(x[j] - m), vec4(0.0), equal(x[j], vec4(NEG_INF)));
             sum += dot(p, vec4(1.0));
             s_p[my_row * TS + 2u * j + half_] = f16vec4(p);
@@ -207,23 +229,30 @@ void main() {
         if (half_ == 0u) s_row[my_row] = alpha;
         subgroupMemoryBarrierShared();
         subgroupBarrier();
-        for (uint j = 0u; j < D / 16u; j++) {
-            for (int i = 0; i < o[j].length(); i++) o[j][i] *= s_row[ROWS_OF(i)];
+        [[unroll]] for (int i = 0; i < o[0].length(); i++) {
+            const float a = s_row[ROWS_OF(i)];
+            [[unroll]] for (uint j = 0u; j < D / 16u; j++) o[j][i] *= a;
         }
-        barrier();   // the values are staged
+        barrier();   // every subgroup is done with the keys
+        [[unroll]] for (uint r = 0u; r < LOADS; r++) {
+            const uint at = chunk_slot(tid + r * WG, values_by_dim);
+            s_kv[at] = half4(values[r].xy);
+            s_kv[at + 1u] = half4(values[r].zw);
+        }
+        barrier();
 
         // 4. O += P.V
-        for (uint k = 0u; k < BC / 16u; k++) {
+        [[unroll]] for (uint k = 0u; k < BC / 16u; k++) {
             MAT_A p;
             coopMatLoad(p, s_p, warp * 16u * TS + k * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
             if (values_by_dim) {
-                for (uint j = 0u; j < D / 16u; j++) {
+                [[unroll]] for (uint j = 0u; j < D / 16u; j++) {
                     MAT_B v;
                     coopMatLoad(v, s_kv, k * 16u * KS + j * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
                     o[j] = coopMatMulAdd(p, v, o[j]);
                 }
             } else {
-                for (uint j = 0u; j < D / 16u; j++) {
+                [[unroll]] for (uint j = 0u; j < D / 16u; j++) {
                     MAT_B v;
                     coopMatLoad(v, s_kv, j * 16u * TS + k * 4u, TS, gl_CooperativeMatrixLayoutColumnMajor);
                     o[j] = coopMatMulAdd(p, v, o[j]);
@@ -237,8 +266,9 @@ void main() {
     if (half_ == 0u) s_row[my_row] = l > 0.0 ? pc.v_scale / l : 0.0;
     subgroupMemoryBarrierShared();
     subgroupBarrier();
-    for (uint j = 0u; j < D / 16u; j++) {
-        for (int i = 0; i < o[j].length(); i++) o[j][i] *= s_row[ROWS_OF(i)];
+    [[unroll]] for (int i = 0; i < o[0].length(); i++) {
+        const float a = s_row[ROWS_OF(i)];
+        [[unroll]] for (uint j = 0u; j < D / 16u; j++) o[j][i] *= a;
     }
     // Out through shared memory, 64 head dims at a time: rows of a workgroup are not evenly spaced in `out`.
     const bool write = me.valid && me.base + D <= 2u * uint(out_.length());
