@@ -3,7 +3,7 @@
 
 The shape is issue 12's unless given: 4 sequences x 32 query heads (8 KV heads) x 512 new tokens over a
 4096-token context, causal, head 128, block 16, float16 caches and queries (random block tables). pagedvk is
-timed with GPU timestamps, `--iters` launches back to back per submission and `--repeats` submissions after
+timed with GPU timestamps, `--iters` x `--repeats` submissions of the recorded forward after
 pagedvk.bench.warm_up (0.5 s: the GPU's clock drops when idle); the figure is the median launch. Each kernel's
 output is checked against float64 on the first sequence. Where torch with CUDA is present, SDPA float16 runs
 the same problem on contiguous K/V (bottom-right causal mask, the KV heads expanded for GQA inside the timed
@@ -20,10 +20,8 @@ import time
 import numpy as np
 
 import pagedvk
-from pagedvk import bench, kernels, prefill, reference
+from pagedvk import bench, prefill, reference
 from pagedvk.abi import PAGED_PREFILL
-from pagedvk.layouts import bind_caches
-from pagedvk.runtime.pipeline import Launch
 
 
 def flops(num_heads, head_size, q_len, context, causal):
@@ -32,21 +30,16 @@ def flops(num_heads, head_size, q_len, context, causal):
 
 
 def time_pagedvk(inputs, kernel, layout, args):
-    q, kc, vc, bt, sl, out, lse = inputs
-    device = q.device
-    p = prefill._Problem(q, kc, vc, bt, sl, None, args.causal, layout, "glsl", kernel=kernel)
-    caches = bind_caches(kc, vc, "glsl")
-    key = p.key(PAGED_PREFILL, caches.access)
-    pipe = kernels.pipeline(device, PAGED_PREFILL, key)
-    buffers = [q.buffer, caches.key, caches.value, bt.buffer, sl.buffer, out.buffer, lse.buffer]
-    grid = p.grid(prefill.MATRIX_ROWS if p.matrix else prefill.FORWARD_ROWS)
-    launch = Launch(device, [(pipe, buffers, p.push(caches), grid)] * args.iters, timestamps=1)
+    """(module name, median ms) of the forward recorded once (pagedvk.prefill.Recorded), each run its own
+    submission with GPU timestamps around it."""
+    recorded = prefill.Recorded.forward(*inputs, causal=args.causal, layout=layout, backend="glsl", kernel=kernel)
     try:
-        bench.warm_up(launch)
-        times = np.concatenate([launch.submit() for _ in range(args.repeats)])
+        bench.warm_up(recorded.launch)
+        times = [recorded.launch.submit() for _ in range(args.iters * args.repeats)]
     finally:
-        launch.close()
-    return key.name, float(np.median(times)) / 1e6
+        recorded.close()
+    p = prefill._Problem(*inputs, None, causal=args.causal, layout=layout, backend="glsl", kernel=kernel)
+    return p.key(PAGED_PREFILL).name, float(np.median(times)) / 1e6
 
 
 def torch_sdpa(args):
@@ -128,11 +121,10 @@ def main():
                                                     args.head_size // x, x).transpose(0, 2, 3, 1, 4))
             vc = np.ascontiguousarray(v_nhd.transpose(0, 2, 3, 1))
         arrays = [pagedvk.asarray(a, device=device) for a in (query, kc, vc, bt, sl)]
-        arrays += [pagedvk.empty(query.shape, np.float16, device), pagedvk.empty(query.shape[:3], np.float32, device)]
         for kernel in args.kernels.split(","):
             row = {"kernel": kernel, "layout": layout}
             try:
-                out, lse = pagedvk.paged_attention_prefill(*arrays[:5], causal=args.causal, layout=layout,
+                out, lse = pagedvk.paged_attention_prefill(*arrays, causal=args.causal, layout=layout,
                                                            kernel=kernel)
                 if ref is None:
                     ref = reference.paged_attention_prefill(query[:1], k_nhd, v_nhd, bt[:1], sl[:1],

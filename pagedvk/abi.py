@@ -242,7 +242,8 @@ ATTENTION_PUSH = tuple(PushField(name, kind) for name, kind in (
     ("max_blocks_per_seq", "u32"),
     ("num_blocks", "u32"),
     ("num_seqs", "u32"),
-    ("q_len", "u32"),            # prefill: queries per sequence, the last q_len positions
+    ("q_token_stride", "u32"),   # prefill: query rows (head_size elements) from one query to the next
+    ("q_head_stride", "u32"),    # prefill: query rows from one head to the next (see PREFILL_INPUTS)
     ("causal", "u32"),
     ("scale", "f32"),            # softmax scale, times k_scale for fp8 keys
     ("v_scale", "f32"),          # fp8 values' scale, applied to the output (1 otherwise)
@@ -301,12 +302,33 @@ READ_BANDWIDTH = KernelABI(
     backends=("glsl",),
 )
 
-# Prefill forward: out (the query's type) and the log-sum-exp (float32). Workgroups: ceil(num_heads /
-# num_kv_heads * q_len / rows) x num_kv_heads x num_seqs, numbered linearly; rows is 8 for the scalar
-# modules, 64 for the cooperative-matrix ones (pagedvk/prefill.py).
+# What the prefill kernels (forward, dq) bind first: a ragged batch, as vLLM's query_start_loc and
+# FlashInfer's qo_indptr take it.
+#   query_start_loc  int32 [num_seqs + 1]: sequence s owns query tokens query_start_loc[s] ..
+#                    query_start_loc[s + 1] - 1 (q_len_s of them, 0 allowed), the LAST q_len_s positions of
+#                    its context of seq_lens[s] tokens (the new tokens included), so its query i sits at
+#                    position seq_lens[s] - q_len_s + i and, causal, sees keys 0 .. that position.
+#   tiles            int32 [num_tiles, 2]: the launch's work, built on the host (pagedvk.prefill.work_tiles):
+#                    (sequence, first row) of each tile of a kernel's ROWS rows. A sequence's rows are its
+#                    (query, head) pairs for the heads sharing one kv head, query-major: row r is query
+#                    r / group, head kv_head * group + r % group (group = num_heads / num_kv_heads). A tile
+#                    holds rows of one sequence only; a sequence without queries has no tile (costs nothing).
+# Query row (query i of the sequence starting at token q_start, head h) starts at element
+#   (q_start * num_heads + i * q_token_stride + h * q_head_stride) * head_size
+# of query, out, dout and dq; lse's row index is the same without the head_size factor. Ragged
+# [num_tokens, num_heads, head_size]: q_token_stride = num_heads, q_head_stride = 1; the fixed-q_len form
+# [num_seqs, num_heads, q_len, head_size] (query_start_loc = q_len * arange): 1 and q_len.
+# Workgroups: num_tiles x num_kv_heads, kv heads fastest, numbered linearly over a folded grid.
+PREFILL_INPUTS = ATTENTION_INPUTS + (
+    Binding("query_start_loc", readonly=True),
+    Binding("tiles", readonly=True),
+)
+
+# Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log), ROWS = 8 rows per tile
+# for the scalar modules, 64 for the cooperative-matrix ones (pagedvk/prefill.py: each builds its own tiles).
 PAGED_PREFILL = KernelABI(
     op="paged_prefill",
-    bindings=ATTENTION_INPUTS + (
+    bindings=PREFILL_INPUTS + (
         Binding("out", readonly=False),
         Binding("lse", readonly=False),
     ),
@@ -317,10 +339,10 @@ PAGED_PREFILL = KernelABI(
     matrix_variants=(("coopmat", "f16", "f16", 64), ("coopmat", "f16", "f16", 128)),
 )
 
-# Backward, dq (float32). Workgroups as the forward's.
+# Backward, dq (float32, the query's layout). Workgroups as the forward's, over its own tiles (ROWS = 8).
 PAGED_BACKWARD_DQ = KernelABI(
     op="paged_backward_dq",
-    bindings=ATTENTION_INPUTS + (
+    bindings=PREFILL_INPUTS + (
         Binding("dout", readonly=True),
         Binding("out", readonly=True),
         Binding("lse", readonly=True),
@@ -335,7 +357,8 @@ PAGED_BACKWARD_DQ = KernelABI(
 # Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 8 tokens of the
 # block) loops over the (sequence, block-table slot) pairs that read the block, listed in block_readers
 # (int32: num_blocks + 1 offsets, then sequence * max_blocks_per_seq + slot for each pair), so blocks shared
-# by several sequences sum their gradients in a fixed order, without atomics.
+# by several sequences sum their gradients in a fixed order, without atomics. Queries, dout, out and lse are
+# ragged as in PREFILL_INPUTS (query_start_loc, q_token_stride, q_head_stride).
 # Grid: (min(num_blocks, 65535), num_kv_heads, block_size / 8), grid-stride over blocks.
 PAGED_BACKWARD_DKDV = KernelABI(
     op="paged_backward_dkdv",
@@ -345,6 +368,7 @@ PAGED_BACKWARD_DKDV = KernelABI(
         Binding("value_cache", readonly=True),
         Binding("block_readers", readonly=True),
         Binding("seq_lens", readonly=True),
+        Binding("query_start_loc", readonly=True),
         Binding("dout", readonly=True),
         Binding("out", readonly=True),
         Binding("lse", readonly=True),

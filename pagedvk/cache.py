@@ -97,7 +97,7 @@ class KVCache(Owned):
     def attend(self, layer: int, q, batch) -> np.ndarray:
         """Attention of one step's new tokens over one layer's cache. q [sum of batch.q_lens, num_heads,
         head_size]; sequences with one new token go through one DecodePlan per step (made at the step's first
-        layer, reused by the others), longer ones through paged_attention_prefill. batch: pagedvk.serve.Batch
+        layer, reused by the others), longer ones through one ragged paged_attention_prefill. batch: pagedvk.serve.Batch
         (q_lens, block_tables, seq_lens, new tokens included)."""
         q = np.asarray(q, np.float32)
         out = np.empty(q.shape, np.float32)
@@ -106,12 +106,14 @@ class KVCache(Owned):
         if decode:
             out[starts[decode]] = self._decode_plan(batch, decode, q.shape[1]).run(
                 q[starts[decode]], self.key[layer], self.value[layer])
-        for i, n in enumerate(batch.q_lens):
-            if n > 1:
-                qi = np.ascontiguousarray(q[starts[i]:starts[i + 1]].transpose(1, 0, 2)[None])
-                o, _ = paged_attention_prefill(qi, self.key[layer], self.value[layer], batch.block_tables[i:i + 1],
-                                               batch.seq_lens[i:i + 1], layout=self.layout, backend=self.backend)
-                out[starts[i]:starts[i + 1]] = o[0].transpose(1, 0, 2)
+        prefill = [i for i, n in enumerate(batch.q_lens) if n > 1]
+        if prefill:
+            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in prefill])
+            loc = np.cumsum([0] + [batch.q_lens[i] for i in prefill]).astype(np.int32)
+            out[rows], _ = paged_attention_prefill(
+                np.ascontiguousarray(q[rows]), self.key[layer], self.value[layer],
+                np.ascontiguousarray(batch.block_tables[prefill]), np.ascontiguousarray(batch.seq_lens[prefill]), loc,
+                layout=self.layout, backend=self.backend)
         return out
 
     def _decode_plan(self, batch, rows, num_heads: int) -> DecodePlan:

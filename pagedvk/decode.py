@@ -336,10 +336,10 @@ class DecodePlan(Owned):
         push = PAGED_DECODE.pack_push(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
-            num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs, q_len=1,
-            causal=0, scale=self.scale * self.k_scale, v_scale=self.v_scale, group_size=self.group_size,
-            partition_size=self.partition_size, num_partitions=self.num_partitions,
-            blocks_per_segment=caches.blocks_per_segment, **spec.strides())
+            num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs,
+            q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.scale * self.k_scale,
+            v_scale=self.v_scale, group_size=self.group_size, partition_size=self.partition_size,
+            num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides())
         decode = (pipeline, (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *caches.extra), push,
                   self.grid)
         if self.reduce_pipeline is None:

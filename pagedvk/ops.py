@@ -12,6 +12,7 @@ from .decode import paged_attention as _paged_attention
 from .dtypes import QUERY_TYPES, storage_type
 from .layouts import cache_spec
 from .opargs import device_of
+from .prefill import paged_attention_prefill
 
 V2_PARTITION_SIZE = 512   # vLLM's PARTITION_SIZE for paged_attention_v2
 
@@ -99,6 +100,58 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
                 if isinstance(a, np.ndarray):
                     a[:, :, :n] = values
         return result
+
+
+def _descale(name: str, value) -> float:
+    """vLLM's k_descale / v_descale (a scale per sequence and kv head, or None): one value for the whole cache."""
+    if value is None:
+        return 1.0
+    values = np.unique(np.asarray(checks.host(value) if not np.isscalar(value) else value, np.float64))
+    if values.size != 1:
+        raise _unsupported("a scale that differs between sequences or kv heads", name)
+    return float(values[0])
+
+
+def unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal,
+                      window_size, block_table, softcap, q_descale, k_descale, v_descale, alibi_slopes=None,
+                      output_scale=None, qq_bias=None, sinks=None):
+    """vLLM's ``unified_attention`` (its Triton attention for mixed batches of prefill chunks and decode
+    tokens): writes the attention of each sequence's new tokens over its paged cache into ``out`` and returns it.
+
+    q             [num_tokens, num_heads, head_size] float32, float16 or bfloat16; out the same
+    k, v          caches [num_blocks, block_size, num_kv_heads, head_size] (pagedvk's "nhd"), any cache dtype
+    cu_seqlens_q  int32 [num_seqs + 1]: sequence s owns query tokens cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1
+    seqused_k     int32 [num_seqs]: tokens per sequence, the new ones included
+    block_table   int32 [num_seqs, max_blocks_per_seq]
+    max_seqlen_q and max_seqlen_k must be at least the longest q_len_s and seqused_k; k_descale and v_descale
+    (None, a number, or one value repeated) are fp8 caches' scales, ignored for other caches as vLLM does.
+    Not supported yet, each raising NotImplementedError that names it: q_descale, a sliding window
+    (window_size other than (-1, -1)), softcap other than 0, alibi_slopes, output_scale, qq_bias, sinks, and
+    scales differing between kv heads.
+    """
+    for name, value, feature in (("q_descale", q_descale, "query scaling"), ("alibi_slopes", alibi_slopes, "ALiBi"),
+                                 ("output_scale", output_scale, "fp8 output"), ("qq_bias", qq_bias, "a query bias"),
+                                 ("sinks", sinks, "attention sinks")):
+        if value is not None:
+            raise _unsupported(feature, name)
+    if tuple(window_size) != (-1, -1):
+        raise _unsupported("sliding-window attention", "window_size")
+    if softcap:
+        raise _unsupported("logit softcapping", "softcap")
+    if out is None:
+        raise TypeError("out must be an array of q's shape (vLLM writes into it)")
+    checks.kind("cu_seqlens_q", cu_seqlens_q)
+    checks.kind("seqused_k", seqused_k)
+    loc, lens = checks.host(cu_seqlens_q), checks.host(seqused_k)
+    for name, longest, limit in (("max_seqlen_q", np.diff(loc).max(initial=0), max_seqlen_q),
+                                 ("max_seqlen_k", lens.max(initial=0), max_seqlen_k)):
+        if int(longest) > limit:
+            raise ValueError(f"{name} ({limit}) is less than the longest length in the batch ({int(longest)})")
+    fp8 = np.dtype(k.dtype).itemsize == 1   # as in vLLM, the descales apply to fp8 caches only
+    paged_attention_prefill(q, k, v, block_table, seqused_k, cu_seqlens_q, scale=softmax_scale, causal=causal,
+                            layout="nhd", k_scale=_descale("k_descale", k_descale) if fp8 else 1.0,
+                            v_scale=_descale("v_descale", v_descale) if fp8 else 1.0, out=out)
+    return out
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto", k_scale=1.0,

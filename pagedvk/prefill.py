@@ -1,7 +1,9 @@
-"""Paged-attention prefill and its backward: the last q_len tokens of each sequence attend over that
-sequence's cached keys and values (causal or not), in either cache layout (pagedvk.layouts) and any cache
-storage type (pagedvk.dtypes; the backward takes float32, float16 and bfloat16 caches). One module per
-kernel and storage type reads both layouts: the caches' strides travel in the push constants.
+"""Paged-attention prefill and its backward over ragged batches: each sequence's new tokens (its last q_len_s,
+any number, zero included) attend over that sequence's cached keys and values (causal or not), in either
+cache layout (pagedvk.layouts) and any cache storage type (pagedvk.dtypes; the backward takes float32, float16
+and bfloat16 caches). One module per kernel and storage type reads both layouts (the caches' strides travel in
+the push constants) and both query forms, ragged [num_tokens, ...] with query_start_loc and fixed-q_len
+[num_seqs, num_heads, q_len, ...] (the query strides do).
 
 The forward has a second kernel for devices with cooperative matrices (VK_KHR_cooperative_matrix):
 shaders/paged_prefill_coopmat.comp, same bindings and push constants, for float16 queries and caches at head
@@ -16,12 +18,12 @@ import numpy as np
 
 from . import checks, kernels
 from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, VariantKey
-from .array import Array, asarray, empty
+from .array import Array, DeviceArray, asarray, empty
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.instance import DeviceInfo, MatrixShape
-from .runtime.pipeline import fold_grid
+from .runtime.pipeline import Launch, fold_grid
 
 FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
 MATRIX_ROWS = 64         # and of paged_prefill_coopmat
@@ -78,36 +80,100 @@ def describe_choice(info: DeviceInfo) -> str:
     return f"coopmat ({MATRIX_SHAPE}) for float16 caches and queries at head sizes {sizes}; scalar otherwise"
 
 
-class _Problem:
-    """The checked arguments of one call: dims, device, backend and the push constants they give."""
+def _check_query_start_loc(query_start_loc, num_tokens: int) -> np.ndarray:
+    """query_start_loc of a ragged query: int32 [num_seqs + 1], 0 first, non-decreasing, num_tokens last. Read on
+    the host whatever validate says: the tile table is built from it."""
+    if query_start_loc is None:
+        raise TypeError("query_start_loc (int32 [num_seqs + 1]) is required with a ragged query "
+                        "[num_tokens, num_heads, head_size]")
+    checks.kind("query_start_loc", query_start_loc)
+    checks.ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    checks.dtype("query_start_loc", query_start_loc, [np.int32])
+    loc = checks.host(query_start_loc)
+    if len(loc) < 1:
+        raise ValueError("query_start_loc must have num_seqs + 1 >= 1 entries, got 0")
+    if loc[0] != 0:
+        raise ValueError(f"query_start_loc[0] must be 0, got {int(loc[0])}")
+    down = np.flatnonzero(np.diff(loc) < 0)
+    if down.size:
+        s = int(down[0])
+        raise ValueError(f"query_start_loc must be non-decreasing: query_start_loc[{s + 1}] = {int(loc[s + 1])} "
+                         f"< query_start_loc[{s}] = {int(loc[s])}")
+    if loc[-1] != num_tokens:
+        raise ValueError(f"query_start_loc[-1] must be num_tokens (query.shape[0]) = {num_tokens}, "
+                         f"got {int(loc[-1])}")
+    return np.array(loc, np.int32)
 
-    def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend,
-                 validate=True, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, cache_types=CACHE_TYPES,
-                 kernel="scalar"):
+
+def _check_lengths(seq_lens: np.ndarray, q_lens: np.ndarray, ragged: bool) -> None:
+    """A sequence's queries are the last of its seq_lens tokens: q_len_s <= seq_lens[s] (the fixed-q_len form
+    also allows an empty sequence, seq_lens[s] = 0, whose queries see nothing)."""
+    short = np.flatnonzero((seq_lens < q_lens) & (ragged | (seq_lens > 0)))
+    if not short.size:
+        return
+    s = int(short[0])
+    if ragged:
+        raise ValueError(f"seq_lens[{s}] = {int(seq_lens[s])} is less than q_len_s = query_start_loc[{s + 1}] - "
+                         f"query_start_loc[{s}] = {int(q_lens[s])}: a sequence's queries are the last q_len_s of "
+                         f"its seq_lens tokens")
+    raise ValueError(f"seq_lens[{s}] = {int(seq_lens[s])} is less than q_len (query.shape[2]) = {int(q_lens[s])}: "
+                     f"the queries are each sequence's last q_len tokens (0, an empty sequence, is allowed)")
+
+
+def work_tiles(query_start_loc: np.ndarray, group: int, rows_per_tile: int) -> np.ndarray:
+    """The tile table of a ragged batch (PREFILL_INPUTS in pagedvk/abi.py): int32 [num_tiles, 2], the
+    (sequence, first row) of each tile of rows_per_tile rows, in sequence order. Sequence s has group * q_len_s
+    rows (group = num_heads / num_kv_heads), so ceil(group * q_len_s / rows_per_tile) tiles, none when it has
+    no queries."""
+    q_lens = np.diff(np.asarray(query_start_loc, np.int64))
+    counts = -(-group * q_lens // rows_per_tile)
+    seqs = np.repeat(np.arange(len(q_lens)), counts)
+    firsts = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([seqs, firsts * rows_per_tile], axis=1).astype(np.int32).reshape(-1, 2)
+
+
+class _Problem:
+    """The checked arguments of one call: dims, device, backend, the batch's layout and the push constants."""
+
+    def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=None, causal=True,
+                 layout="nhd", backend=None, validate=True, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+                 cache_types=CACHE_TYPES, kernel="auto"):
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, not {type(causal).__name__}")
         checks.kind("query", query)
-        checks.ndim("query", query, 4, "[num_seqs, num_heads, q_len, head_size]")
+        self.ragged = len(query.shape) == 3
+        if not self.ragged:
+            checks.ndim("query", query, 4, "[num_tokens, num_heads, head_size] (with query_start_loc) or "
+                        "[num_seqs, num_heads, q_len, head_size]")
         self.query_type = storage_type("query", query, QUERY_TYPES)
         spec = self.spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype, cache_types)
-        self.num_seqs, self.num_heads, self.q_len, self.head_size = query.shape
+        self.num_heads, self.head_size = query.shape[1], query.shape[-1]
         self.num_kv_heads, self.block_size, self.num_blocks = spec.num_kv_heads, spec.block_size, spec.num_blocks
-        checks.dim("query", query, 3, spec.head_size, "head_size, from the caches")
+        checks.dim("query", query, len(query.shape) - 1, spec.head_size, "head_size, from the caches")
         if self.num_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(f"query.shape[1] (num_heads) must be a positive multiple of num_kv_heads "
                              f"({self.num_kv_heads}, from the caches), got {self.num_heads}")
-        if self.q_len < 1:
-            raise ValueError(f"query.shape[2] (q_len) must be at least 1, got {self.q_len}")
-
-        checks.tables(block_tables, seq_lens, self.num_seqs, "query")
+        if self.ragged:
+            self.query_start_loc = _check_query_start_loc(query_start_loc, query.shape[0])
+            self.num_seqs = len(self.query_start_loc) - 1
+            q_lens = np.diff(self.query_start_loc)
+            checks.tables(block_tables, seq_lens, self.num_seqs, "query_start_loc")
+            strides = dict(q_token_stride=self.num_heads, q_head_stride=1)
+        else:
+            if query_start_loc is not None:
+                raise ValueError("query_start_loc goes with a ragged query [num_tokens, num_heads, head_size]; a "
+                                 "query [num_seqs, num_heads, q_len, head_size] has q_len queries per sequence")
+            self.num_seqs, q_len = query.shape[0], query.shape[2]
+            if q_len < 1:
+                raise ValueError(f"query.shape[2] (q_len) must be at least 1, got {q_len}")
+            self.query_start_loc = (np.arange(self.num_seqs + 1) * q_len).astype(np.int32)
+            q_lens = np.full(self.num_seqs, q_len)
+            checks.tables(block_tables, seq_lens, self.num_seqs, "query")
+            strides = dict(q_token_stride=1, q_head_stride=q_len)
+        self.num_tokens = int(self.query_start_loc[-1])
         if validate:
             checks.block_table_values(block_tables, seq_lens, self.block_size, self.num_blocks)
-        lens = checks.host(seq_lens)
-        short = np.flatnonzero((lens > 0) & (lens < self.q_len))
-        if validate and short.size:
-            s = int(short[0])
-            raise ValueError(f"seq_lens[{s}] = {int(lens[s])} is less than q_len (query.shape[2]) = {self.q_len}: "
-                             f"the queries are each sequence's last q_len tokens (0, an empty sequence, is allowed)")
+            _check_lengths(checks.host(seq_lens), q_lens, self.ragged)
         self.block_tables, self.seq_lens = block_tables, seq_lens
 
         self.scale = softmax_scale(scale, self.head_size)
@@ -116,7 +182,8 @@ class _Problem:
         k_scale, v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
         self.causal = bool(causal)
         self.backend = backend_name(backend)
-        self.device = device_of(query, key_cache, value_cache, block_tables, seq_lens)
+        self.device = device_of(query, key_cache, value_cache, block_tables, seq_lens,
+                                *([query_start_loc] if self.ragged else []))
         self.host = isinstance(query, np.ndarray)
         # The forward's kernel ("" scalar, or a matrix kind); the backward's kernels are scalar.
         self.matrix = matrix_kernel(self.device.info, self.device.features, self.backend, spec.storage.tag,
@@ -126,8 +193,12 @@ class _Problem:
         self.push_fields = dict(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=block_tables.shape[1], num_blocks=self.num_blocks,
-            num_seqs=self.num_seqs, q_len=self.q_len, causal=int(self.causal), scale=self.scale * k_scale,
-            v_scale=v_scale, group_size=1, partition_size=0, num_partitions=1, **spec.strides())
+            num_seqs=self.num_seqs, causal=int(self.causal), scale=self.scale * k_scale, v_scale=v_scale,
+            group_size=1, partition_size=0, num_partitions=1, **strides, **spec.strides())
+        self.query_start_loc_arg = query_start_loc if self.ragged else self.query_start_loc
+
+    def tiles(self, rows_per_tile: int) -> np.ndarray:
+        return work_tiles(self.query_start_loc, self.num_heads // self.num_kv_heads, rows_per_tile)
 
     def key(self, kernel, access: str = ""):
         if kernel is PAGED_PREFILL and self.matrix:
@@ -141,12 +212,9 @@ class _Problem:
             self.push_fields, blocks_per_segment=caches.blocks_per_segment,
             num_blocks=self.spec.blocks_held(caches.key_bytes, caches.value_bytes)))
 
-    def grid(self, rows_per_group: int) -> tuple:
-        """Workgroups (row tile, kv head, sequence), numbered linearly over a grid folded to the device's
-        limits."""
-        rows = self.num_heads // self.num_kv_heads * self.q_len
-        return fold_grid(-(-rows // rows_per_group) * self.num_kv_heads * self.num_seqs,
-                         self.device.info.max_workgroup_count)
+    def grid(self, tiles: np.ndarray) -> tuple:
+        """Workgroups (kv head, tile), numbered linearly over a grid folded to the device's limits."""
+        return fold_grid(len(tiles) * self.num_kv_heads, self.device.info.max_workgroup_count)
 
     def check_like(self, name: str, a, shape: tuple, layout: str, dtype) -> None:
         checks.kind(name, a)
@@ -172,10 +240,34 @@ class _Problem:
         return np.concatenate([offsets, (seqs * bt.shape[1] + slots)[order]]).astype(np.int32)
 
 
-def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
-    """Run each (kernel ABI, grid) in turn, its buffers bound by the names its ABI declares: taken from
-    `inputs` (copied to the device when on the host) or allocated for `outputs` (name -> (shape, dtype)). Returns
-    the outputs in order, as numpy arrays when the query came from the host, else as DeviceArrays."""
+def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
+    """(pipeline, buffers, push constants, grid) of each (kernel ABI, grid) with workgroups, its buffers bound
+    by the names its ABI declares, from `arrays` (DeviceArrays)."""
+    caches = bind_caches(arrays["key_cache"], arrays["value_cache"], problem.backend)
+    bound = dict(key_cache=caches.key, value_cache=caches.value)
+    steps = []
+    for abi, grid in dispatches:
+        if math.prod(grid) == 0:
+            continue
+        key = problem.key(abi, caches.access)
+        extra = dict(zip([b.name for b in abi.bindings_for(key)[len(abi.bindings):]], caches.extra))
+        buffers = [bound.get(b.name) or extra.get(b.name) or arrays[b.name].buffer for b in abi.bindings_for(key)]
+        steps.append((kernels.pipeline(problem.device, abi, key), buffers, problem.push(caches), grid))
+    return steps
+
+
+def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict, given: dict | None = None) -> tuple:
+    """Run the dispatches ((kernel ABI, grid) in order, one submission) on `inputs` (copied to the device when
+    on the host) and outputs allocated as `outputs` says (name -> (shape, dtype)); an output in `given` is
+    written instead, a DeviceArray in place, a numpy array filled from the result. Returns the outputs in order,
+    as numpy arrays when the query came from the host, else as DeviceArrays. A batch without queries launches
+    nothing (its outputs have no rows, and buffers of no bytes cannot be bound)."""
+    given = {name: a for name, a in (given or {}).items() if a is not None}
+    if problem.num_tokens == 0:
+        made = {name: np.zeros(shape, dtype) for name, (shape, dtype) in outputs.items()}
+        if problem.host:
+            return tuple(made[name] if name not in given else given[name] for name in outputs)
+        return tuple(given[name] if name in given else asarray(a, device=problem.device) for name, a in made.items())
     temporaries, results = [], {}
     try:
         arrays = {}
@@ -184,90 +276,159 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict) -> tuple:
             if arrays[name] is not a:
                 temporaries.append(arrays[name])
         for name, (shape, dtype) in outputs.items():
-            results[name] = arrays[name] = empty(shape, dtype, problem.device)
-        caches = bind_caches(arrays["key_cache"], arrays["value_cache"], problem.backend)
-        bound = dict(key_cache=caches.key, value_cache=caches.value)
-        for abi, grid in dispatches:
-            key = problem.key(abi, caches.access)
-            pipeline = kernels.pipeline(problem.device, abi, key)
-            extra = dict(zip([b.name for b in abi.bindings_for(key)[len(abi.bindings):]], caches.extra))
-            buffers = [bound.get(b.name) or extra.get(b.name) or arrays[b.name].buffer for b in abi.bindings_for(key)]
-            launch = pipeline.launch(buffers, problem.push(caches), grid)
-            try:
-                launch.submit()
-            finally:
-                launch.close()
+            if isinstance(given.get(name), DeviceArray):
+                arrays[name] = given[name]
+            else:
+                results[name] = arrays[name] = empty(shape, dtype, problem.device)
+        launch = Launch(problem.device, _steps(problem, dispatches, arrays))
+        try:
+            launch.submit()
+        finally:
+            launch.close()
+        for name, a in given.items():
+            if isinstance(a, np.ndarray):
+                a[...] = results[name].numpy()
         if problem.host:
-            return tuple(r.numpy() for r in results.values())
-        handed, results = tuple(results.values()), {}
+            return tuple(given[name] if name in given else results[name].numpy() for name in outputs)
+        handed = tuple(given.get(name, arrays[name]) for name in outputs)
+        results = {name: a for name, a in results.items() if name in given}   # only the copies to numpy outs
         return handed
     finally:
         for a in temporaries + list(results.values()):
             a.close()
 
 
-def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array,
-                            *, scale: float | None = None, causal: bool = True, layout: str = "nhd",
-                            kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
-                            backend: str | None = None, validate: bool = True,
-                            kernel: str = "auto") -> tuple[Array, Array]:
-    """Attention of each sequence's last q_len tokens over its paged KV cache.
+QUERY_DOC = """query        float32, float16 or bfloat16, ragged [num_tokens, num_heads, head_size] with
+                 query_start_loc, or [num_seqs, num_heads, q_len, head_size] (q_len queries per sequence)
+    query_start_loc  int32 [num_seqs + 1] (ragged query only; vLLM's query_start_loc, FlashInfer's qo_indptr):
+                 sequence s owns query tokens query_start_loc[s] .. query_start_loc[s + 1] - 1, q_len_s of them
+                 (0 allowed), the last q_len_s of its seq_lens[s] tokens; 0 first, non-decreasing, num_tokens last"""
 
-    query        float32, float16 or bfloat16 [num_seqs, num_heads, q_len, head_size]; query i of sequence s
-                 is its token seq_lens[s] - q_len + i, so with causal=True it sees keys 0 .. seq_lens[s] - q_len + i
+
+def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array,
+                            query_start_loc: Array | None = None, *, scale: float | None = None, causal: bool = True,
+                            layout: str = "nhd", kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+                            v_scale: float = 1.0, backend: str | None = None, validate: bool = True,
+                            out: Array | None = None, kernel: str = "auto") -> tuple[Array, Array]:
+    """Attention of each sequence's new tokens (its last q_len_s positions) over its paged KV cache: a ragged
+    batch of prompts, prompt chunks and decode tokens (q_len_s = 1) in one launch.
+
+    {query}
     key_cache    layout "nhd" [num_blocks, block_size, num_kv_heads, head_size] or "vllm" (pagedvk.layouts);
     value_cache  float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 (or uint8 with vLLM's
                  kv_cache_dtype and k_scale / v_scale); num_heads a multiple of num_kv_heads (GQA/MQA);
                  head_size a multiple of 4 up to 256; block_size 8, 16 or 32
     block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids
-    seq_lens     int32 [num_seqs]: cached tokens per sequence, at least q_len, or 0 for an empty sequence
-                 (zeros out, lse -inf)
+    seq_lens     int32 [num_seqs]: tokens per sequence, the new ones included (vLLM's seq_lens); at least
+                 q_len_s (the fixed-q_len form also takes 0, an empty sequence: zeros out, lse -inf)
     scale        softmax scale, default 1 / sqrt(head_size); accumulation is float32
-    Returns (out [num_seqs, num_heads, q_len, head_size] in the query's dtype, lse float32 [num_seqs,
-    num_heads, q_len]), lse the natural-log sum of exp(scale q.k) over the keys seen: numpy for a numpy
-    query, DeviceArrays for a DeviceArray query.
+    causal       query i of sequence s (position seq_lens[s] - q_len_s + i) sees keys 0 .. that position
+    Returns (out like query in the query's dtype, lse float32 like query without its head_size axis:
+    [num_tokens, num_heads] or [num_seqs, num_heads, q_len]), lse the natural-log sum of exp(scale q.k) over the
+    keys seen (FlashInfer's): numpy for a numpy query, DeviceArrays for a DeviceArray query.
     validate=False skips the checks of the tables' values (as DecodePlan's): the kernels bound every
     index themselves, so bad values give wrong rows for their sequences, never an access outside a buffer.
+    query_start_loc is always checked (the launch's tile table is built from it on the host).
+    out          optional, the query's shape and dtype: written with the result and returned (a DeviceArray in
+                 place, a numpy array filled), as vLLM's ops take it
     kernel       "auto": the cooperative-matrix kernel where the device has one for these arguments
                  (matrix_kernel), else the scalar one; "scalar" or "coopmat" to force it (ValueError where
                  "coopmat" cannot run). The matrix kernel multiplies in float16, accumulating in float32.
 
-    >>> out, lse = pagedvk.paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens)
+    >>> out, lse = pagedvk.paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     """
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate,
-                 kv_cache_dtype, k_scale, v_scale, kernel=kernel)
-    return _run(p, [(PAGED_PREFILL, p.grid(MATRIX_ROWS if p.matrix else FORWARD_ROWS))],
-                dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                     seq_lens=seq_lens),
-                dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:3]), np.float32)))
+    return _run(*_forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale=scale,
+                          causal=causal, layout=layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                          v_scale=v_scale, backend=backend, validate=validate, kernel=kernel), dict(out=out))
+
+
+def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, **options) -> tuple:
+    """The checked forward: (problem, dispatches, inputs, outputs) for _run or launch()."""
+    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **options)
+    if out is not None:
+        p.check_like("out", out, tuple(query.shape), "(the query's shape)", query.dtype)
+    tiles = p.tiles(MATRIX_ROWS if p.matrix else FORWARD_ROWS)
+    return (p, [(PAGED_PREFILL, p.grid(tiles))],
+            dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                 seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles),
+            dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:-1]), np.float32)))
 
 
 def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_cache: Array, block_tables: Array,
-                             seq_lens: Array, out: Array, lse: Array, *, scale: float | None = None,
-                             causal: bool = True, layout: str = "nhd", backend: str | None = None,
-                             validate: bool = True) -> tuple[Array, Array, Array]:
+                             seq_lens: Array, out: Array, lse: Array, query_start_loc: Array | None = None, *,
+                             scale: float | None = None, causal: bool = True, layout: str = "nhd",
+                             backend: str | None = None, validate: bool = True) -> tuple[Array, Array, Array]:
     """Gradients of paged_attention_prefill: (dq, dk_cache, dv_cache) for the upstream gradient dout.
 
-    query, dout, out  float32, float16 or bfloat16, one dtype, [num_seqs, num_heads, q_len, head_size]
+    {query}
+    dout, out    the query's shape and dtype
     key_cache, value_cache  float32, float16 or bfloat16, either layout
-    lse          float32 [num_seqs, num_heads, q_len]
+    lse          float32, the query's shape without head_size
     out and lse are what paged_attention_prefill returned for these arguments. The gradients are float32,
     accumulated in float32: dq has the query's shape, dk_cache and dv_cache the caches' shapes and layout.
     Where several sequences read one physical block their gradients add up (in a fixed order, so results
     are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a DeviceArray query
     gives DeviceArrays. validate as for paged_attention_prefill.
 
-    >>> dq, dk, dv = pagedvk.paged_attention_backward(dout, q, key_cache, value_cache, block_tables, seq_lens, out, lse)
+    >>> dq, dk, dv = pagedvk.paged_attention_backward(dout, q, key_cache, value_cache, block_tables, seq_lens, out, lse,
+    ...                                               query_start_loc)
     """
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, scale, causal, layout, backend, validate,
-                 cache_types=GRADIENT_CACHE_TYPES)
-    query_layout = "[num_seqs, num_heads, q_len, head_size] (the query's shape)"
+    return _run(*_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, query_start_loc,
+                           scale=scale, causal=causal, layout=layout, backend=backend, validate=validate))
+
+
+def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, query_start_loc,
+              **options) -> tuple:
+    """The checked backward: (problem, dispatches, inputs, outputs) for _run or launch()."""
+    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                 cache_types=GRADIENT_CACHE_TYPES, **options)
+    query_layout = "(the query's shape)"
     p.check_like("dout", dout, tuple(query.shape), query_layout, query.dtype)
     p.check_like("out", out, tuple(query.shape), query_layout, query.dtype)
-    p.check_like("lse", lse, tuple(query.shape[:3]), "[num_seqs, num_heads, q_len]", np.float32)
+    p.check_like("lse", lse, tuple(query.shape[:-1]), "(the query's shape without head_size)", np.float32)
+    tiles = p.tiles(DQ_ROWS)
     inputs = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                  seq_lens=seq_lens, dout=dout, out=out, lse=lse, block_readers=p.block_readers())
+                  seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles, dout=dout, out=out, lse=lse,
+                  block_readers=p.block_readers())
     dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // DKDV_TOKENS)
-    return _run(p, [(PAGED_BACKWARD_DQ, p.grid(DQ_ROWS)), (PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
-                dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
-                     dv_cache=(tuple(value_cache.shape), np.float32)))
+    return (p, [(PAGED_BACKWARD_DQ, p.grid(tiles)), (PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
+            dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
+                 dv_cache=(tuple(value_cache.shape), np.float32)))
+
+
+class Recorded:
+    """A forward or backward recorded once over device arrays, to run again and again (benchmarks): `launch`
+    (pagedvk.runtime.pipeline.Launch; submit() returns the GPU time in ns), `outputs` (DeviceArrays, as the op
+    returns them). close() frees the launch, the outputs and the tables uploaded for it."""
+
+    def __init__(self, problem: _Problem, dispatches, inputs: dict, outputs: dict):
+        self._owned = []
+        arrays = {}
+        for name, a in inputs.items():
+            arrays[name] = asarray(a, device=problem.device)
+            if arrays[name] is not a:
+                self._owned.append(arrays[name])
+        for name, (shape, dtype) in outputs.items():
+            arrays[name] = empty(shape, dtype, problem.device)
+            self._owned.append(arrays[name])
+        self.outputs = tuple(arrays[name] for name in outputs)
+        self.launch = Launch(problem.device, _steps(problem, dispatches, arrays), timestamps=True)
+
+    @classmethod
+    def forward(cls, *args, **options) -> "Recorded":
+        """paged_attention_prefill's arguments (query and caches DeviceArrays)."""
+        return cls(*_forward(*args, **options))
+
+    @classmethod
+    def backward(cls, *args, **options) -> "Recorded":
+        """paged_attention_backward's arguments (query, caches, dout, out and lse DeviceArrays)."""
+        return cls(*_backward(*args, **options))
+
+    def close(self) -> None:
+        self.launch.close()
+        for a in self._owned:
+            a.close()
+
+
+paged_attention_prefill.__doc__ = paged_attention_prefill.__doc__.format(query=QUERY_DOC)
+paged_attention_backward.__doc__ = paged_attention_backward.__doc__.format(query=QUERY_DOC)

@@ -48,7 +48,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     return out
 
 
-# -- prefill and its backward: q_len queries per sequence, either cache layout -----------------------------
+# -- prefill and its backward: ragged batches (or q_len queries per sequence), either cache layout ---------
 
 def caches_as_nhd(key_cache, value_cache, layout):
     """Both caches as float64 [num_blocks, block_size, num_kv_heads, head_size] ("nhd"), from either layout.
@@ -98,58 +98,77 @@ def softmax_rows(logits):
     return p / denom, np.where(seen, m + np.log(denom), -np.inf)[:, 0]
 
 
-def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, scale=None, causal=True,
-                            layout="nhd"):
-    """query [num_seqs, num_heads, q_len, head_size] -> (out like query, lse [num_seqs, num_heads, q_len]).
-    lse is the natural-log sum of exp(scale q.k) over the keys a query sees (-inf, with zeros out, if none)."""
+def ragged_query(query, query_start_loc=None):
+    """(query as float64 [num_tokens, num_heads, head_size], query_start_loc, unflatten) from either query form:
+    ragged with query_start_loc, or [num_seqs, num_heads, q_len, head_size] (q_len queries per sequence).
+    unflatten(x) turns a ragged result [num_tokens, num_heads, ...] back into the query's form."""
     q = np.asarray(query, np.float64)
+    if query_start_loc is not None:
+        return q, np.asarray(query_start_loc, np.int64), lambda x: x
     num_seqs, num_heads, q_len, head_size = q.shape
+
+    def unflatten(x):
+        return np.ascontiguousarray(x.reshape(num_seqs, q_len, num_heads, *x.shape[2:]).swapaxes(1, 2))
+    return (q.transpose(0, 2, 1, 3).reshape(num_seqs * q_len, num_heads, head_size),
+            np.arange(num_seqs + 1) * q_len, unflatten)
+
+
+def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
+                            causal=True, layout="nhd"):
+    """Ragged query [num_tokens, num_heads, head_size] with query_start_loc [num_seqs + 1] (sequence s owns tokens
+    query_start_loc[s] .. query_start_loc[s + 1] - 1, its last positions), or query [num_seqs, num_heads, q_len,
+    head_size] -> (out like query, lse like query without head_size). lse is the natural-log sum of
+    exp(scale q.k) over the keys a query sees (-inf, with zeros out, if none)."""
+    q, loc, unflatten = ragged_query(query, query_start_loc)
+    num_heads, head_size = q.shape[1], q.shape[2]
     k_nhd, v_nhd = caches_as_nhd(key_cache, value_cache, layout)
     block_size, num_kv_heads = k_nhd.shape[1], k_nhd.shape[2]
     group = num_heads // num_kv_heads
     scale = 1.0 / np.sqrt(head_size) if scale is None else scale
-    out, lse = np.zeros_like(q), np.zeros((num_seqs, num_heads, q_len))
-    for s in range(num_seqs):
-        n = int(seq_lens[s])
+    out, lse = np.zeros_like(q), np.zeros(q.shape[:2])
+    for s in range(len(loc) - 1):
+        n, rows = int(seq_lens[s]), slice(loc[s], loc[s + 1])
         blocks, offsets = token_slots(block_tables[s], n, block_size)
         k, v = k_nhd[blocks, offsets], v_nhd[blocks, offsets]        # [n, num_kv_heads, head_size]
-        mask = visible(q_len, n, causal)
+        mask = visible(loc[s + 1] - loc[s], n, causal)
         for h in range(num_heads):
-            p, lse[s, h] = softmax_rows(np.where(mask, scale * (q[s, h] @ k[:, h // group].T), -np.inf))
-            out[s, h] = p @ v[:, h // group]
-    return out, lse
+            p, lse[rows, h] = softmax_rows(np.where(mask, scale * (q[rows, h] @ k[:, h // group].T), -np.inf))
+            out[rows, h] = p @ v[:, h // group]
+    return unflatten(out), unflatten(lse)
 
 
-def paged_attention_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, scale=None, causal=True,
-                             layout="nhd"):
+def paged_attention_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None,
+                             scale=None, causal=True, layout="nhd"):
     """Gradients of sum(dout * out) for out = paged_attention_prefill(...): (dq like query, dk_cache and
-    dv_cache like the caches). Tokens of a physical block that several sequences read add up; blocks and
-    slots nobody reads get zero. Probabilities are recomputed here in float64 (FlashAttention's backward:
-    dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q)."""
-    q, do = np.asarray(query, np.float64), np.asarray(dout, np.float64)
-    num_seqs, num_heads, q_len, head_size = q.shape
+    dv_cache like the caches); query and dout in either form. Tokens of a physical block that several sequences
+    read add up; blocks and slots nobody reads get zero. Probabilities are recomputed here in float64
+    (FlashAttention's backward: dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO * O)), dQ = scale dS K,
+    dK = scale dS^T Q)."""
+    q, loc, unflatten = ragged_query(query, query_start_loc)
+    do = ragged_query(dout, query_start_loc)[0]
+    num_heads, head_size = q.shape[1], q.shape[2]
     k_nhd, v_nhd = caches_as_nhd(key_cache, value_cache, layout)
     block_size, num_kv_heads = k_nhd.shape[1], k_nhd.shape[2]
     group = num_heads // num_kv_heads
     scale = 1.0 / np.sqrt(head_size) if scale is None else scale
     dq, dk_nhd, dv_nhd = np.zeros_like(q), np.zeros_like(k_nhd), np.zeros_like(v_nhd)
-    for s in range(num_seqs):
-        n = int(seq_lens[s])
+    for s in range(len(loc) - 1):
+        n, rows = int(seq_lens[s]), slice(loc[s], loc[s + 1])
         blocks, offsets = token_slots(block_tables[s], n, block_size)
         k, v = k_nhd[blocks, offsets], v_nhd[blocks, offsets]
         dk, dv = np.zeros_like(k), np.zeros_like(v)
-        mask = visible(q_len, n, causal)
+        mask = visible(loc[s + 1] - loc[s], n, causal)
         for h in range(num_heads):
             kh = h // group
-            p, _ = softmax_rows(np.where(mask, scale * (q[s, h] @ k[:, kh].T), -np.inf))
-            dp = do[s, h] @ v[:, kh].T
+            p, _ = softmax_rows(np.where(mask, scale * (q[rows, h] @ k[:, kh].T), -np.inf))
+            dp = do[rows, h] @ v[:, kh].T
             ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))     # rowsum(P dP) == rowsum(dO * O)
-            dq[s, h] = scale * ds @ k[:, kh]
-            dk[:, kh] += scale * ds.T @ q[s, h]
-            dv[:, kh] += p.T @ do[s, h]
+            dq[rows, h] = scale * ds @ k[:, kh]
+            dk[:, kh] += scale * ds.T @ q[rows, h]
+            dv[:, kh] += p.T @ do[rows, h]
         np.add.at(dk_nhd, (blocks, offsets), dk)
         np.add.at(dv_nhd, (blocks, offsets), dv)
-    return (dq,) + nhd_as_cache(dk_nhd, dv_nhd, layout, np.shape(key_cache))
+    return (unflatten(dq),) + nhd_as_cache(dk_nhd, dv_nhd, layout, np.shape(key_cache))
 
 
 def cache_element(x, dtype, scale=1.0):

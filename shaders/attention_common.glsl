@@ -25,7 +25,8 @@ layout(push_constant) uniform Params {
     uint max_blocks_per_seq;
     uint num_blocks;
     uint num_seqs;
-    uint q_len;
+    uint q_token_stride;
+    uint q_head_stride;
     uint causal;
     float scale;
     float v_scale;
@@ -74,22 +75,24 @@ vec4 logits4(vec4 scaled_dot, uvec4 heads, uint key_pos, uvec4 query_pos, uvec4 
     return l;
 }
 
-// The sequence position of query i: a sequence's queries are its last q_len tokens.
-uint query_position(uint i, uint seq_len) { return uint(max(int(seq_len) - int(pc.q_len) + int(i), 0)); }
+// The sequence position of query i of a sequence with q_len queries: they are its last q_len tokens.
+uint query_position(uint i, uint q_len, uint seq_len) { return uint(max(int(seq_len) - int(q_len) + int(i), 0)); }
 
 // Keys a query row sees. The q_len queries are the last q_len positions of the sequence, so with causal
 // masking query i sees keys 0 .. seq_len - q_len + i (not 0 .. i: that only holds when seq_len == q_len).
-uint visible_keys(uint i, uint seq_len) {
+uint visible_keys(uint i, uint q_len, uint seq_len) {
     if (pc.causal == 0u) return seq_len;
-    return uint(clamp(int(seq_len) - int(pc.q_len) + int(i) + 1, 0, int(seq_len)));
+    return uint(clamp(int(seq_len) - int(q_len) + int(i) + 1, 0, int(seq_len)));
 }
 
-// Where query row gr of a workgroup starts in query, out and dout ([seqs, heads, q_len, head_size]), in
-// elements. A workgroup's rows are the (query, head) pairs of the heads sharing one kv head (GQA),
-// query-major, so every key and value it reads serves all of them.
-uint row_base(uint seq, uint kv_head, uint gr) {
+// Where row gr of a sequence's query rows starts in query, out, dout and dq, in elements (lse: divided by
+// head_size); q_start is the sequence's first query token (PREFILL_INPUTS in pagedvk/abi.py). A sequence's
+// rows are the (query, head) pairs of the heads sharing one kv head (GQA), query-major, so every key and
+// value a workgroup reads serves all of its rows.
+uint row_base(uint q_start, uint kv_head, uint gr) {
     uint group = pc.num_heads / pc.num_kv_heads;
-    return ((seq * pc.num_heads + kv_head * group + gr % group) * pc.q_len + gr / group) * pc.head_size;
+    return (q_start * pc.num_heads + (gr / group) * pc.q_token_stride
+            + (kv_head * group + gr % group) * pc.q_head_stride) * pc.head_size;
 }
 
 // Quad c of key token t, kv head h, from the start of its block (see above).

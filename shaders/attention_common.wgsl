@@ -13,7 +13,8 @@ struct Params {
     max_blocks_per_seq: u32,
     num_blocks: u32,
     num_seqs: u32,
-    q_len: u32,
+    q_token_stride: u32,
+    q_head_stride: u32,
     causal: u32,
     scale: f32,
     v_scale: f32,
@@ -48,7 +49,6 @@ fn workgroup_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wid.x + nwg.x * (wid.y + nwg.y * wid.z);
 }
 
-// Keys query i sees (the q_len queries are the last q_len positions of the sequence).
 // The hooks attention variants go through, shared by decode and prefill (see attention_common.glsl).
 fn key_visible(key_pos: u32, query_pos: u32) -> bool {
     return pc.causal == 0u || key_pos <= query_pos;
@@ -68,21 +68,24 @@ fn logits4(scaled_dot: vec4<f32>, heads: vec4<u32>, key_pos: u32, query_pos: vec
     return l;
 }
 
-fn query_position(i: u32, seq_len: u32) -> u32 {
-    return u32(max(i32(seq_len) - i32(pc.q_len) + i32(i), 0));
+// A sequence's queries are its last q_len tokens (see attention_common.glsl).
+fn query_position(i: u32, q_len: u32, seq_len: u32) -> u32 {
+    return u32(max(i32(seq_len) - i32(q_len) + i32(i), 0));
 }
 
-fn visible_keys(i: u32, seq_len: u32) -> u32 {
+fn visible_keys(i: u32, q_len: u32, seq_len: u32) -> u32 {
     if (pc.causal == 0u) {
         return seq_len;
     }
-    return u32(clamp(i32(seq_len) - i32(pc.q_len) + i32(i) + 1, 0, i32(seq_len)));
+    return u32(clamp(i32(seq_len) - i32(q_len) + i32(i) + 1, 0, i32(seq_len)));
 }
 
-// Where query row gr of a workgroup starts in query, out and dout, in elements (GQA rows, query-major).
-fn row_base(seq: u32, kv_head: u32, gr: u32) -> u32 {
+// Where row gr of the sequence whose first query token is q_start starts in query, out, dout and dq, in
+// elements (GQA rows, query-major; PREFILL_INPUTS in pagedvk/abi.py).
+fn row_base(q_start: u32, kv_head: u32, gr: u32) -> u32 {
     let group = pc.num_heads / pc.num_kv_heads;
-    return ((seq * pc.num_heads + kv_head * group + gr % group) * pc.q_len + gr / group) * pc.head_size;
+    return (q_start * pc.num_heads + (gr / group) * pc.q_token_stride
+            + (kv_head * group + gr % group) * pc.q_head_stride) * pc.head_size;
 }
 
 // Quad c of key token t, kv head h, from the start of its block.

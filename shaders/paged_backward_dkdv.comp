@@ -17,18 +17,20 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };            // [seqs, heads, q_len, head_size]
-#define KV_SEGMENT_BINDING 10   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };            // [tokens, heads, head_size]
+#define KV_SEGMENT_BINDING 11   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockReaders { int block_readers[]; }; // see PAGED_BACKWARD_DKDV
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };          // [seqs]
-layout(std430, set = 0, binding = 5) readonly buffer Dout { Q_QUAD dout[]; };              // like query
-layout(std430, set = 0, binding = 6) readonly buffer Out { Q_QUAD out_[]; };               // like query
-layout(std430, set = 0, binding = 7) readonly buffer Lse { float lse[]; };                 // [seqs, heads, q_len]
-layout(std430, set = 0, binding = 8) writeonly buffer DkCache { float dk_cache[]; };       // float32, key_cache's shape
-layout(std430, set = 0, binding = 9) writeonly buffer DvCache { float dv_cache[]; };       // float32, value_cache's shape
+layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
+layout(std430, set = 0, binding = 6) readonly buffer Dout { Q_QUAD dout[]; };              // like query
+layout(std430, set = 0, binding = 7) readonly buffer Out { Q_QUAD out_[]; };               // like query
+layout(std430, set = 0, binding = 8) readonly buffer Lse { float lse[]; };                 // [tokens, heads]
+layout(std430, set = 0, binding = 9) writeonly buffer DkCache { float dk_cache[]; };       // float32, key_cache's shape
+layout(std430, set = 0, binding = 10) writeonly buffer DvCache { float dv_cache[]; };      // float32, like value_cache
 
 #include "attention_common.glsl"
+#include "prefill_common.glsl"
 
 const uint KEYS = 8u;               // block tokens per workgroup, two vec4s (_a, _b) in the accumulators
 const uint ROWS = 8u;               // query rows per step
@@ -50,7 +52,6 @@ void main() {
     const uint hc = hs / 4u;
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
-    const uint rows = group * pc.q_len;
     const uint max_blocks = pc.max_blocks_per_seq;
     if (hs > MAX_HEAD_SIZE || (sub + 1u) * KEYS > bs) return;
 
@@ -78,18 +79,20 @@ void main() {
             const uint seq_len = seq < uint(seq_lens.length())
                 ? min(uint(max(seq_lens[seq], 0)), max_blocks * bs) : 0u;
             const uint p0 = slot * bs + sub * KEYS;   // position of the first token in the sequence
+            const uvec2 queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));
+            const uint q_start = queries.x, q_len = queries.y, rows = group * q_len;
             if (p0 >= seq_len) continue;
             // Queries before i_first see none of these tokens (causal): their rows are skipped.
             const uint i_first = pc.causal == 0u ? 0u
-                : uint(clamp(int(p0) - (int(seq_len) - int(pc.q_len)), 0, int(pc.q_len)));
+                : uint(clamp(int(p0) - (int(seq_len) - int(q_len)), 0, int(q_len)));
 
             for (uint r0 = i_first * group; r0 < rows; r0 += ROWS) {
                 // A: P or dP - D of pair (pr, pk), 0 where the query does not see the token.
                 const uint gr = r0 + pr;
-                const uint q = row_base(seq, kv_head, gr);
+                const uint q = row_base(q_start, kv_head, gr);
                 const uint token = sub * KEYS + pk;
                 float val = 0.0;
-                if (gr < rows && p0 + pk < visible_keys(gr / group, seq_len) && q + hs <= row_floats
+                if (gr < rows && p0 + pk < visible_keys(gr / group, q_len, seq_len) && q + hs <= row_floats
                         && q / hs < uint(lse.length())) {
                     float s = 0.0, t = 0.0;
                     if (takes_p) {
@@ -113,7 +116,7 @@ void main() {
 
                 // C: this thread's head dims of dV and dK, for the KEYS tokens.
                 for (uint r = 0u; r < ROWS; r++) {
-                    const uint qr = row_base(seq, kv_head, r0 + r);
+                    const uint qr = row_base(q_start, kv_head, r0 + r);
                     if (r0 + r >= rows || qr + hs > row_floats) break;
                     const uint i = r * KEYS;
                     const vec4 p_a = vec4(s_p[i], s_p[i + 1u], s_p[i + 2u], s_p[i + 3u]);

@@ -8,20 +8,22 @@
 //!include attention_common.wgsl
 //!include kv_access.wgsl
 //!include cache_elements.wgsl
+//!include prefill_common.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<QQuad>;             // [seqs, heads, q_len, head_size]
+@group(0) @binding(0) var<storage, read> query: array<QQuad>;             // [tokens, heads, head_size]
 @group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;        // see key_load()
 @group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;      // see value_load()
 @group(0) @binding(3) var<storage, read> block_readers: array<i32>;        // see PAGED_BACKWARD_DKDV
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;             // [seqs]
-@group(0) @binding(5) var<storage, read> dout: array<QQuad>;              // like query
-@group(0) @binding(6) var<storage, read> out: array<QQuad>;               // like query
-@group(0) @binding(7) var<storage, read> lse: array<f32>;                  // [seqs, heads, q_len]
-@group(0) @binding(8) var<storage, read_write> dk_cache: array<f32>;       // float32, key_cache's shape
-@group(0) @binding(9) var<storage, read_write> dv_cache: array<f32>;       // float32, value_cache's shape
+@group(0) @binding(5) var<storage, read> query_start_loc: array<i32>;     // [seqs + 1]
+@group(0) @binding(6) var<storage, read> dout: array<QQuad>;              // like query
+@group(0) @binding(7) var<storage, read> out: array<QQuad>;               // like query
+@group(0) @binding(8) var<storage, read> lse: array<f32>;                  // [tokens, heads]
+@group(0) @binding(9) var<storage, read_write> dk_cache: array<f32>;       // float32, key_cache's shape
+@group(0) @binding(10) var<storage, read_write> dv_cache: array<f32>;      // float32, value_cache's shape
 var<immediate> pc: Params;
 
-const KV_SEGMENT_BINDING: u32 = 10u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
 const KEYS: u32 = 8u;               // block tokens per workgroup: two vec4s (_a, _b) in the accumulators
 const ROWS: u32 = 8u;               // query rows per step
@@ -53,7 +55,6 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let hc = hs / 4u;
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
-    let rows = group * pc.q_len;
     let max_blocks = pc.max_blocks_per_seq;
     if (hs > MAX_HEAD_SIZE || (sub + 1u) * KEYS > bs) {
         return;
@@ -98,22 +99,26 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             if (seq < arrayLength(&seq_lens)) {
                 seq_len = min(u32(max(seq_lens[seq], 0)), max_blocks * bs);
             }
+            let queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));
+            let q_start = queries.x;
+            let q_len = queries.y;
+            let rows = group * q_len;
             let p0 = slot * bs + sub * KEYS;
             if (p0 >= seq_len) {
                 continue;
             }
             var i_first = 0u;
             if (pc.causal != 0u) {
-                i_first = u32(clamp(i32(p0) - (i32(seq_len) - i32(pc.q_len)), 0, i32(pc.q_len)));
+                i_first = u32(clamp(i32(p0) - (i32(seq_len) - i32(q_len)), 0, i32(q_len)));
             }
 
             for (var r0 = i_first * group; r0 < rows; r0 += ROWS) {
                 // A: P or dP - D of pair (pr, pk), 0 where the query does not see the token.
                 let gr = r0 + pr;
-                let q = row_base(seq, kv_head, gr);
+                let q = row_base(q_start, kv_head, gr);
                 let token = sub * KEYS + pk;
                 var val = 0.0;
-                if (gr < rows && p0 + pk < visible_keys(gr / group, seq_len) && q + hs <= row_floats
+                if (gr < rows && p0 + pk < visible_keys(gr / group, q_len, seq_len) && q + hs <= row_floats
                         && q / hs < arrayLength(&lse)) {
                     var s = 0.0;
                     var t = 0.0;
@@ -145,7 +150,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
 
                 // C: this thread's head dims of dV and dK, for the KEYS tokens.
                 for (var r = 0u; r < ROWS; r++) {
-                    let qr = row_base(seq, kv_head, r0 + r);
+                    let qr = row_base(q_start, kv_head, r0 + r);
                     if (r0 + r >= rows || qr + hs > row_floats) {
                         break;
                     }

@@ -3,7 +3,8 @@
 // q.k - lse), dP = dout.v and D = rowsum(dout * out) (FlashAttention-2's backward; the forward's lse
 // saves recomputing the softmax normalisation). The key and value gradients are paged_backward_dkdv.comp.
 //
-// One workgroup per (tile of ROWS query rows, kv head, sequence), rows packed as in paged_prefill.comp.
+// One workgroup per (tile of ROWS query rows of one sequence, kv head), from the tile table, rows packed as
+// in paged_prefill.comp; the batch is ragged as the forward's (PREFILL_INPUTS in pagedvk/abi.py).
 // Each thread computes the rows' D itself, summed in the order A sums dP: where a query sees a single key,
 // out == v, so dP - D is exactly 0 as in float64 (a reduction across threads would leave rounding noise,
 // which would then be all of dq). Then the context is walked in tiles of TILE tokens:
@@ -16,17 +17,21 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };          // [seqs, heads, q_len, head_size]
-#define KV_SEGMENT_BINDING 9   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };          // [tokens, heads, head_size]
+#define KV_SEGMENT_BINDING 11   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
-layout(std430, set = 0, binding = 5) readonly buffer Dout { Q_QUAD dout[]; };            // like query
-layout(std430, set = 0, binding = 6) readonly buffer Out { Q_QUAD out_[]; };             // like query
-layout(std430, set = 0, binding = 7) readonly buffer Lse { float lse[]; };               // [seqs, heads, q_len]
-layout(std430, set = 0, binding = 8) writeonly buffer Dq { float dq[]; };                // like query
+layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
+layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };             // [tiles, 2]
+layout(std430, set = 0, binding = 7) readonly buffer Dout { Q_QUAD dout[]; };            // like query
+layout(std430, set = 0, binding = 8) readonly buffer Out { Q_QUAD out_[]; };             // like query
+layout(std430, set = 0, binding = 9) readonly buffer Lse { float lse[]; };               // [tokens, heads]
+layout(std430, set = 0, binding = 10) writeonly buffer Dq { float dq[]; };               // like query
 
 #include "attention_common.glsl"
+#define PREFILL_TILES
+#include "prefill_common.glsl"
 
 const uint ROWS = 8u;                          // query rows per workgroup: two vec4s (_a, _b), as in the forward
 const uint TILE = WG;                          // tokens per tile: one per thread in A
@@ -58,32 +63,31 @@ void main() {
     const uint hc = hs / 4u;
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
-    const uint rows = group * pc.q_len;
-    const uint tiles = (rows + ROWS - 1u) / ROWS;
-    const uint wg = workgroup_index();         // (row tile, kv head, sequence), tiles fastest
-    const uint kv_head = (wg / tiles) % pc.num_kv_heads;
-    const uint seq = wg / (tiles * pc.num_kv_heads);
-    const uint row0 = (wg % tiles) * ROWS;
-    if (seq >= pc.num_seqs || row0 >= rows || hs > MAX_HEAD_SIZE) return;
-    const uint row_end = min(row0 + ROWS, rows);
+    uint kv_head, seq, row0;
+    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE) return;
     // query, dout and out share one shape: a row is in all three or the launch is malformed.
     const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 4u;
-    if (row_base(seq, kv_head, row0) + hs > row_floats) return;
+    const uvec2 queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));
+    const uint q_start = queries.x, q_len = queries.y;
+    const uint rows = group * q_len;
+    if (row0 >= rows) return;
+    const uint row_end = min(row0 + ROWS, rows);
+    if (row_base(q_start, kv_head, row0) + hs > row_floats) return;
 
     const uint num_blocks = pc.num_blocks;
     const uint bt_row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(bt_row), 0)));
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
-    const uint kv_end = visible_keys((row_end - 1u) / group, seq_len);
+    const uint kv_end = visible_keys((row_end - 1u) / group, q_len, seq_len);
 
     // Keys each row sees (0 past the end), its first chunk (row 0's where it sees none) and its lse.
     uint keys[ROWS], qb[ROWS];
     float row_lse[ROWS];
     for (uint r = 0u; r < ROWS; r++) {
-        uint q = row_base(seq, kv_head, row0 + r);
+        uint q = row_base(q_start, kv_head, row0 + r);
         bool valid = row0 + r < row_end && q + hs <= row_floats && q / hs < uint(lse.length());
-        keys[r] = valid ? visible_keys((row0 + r) / group, seq_len) : 0u;
-        qb[r] = (keys[r] > 0u ? q : row_base(seq, kv_head, row0)) / 4u;
+        keys[r] = valid ? visible_keys((row0 + r) / group, q_len, seq_len) : 0u;
+        qb[r] = (keys[r] > 0u ? q : row_base(q_start, kv_head, row0)) / 4u;
         row_lse[r] = keys[r] > 0u ? lse[q / hs] : 0.0;
     }
     const uvec4 keys_a = uvec4(keys[0], keys[1], keys[2], keys[3]), keys_b = uvec4(keys[4], keys[5], keys[6], keys[7]);
@@ -153,7 +157,7 @@ void main() {
     }
 
     for (uint r = 0u; r < ROWS; r++) {
-        uint q = row_base(seq, kv_head, row0 + r);
+        uint q = row_base(q_start, kv_head, row0 + r);
         if (row0 + r >= row_end || q + hs > uint(dq.length())) continue;
         if (d0 < hs) dq[q + d0] = pc.scale * (r < 4u ? dq0_a[r] : dq0_b[r - 4u]);
         if (d1 < hs) dq[q + d1] = pc.scale * (r < 4u ? dq1_a[r] : dq1_b[r - 4u]);

@@ -8,19 +8,23 @@
 //!include attention_common.wgsl
 //!include kv_access.wgsl
 //!include cache_elements.wgsl
+//!include prefill_common.wgsl
+//!include prefill_tiles.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<QQuad>;           // [seqs, heads, q_len, head_size]
+@group(0) @binding(0) var<storage, read> query: array<QQuad>;           // [tokens, heads, head_size]
 @group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;      // see key_load()
 @group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;    // see value_load()
 @group(0) @binding(3) var<storage, read> block_tables: array<i32>;       // [seqs, max_blocks_per_seq]
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;           // [seqs]
-@group(0) @binding(5) var<storage, read> dout: array<QQuad>;            // like query
-@group(0) @binding(6) var<storage, read> out: array<QQuad>;             // like query
-@group(0) @binding(7) var<storage, read> lse: array<f32>;                // [seqs, heads, q_len]
-@group(0) @binding(8) var<storage, read_write> dq: array<f32>;           // like query
+@group(0) @binding(5) var<storage, read> query_start_loc: array<i32>;   // [seqs + 1]
+@group(0) @binding(6) var<storage, read> tiles: array<i32>;             // [tiles, 2]
+@group(0) @binding(7) var<storage, read> dout: array<QQuad>;            // like query
+@group(0) @binding(8) var<storage, read> out: array<QQuad>;             // like query
+@group(0) @binding(9) var<storage, read> lse: array<f32>;                // [tokens, heads]
+@group(0) @binding(10) var<storage, read_write> dq: array<f32>;          // like query
 var<immediate> pc: Params;
 
-const KV_SEGMENT_BINDING: u32 = 9u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
 const ROWS: u32 = 8u;               // as two vec4s: rows 0-3 (_a) and 4-7 (_b)
 const TILE: u32 = 128u;             // == WG
@@ -55,11 +59,11 @@ fn delta_terms(rows: vec4<u32>) -> vec4<f32> {   // out . dout quad of four rows
 }
 
 // Keys row gr sees (0 past the end or past a buffer).
-fn row_keys(seq: u32, kv_head: u32, gr: u32, row_end: u32, seq_len: u32, row_floats: u32) -> u32 {
+fn row_keys(q_start: u32, q_len: u32, kv_head: u32, gr: u32, row_end: u32, seq_len: u32, row_floats: u32) -> u32 {
     let group = pc.num_heads / pc.num_kv_heads;
-    let q = row_base(seq, kv_head, gr);
+    let q = row_base(q_start, kv_head, gr);
     let valid = gr < row_end && q + pc.head_size <= row_floats && q / pc.head_size < arrayLength(&lse);
-    return select(0u, visible_keys(gr / group, seq_len), valid);
+    return select(0u, visible_keys(gr / group, q_len, seq_len), valid);
 }
 
 @compute @workgroup_size(128, 1, 1)
@@ -70,18 +74,23 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let hc = hs / 4u;
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
-    let rows = group * pc.q_len;
-    let tiles = (rows + ROWS - 1u) / ROWS;
-    let wg = workgroup_index(wid, nwg);  // (row tile, kv head, sequence), tiles fastest
-    let kv_head = (wg / tiles) % pc.num_kv_heads;
-    let seq = wg / (tiles * pc.num_kv_heads);
-    let row0 = (wg % tiles) * ROWS;
-    if (seq >= pc.num_seqs || row0 >= rows || hs > MAX_HEAD_SIZE) {
+    let work = tile_work(workgroup_index(wid, nwg));
+    if (work.w == 0u || hs > MAX_HEAD_SIZE) {
+        return;
+    }
+    let kv_head = work.x;
+    let seq = work.y;
+    let row0 = work.z;
+    let row_floats = min(min(arrayLength(&query), arrayLength(&dout)), arrayLength(&out)) * 4u;
+    let queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));
+    let q_start = queries.x;
+    let q_len = queries.y;
+    let rows = group * q_len;
+    if (row0 >= rows) {
         return;
     }
     let row_end = min(row0 + ROWS, rows);
-    let row_floats = min(min(arrayLength(&query), arrayLength(&dout)), arrayLength(&out)) * 4u;
-    if (row_base(seq, kv_head, row0) + hs > row_floats) {
+    if (row_base(q_start, kv_head, row0) + hs > row_floats) {
         return;
     }
 
@@ -92,7 +101,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     if (seq < arrayLength(&seq_lens)) {
         seq_len = min(u32(max(seq_lens[seq], 0)), row_blocks * bs);
     }
-    let kv_end = visible_keys((row_end - 1u) / group, seq_len);
+    let kv_end = visible_keys((row_end - 1u) / group, q_len, seq_len);
 
     // Keys each row sees, its first chunk (row 0's where it sees none) and its lse.
     var keys_a = vec4<u32>(0u);
@@ -102,12 +111,12 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     var lse_a = vec4<f32>(0.0);
     var lse_b = vec4<f32>(0.0);
     for (var r = 0u; r < 4u; r++) {
-        keys_a[r] = row_keys(seq, kv_head, row0 + r, row_end, seq_len, row_floats);
-        keys_b[r] = row_keys(seq, kv_head, row0 + 4u + r, row_end, seq_len, row_floats);
-        let qa = row_base(seq, kv_head, row0 + r);
-        let qb = row_base(seq, kv_head, row0 + 4u + r);
-        qb_a[r] = select(row_base(seq, kv_head, row0), qa, keys_a[r] > 0u) / 4u;
-        qb_b[r] = select(row_base(seq, kv_head, row0), qb, keys_b[r] > 0u) / 4u;
+        keys_a[r] = row_keys(q_start, q_len, kv_head, row0 + r, row_end, seq_len, row_floats);
+        keys_b[r] = row_keys(q_start, q_len, kv_head, row0 + 4u + r, row_end, seq_len, row_floats);
+        let qa = row_base(q_start, kv_head, row0 + r);
+        let qb = row_base(q_start, kv_head, row0 + 4u + r);
+        qb_a[r] = select(row_base(q_start, kv_head, row0), qa, keys_a[r] > 0u) / 4u;
+        qb_b[r] = select(row_base(q_start, kv_head, row0), qb, keys_b[r] > 0u) / 4u;
         if (keys_a[r] > 0u) {
             lse_a[r] = lse[qa / hs];
         }
@@ -194,7 +203,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     }
 
     for (var r = 0u; r < ROWS; r++) {
-        let q = row_base(seq, kv_head, row0 + r);
+        let q = row_base(q_start, kv_head, row0 + r);
         if (row0 + r >= row_end || q + hs > arrayLength(&dq)) {
             continue;
         }

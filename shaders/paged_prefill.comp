@@ -1,11 +1,14 @@
 #version 450
-// Paged-attention prefill forward: each sequence's last q_len tokens attend over its cached keys and
-// values (causal or not), giving the output and the log-sum-exp (natural log) the backward pass needs.
+// Paged-attention prefill forward over a ragged batch: each sequence's q_len_s new tokens (its last q_len_s
+// positions) attend over its cached keys and values (causal or not), giving the output and the log-sum-exp
+// (natural log) the backward pass needs. The batch's layout (query_start_loc, the host-built tile table,
+// the query strides) is PREFILL_INPUTS in pagedvk/abi.py; decode tokens (q_len_s = 1) are ordinary rows.
 // Grown from the seed's WGSL forward, which ran one thread per query row over the whole context with a
 // 512-float array per thread.
 //
-// One workgroup per (tile of ROWS query rows, kv head, sequence). The rows are (query, head) pairs of the
-// heads that share the kv head (GQA), query-major, so each key and value read serves ROWS rows. The
+// One workgroup per (tile of ROWS query rows of one sequence, kv head), from the tile table. The rows are
+// (query, head) pairs of the heads that share the kv head (GQA), query-major, so each key and value read
+// serves ROWS rows. The
 // context is walked in tiles of TILE tokens with an online softmax, as in paged_decode.comp:
 //   A. each thread computes the logits of one token of the tile for every row (its key read once, in
 //      16-byte chunks; the query rows are read straight from their buffer: every thread reads the same
@@ -23,15 +26,19 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [seqs, heads, q_len, head_size]
-#define KV_SEGMENT_BINDING 7   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [tokens, heads, head_size]
+#define KV_SEGMENT_BINDING 9   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
-layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, q_len, head_size]
-layout(std430, set = 0, binding = 6) writeonly buffer Lse { float lse[]; };             // [seqs, heads, q_len]
+layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
+layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };            // [tiles, 2]
+layout(std430, set = 0, binding = 7) writeonly buffer Out { OUT_PAIR out_[]; };         // like query
+layout(std430, set = 0, binding = 8) writeonly buffer Lse { float lse[]; };             // [tokens, heads]
 
 #include "attention_common.glsl"
+#define PREFILL_TILES
+#include "prefill_common.glsl"
 
 // The eight rows of a workgroup travel as two vec4s (rows 0-3, rows 4-7) rather than as float[8]: loops
 // over a local array defeat some compilers (WGSL's guarded loops are not unrolled, and an array indexed
@@ -83,29 +90,28 @@ void main() {
     const uint hc = hs / 4u;                   // head quads
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
-    const uint rows = group * pc.q_len;
-    const uint tiles = (rows + ROWS - 1u) / ROWS;
-    const uint wg = workgroup_index();         // (row tile, kv head, sequence), tiles fastest
-    const uint kv_head = (wg / tiles) % pc.num_kv_heads;
-    const uint seq = wg / (tiles * pc.num_kv_heads);
-    const uint row0 = (wg % tiles) * ROWS;
-    if (seq >= pc.num_seqs || row0 >= rows || hs > MAX_HEAD_SIZE) return;
+    uint kv_head, seq, row0;
+    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE) return;
+    const uvec2 queries = sequence_queries(seq, uint(query.length()) * 4u / (hs * pc.num_heads));
+    const uint q_start = queries.x, q_len = queries.y;
+    const uint rows = group * q_len;
+    if (row0 >= rows) return;
     const uint row_end = min(row0 + ROWS, rows);
-    if (row_base(seq, kv_head, row0) + hs > uint(query.length()) * 4u) return;
+    if (row_base(q_start, kv_head, row0) + hs > uint(query.length()) * 4u) return;
 
     const uint num_blocks = pc.num_blocks;
     const uint bt_row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(bt_row), 0)));
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
     // Rows are query-major, so the last row sees the most keys.
-    const uint kv_end = visible_keys((row_end - 1u) / group, seq_len);
+    const uint kv_end = visible_keys((row_end - 1u) / group, q_len, seq_len);
 
     // Keys each row sees; 0 for rows past the end (or past the query buffer).
     uint keys[ROWS];
     for (uint r = 0u; r < ROWS; r++) {
         uint gr = row0 + r;
-        bool valid = gr < row_end && row_base(seq, kv_head, gr) + hs <= uint(query.length()) * 4u;
-        keys[r] = valid ? visible_keys(gr / group, seq_len) : 0u;
+        bool valid = gr < row_end && row_base(q_start, kv_head, gr) + hs <= uint(query.length()) * 4u;
+        keys[r] = valid ? visible_keys(gr / group, q_len, seq_len) : 0u;
     }
     const uvec4 keys_a = uvec4(keys[0], keys[1], keys[2], keys[3]);
     const uvec4 keys_b = uvec4(keys[4], keys[5], keys[6], keys[7]);
@@ -114,12 +120,12 @@ void main() {
     for (uint r = 0u; r < 4u; r++) {
         head_a[r] = kv_head * group + (row0 + r) % group;
         head_b[r] = kv_head * group + (row0 + 4u + r) % group;
-        qpos_a[r] = query_position((row0 + r) / group, seq_len);
-        qpos_b[r] = query_position((row0 + 4u + r) / group, seq_len);
+        qpos_a[r] = query_position((row0 + r) / group, q_len, seq_len);
+        qpos_b[r] = query_position((row0 + 4u + r) / group, q_len, seq_len);
     }
     // Each row's first query chunk; rows that see nothing read row 0's (in bounds) and are masked.
     uint qb[ROWS];
-    for (uint r = 0u; r < ROWS; r++) qb[r] = row_base(seq, kv_head, keys[r] > 0u ? row0 + r : row0) / 4u;
+    for (uint r = 0u; r < ROWS; r++) qb[r] = row_base(q_start, kv_head, keys[r] > 0u ? row0 + r : row0) / 4u;
     const uvec4 qb_a = uvec4(qb[0], qb[1], qb[2], qb[3]);
     const uvec4 qb_b = uvec4(qb[4], qb[5], qb[6], qb[7]);
     if (tid < ROWS) s_m[tid] = NEG_INF;
@@ -197,7 +203,7 @@ void main() {
     barrier();
     row_reduce(false);
     for (uint r = 0u; r < ROWS; r++) {
-        uint q = row_base(seq, kv_head, row0 + r);
+        uint q = row_base(q_start, kv_head, row0 + r);
         if (row0 + r >= row_end || q + hs > 2u * uint(out_.length())) continue;
         float denom = s_row[r];
         float inv = denom > 0.0 ? pc.v_scale / denom : 0.0;   // a row that sees no key gives zeros

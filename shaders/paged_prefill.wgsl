@@ -9,17 +9,21 @@
 //!include attention_common.wgsl
 //!include kv_access.wgsl
 //!include cache_elements.wgsl
+//!include prefill_common.wgsl
+//!include prefill_tiles.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<QQuad>;            // [seqs, heads, q_len, head_size]
+@group(0) @binding(0) var<storage, read> query: array<QQuad>;            // [tokens, heads, head_size]
 @group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;       // see key_load()
 @group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;     // see value_load()
 @group(0) @binding(3) var<storage, read> block_tables: array<i32>;       // [seqs, max_blocks_per_seq]
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;           // [seqs]
-@group(0) @binding(5) var<storage, read_write> out: array<OutPair>;      // [seqs, heads, q_len, head_size]
-@group(0) @binding(6) var<storage, read_write> lse: array<f32>;          // [seqs, heads, q_len]
+@group(0) @binding(5) var<storage, read> query_start_loc: array<i32>;    // [seqs + 1]
+@group(0) @binding(6) var<storage, read> tiles: array<i32>;              // [tiles, 2]
+@group(0) @binding(7) var<storage, read_write> out: array<OutPair>;      // like query
+@group(0) @binding(8) var<storage, read_write> lse: array<f32>;          // [tokens, heads]
 var<immediate> pc: Params;
 
-const KV_SEGMENT_BINDING: u32 = 7u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+const KV_SEGMENT_BINDING: u32 = 9u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
 const ROWS: u32 = 8u;               // as two vec4s: rows 0-3 (_a) and 4-7 (_b)
 const TILE: u32 = 128u;             // == WG
@@ -67,10 +71,10 @@ fn alpha4(first: u32) -> vec4<f32> {
 }
 
 // Keys row gr sees; 0 for rows past the end (or past the query buffer).
-fn row_keys(seq: u32, kv_head: u32, gr: u32, row_end: u32, seq_len: u32) -> u32 {
+fn row_keys(q_start: u32, q_len: u32, kv_head: u32, gr: u32, row_end: u32, seq_len: u32) -> u32 {
     let group = pc.num_heads / pc.num_kv_heads;
-    let valid = gr < row_end && row_base(seq, kv_head, gr) + pc.head_size <= arrayLength(&query) * 4u;
-    return select(0u, visible_keys(gr / group, seq_len), valid);
+    let valid = gr < row_end && row_base(q_start, kv_head, gr) + pc.head_size <= arrayLength(&query) * 4u;
+    return select(0u, visible_keys(gr / group, q_len, seq_len), valid);
 }
 
 @compute @workgroup_size(128, 1, 1)
@@ -81,17 +85,22 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let hc = hs / 4u;                    // head quads
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
-    let rows = group * pc.q_len;
-    let tiles = (rows + ROWS - 1u) / ROWS;
-    let wg = workgroup_index(wid, nwg);  // (row tile, kv head, sequence), tiles fastest
-    let kv_head = (wg / tiles) % pc.num_kv_heads;
-    let seq = wg / (tiles * pc.num_kv_heads);
-    let row0 = (wg % tiles) * ROWS;
-    if (seq >= pc.num_seqs || row0 >= rows || hs > MAX_HEAD_SIZE) {
+    let work = tile_work(workgroup_index(wid, nwg));
+    if (work.w == 0u || hs > MAX_HEAD_SIZE) {
+        return;
+    }
+    let kv_head = work.x;
+    let seq = work.y;
+    let row0 = work.z;
+    let queries = sequence_queries(seq, arrayLength(&query) * 4u / (hs * pc.num_heads));
+    let q_start = queries.x;
+    let q_len = queries.y;
+    let rows = group * q_len;
+    if (row0 >= rows) {
         return;
     }
     let row_end = min(row0 + ROWS, rows);
-    if (row_base(seq, kv_head, row0) + hs > arrayLength(&query) * 4u) {
+    if (row_base(q_start, kv_head, row0) + hs > arrayLength(&query) * 4u) {
         return;
     }
 
@@ -103,16 +112,16 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         seq_len = min(u32(max(seq_lens[seq], 0)), row_blocks * bs);
     }
     // Rows are query-major, so the last row sees the most keys.
-    let kv_end = visible_keys((row_end - 1u) / group, seq_len);
+    let kv_end = visible_keys((row_end - 1u) / group, q_len, seq_len);
 
-    let keys_a = vec4<u32>(row_keys(seq, kv_head, row0, row_end, seq_len),
-                           row_keys(seq, kv_head, row0 + 1u, row_end, seq_len),
-                           row_keys(seq, kv_head, row0 + 2u, row_end, seq_len),
-                           row_keys(seq, kv_head, row0 + 3u, row_end, seq_len));
-    let keys_b = vec4<u32>(row_keys(seq, kv_head, row0 + 4u, row_end, seq_len),
-                           row_keys(seq, kv_head, row0 + 5u, row_end, seq_len),
-                           row_keys(seq, kv_head, row0 + 6u, row_end, seq_len),
-                           row_keys(seq, kv_head, row0 + 7u, row_end, seq_len));
+    let keys_a = vec4<u32>(row_keys(q_start, q_len, kv_head, row0, row_end, seq_len),
+                           row_keys(q_start, q_len, kv_head, row0 + 1u, row_end, seq_len),
+                           row_keys(q_start, q_len, kv_head, row0 + 2u, row_end, seq_len),
+                           row_keys(q_start, q_len, kv_head, row0 + 3u, row_end, seq_len));
+    let keys_b = vec4<u32>(row_keys(q_start, q_len, kv_head, row0 + 4u, row_end, seq_len),
+                           row_keys(q_start, q_len, kv_head, row0 + 5u, row_end, seq_len),
+                           row_keys(q_start, q_len, kv_head, row0 + 6u, row_end, seq_len),
+                           row_keys(q_start, q_len, kv_head, row0 + 7u, row_end, seq_len));
     // Each row's query head and sequence position, for the logit hooks.
     var head_a = vec4<u32>(0u);
     var head_b = vec4<u32>(0u);
@@ -121,15 +130,15 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     for (var r = 0u; r < 4u; r++) {
         head_a[r] = kv_head * group + (row0 + r) % group;
         head_b[r] = kv_head * group + (row0 + 4u + r) % group;
-        qpos_a[r] = query_position((row0 + r) / group, seq_len);
-        qpos_b[r] = query_position((row0 + 4u + r) / group, seq_len);
+        qpos_a[r] = query_position((row0 + r) / group, q_len, seq_len);
+        qpos_b[r] = query_position((row0 + 4u + r) / group, q_len, seq_len);
     }
     // Each row's first query quad; rows that see nothing read row 0's (in bounds) and are masked.
     var qb_a = vec4<u32>(0u);
     var qb_b = vec4<u32>(0u);
     for (var r = 0u; r < 4u; r++) {
-        qb_a[r] = row_base(seq, kv_head, select(row0, row0 + r, keys_a[r] > 0u)) / 4u;
-        qb_b[r] = row_base(seq, kv_head, select(row0, row0 + 4u + r, keys_b[r] > 0u)) / 4u;
+        qb_a[r] = row_base(q_start, kv_head, select(row0, row0 + r, keys_a[r] > 0u)) / 4u;
+        qb_b[r] = row_base(q_start, kv_head, select(row0, row0 + 4u + r, keys_b[r] > 0u)) / 4u;
     }
     if (tid < ROWS) {
         s_m[tid] = neg_inf();
@@ -228,7 +237,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     workgroupBarrier();
     row_reduce(false, tid);
     for (var r = 0u; r < ROWS; r++) {
-        let q = row_base(seq, kv_head, row0 + r);
+        let q = row_base(q_start, kv_head, row0 + r);
         if (row0 + r >= row_end || q + hs > 2u * arrayLength(&out)) {
             continue;
         }

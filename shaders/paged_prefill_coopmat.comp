@@ -5,8 +5,9 @@
 // float16 products accumulated in float32, the shape every device that reports one is asked for
 // (pagedvk.prefill chooses this module only where the device lists it, with 32-lane subgroups).
 //
-// One workgroup of four subgroups per (tile of BR = 64 query rows, kv head, sequence); rows are (query, head)
-// pairs of the heads sharing the kv head, query-major, as in paged_prefill.comp. Each subgroup owns 16 rows:
+// One workgroup of four subgroups per (tile of BR = 64 query rows of one sequence, kv head), from the tile
+// table (PREFILL_INPUTS in pagedvk/abi.py: ragged batches); rows are (query, head) pairs of the heads sharing
+// the kv head, query-major, as in paged_prefill.comp. Each subgroup owns 16 rows:
 // their queries stay in registers as matrices, their output accumulates in registers as matrices. The
 // context is walked in steps of BC = 64 keys (FlashAttention-2's loop, online softmax):
 //   1. the workgroup stages the step's keys in shared memory (float16, 16-byte chunks from the paged cache
@@ -41,15 +42,19 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [seqs, heads, q_len, head_size]
-#define KV_SEGMENT_BINDING 7   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [tokens, heads, head_size]
+#define KV_SEGMENT_BINDING 9   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
-layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, q_len, head_size]
-layout(std430, set = 0, binding = 6) writeonly buffer Lse { float lse[]; };             // [seqs, heads, q_len]
+layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
+layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };            // [tiles, 2]
+layout(std430, set = 0, binding = 7) writeonly buffer Out { OUT_PAIR out_[]; };         // like query
+layout(std430, set = 0, binding = 8) writeonly buffer Lse { float lse[]; };             // [tokens, heads]
 
 #include "attention_common.glsl"
+#define PREFILL_TILES
+#include "prefill_common.glsl"
 
 const uint D = HEAD_SIZE;        // a multiple of 64 (pagedvk/abi.py builds 64 and 128)
 const uint BR = 64u;             // query rows per workgroup: 16 per subgroup
@@ -75,25 +80,32 @@ shared float s_row[BR];                      // a per-row factor handed from a r
 
 f16vec4 half4(uvec2 w) { return f16vec4(unpackFloat2x16(w.x), unpackFloat2x16(w.y)); }
 
-// What one query row of the workgroup is: where it starts in query / out (elements), its head, its sequence
-// position, and the keys it sees (0 for rows past the end of the tile or of the query buffer). The one place
-// a row number becomes a (sequence, position).
+// The sequence's queries and context a workgroup works on.
+struct Seq { uint start; uint q_len; uint len; };
+
+// What one query row gr of the sequence is: where it starts in query / out (elements; lse: / D), its head,
+// its sequence position, and the keys it sees (0 for rows past the end of the tile or of the query buffer).
+// The one place a row number becomes a (token, head, position).
 struct Row { uint base; uint head; uint pos; uint keys; bool valid; };
-Row query_row(uint seq, uint kv_head, uint gr, uint row_end, uint seq_len) {
+Row query_row(Seq q, uint kv_head, uint gr, uint row_end) {
     const uint group = pc.num_heads / pc.num_kv_heads;
     Row r;
-    r.base = row_base(seq, kv_head, gr);
+    r.base = row_base(q.start, kv_head, gr);
     r.head = kv_head * group + gr % group;
-    r.pos = query_position(gr / group, seq_len);
+    r.pos = query_position(gr / group, q.q_len, q.len);
     r.valid = gr < row_end && r.base + D <= uint(query.length()) * 4u;
-    r.keys = r.valid ? visible_keys(gr / group, seq_len) : 0u;
+    r.keys = r.valid ? visible_keys(gr / group, q.q_len, q.len) : 0u;
     return r;
 }
+
+// Block sizes are powers of two (8, 16, 32: pagedvk.layouts.BLOCK_SIZES): tokens split into (block, slot)
+// by shifts, not by the integer divisions the staging would otherwise do for every chunk.
+uint block_shift() { return uint(findLSB(pc.block_size)); }
 
 // The physical block of a token of the sequence, -1 past kv_end or outside the caches.
 int token_block(uint bt_row, uint token, uint kv_end) {
     if (token >= kv_end) return -1;
-    int b = block_tables[bt_row + token / pc.block_size];
+    int b = block_tables[bt_row + (token >> block_shift())];
     return (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
 }
 
@@ -102,7 +114,7 @@ int token_block(uint bt_row, uint token, uint kv_end) {
 uvec4 key_chunk(uint bt_row, uint kv_head, uint base, uint i, uint kv_end) {
     const uint t = base + i / DC;
     const int b = token_block(bt_row, t, kv_end);
-    return b >= 0 ? key_load(uint(b), key_offset(kv_head, t % pc.block_size, 2u * (i % DC)) >> 1) : uvec4(0u);
+    return b >= 0 ? key_load(uint(b), key_offset(kv_head, t & (pc.block_size - 1u), 2u * (i % DC)) >> 1) : uvec4(0u);
 }
 
 // Chunk i of a step's values, along the axis the cache holds contiguous: by_dim (nhd) token i / DC, head dims
@@ -112,7 +124,7 @@ uvec4 value_chunk(uint bt_row, uint kv_head, uint base, uint i, uint kv_end, boo
     const uint t = base + (by_dim ? i / DC : 8u * (i % (BC / 8u)));
     const uint d = by_dim ? 8u * (i % DC) : i / (BC / 8u);
     const int b = token_block(bt_row, t, kv_end);
-    uvec4 w = b >= 0 ? value_load(uint(b), value_offset(kv_head, t % pc.block_size, d) >> 3) : uvec4(0u);
+    uvec4 w = b >= 0 ? value_load(uint(b), value_offset(kv_head, t & (pc.block_size - 1u), d) >> 3) : uvec4(0u);
     if (!by_dim) {
         for (uint j = 0u; j < 4u; j++) {   // word j holds tokens t + 2j, t + 2j + 1
             w[j] &= (t + 2u * j < kv_end ? 0xffffu : 0u) | (t + 2u * j + 1u < kv_end ? 0xffff0000u : 0u);
@@ -131,28 +143,27 @@ void main() {
     const uint warp = gl_SubgroupID, lane = gl_SubgroupInvocationID;
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
-    const uint rows = group * pc.q_len;
-    const uint tiles = (rows + BR - 1u) / BR;
-    const uint wg = workgroup_index();         // (row tile, kv head, sequence), tiles fastest
-    const uint kv_head = (wg / tiles) % pc.num_kv_heads;
-    const uint seq = wg / (tiles * pc.num_kv_heads);
-    const uint row0 = (wg % tiles) * BR;
-    if (seq >= pc.num_seqs || row0 >= rows || pc.head_size != D) return;
+    uint kv_head, seq, row0;
+    if (!tile_work(workgroup_index(), kv_head, seq, row0) || pc.head_size != D) return;
+    const uvec2 queries = sequence_queries(seq, uint(query.length()) * 4u / (D * pc.num_heads));
+    const uint rows = group * queries.y;
+    if (row0 >= rows) return;
     const uint row_end = min(row0 + BR, rows);
 
     const uint bt_row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(bt_row), 0)));
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
+    const Seq sq = Seq(queries.x, queries.y, seq_len);
     // Rows are query-major, so the last row sees the most keys.
-    const uint kv_end = visible_keys((row_end - 1u) / group, seq_len);
+    const uint kv_end = visible_keys((row_end - 1u) / group, sq.q_len, seq_len);
 
     // This lane's row for the softmax and the output (two lanes per row, each half of the columns).
     const uint my_row = warp * 16u + lane / 2u, half_ = lane & 1u;
-    const Row me = query_row(seq, kv_head, row0 + my_row, row_end, seq_len);
+    const Row me = query_row(sq, kv_head, row0 + my_row, row_end);
 
     // The queries, staged as float16 and loaded into each subgroup's matrices; rows that are not there are zeros.
     for (uint i = tid; i < BR * DQ; i += WG) {
-        const Row q = query_row(seq, kv_head, row0 + i / DQ, row_end, seq_len);
+        const Row q = query_row(sq, kv_head, row0 + i / DQ, row_end);
         s_kv[(i / DQ) * KS + i % DQ] = q.valid ? half4(query[q.base / 4u + i % DQ]) : f16vec4(0.0);
     }
     // Each element's row number, for ROWS_OF (see the top).

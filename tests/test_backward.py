@@ -6,7 +6,8 @@ import pytest
 
 import pagedvk
 from conftest import rel_error
-from test_prefill import HEAD_SIZES, LAYOUTS, Q_LENS, PrefillCase, backend, poisoned_outputs  # noqa: F401 (fixtures)
+from test_prefill import (HEAD_SIZES, LAYOUTS, Q_LENS, RAGGED, PrefillCase, backend,  # noqa: F401 (fixtures)
+                          poisoned_outputs)
 
 # float32 storage. The kernels sum dK and dV over rows in a fixed order; measured errors stay below 1e-6,
 # so the forward's tolerance holds and is not loosened.
@@ -18,8 +19,8 @@ def check(case, rng, backend, **kw):
     """Run the backward on the reference forward's out and lse (rounded to float32); compare every gradient."""
     out, lse = case.reference(kw.get("scale"))
     dout = rng.standard_normal(case.query.shape).astype(np.float32)
-    grads = pagedvk.paged_attention_backward(dout, *case.args(), out.astype(np.float32), lse.astype(np.float32),
-                                             backend=backend, **case.options(**kw))
+    grads = pagedvk.paged_attention_backward(dout, *case.args()[:5], out.astype(np.float32), lse.astype(np.float32),
+                                             backend=backend, **case.loc(), **case.options(**kw))
     refs = pagedvk.reference.paged_attention_backward(dout, *case.args(), **case.options(**kw))
     for name, g, ref, like in zip(NAMES, grads, refs, (case.query, case.key_cache, case.value_cache)):
         assert isinstance(g, np.ndarray) and g.shape == like.shape and g.dtype == np.float32, name
@@ -149,6 +150,43 @@ def test_forward_then_backward_on_device(rng, backend, layout, device):
         assert rel_error(g.numpy(), ref) <= TOL, name
 
 
+# -- ragged batches ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", RAGGED)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ragged_batches(rng, backend, layout, batch):
+    check(PrefillCase(rng, q_lens=RAGGED[batch], layout=layout, shared_prefix_blocks=1), rng, backend)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 1), (12, 4)])
+def test_ragged_gqa_groups_and_causal(rng, backend, num_heads, num_kv_heads, causal):
+    check(PrefillCase(rng, q_lens=[3, 0, 6, 1], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32,
+                      causal=causal, block_size=8, shared_prefix_blocks=1), rng, backend)
+
+
+def test_batch_without_queries_has_zero_gradients(rng, backend):
+    case = PrefillCase(rng, q_lens=[0, 0], seq_lens=[5, 20])
+    empty = np.zeros((0, 4), np.float32)
+    dq, dk, dv = pagedvk.paged_attention_backward(case.query, *case.args()[:5], case.query, empty,
+                                                  case.query_start_loc, backend=backend)
+    assert dq.shape == case.query.shape and (dk == 0).all() and (dv == 0).all()
+    assert dk.shape == case.key_cache.shape and dv.shape == case.value_cache.shape
+
+
+def test_ragged_forward_then_backward_on_device(rng, backend, device):
+    case = PrefillCase(rng, q_lens=[6, 1, 0, 2], layout="vllm", shared_prefix_blocks=1)
+    dev = [pagedvk.asarray(a) for a in case.args()]
+    out, lse = pagedvk.paged_attention_prefill(*dev, layout="vllm", backend=backend)
+    dout = rng.standard_normal(case.query.shape).astype(np.float32)
+    grads = pagedvk.paged_attention_backward(pagedvk.asarray(dout), *dev[:5], out, lse, dev[5], layout="vllm",
+                                             backend=backend)
+    refs = pagedvk.reference.paged_attention_backward(dout, *case.args(), layout="vllm")
+    for name, g, ref in zip(NAMES, grads, refs):
+        assert isinstance(g, pagedvk.DeviceArray) and g.device is device, name
+        assert rel_error(g.numpy(), ref) <= TOL, name
+
+
 # -- rejected inputs -------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -160,8 +198,8 @@ def rejects(case, exc, match, dout=None, out=None, lse=None, **options):
     ref_out, ref_lse = (a.astype(np.float32) for a in case.reference())
     dout = np.ones_like(case.query) if dout is None else dout
     with pytest.raises(exc, match=match):
-        pagedvk.paged_attention_backward(dout, *case.args(), ref_out if out is None else out,
-                                         ref_lse if lse is None else lse, **case.options(**options))
+        pagedvk.paged_attention_backward(dout, *case.args()[:5], ref_out if out is None else out,
+                                         ref_lse if lse is None else lse, **dict(case.loc(), **case.options(**options)))
 
 
 def test_rejects_bad_gradient_arguments(case):
@@ -178,3 +216,14 @@ def test_rejects_what_the_forward_rejects(case):
     rejects(case, ValueError, "layout must be one of", layout="hnd")
     case.seq_lens[0] = 2
     rejects(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len")
+
+
+def test_rejects_bad_ragged_arguments(rng):
+    case = PrefillCase(rng, q_lens=[3, 0, 5], seq_lens=[3, 10, 20])
+    q = case.query
+    rejects(case, ValueError, r"lse must have shape \(8, 4\)", lse=np.zeros((8, 3), np.float32))
+    rejects(case, ValueError, r"dout must have shape \(8, 4, 64\)", dout=q[:7].copy())
+    rejects(case, ValueError, r"query_start_loc\[-1\] must be num_tokens",
+            query_start_loc=np.array([0, 3, 3, 6], np.int32))
+    case.seq_lens[0] = 2
+    rejects(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len_s")

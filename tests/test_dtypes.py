@@ -121,15 +121,17 @@ def test_paged_attention_v2_fills_vllm_scratch(rng):
 @pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_prefill(rng, backend, cache_dtype, query_dtype, layout):
-    case = Case(rng, seq_lens=[5, 80, 33], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+    # A ragged batch: a whole prompt, a chunk over cached context, an empty sequence and a decode token.
+    case = Case(rng, seq_lens=[5, 80, 0, 33], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
                 dtype=cache_dtype)
     key_cache, value_cache = in_layout(case, layout, cache_dtype)
-    query = rng.standard_normal((3, 4, 5, 64)).astype(query_dtype)
-    out, lse = pagedvk.paged_attention_prefill(query, key_cache, value_cache, case.block_tables, case.seq_lens,
+    loc = np.array([0, 5, 12, 12, 13], np.int32)
+    query = rng.standard_normal((13, 4, 64)).astype(query_dtype)
+    out, lse = pagedvk.paged_attention_prefill(query, key_cache, value_cache, case.block_tables, case.seq_lens, loc,
                                                layout=layout, backend=backend)
     assert out.dtype == query.dtype and lse.dtype == np.float32
     ref_out, ref_lse = reference.paged_attention_prefill(query, key_cache, value_cache, case.block_tables,
-                                                         case.seq_lens, layout=layout)
+                                                         case.seq_lens, loc, layout=layout)
     assert rel_error(out, ref_out) <= tolerance(cache_dtype, query_dtype)
     assert rel_error(lse, ref_lse) <= 1e-5
 
@@ -138,17 +140,18 @@ def test_prefill(rng, backend, cache_dtype, query_dtype, layout):
 @pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("cache_dtype", (np.float32, np.float16, BF16), ids=lambda d: np.dtype(d).name)
 def test_backward(rng, backend, cache_dtype, query_dtype, layout):
-    case = Case(rng, seq_lens=[4, 40], num_heads=4, num_kv_heads=2, head_size=32, block_size=8,
+    case = Case(rng, seq_lens=[4, 40, 9], num_heads=4, num_kv_heads=2, head_size=32, block_size=8,
                 shared_prefix_blocks=1, dtype=cache_dtype)
     key_cache, value_cache = in_layout(case, layout, cache_dtype)
-    query = rng.standard_normal((2, 4, 4, 32)).astype(query_dtype)
+    loc = np.array([0, 4, 9, 9], np.int32)   # 4 and 5 new tokens, and a sequence without any
+    query = rng.standard_normal((9, 4, 32)).astype(query_dtype)
     dout = rng.standard_normal(query.shape).astype(query_dtype)
-    out, lse = pagedvk.paged_attention_prefill(query, key_cache, value_cache, case.block_tables, case.seq_lens,
+    out, lse = pagedvk.paged_attention_prefill(query, key_cache, value_cache, case.block_tables, case.seq_lens, loc,
                                                layout=layout, backend=backend)
     grads = pagedvk.paged_attention_backward(dout, query, key_cache, value_cache, case.block_tables, case.seq_lens,
-                                             out, lse, layout=layout, backend=backend)
+                                             out, lse, loc, layout=layout, backend=backend)
     refs = reference.paged_attention_backward(dout, query, key_cache, value_cache, case.block_tables,
-                                              case.seq_lens, layout=layout)
+                                              case.seq_lens, loc, layout=layout)
     # The gradients are float32 whatever the inputs; 16-bit `out` (rounded) feeds D = rowsum(dout * out).
     tol = 1e-4 if np.dtype(query_dtype) == np.float32 else 2e-2
     for got, ref in zip(grads, refs):

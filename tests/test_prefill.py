@@ -32,10 +32,15 @@ def poisoned_outputs(monkeypatch):
 
 class PrefillCase:
     """A random prefill problem: conftest.Case's shuffled paged cache (shared prefix blocks, padding
-    columns of -1 in the block table) in either layout, and q_len queries per sequence."""
+    columns of -1 in the block table) in either layout, and either q_len queries per sequence (query
+    [num_seqs, num_heads, q_len, head_size]) or, with q_lens, a ragged batch (query [num_tokens, num_heads,
+    head_size] and query_start_loc)."""
 
-    def __init__(self, rng, *, q_len, layout="nhd", causal=True, num_heads=4, num_kv_heads=2, head_size=64,
-                 block_size=16, seq_lens=None, shared_prefix_blocks=0):
+    def __init__(self, rng, *, q_len=None, q_lens=None, layout="nhd", causal=True, num_heads=4, num_kv_heads=2,
+                 head_size=64, block_size=16, seq_lens=None, shared_prefix_blocks=0):
+        self.ragged = q_lens is not None
+        if seq_lens is None and self.ragged:   # each sequence with some cached context before its queries
+            seq_lens = [n + int(rng.integers(0, 40)) for n in q_lens]
         if seq_lens is None:   # one sequence that is all query, others with cached context before it
             seq_lens = [q_len, q_len + 150, q_len + int(rng.integers(1, 40))]
         case = Case(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -46,15 +51,24 @@ class PrefillCase:
             k, v = pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
             self.key_cache = np.ascontiguousarray(k, dtype=np.float32)
             self.value_cache = np.ascontiguousarray(v, dtype=np.float32)
-        shape = (len(self.seq_lens), num_heads, q_len, head_size)
+        if self.ragged:
+            self.query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+            shape = (int(self.query_start_loc[-1]), num_heads, head_size)
+        else:
+            shape = (len(self.seq_lens), num_heads, q_len, head_size)
         self.query = rng.standard_normal(shape).astype(np.float32)
         self.layout, self.causal = layout, causal
 
     def args(self):
-        return self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens
+        tables = (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens)
+        return tables + ((self.query_start_loc,) if self.ragged else ())
 
     def options(self, **kw):
         return dict(dict(layout=self.layout, causal=self.causal), **kw)
+
+    def loc(self) -> dict:
+        """query_start_loc as a keyword (the backward takes it after out and lse), or nothing."""
+        return dict(query_start_loc=self.query_start_loc) if self.ragged else {}
 
     def reference(self, scale=None):
         return pagedvk.reference.paged_attention_prefill(*self.args(), scale=scale, **self.options())
@@ -64,7 +78,7 @@ def check(case, backend, **kw):
     out, lse = pagedvk.paged_attention_prefill(*case.args(), backend=backend, **case.options(**kw))
     ref_out, ref_lse = case.reference(kw.get("scale"))
     assert isinstance(out, np.ndarray) and out.shape == case.query.shape and out.dtype == np.float32
-    assert isinstance(lse, np.ndarray) and lse.shape == case.query.shape[:3] and lse.dtype == np.float32
+    assert isinstance(lse, np.ndarray) and lse.shape == case.query.shape[:-1] and lse.dtype == np.float32
     assert rel_error(out, ref_out) <= TOL
     assert rel_error(lse, ref_lse) <= TOL
     return out, lse
@@ -157,6 +171,78 @@ def test_device_arrays_in_device_arrays_out(rng, backend, device):
     assert rel_error(lse.numpy(), ref_lse) <= TOL
 
 
+# -- ragged batches: query [num_tokens, num_heads, head_size] with query_start_loc ---------------------------
+
+RAGGED = {   # q_len per sequence
+    "mixed": [5, 1, 0, 17, 1, 3],     # prefill chunks, decode tokens and an empty sequence together
+    "decode_tokens": [1, 1, 1, 1],
+    "empty_at_both_ends": [0, 9, 0],
+    "one_long": [70],
+}
+
+
+@pytest.mark.parametrize("batch", RAGGED)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ragged_batches(rng, backend, layout, batch):
+    check(PrefillCase(rng, q_lens=RAGGED[batch], layout=layout), backend)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (16, 1), (12, 4)])
+def test_ragged_gqa_groups_and_causal(rng, backend, num_heads, num_kv_heads, causal):
+    # A group of 16 heads spans two 8-row tiles per query; 12 / 4 = 3 rows per query straddle tile edges.
+    check(PrefillCase(rng, q_lens=[3, 0, 6, 1], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32,
+                      causal=causal, block_size=8), backend)
+
+
+def test_ragged_batch_equals_its_parts_run_alone(rng, backend):
+    # Each sequence's rows are tiled from the sequence's own first row, so running it alone does the same sums.
+    case = PrefillCase(rng, q_lens=[4, 1, 0, 9], layout="vllm")
+    out, lse = check(case, backend)
+    loc = case.query_start_loc
+    for s in range(len(loc) - 1):
+        rows = slice(loc[s], loc[s + 1])
+        alone = pagedvk.paged_attention_prefill(
+            np.ascontiguousarray(case.query[rows]), case.key_cache, case.value_cache, case.block_tables[s:s + 1],
+            case.seq_lens[s:s + 1], np.array([0, loc[s + 1] - loc[s]], np.int32), layout="vllm", backend=backend)
+        assert np.array_equal(alone[0], out[rows]) and np.array_equal(alone[1], lse[rows])
+
+
+def test_fixed_q_len_is_the_ragged_batch(rng, backend):
+    case = PrefillCase(rng, q_len=5, layout="vllm")
+    out, lse = check(case, backend)
+    num_seqs, num_heads, q_len, head_size = case.query.shape
+    ragged = np.ascontiguousarray(case.query.transpose(0, 2, 1, 3).reshape(-1, num_heads, head_size))
+    loc = (np.arange(num_seqs + 1) * q_len).astype(np.int32)
+    r_out, r_lse = pagedvk.paged_attention_prefill(ragged, *case.args()[1:], loc, layout="vllm", backend=backend)
+    assert np.array_equal(r_out, out.transpose(0, 2, 1, 3).reshape(ragged.shape))
+    assert np.array_equal(r_lse, lse.transpose(0, 2, 1).reshape(-1, num_heads))
+
+
+def test_ragged_decode_tokens_equal_decode(rng, backend):
+    case = PrefillCase(rng, q_lens=[1, 1, 1], layout="vllm", head_size=128)
+    out, _ = check(case, backend)
+    decode = pagedvk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                     case.seq_lens, backend=backend)
+    assert rel_error(out, decode) <= TOL
+
+
+def test_batch_without_queries(rng, backend):
+    case = PrefillCase(rng, q_lens=[0, 0], seq_lens=[5, 0])
+    out, lse = pagedvk.paged_attention_prefill(*case.args(), backend=backend)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+def test_ragged_device_arrays(rng, backend, device):
+    case = PrefillCase(rng, q_lens=[2, 0, 7])
+    out, lse = pagedvk.paged_attention_prefill(*[pagedvk.asarray(a) for a in case.args()], backend=backend,
+                                               **case.options())
+    assert isinstance(out, pagedvk.DeviceArray) and out.shape == case.query.shape and lse.shape == (9, 4)
+    ref_out, ref_lse = case.reference()
+    assert rel_error(out.numpy(), ref_out) <= TOL
+    assert rel_error(lse.numpy(), ref_lse) <= TOL
+
+
 def modules_used(monkeypatch) -> list:
     """The (op, backend) of every pipeline the ops ask for from now on."""
     used, pipeline = [], pagedvk.kernels.pipeline
@@ -224,7 +310,7 @@ def test_rejects_num_heads_not_a_multiple_of_kv_heads(rng):
 
 
 @pytest.mark.parametrize("name,value,match", [
-    ("query", lambda c: c.query[0], r"query must have 4 dimensions"),
+    ("query", lambda c: c.query[0, 0], r"query must have 4 dimensions"),
     ("query", lambda c: c.query[..., :32].copy(), r"query.shape\[3\] \(head_size, from the caches\) must be 64"),
     ("query", lambda c: c.query[:2].copy(), r"block_tables.shape\[0\] \(num_seqs, from query\) must be 2"),
     ("query", lambda c: c.query[:, :, :0].copy(), r"query.shape\[2\] \(q_len\) must be at least 1"),
@@ -255,3 +341,106 @@ def test_rejects_lists_and_bad_options(case):
     rejects(case, TypeError, "causal must be a bool", causal=1)
     rejects(case, ValueError, "scale must be finite", scale=float("inf"))
     rejects(case, ValueError, "backend must be one of glsl, wgsl", backend="hlsl")
+
+
+@pytest.fixture
+def ragged(rng):
+    return PrefillCase(rng, q_lens=[3, 0, 5], seq_lens=[3, 10, 20])
+
+
+def rejects_ragged(case, exc, match, query_start_loc):
+    with pytest.raises(exc, match=match):
+        pagedvk.paged_attention_prefill(*case.args()[:5], query_start_loc, **case.options())
+
+
+@pytest.mark.parametrize("value,exc,match", [
+    (None, TypeError, r"query_start_loc \(int32 \[num_seqs \+ 1\]\) is required with a ragged query"),
+    ([0, 3, 3, 8], TypeError, "query_start_loc must be a numpy array"),
+    (np.array([0, 3, 3, 8], np.int64), TypeError, "query_start_loc must have dtype int32"),
+    (np.array([[0, 3, 3, 8]], np.int32), ValueError, "query_start_loc must have 1 dimensions"),
+    (np.array([0, 3, 8], np.int32), ValueError,
+     r"block_tables.shape\[0\] \(num_seqs, from query_start_loc\) must be 2"),
+    (np.array([1, 3, 3, 8], np.int32), ValueError, r"query_start_loc\[0\] must be 0, got 1"),
+    (np.array([0, 4, 3, 8], np.int32), ValueError,
+     r"non-decreasing: query_start_loc\[2\] = 3 < query_start_loc\[1\] = 4"),
+    (np.array([0, 3, 3, 7], np.int32), ValueError,
+     r"query_start_loc\[-1\] must be num_tokens \(query.shape\[0\]\) = 8"),
+    (np.array([0, 4, 4, 8], np.int32), ValueError, r"seq_lens\[0\] = 3 is less than q_len_s = query_start_loc\[1\] - "
+                                                 r"query_start_loc\[0\] = 4"),
+])
+def test_rejects_bad_query_start_loc(ragged, value, exc, match):
+    rejects_ragged(ragged, exc, match, value)
+
+
+def test_rejects_query_start_loc_with_a_fixed_q_len_query(case):
+    with pytest.raises(ValueError, match="query_start_loc goes with a ragged query"):
+        pagedvk.paged_attention_prefill(*case.args(), np.array([0, 4, 8, 12], np.int32))
+
+
+def test_rejects_ragged_seq_len_of_zero_with_queries(ragged):
+    ragged.seq_lens[2] = 0
+    rejects_ragged(ragged, ValueError, r"seq_lens\[2\] = 0 is less than q_len_s", ragged.query_start_loc)
+
+
+# -- vLLM's spelling of a mixed batch: pagedvk.ops.unified_attention ----------------------------------------
+
+def unified_args(case, out=None, **changes):
+    lens = case.seq_lens
+    args = dict(q=case.query, k=case.key_cache, v=case.value_cache, out=out, cu_seqlens_q=case.query_start_loc,
+                max_seqlen_q=int(np.diff(case.query_start_loc).max()), seqused_k=lens, max_seqlen_k=int(lens.max()),
+                softmax_scale=0.3, causal=True, window_size=(-1, -1), block_table=case.block_tables, softcap=0,
+                q_descale=None, k_descale=None, v_descale=None)
+    return dict(args, **changes)
+
+
+def test_unified_attention_writes_out(rng, device):
+    case = PrefillCase(rng, q_lens=[4, 1, 0, 6, 1])
+    ref, _ = case.reference(0.3)
+    out = np.full_like(case.query, np.nan)
+    assert pagedvk.ops.unified_attention(**unified_args(case, out)) is out
+    assert rel_error(out, ref) <= TOL
+    dev_out = pagedvk.asarray(np.full_like(case.query, np.nan))
+    assert pagedvk.ops.unified_attention(**unified_args(case, dev_out, q=pagedvk.asarray(case.query))) is dev_out
+    assert rel_error(dev_out.numpy(), ref) <= TOL
+
+
+def test_unified_attention_fp8_descales(rng):
+    case = PrefillCase(rng, q_lens=[3, 1])
+    k8 = pagedvk.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.5)
+    v8 = pagedvk.reference.cache_element(case.value_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.25)
+    descale = np.full((2, 2), 0.5, np.float32)   # vLLM's shape: [num_seqs, num_kv_heads]
+    out = np.full_like(case.query, np.nan)
+    pagedvk.ops.unified_attention(**unified_args(case, out, k=k8, v=v8, k_descale=descale, v_descale=0.25))
+    ref, _ = pagedvk.reference.paged_attention_prefill(case.query, k8.astype(np.float64) * 0.5,
+                                                       v8.astype(np.float64) * 0.25, case.block_tables, case.seq_lens,
+                                                       case.query_start_loc, scale=0.3)
+    assert rel_error(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("window_size", (128, 0), "sliding-window attention"),
+    ("softcap", 30.0, "logit softcapping"),
+    ("q_descale", 1.0, "query scaling"),
+    ("alibi_slopes", np.ones(4, np.float32), "ALiBi"),
+    ("output_scale", 1.0, "fp8 output"),
+    ("qq_bias", np.zeros((8, 8), np.float32), "a query bias"),
+    ("sinks", np.zeros(4, np.float32), "attention sinks"),
+    ("k_descale", np.array([[1.0, 2.0]], np.float32), "differs between sequences or kv heads"),
+])
+def test_unified_attention_unsupported_options(rng, name, value, match):
+    case = PrefillCase(rng, q_lens=[3, 5])
+    k = pagedvk.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype)
+    with pytest.raises(NotImplementedError, match=f"{match} \\({name}\\) is not supported"):
+        pagedvk.ops.unified_attention(**unified_args(case, np.empty_like(case.query), k=k, v=k, **{name: value}))
+
+
+@pytest.mark.parametrize("changes,exc,match", [
+    (dict(out=None), TypeError, "out must be an array of q's shape"),
+    (dict(max_seqlen_q=4), ValueError, r"max_seqlen_q \(4\) is less than the longest length in the batch \(5\)"),
+    (dict(max_seqlen_k=1), ValueError, r"max_seqlen_k \(1\) is less than"),
+    (dict(cu_seqlens_q=[0, 3, 8]), TypeError, "cu_seqlens_q must be a numpy array"),
+])
+def test_unified_attention_rejects(rng, changes, exc, match):
+    case = PrefillCase(rng, q_lens=[3, 5])
+    with pytest.raises(exc, match=match):
+        pagedvk.ops.unified_attention(**unified_args(case, **dict(dict(out=np.empty_like(case.query)), **changes)))

@@ -118,12 +118,9 @@ def f16_caches(case):
 def run_f16(case, kernel):
     """(out's, lse's) relative error against float64 on the same float16 inputs; rows that see no key must
     give lse -inf (and zeros), as the reference."""
-    q = case.query.astype(np.float16)
-    k, v = f16_caches(case)
-    out, lse = pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, kernel=kernel,
-                                               **case.options())
-    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens,
-                                                                 **case.options())
+    args = (case.query.astype(np.float16), *f16_caches(case), *case.args()[3:])
+    out, lse = pagedvk.paged_attention_prefill(*args, kernel=kernel, **case.options())
+    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options())
     assert out.dtype == np.float16 and lse.dtype == np.float32
     empty = np.isneginf(ref_lse)
     assert np.array_equal(np.isneginf(lse), empty)
@@ -148,6 +145,16 @@ def test_matrix_kernel_many_tiles_and_block_sizes(rng, block_size):
     # rows over several 64-row tiles, contexts over several 64-key steps, an empty sequence, MQA
     case = PrefillCase(rng, q_len=70, head_size=128, num_heads=4, num_kv_heads=1, block_size=block_size,
                        seq_lens=[70, 0, 333, 129])
+    out_err, lse_err = run_f16(case, "coopmat")
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_matrix_kernel_ragged_batch(rng, layout):
+    # prompts, chunks, decode tokens and empty sequences in one batch; GQA groups across 64-row tiles
+    case = PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
+                       num_kv_heads=4)
     out_err, lse_err = run_f16(case, "coopmat")
     assert out_err <= TOL and lse_err <= TOL
 

@@ -1,0 +1,28 @@
+// What the prefill kernels share beyond attention_common.glsl: the ragged batch (PREFILL_INPUTS in
+// pagedvk/abi.py). Included after attention_common.glsl by kernels that bind query_start_loc (and tiles).
+#ifndef PREFILL_COMMON_GLSL
+#define PREFILL_COMMON_GLSL
+
+// Sequence seq's queries: (its first token, q_len). Offsets are clamped to [0, max_tokens] and a decreasing
+// pair gives no queries, so unchecked offsets never address a row past the query buffers.
+uvec2 sequence_queries(uint seq, uint max_tokens) {
+    if (seq + 1u >= uint(query_start_loc.length())) return uvec2(0u);
+    const uint start = uint(clamp(query_start_loc[seq], 0, int(max_tokens)));
+    const uint end = uint(clamp(query_start_loc[seq + 1u], int(start), int(max_tokens)));
+    return uvec2(start, end - start);
+}
+
+#ifdef PREFILL_TILES
+// Workgroup wg's work, kv heads fastest: (kv head, sequence, first row) from its tile's entry; false past the
+// table or for an entry naming no sequence.
+bool tile_work(uint wg, out uint kv_head, out uint seq, out uint row0) {
+    kv_head = wg % pc.num_kv_heads;
+    const uint tile = wg / pc.num_kv_heads;
+    if (tile >= uint(tiles.length()) / 2u) return false;
+    seq = uint(max(tiles[2u * tile], 0));
+    row0 = uint(max(tiles[2u * tile + 1u], 0));
+    return seq < pc.num_seqs;
+}
+#endif
+
+#endif
