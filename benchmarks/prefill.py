@@ -32,7 +32,7 @@ def flops(num_heads, head_size, q_len, context, causal):
 def time_pagedvk(inputs, kernel, layout, args):
     """(module name, median ms) of the forward recorded once (pagedvk.prefill.Recorded), each run its own
     submission with GPU timestamps around it."""
-    recorded = prefill.Recorded.forward(*inputs, causal=args.causal, layout=layout, backend="glsl", kernel=kernel)
+    recorded = prefill.Recorded.forward(*inputs, None, causal=args.causal, layout=layout, backend="glsl", kernel=kernel)
     try:
         bench.warm_up(recorded.launch)
         times = [recorded.launch.submit() for _ in range(args.iters * args.repeats)]
