@@ -12,7 +12,9 @@ Where a new thing goes (docs/ARCHITECTURE.md says more):
   shaders/kv_<tag>.wgsl, its store function (reshape_and_cache) in shaders/kv_encode.glsl and a
   shaders/kv_write_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
 - a head size compiled with its loops unrolled: UNROLLED_HEAD_SIZES;
-- a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/.
+- a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/;
+- a cooperative-matrix module of an op: an entry in its KernelABI's matrix_variants and a
+  shaders/<op>_<kind>.comp with the op's bindings and push constants.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ KV_SEGMENTS = 4
 WRITE_INCLUDES_OPS = ("reshape_and_cache",)
 # Ops that read their caches as 16-byte chunks (kv_chunk_access.wgsl; GLSL: KV_CHUNKS in kv_storage.glsl).
 CHUNK_READ_OPS = ("paged_decode",)
-# Cooperative-matrix modules (VK_KHR_cooperative_matrix; GLSL only: naga has no matrix type), by the name of
-# their source's suffix: shaders/<op>_<matrix>.comp. They need glslang 13 or newer and SPIR-V 1.5 (Vulkan 1.2:
-# the Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a glslang.
-MATRIX_KINDS = ("coopmat",)
+# Cooperative-matrix modules (VK_KHR_cooperative_matrix; GLSL only: naga has no matrix type) are named by
+# their source's suffix, shaders/<op>_<matrix>.comp ("coopmat"). They need glslang 13 or newer and SPIR-V 1.5
+# (Vulkan 1.2: the Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a
+# glslang.
 MATRIX_TARGET_ENV = "vulkan1.2"
 TARGET_ENV = "vulkan1.1"   # every other module
 # vLLM's head sizes: decode modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
@@ -82,7 +84,7 @@ class VariantKey:
     q: str = ""           # query and output storage tag
     head_size: int = 0    # 0: any head size, read from the push constants
     access: str = ""      # how caches larger than one binding are read (CACHE_ACCESS)
-    matrix: str = ""      # "" or a MATRIX_KINDS entry: the op's cooperative-matrix source
+    matrix: str = ""      # "" or a matrix kind ("coopmat"): the op's cooperative-matrix source
 
     @property
     def name(self) -> str:
