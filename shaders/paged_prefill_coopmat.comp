@@ -25,7 +25,8 @@
 // rescaling needs no trip through shared memory.
 //
 // Tokens past the workgroup's last visible key are staged as zeros (slots past a sequence's length may hold
-// NaN, and 0 * NaN is NaN); block ids outside the caches read as zeros and are masked.
+// NaN, and 0 * NaN is NaN). Block ids outside the caches (tables not checked: validate=False) are read as
+// zero keys and values: wrong rows for that sequence, never a read outside a buffer.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
