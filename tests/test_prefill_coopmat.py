@@ -97,6 +97,9 @@ def test_property_query_matches_the_extension():
 def test_matrix_feature_is_enabled_only_with_the_extension(rng):
     device = pagedvk.default_device()
     assert ("cooperativeMatrix" in device.features) == bool(device.info.matrix_shapes)
+    # the memory model comes only with the matrices: with it on, the cache writers' Device-scope atomics would
+    # need vulkanMemoryModelDeviceScope too (the validation layer says so)
+    assert ("vulkanMemoryModel" in device.features) == ("cooperativeMatrix" in device.features)
     if _why:   # the automatic choice runs the scalar kernel, and asking for the matrix one says why not
         case = PrefillCase(rng, q_len=3, head_size=128)
         assert max(run_f16(case, "auto")) <= TOL
