@@ -1,155 +1,257 @@
 #!/usr/bin/env python3
-"""Prefill forward: pagedvk's scalar and cooperative-matrix kernels beside torch SDPA, in one process.
+"""Prefill sweep for BENCHMARKS.md: paged_attention_prefill and its backward, GPU-timed (timestamps), in
+TFLOP/s, over prompt lengths and batch mixes, beside torch SDPA where torch with CUDA is present.
 
-The shape is issue 12's unless given: 4 sequences x 32 query heads (8 KV heads) x 512 new tokens over a
-4096-token context, causal, head 128, block 16, float16 caches and queries (random block tables). pagedvk is
-timed with GPU timestamps, `--iters` x `--repeats` submissions of the recorded forward after
-pagedvk.bench.warm_up (0.5 s: the GPU's clock drops when idle); the figure is the median launch. Each kernel's
-output is checked against float64 on the first sequence. Where torch with CUDA is present, SDPA float16 runs
-the same problem on contiguous K/V (bottom-right causal mask, the KV heads expanded for GQA inside the timed
-step, as issue 12's table measures it), timed with CUDA events after the same warm-up.
-TFLOP/s count 4 * head_size flops per (query head, visible key) pair.
+Each batch is a list of (new tokens, context) per sequence, run as one ragged launch (query_start_loc). A
+mixed batch (prefill chunks and decode tokens) is also run as its parts in separate calls, the prefill
+chunks through paged_attention_prefill and the decode tokens through a DecodePlan, and the two times are
+added: the issue's target is that the one launch is no slower. FLOPs: 4 * head_size per (query head, visible
+key) in the forward, 2.5x that in the backward (five products in place of two). SDPA runs batches whose
+sequences share one shape: q [batch, heads, new, head], K and V contiguous [batch, kv heads, context, head],
+the KV heads expanded for GQA inside the timed step, a bottom-right causal mask; its backward is the time of
+forward + backward less the forward's. pagedvk's forward of the first sequence is checked against float64.
+`--kernels` picks the forward's kernel (pagedvk.prefill.matrix_kernel: auto, scalar, coopmat; the backward is
+scalar); a kernel the device cannot run for a row's arguments is reported and skipped.
 
-    python benchmarks/prefill.py --json prefill.json
+    python benchmarks/prefill.py                      # the issue's shape and a sweep sized for a datacenter GPU
+    python benchmarks/prefill.py --small              # a sweep lavapipe finishes in a few minutes
+    python benchmarks/prefill.py --dtypes f16 --backends glsl --json prefill.json
+    python benchmarks/prefill.py --dtypes f16 --backends glsl --kernels scalar,coopmat   # both forwards
 """
 
 import argparse
 import json
-import time
+import sys
 
 import numpy as np
 
 import pagedvk
-from pagedvk import bench, prefill, reference
-from pagedvk.abi import PAGED_PREFILL
+from pagedvk import bench, reference
+from pagedvk.cli import parsed, positive
+from pagedvk.decode import DecodePlan
+from pagedvk.prefill import PREFILL_KERNELS, Recorded
+from pagedvk.runtime.pipeline import Launch
+
+# name -> [(new tokens, context)] per sequence; "mixed" batches are also timed as their parts.
+SWEEP = {
+    "4x512/4096": [(512, 4096)] * 4,            # issue 12's shape
+    "4x128/4096": [(128, 4096)] * 4,
+    "4x2048/4096": [(2048, 4096)] * 4,
+    "8x1024/1024": [(1024, 1024)] * 8,           # whole prompts
+    "mixed 2x512/4096 + 64 decode": [(512, 4096)] * 2 + [(1, 4096)] * 64,
+}
+SMALL_SWEEP = {
+    "2x64/256": [(64, 256)] * 2,
+    "4x16/256": [(16, 256)] * 4,
+    "mixed 2x32/256 + 8 decode": [(32, 256)] * 2 + [(1, 256)] * 8,
+}
+HEADS = {"full": dict(num_heads=32, num_kv_heads=8, head_size=128), "small": dict(num_heads=4, num_kv_heads=2,
+                                                                                  head_size=64)}
+BLOCK_SIZE = 16
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
 
-def flops(num_heads, head_size, q_len, context, causal):
-    visible = np.arange(context - q_len + 1, context + 1) if causal else np.full(q_len, context)
-    return 4.0 * num_heads * head_size * float(visible.sum())
+class Inputs:
+    """A batch's random device inputs: nhd caches of the batch's blocks (shuffled), ragged query."""
+
+    def __init__(self, batch, dtype, num_heads, num_kv_heads, head_size, seed=0):
+        rng = np.random.default_rng(seed)
+        self.batch, self.dtype = batch, np.dtype(dtype)
+        q_lens, contexts = np.array([b[0] for b in batch]), np.array([b[1] for b in batch])
+        blocks = -(-contexts // BLOCK_SIZE)
+        ids = rng.permutation(int(blocks.sum())).astype(np.int32)
+        self.block_tables = np.full((len(batch), int(blocks.max())), -1, np.int32)
+        for s, (first, n) in enumerate(zip(np.cumsum(blocks) - blocks, blocks)):
+            self.block_tables[s, :n] = ids[first:first + n]
+        self.seq_lens = contexts.astype(np.int32)
+        self.query_start_loc = np.cumsum(np.concatenate([[0], q_lens])).astype(np.int32)
+        shape = (len(ids), BLOCK_SIZE, num_kv_heads, head_size)
+        self.host = [rng.standard_normal(s).astype(self.dtype)
+                     for s in ((int(q_lens.sum()), num_heads, head_size), shape, shape)]
+        self.query, self.key_cache, self.value_cache = (pagedvk.asarray(a) for a in self.host)
+        self.dout = pagedvk.asarray(rng.standard_normal(self.host[0].shape).astype(self.dtype))
+        # (query head, visible key) pairs of the causal batch
+        self.pairs = num_heads * sum(int(n) * (c - n) + n * (n + 1) // 2 for n, c in zip(q_lens, contexts))
+        self.flops = 4 * head_size * self.pairs
+
+    def args(self, rows=slice(None)):
+        return (self.query, self.key_cache, self.value_cache, self.block_tables[rows], self.seq_lens[rows],
+                self.query_start_loc)
+
+    def close(self):
+        for a in (self.query, self.key_cache, self.value_cache, self.dout):
+            a.close()
 
 
-def time_pagedvk(inputs, kernel, layout, args):
-    """(module name, median ms) of the forward recorded once (pagedvk.prefill.Recorded), each run its own
-    submission with GPU timestamps around it."""
-    recorded = prefill.Recorded.forward(*inputs, None, causal=args.causal, layout=layout, backend="glsl", kernel=kernel)
+def parse_kernels(text: str) -> list:
+    items = text.split(",")
+    if any(item not in PREFILL_KERNELS for item in items):
+        raise ValueError(f"kernels must be comma-separated names from {', '.join(PREFILL_KERNELS)}, got {text!r}")
+    return items
+
+
+def median_ns(launch, repeats: int) -> float:
+    bench.warm_up(launch)
+    return float(np.median([launch.submit() for _ in range(repeats)]))
+
+
+def part(inputs, seqs, rows):
+    """The sub-batch of sequences `seqs` (their query rows `rows`) as (query, block_tables, seq_lens, loc)."""
+    q = pagedvk.asarray(inputs.host[0][rows])
+    lens = inputs.seq_lens[seqs]
+    loc = np.cumsum(np.concatenate([[0], np.diff(inputs.query_start_loc)[seqs]])).astype(np.int32)
+    return q, np.ascontiguousarray(inputs.block_tables[seqs]), np.ascontiguousarray(lens), loc
+
+
+def time_pagedvk(inputs, backend, kernel, repeats, heads) -> dict:
+    forward = Recorded.forward(*inputs.args(), backend=backend, kernel=kernel)
     try:
-        bench.warm_up(recorded.launch)
-        times = [recorded.launch.submit() for _ in range(args.iters * args.repeats)]
+        fwd_ns = median_ns(forward.launch, repeats)
+        out, lse = forward.outputs
+        loc = inputs.query_start_loc
+        got = out.numpy()[loc[0]:loc[1]].astype(np.float64)
+        ref, _ = reference.paged_attention_prefill(inputs.host[0][loc[0]:loc[1]], *inputs.host[1:],
+                                                   inputs.block_tables[:1], inputs.seq_lens[:1], loc[:2] - loc[0])
+        error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        backward = Recorded.backward(inputs.dout, inputs.query, inputs.key_cache, inputs.value_cache,
+                                     inputs.block_tables, inputs.seq_lens, out, lse, loc, backend=backend)
+        try:
+            bwd_ns = median_ns(backward.launch, repeats)
+        finally:
+            backward.close()
     finally:
-        recorded.close()
-    p = prefill._Problem(*inputs, None, causal=args.causal, layout=layout, backend="glsl", kernel=kernel)
-    return p.key(PAGED_PREFILL).name, float(np.median(times)) / 1e6
+        forward.close()
+    row = {"backend": backend, "kernel": kernel, "forward_us": fwd_ns / 1e3, "backward_us": bwd_ns / 1e3,
+           "forward_TFLOPs": inputs.flops / fwd_ns / 1e3, "backward_TFLOPs": 2.5 * inputs.flops / bwd_ns / 1e3,
+           "rel_error": error, "ok": error <= TOLERANCE[inputs.dtype.name]}
+    q_lens = np.diff(inputs.query_start_loc)
+    decode = np.flatnonzero(q_lens == 1)
+    if decode.size and decode.size < len(q_lens):
+        row["separate_us"] = time_parts(inputs, backend, repeats, heads, decode) / 1e3
+    return row
 
 
-def torch_sdpa(args):
+def time_parts(inputs, backend, repeats, heads, decode) -> float:
+    """GPU ns of the batch run as two calls: its prefill chunks (one ragged launch) and its decode tokens (a
+    DecodePlan)."""
+    loc = inputs.query_start_loc
+    prefill = np.setdiff1d(np.arange(len(loc) - 1), decode)
+    rows = np.concatenate([np.arange(loc[s], loc[s + 1]) for s in prefill])
+    q, tables, lens, part_loc = part(inputs, prefill, rows)
+    chunks = Recorded.forward(q, inputs.key_cache, inputs.value_cache, tables, lens, part_loc, backend=backend)
+    dq, dtables, dlens, _ = part(inputs, decode, loc[decode])
+    plan = DecodePlan(dtables, dlens, block_size=BLOCK_SIZE, num_blocks=inputs.key_cache.shape[0],
+                      dtype=inputs.dtype, query_dtype=inputs.dtype, layout="nhd", backend=backend, **heads)
+    out = pagedvk.empty(dq.shape, inputs.dtype)
+    tokens = Launch(dq.device, plan._steps(dq, inputs.key_cache, inputs.value_cache, out, inputs.key_cache.shape[0]),
+                    timestamps=True)
     try:
-        import torch
-        import torch.nn.functional as F
-        from torch.nn.attention.bias import causal_lower_right
-    except ImportError as e:
-        return {"skipped": f"torch: {e}"}
-    if not torch.cuda.is_available():
-        return {"skipped": "torch has no CUDA device"}
-    g = torch.Generator(device="cuda").manual_seed(0)
-    shape = lambda h, n: (args.num_seqs, h, n, args.head_size)
-    q = torch.randn(shape(args.num_heads, args.q_len), device="cuda", dtype=torch.float16, generator=g)
-    k = torch.randn(shape(args.num_kv_heads, args.context), device="cuda", dtype=torch.float16, generator=g)
-    v = torch.randn(shape(args.num_kv_heads, args.context), device="cuda", dtype=torch.float16, generator=g)
-    group = args.num_heads // args.num_kv_heads
-    mask = causal_lower_right(args.q_len, args.context) if args.causal else None
+        return median_ns(chunks.launch, repeats) + median_ns(tokens, repeats)
+    finally:
+        tokens.close()
+        plan.close()
+        chunks.close()
+        for a in (q, dq, out):
+            a.close()
 
-    def step():
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+
+def time_sdpa(torch, batch, dtype, heads, repeats) -> dict | None:
+    """SDPA forward and backward (CUDA events, median of `repeats` batches of runs) for a batch whose
+    sequences share one (new tokens, context); None for other batches."""
+    if len(set(batch)) != 1:
+        return None
+    (L, T), B = batch[0], len(batch)
+    H, Hkv, D = heads["num_heads"], heads["num_kv_heads"], heads["head_size"]
+    F = torch.nn.functional
+    dt = getattr(torch, dtype)
+    q = torch.randn(B, H, L, D, device="cuda", dtype=dt, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, T, D, device="cuda", dtype=dt, requires_grad=True) for _ in range(2))
+    mask = torch.ones(L, T, device="cuda", dtype=torch.bool).tril(diagonal=T - L)   # bottom-right causal
+    dout = torch.randn(B, H, L, D, device="cuda", dtype=dt)
+
+    def forward():
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1),
                                               attn_mask=mask)
 
-    deadline = time.monotonic() + bench.WARMUP_SECONDS
-    while time.monotonic() < deadline:
+    def both():
+        forward().backward(dout)
+
+    def timed(step, iters=10):
         step()
         torch.cuda.synchronize()
-    times = []
-    for _ in range(args.repeats):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters + 1)]
-        events[0].record()
-        for i in range(args.iters):
-            step()
-            events[i + 1].record()
-        torch.cuda.synchronize()
-        times += [events[i].elapsed_time(events[i + 1]) for i in range(args.iters)]
-    return {"torch": torch.__version__, "ms": float(np.median(times))}
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / iters)
+        return float(np.median(times))
+
+    with torch.no_grad():
+        fwd = timed(forward)
+    return {"sdpa_forward_us": fwd, "sdpa_backward_us": timed(both) - fwd}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-seqs", type=int, default=4)
-    ap.add_argument("--num-heads", type=int, default=32)
-    ap.add_argument("--num-kv-heads", type=int, default=8)
-    ap.add_argument("--q-len", type=int, default=512)
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--head-size", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--non-causal", dest="causal", action="store_false")
-    ap.add_argument("--kernels", default="scalar,coopmat")
-    ap.add_argument("--layouts", default="nhd,vllm")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-
-    rng = np.random.default_rng(0)
-    device = pagedvk.default_device()
-    blocks_per_seq = -(-args.context // args.block_size)
-    num_blocks = args.num_seqs * blocks_per_seq
-    bt = rng.permutation(num_blocks).astype(np.int32).reshape(args.num_seqs, blocks_per_seq)
-    sl = np.full(args.num_seqs, args.context, np.int32)
-    nhd = (num_blocks, args.block_size, args.num_kv_heads, args.head_size)
-    k_nhd = rng.standard_normal(nhd).astype(np.float16)
-    v_nhd = rng.standard_normal(nhd).astype(np.float16)
-    query = rng.standard_normal((args.num_seqs, args.num_heads, args.q_len, args.head_size)).astype(np.float16)
-    total = flops(args.num_heads, args.head_size, args.q_len, args.context, args.causal) * args.num_seqs
-    record = {"device": device.info.name, "driver": f"{device.info.driver} {device.info.driver_version}",
-              "shape": {k: getattr(args, k) for k in ("num_seqs", "num_heads", "num_kv_heads", "q_len", "context",
-                                                       "head_size", "block_size", "causal")},
-              "dtype": "float16", "gflop": total / 1e9, "iters": args.iters * args.repeats, "rows": []}
-    ref = None
-    for layout in args.layouts.split(","):
-        if layout == "nhd":
-            kc, vc = k_nhd, v_nhd
-        else:   # vLLM's: key [blocks, kv heads, head / x, block, x], value [blocks, kv heads, head, block]
-            x = 8
-            kc = np.ascontiguousarray(k_nhd.reshape(num_blocks, args.block_size, args.num_kv_heads,
-                                                    args.head_size // x, x).transpose(0, 2, 3, 1, 4))
-            vc = np.ascontiguousarray(v_nhd.transpose(0, 2, 3, 1))
-        arrays = [pagedvk.asarray(a, device=device) for a in (query, kc, vc, bt, sl)]
-        for kernel in args.kernels.split(","):
-            row = {"kernel": kernel, "layout": layout}
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="the lavapipe-sized sweep and heads (4 / 2 kv, head 64)")
+    p.add_argument("--dtypes", type=parsed(bench.parse_dtypes), default=["float16", "float32"],
+                   help="comma-separated query and cache dtypes: float32, float16, bfloat16 (default: f16,f32)")
+    p.add_argument("--backends", type=parsed(bench.parse_backends), default=["glsl", "wgsl"])
+    p.add_argument("--kernels", type=parsed(parse_kernels), default=["auto"],
+                   help="comma-separated forward kernels: auto, scalar, coopmat (default: auto)")
+    p.add_argument("--repeats", type=positive, default=10, help="timed submissions per figure")
+    p.add_argument("--json", default=None, help="also write every figure to this file")
+    args = p.parse_args(argv)
+    sweep, heads = (SMALL_SWEEP, HEADS["small"]) if args.small else (SWEEP, HEADS["full"])
+    torch = None
+    try:
+        import torch
+        torch = torch if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    rows = []
+    for name, batch in sweep.items():
+        for dtype in args.dtypes:
+            inputs = Inputs(batch, dtype, **heads)
             try:
-                out, lse = pagedvk.paged_attention_prefill(*arrays, causal=args.causal, layout=layout,
-                                                           kernel=kernel)
-                if ref is None:
-                    ref = reference.paged_attention_prefill(query[:1], k_nhd, v_nhd, bt[:1], sl[:1],
-                                                            causal=args.causal, layout="nhd")
-                got = out.numpy()[:1].astype(np.float64)
-                row["rel_error"] = float(np.linalg.norm(got - ref[0]) / np.linalg.norm(ref[0]))
-                row["lse_rel_error"] = float(np.linalg.norm(lse.numpy()[:1] - ref[1]) / np.linalg.norm(ref[1]))
-                out.close(), lse.close()
-                row["module"], ms = time_pagedvk(arrays, kernel, layout, args)
-                row.update(ms=ms, tflops=total / (ms * 1e-3) / 1e12)
-            except Exception as e:   # noqa: BLE001 - one kernel's failure is reported, the others still run
-                row["error"] = f"{type(e).__name__}: {e}"
-            print(json.dumps(row), flush=True)
-            record["rows"].append(row)
-        for a in arrays:
-            a.close()
-    sdpa = torch_sdpa(args)
-    if "ms" in sdpa:
-        sdpa["tflops"] = total / (sdpa["ms"] * 1e-3) / 1e12
-    record["sdpa_f16"] = sdpa
-    print(json.dumps({"sdpa_f16": sdpa}), flush=True)
+                peer = time_sdpa(torch, batch, dtype, heads, args.repeats) if torch is not None else None
+                for backend, kernel in ((b, k) for b in args.backends for k in args.kernels):
+                    try:
+                        timed = time_pagedvk(inputs, backend, kernel, args.repeats, heads)
+                    except ValueError as e:   # kernel="coopmat" where it cannot run: say why, time the others
+                        print(f"{name:>30} {dtype:>9} {backend} {kernel}: skipped: {e}", flush=True)
+                        continue
+                    r = {"batch": name, "dtype": dtype, "GFLOP": inputs.flops / 1e9, **timed, **(peer or {})}
+                    rows.append(r)
+                    print(f"{name:>30} {dtype:>9} {backend} {kernel}: forward {r['forward_us']:10.1f} us "
+                          f"({r['forward_TFLOPs']:.3g} TFLOP/s), backward {r['backward_us']:10.1f} us "
+                          f"({r['backward_TFLOPs']:.3g} TFLOP/s), err {r['rel_error']:.1e}"
+                          + (f"; as separate calls {r['separate_us']:.1f} us" if "separate_us" in r else ""),
+                          flush=True)
+            finally:
+                inputs.close()
+    device = pagedvk.get_device().info.name
+    print(f"\n{device}; heads {heads}, block {BLOCK_SIZE}, causal; GPU timestamps (median of {args.repeats}); "
+          + ("torch SDPA: CUDA events" if torch is not None else "no torch with CUDA: pagedvk's figures alone") + "\n")
+    print("| batch | dtype | backend | kernel | GFLOP | forward | TFLOP/s | backward | TFLOP/s | parts as separate calls "
+          "| SDPA forward | SDPA backward |")
+    print("| --- " * 12 + "|")
+
+    def us(r, key):
+        return f"{r[key]:.1f} us" if key in r else "-"
+    for r in rows:
+        print(f"| {r['batch']} | {r['dtype']} | {r['backend']} | {r['kernel']} | {r['GFLOP']:.3f} | {us(r, 'forward_us')} | "
+              f"{r['forward_TFLOPs']:.3g} | {us(r, 'backward_us')} | {r['backward_TFLOPs']:.3g} | "
+              f"{us(r, 'separate_us')} | {us(r, 'sdpa_forward_us')} | {us(r, 'sdpa_backward_us')} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+            json.dump({"device": device, "heads": heads, "rows": rows}, f, indent=1)
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

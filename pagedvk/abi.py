@@ -261,18 +261,36 @@ ATTENTION_PUSH = tuple(PushField(name, kind) for name, kind in (
     ("v_token_stride", "u32"),
     ("v_dim_stride", "u32"),
     ("blocks_per_segment", "u32"),   # blocks per segment of a cache larger than one binding
+    # Attention variants (shaders/attention_variants.glsl); all zero is plain attention.
+    ("softcap", "f32"),          # logit softcapping c (FlashInfer's logits_soft_cap): c tanh(logit / c); 0: off
+    ("window", "u32"),           # a query sees keys at most window - 1 before it (window_left + 1); 0: no window
+    ("variants", "u32"),         # VARIANT_* flags: which of the optional bindings below are read or written
 ))
+# The flags of `variants` (the kernels' VARIANT_* constants).
+VARIANT_ALIBI = 1                # alibi_slopes is read: logit += slope[head] * (key position - query position)
+VARIANT_SINKS = 2                # sinks is read: one more logit per head in the softmax denominator, no value
+VARIANT_LSE = 4                  # lse is written: the natural-log log-sum-exp of each (query, head)
+
+# The per-head inputs of the attention variants, float32 [num_heads] each; a 16-byte placeholder when the
+# variant is off (its VARIANT_* flag clear): read only where the flag is set.
+ATTENTION_VARIANT_INPUTS = (
+    Binding("alibi_slopes", readonly=True),
+    Binding("sinks", readonly=True),
+)
 
 # Decode attention, one query token per sequence. Workgroups: num_heads / group_size x num_seqs x
 # num_partitions, numbered linearly over a grid folded to the device's limits (pagedvk.runtime.commands.
 # fold_grid). With one partition the result goes to `out`; with more, to the partial buffers, and
-# PAGED_DECODE_REDUCE merges them into `out`.
+# PAGED_DECODE_REDUCE merges them into `out`. lse (float32 [num_seqs, num_heads]) is written where
+# VARIANT_LSE is set, by the reduce when split.
 PAGED_DECODE = KernelABI(
     op="paged_decode",
     bindings=ATTENTION_INPUTS + (
         Binding("out", readonly=False),
         Binding("partial_out", readonly=False),
         Binding("partial_stats", readonly=False),
+        *ATTENTION_VARIANT_INPUTS,
+        Binding("lse", readonly=False),
     ),
     push=ATTENTION_PUSH,
     workgroup_size=(128, 1, 1),
@@ -289,6 +307,28 @@ PAGED_DECODE_REDUCE = KernelABI(
         Binding("partial_out", readonly=True),
         Binding("partial_stats", readonly=True),
         Binding("out", readonly=False),
+        Binding("sinks", readonly=True),
+        Binding("lse", readonly=False),
+    ),
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    q_types=QUERY_TYPES,
+)
+
+# Merges two attention results over disjoint key sets (FlashInfer's merge_state) from their log-sum-exps:
+# out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / (exp(lse_a - m) + exp(lse_b - m)), m the larger,
+# lse = m + log(...); a part with lse -inf (no keys) contributes nothing. The attention push constants, rows
+# (query, head pairs) in num_seqs: outs [rows, head_size] in a query type, lses float32 [rows]. One thread per
+# quad of head dims, workgroups ceil(rows * head_size / 4 / 128), numbered linearly over a folded grid.
+MERGE_STATES = KernelABI(
+    op="merge_states",
+    bindings=(
+        Binding("out_a", readonly=True),
+        Binding("lse_a", readonly=True),
+        Binding("out_b", readonly=True),
+        Binding("lse_b", readonly=True),
+        Binding("out", readonly=False),
+        Binding("lse", readonly=False),
     ),
     push=ATTENTION_PUSH,
     workgroup_size=(128, 1, 1),
@@ -333,6 +373,7 @@ PAGED_PREFILL = KernelABI(
     bindings=PREFILL_INPUTS + (
         Binding("out", readonly=False),
         Binding("lse", readonly=False),
+        *ATTENTION_VARIANT_INPUTS,
     ),
     push=ATTENTION_PUSH,
     workgroup_size=(128, 1, 1),
@@ -427,7 +468,7 @@ RESHAPE_AND_CACHE = KernelABI(
     writes_cache=True,
 )
 
-KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DQ,
+KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, MERGE_STATES, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DQ,
            PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE)
 
 

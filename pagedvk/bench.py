@@ -81,11 +81,17 @@ class DecodeShape:
     block_size: int = 16
     context: int = 1024
     dtype: str = "float32"
+    window_left: int = -1   # a sliding window (pagedvk.variants): each query sees its last window_left + 1 keys
+
+    @property
+    def tokens(self) -> int:
+        """Keys each sequence's query sees: the context, or the window where it is shorter."""
+        return self.context if self.window_left < 0 else min(self.context, self.window_left + 1)
 
     @property
     def kv_bytes(self) -> int:
-        """K and V bytes one decode launch must read."""
-        return 2 * self.num_seqs * self.context * self.num_kv_heads * self.head_size * np.dtype(self.dtype).itemsize
+        """K and V bytes one decode launch must read (a window's: blocks before it are not read)."""
+        return 2 * self.num_seqs * self.tokens * self.num_kv_heads * self.head_size * np.dtype(self.dtype).itemsize
 
 
 class Progress:
@@ -215,7 +221,7 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
     plan = DecodePlan(inputs.block_tables, inputs.seq_lens, num_heads=shape.num_heads,
                       num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=shape.block_size,
                       num_blocks=inputs.num_blocks, dtype=inputs.dtype, query_dtype=inputs.query_dtype,
-                      device=device, backend=backend, partition_size=partition_size)
+                      device=device, backend=backend, partition_size=partition_size, window_left=shape.window_left)
     try:
         dk, dv = inputs.caches[0]
         # poisoned: a plan that writes nothing must not pass on the previous plan's output
@@ -223,7 +229,8 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
         plan.run(query, dk, dv, out=out)
         n = min(CHECKED_SEQS, shape.num_seqs)
         k, v = inputs.host_caches
-        ref = reference.paged_attention(inputs.query_host[:n], k, v, inputs.block_tables[:n], inputs.seq_lens[:n])
+        ref = reference.paged_attention(inputs.query_host[:n], k, v, inputs.block_tables[:n], inputs.seq_lens[:n],
+                                        window_left=shape.window_left)
         got = out.numpy()[:n].astype(np.float64)
         error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         # All timed runs go into one command buffer, a timestamp after each, as a model's layers follow

@@ -23,21 +23,25 @@ def _get(name: str) -> str | None:
     return None if value is None else value.strip()
 
 
-def _seconds_ns(name: str, default: float) -> int:
-    return _parse_seconds_ns(name, _get(name), default)
-
-
 @functools.lru_cache(maxsize=64)   # read at every launch: parse each text once (a bad one raises each time)
-def _parse_seconds_ns(name: str, text: str | None, default: float) -> int:
+def _parse_ns(name: str, text: str | None, default: float, unit: str, unit_ns: float, low_open: bool,
+              high: float, high_text: str) -> int:
+    """A PAGEDVK_* number in `unit` (unit_ns nanoseconds each), in (0, high] or [0, high], as nanoseconds."""
     if not text:
-        return int(default * 1e9)
+        return int(default * unit_ns)
     try:
-        seconds = float(text)
+        value = float(text)
     except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
-        raise ValueError(f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S:.3g}], got {text!r}")
-    return max(1, int(seconds * 1e9))
+        value = math.nan
+    if not (math.isfinite(value) and (value > 0 if low_open else value >= 0) and value <= high):
+        raise ValueError(f"{name} must be a number of {unit} in {'(' if low_open else '['}0, {high_text}], "
+                         f"got {text!r}")
+    ns = int(value * unit_ns)
+    return max(1, ns) if low_open else ns
+
+
+def _seconds_ns(name: str, default: float) -> int:
+    return _parse_ns(name, _get(name), default, "seconds", 1e9, True, MAX_TIMEOUT_S, f"{MAX_TIMEOUT_S:.3g}")
 
 
 def timeout_ns() -> int:
@@ -50,6 +54,19 @@ def compile_timeout_ns() -> int:
     may take. Drivers that compile at the first dispatch (lavapipe) are given this, never PAGEDVK_TIMEOUT
     (pagedvk.runtime.pipeline.Pipeline)."""
     return _seconds_ns("PAGEDVK_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S)
+
+
+DEFAULT_SPIN_US = 1000.0   # GPUs; CPU devices (lavapipe) default to 0: a spinning thread takes a core from the kernel
+MAX_SPIN_US = 1e6
+
+
+def spin_ns(cpu_device: bool) -> int:
+    """PAGEDVK_SPIN_US (microseconds; default 1000 on GPUs, 0 on CPU devices) in nanoseconds: how long a wait
+    polls its fence before it sleeps in the driver. A driver's blocking wait wakes the thread tens of
+    microseconds after the GPU finished (NVIDIA, measured: BENCHMARKS.md, host time); polling sees it at once,
+    at the price of a busy core while the GPU works, as CUDA's default spin-then-block scheduling does."""
+    return _parse_ns("PAGEDVK_SPIN_US", _get("PAGEDVK_SPIN_US"), 0.0 if cpu_device else DEFAULT_SPIN_US,
+                     "microseconds", 1e3, False, MAX_SPIN_US, f"{MAX_SPIN_US:g}")
 
 
 def backend(argument: str | None = None) -> str:

@@ -26,6 +26,7 @@ from .opargs import backend_name, device_of, softmax_scale
 from .runtime.owned import Owned
 from .runtime.pipeline import Launch, Transfers, fold_grid
 from .selection import get_device
+from .variants import Variants, per_head
 
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
@@ -135,12 +136,15 @@ class DecodePlan(Owned):
     the plan is made (the last partition takes every token past its start), up to the block-table row.
     partition_size (tokens) overrides the split-K rule of ``partitioning``; it must be a multiple of
     block_size.
+    alibi_slopes, logits_soft_cap, sinks, window_left: the attention variants (pagedvk.variants), the same for
+    every run of the plan. With a window, the partitions cover each sequence's window only.
     """
 
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
                  block_size: int, num_blocks: int, dtype=np.float32, query_dtype=None, layout: str = "vllm",
                  scale: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0, device=None,
-                 backend: str | None = None, validate: bool = True, partition_size: int | None = None):
+                 backend: str | None = None, validate: bool = True, partition_size: int | None = None,
+                 alibi_slopes=None, logits_soft_cap: float | None = None, sinks=None, window_left: int = -1):
         self._closed, self._lock = True, threading.Lock()   # until constructed: close() works on a half-made plan
         checks.tables(block_tables, seq_lens)
         dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -148,7 +152,7 @@ class DecodePlan(Owned):
         if validate:  # reads device-resident tables back; engines that trust their tables can skip it
             checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
         self.backend = backend_name(backend)
-        self.device = device_of(block_tables, seq_lens, device=device)
+        self.device = device_of(block_tables, seq_lens, alibi_slopes, sinks, device=device)
         self.num_seqs = block_tables.shape[0]
         self.num_heads, self.num_kv_heads, self.head_size = int(num_heads), int(num_kv_heads), int(head_size)
         self.block_size, self.num_blocks = int(block_size), int(num_blocks)
@@ -165,11 +169,19 @@ class DecodePlan(Owned):
         self.seq_lens = asarray(seq_lens, device=self.device)
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
                        if a is not given]
+        self.variants = Variants(self.num_heads, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                                 sinks=sinks, window_left=window_left)
+        self.variant_arrays = {name: asarray(a, device=self.device) for name, a in self.variants.inputs.items()}
+        self._owned += [a for name, a in self.variant_arrays.items() if a is not self.variants.inputs[name]]
+        self._no_lse = empty((4,), np.float32, self.device)   # the lse binding of runs that return none
+        self._owned.append(self._no_lse)
         key = PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, head_size)
         self.pipeline = kernels.pipeline(self.device, PAGED_DECODE, key)
         self.group_size = group_size(num_heads, num_kv_heads)
         lens = checks.host(seq_lens)
-        max_seq_len = min(int(lens.max(initial=0)), block_tables.shape[1] * block_size)
+        # Tokens the partitions cover: the longest context, or the window where it is shorter.
+        max_seq_len = self.variants.span(min(int(lens.max(initial=0)), block_tables.shape[1] * block_size),
+                                         block_size)
         workgroups_per_seq = num_heads // self.group_size
         if partition_size is None:
             self.partition_size, self.num_partitions = partitioning(
@@ -204,6 +216,16 @@ class DecodePlan(Owned):
         return cls(block_tables, seq_lens, num_heads=num_heads, num_kv_heads=spec.num_kv_heads,
                    head_size=spec.head_size, block_size=spec.block_size, num_blocks=spec.num_blocks,
                    dtype=spec.storage.dtype, query_dtype=query_dtype, layout=layout, device=device, **kw)
+
+    def _check_lse(self, lse, out) -> None:
+        checks.kind("lse", lse)
+        checks.dtype("lse", lse, [np.float32])
+        if tuple(lse.shape) != (self.num_seqs, self.num_heads):
+            raise ValueError(f"lse must have shape [num_seqs, num_heads] = {(self.num_seqs, self.num_heads)}, "
+                             f"got {tuple(lse.shape)}")
+        if out is None or type(lse) is not type(out):
+            raise TypeError("lse must be given with out, and be the same kind of array (numpy or DeviceArray)")
+        device_of(lse, device=self.device)
 
     def _check_run(self, query, key_cache, value_cache, out) -> None:
         """The run arguments' checks. They read only kinds, shapes and dtypes, so arguments that look like
@@ -241,18 +263,64 @@ class DecodePlan(Owned):
             if tuple(out.shape) != tuple(query.shape):
                 raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
 
-    def run(self, query: Array, key_cache: Array, value_cache: Array, out: Array | None = None) -> Array:
+    def run(self, query: Array, key_cache: Array, value_cache: Array, out: Array | None = None,
+            lse: Array | None = None, return_lse: bool = False, sinks: Array | None = None):
         """Attention of each sequence's query over its cached tokens. query [num_seqs, num_heads,
         head_size] -> [num_seqs, num_heads, head_size]; numpy query in gives numpy out, DeviceArray in
-        gives DeviceArray out (``out`` is written and returned when given)."""
+        gives DeviceArray out (``out`` is written and returned when given).
+
+        return_lse=True (or an ``lse`` to write, given with ``out``) returns (out, lse): lse float32
+        [num_seqs, num_heads], the natural-log log-sum-exp of each head's logits (the sink's included),
+        -inf for a sequence with no visible key; pagedvk.merge_attention_states merges such results.
+
+        sinks (float32 [num_heads]) stand in for the plan's for this run: models whose layers have their own
+        sinks (gpt-oss) share one plan. Give them as a DeviceArray: a numpy one is copied at every run."""
         self._require_open()
         self._check_run(query, key_cache, value_cache, out)
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise TypeError(f"return_lse must be a bool, not {type(return_lse).__name__}")
+        if lse is not None:
+            self._check_lse(lse, out)
+        if sinks is not None:
+            per_head("sinks", sinks, self.num_heads)
+            device_of(sinks, device=self.device)
+        sinks_d = asarray(sinks, device=self.device) if sinks is not None else None
+        try:
+            # A copied sinks array is the run's own: its launch is not kept.
+            return self._run(query, key_cache, value_cache, out, lse, return_lse, sinks_d, sinks_d is sinks)
+        finally:
+            if sinks_d is not None and sinks_d is not sinks:
+                sinks_d.close()
+
+    def _run(self, query, key_cache, value_cache, out, lse, return_lse, sinks, keep: bool):
+        if return_lse or lse is not None:
+            return self._run_with_lse(query, key_cache, value_cache, out, lse, sinks, keep)
         dev = self.device
         if (type(query) is type(key_cache) is type(value_cache) is type(out) is DeviceArray
                 and query.device is key_cache.device is value_cache.device is out.device is dev):
             # A decode step's per-layer call: nothing to copy, the launch is recorded once.
-            self._launch(query, key_cache, value_cache, out, num_blocks=key_cache.shape[0], cache=True)
+            self._launch(query, key_cache, value_cache, out, num_blocks=key_cache.shape[0], cache=keep, sinks=sinks)
             return out
+        return self._run_copied(query, key_cache, value_cache, out, None, sinks, keep)
+
+    def _run_with_lse(self, query, key_cache, value_cache, out, lse, sinks, keep: bool) -> tuple:
+        """run() returning (out, lse): lse as given, else numpy for a numpy result, a DeviceArray for a DeviceArray."""
+        lse_d = lse if isinstance(lse, DeviceArray) else empty((self.num_seqs, self.num_heads), np.float32, self.device)
+        try:
+            result = self._run_copied(query, key_cache, value_cache, out, lse_d, sinks, keep)
+            if isinstance(lse, np.ndarray):
+                lse[...] = lse_d.numpy()
+                return result, lse
+            if lse is None and not isinstance(result, DeviceArray):
+                return result, lse_d.numpy()
+            handed, lse_d = lse_d, None
+            return result, handed
+        finally:
+            if lse_d is not None and lse_d is not lse:
+                lse_d.close()
+
+    def _run_copied(self, query, key_cache, value_cache, out, lse, sinks, keep: bool):
+        dev = self.device
         device_of(query, key_cache, value_cache, out, device=dev)
         temporaries = []
 
@@ -267,7 +335,8 @@ class DecodePlan(Owned):
             o = out if isinstance(out, DeviceArray) else empty(query.shape, self.query_dtype, self.device)
             if o is not out:
                 temporaries.append(o)
-            self._launch(q, k, v, o, num_blocks=key_cache.shape[0], cache=not temporaries)
+            self._launch(q, k, v, o, num_blocks=key_cache.shape[0], cache=keep and not temporaries, lse=lse,
+                         sinks=sinks)
             if isinstance(out, np.ndarray):
                 out[...] = o.numpy()
                 return out
@@ -282,14 +351,14 @@ class DecodePlan(Owned):
                 a.close()
 
     def _launch(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool = False,
-                transfers: Transfers | None = None):
+                transfers: Transfers | None = None, lse: DeviceArray | None = None, sinks: DeviceArray | None = None):
         # One thread at a time per plan: its recorded launches are looked up, evicted and submitted under
         # the lock, so no thread submits a launch another has just evicted (the device serializes
         # submissions anyway), and close(), which frees the plan's arrays under the same lock, either
         # waits for a run or makes it raise.
         with self._lock:
             self._require_open()
-            return self._launch_locked(q, k, v, o, num_blocks, cache, timed, transfers)
+            return self._launch_locked(q, k, v, o, num_blocks, cache, timed, transfers, lse, sinks)
 
     @property
     def closed(self) -> bool:
@@ -299,10 +368,11 @@ class DecodePlan(Owned):
         if self._closed:
             raise ClosedError(f"{self!r} is closed")
 
-    def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool, transfers):
+    def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool, transfers, lse, sinks):
         # The plan's own tables and scratch are the same in every launch: the key holds the callers' buffers.
         key = (q.buffer.uid, *[b.uid for b in k.buffers], *[b.uid for b in v.buffers], o.buffer.uid, timed,
-               transfers.uids if transfers is not None else ())
+               transfers.uids if transfers is not None else (), *[a.buffer.uid if a is not None else None
+                                                                   for a in (lse, sinks)])
         launch = self._launches.get(key)
         if launch is not None:
             self._launches.move_to_end(key)
@@ -312,7 +382,8 @@ class DecodePlan(Owned):
                 # A buffer it binds was closed or collected (its uid is never reused, so only a plan
                 # table given by the caller can be): record anew, which raises if one still is.
                 self._forget(key)
-        launch = Launch(self.device, self._steps(q, k, v, o, num_blocks), timestamps=timed, transfers=transfers)
+        launch = Launch(self.device, self._steps(q, k, v, o, num_blocks, lse, sinks), timestamps=timed,
+                        transfers=transfers)
         if cache:
             self._launches[key] = launch
             while len(self._launches) > RECORDED_LAUNCHES:
@@ -323,9 +394,10 @@ class DecodePlan(Owned):
             if not cache:
                 launch.close()
 
-    def _steps(self, q, k, v, o, num_blocks: int) -> list:
+    def _steps(self, q, k, v, o, num_blocks: int, lse: DeviceArray | None = None,
+               sinks: DeviceArray | None = None) -> list:
         """The dispatches of one run: decode, and the reduce of its partitions when split. Both take the same
-        push constants."""
+        push constants; lse, when given, is written; sinks, when given, stand in for the plan's."""
         tables = (self.block_tables.buffer, self.seq_lens.buffer)
         partials = (self.partial_out.buffer, self.partial_stats.buffer)
         spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,
@@ -339,13 +411,21 @@ class DecodePlan(Owned):
             num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs,
             q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.scale * self.k_scale,
             v_scale=self.v_scale, group_size=self.group_size, partition_size=self.partition_size,
-            num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides())
-        decode = (pipeline, (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *caches.extra), push,
-                  self.grid)
+            num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
+            **self.variants.push(lse=lse is not None, sinks=sinks is not None))
+        lse_buffer = (lse if lse is not None else self._no_lse).buffer
+        decode = (pipeline, (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials,
+                             *self._variant_buffers(sinks), lse_buffer, *caches.extra), push, self.grid)
         if self.reduce_pipeline is None:
             return [decode]
-        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer), push, self.reduce_grid)
+        reduce = (self.reduce_pipeline, (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1],
+                                         lse_buffer), push, self.reduce_grid)
         return [decode, reduce]
+
+    def _variant_buffers(self, sinks: DeviceArray | None) -> tuple:
+        """The alibi_slopes and sinks bindings (ATTENTION_VARIANT_INPUTS' order); `sinks` in place of the plan's."""
+        return (self.variant_arrays["alibi_slopes"].buffer,
+                (sinks if sinks is not None else self.variant_arrays["sinks"]).buffer)
 
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
         """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""
@@ -381,7 +461,9 @@ class DecodePlan(Owned):
 def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array, *,
                     scale: float | None = None, out: Array | None = None, layout: str = "vllm",
                     kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
-                    backend: str | None = None, validate: bool = True) -> Array:
+                    backend: str | None = None, validate: bool = True, alibi_slopes: Array | None = None,
+                    logits_soft_cap: float | None = None, sinks: Array | None = None, window_left: int = -1,
+                    return_lse: bool = False):
     """Decode attention over a paged KV cache: each sequence's one query token over its cached tokens.
 
     query        float32, float16 or bfloat16 [num_seqs, num_heads, head_size]; num_heads a multiple of
@@ -401,16 +483,22 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     (shapes, dtypes, options, longest context) with numpy block tables reuse a plan the device keeps, with
     staging for the numpy arguments: the tables and lengths are still copied in every call
     (``pagedvk.decode.release_cached_plans`` frees what is kept).
+    alibi_slopes float32 [num_heads], logits_soft_cap, sinks float32 [num_heads], window_left: the attention
+                 variants (see pagedvk.variants), each composable with the others
+    return_lse   True returns (out, lse): lse float32 [num_seqs, num_heads], each head's natural-log
+                 log-sum-exp (the sink included; -inf where no key is visible), for merge_attention_states
 
     >>> out = pagedvk.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
     """
     checks.kind("query", query)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     query_type = storage_type("query", query, QUERY_TYPES)
-    device = device_of(query, key_cache, value_cache, block_tables, seq_lens, out)
+    device = device_of(query, key_cache, value_cache, block_tables, seq_lens, out, alibi_slopes, sinks)
     options = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, layout=layout, kv_cache_dtype=kv_cache_dtype,
-                   backend=backend)
-    key = _oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, options)
+                   backend=backend, logits_soft_cap=logits_soft_cap, window_left=window_left)
+    # Kept plans serve scalar options only: per-head arrays and an lse output take a plan of their own.
+    key = (_oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, options)
+           if alibi_slopes is None and sinks is None and return_lse is False else None)
     if key is not None:
         plans = _oneshot_plans(device)
         entry = plans.get(key)
@@ -426,8 +514,9 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     with DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1], layout=layout,
                                kv_cache_dtype=kv_cache_dtype, query_dtype=query_type.dtype, scale=scale,
                                k_scale=k_scale, v_scale=v_scale, backend=backend, validate=validate,
-                               device=device) as plan:
-        return plan.run(query, key_cache, value_cache, out=out)
+                               device=device, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                               sinks=sinks, window_left=window_left) as plan:
+        return plan.run(query, key_cache, value_cache, out=out, return_lse=return_lse)
 
 
 # One-shot calls repeat shapes (a model's layers, a benchmark's loop): each device keeps the plans of its last

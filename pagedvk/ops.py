@@ -26,8 +26,6 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
           blocksparse_vert_stride, **plan_options) -> DecodePlan:
     """Check vLLM's arguments (block-sparse ones are ignored unless blocksparse_vert_stride > 1, as vLLM
     does) and make the plan that runs them."""
-    if alibi_slopes is not None:
-        raise _unsupported("ALiBi", "alibi_slopes")
     # As in vLLM, tp_rank and the other blocksparse_* arguments matter only for block-sparse attention.
     if blocksparse_vert_stride > 1:
         raise _unsupported("block-sparse attention", "blocksparse_vert_stride > 1")
@@ -47,8 +45,9 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
     query_type = storage_type("query", query, QUERY_TYPES)
     return DecodePlan.for_caches(key_cache, value_cache, block_tables, seq_lens, query.shape[1],
                                  kv_cache_dtype=kv_cache_dtype, query_dtype=query_type.dtype, scale=scale,
-                                 k_scale=k_scale, v_scale=v_scale,
-                                 device=device_of(query, key_cache, value_cache, block_tables, seq_lens, out),
+                                 k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                                 device=device_of(query, key_cache, value_cache, block_tables, seq_lens, out,
+                                                  alibi_slopes),
                                  **plan_options)
 
 
@@ -56,7 +55,8 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
                        block_size, max_seq_len, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0,
                        v_scale=1.0, tp_rank=0, blocksparse_local_blocks=0, blocksparse_vert_stride=0,
                        blocksparse_block_size=64, blocksparse_head_sliding_step=0):
-    """vLLM's ``paged_attention_v1``: writes softmax(scale q k^T) v into ``out`` and returns it.
+    """vLLM's ``paged_attention_v1``: writes softmax(scale q k^T) v into ``out`` and returns it; alibi_slopes
+    (float32 [num_heads], or None) adds vLLM's ALiBi bias slope * (key position - query position).
 
     Shapes as ``pagedvk.paged_attention`` in vLLM's cache layout; fp8 caches as uint8 with kv_cache_dtype
     "fp8" / "fp8_e4m3" / "fp8_e5m2" and k_scale / v_scale. ``num_kv_heads`` and ``block_size`` must agree
@@ -125,19 +125,22 @@ def unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_s
     block_table   int32 [num_seqs, max_blocks_per_seq]
     max_seqlen_q and max_seqlen_k must be at least the longest q_len_s and seqused_k; k_descale and v_descale
     (None, a number, or one value repeated) are fp8 caches' scales, ignored for other caches as vLLM does.
-    Not supported yet, each raising NotImplementedError that names it: q_descale, a sliding window
-    (window_size other than (-1, -1)), softcap other than 0, alibi_slopes, output_scale, qq_bias, sinks, and
-    scales differing between kv heads.
+    The attention variants as vLLM passes them: window_size (left, right), a query seeing its own and the
+    `left` keys before it (-1: no window; vLLM's (sliding_window - 1, 0)), softcap (0: off), alibi_slopes and
+    sinks (float32 [num_heads]); see pagedvk.variants.
+    Not supported yet, each raising NotImplementedError that names it: q_descale, a window to the right
+    (window_size[1] other than -1 or 0), output_scale, qq_bias, and scales differing between kv heads.
     """
-    for name, value, feature in (("q_descale", q_descale, "query scaling"), ("alibi_slopes", alibi_slopes, "ALiBi"),
-                                 ("output_scale", output_scale, "fp8 output"), ("qq_bias", qq_bias, "a query bias"),
-                                 ("sinks", sinks, "attention sinks")):
+    for name, value, feature in (("q_descale", q_descale, "query scaling"), ("output_scale", output_scale, "fp8 output"),
+                                 ("qq_bias", qq_bias, "a query bias")):
         if value is not None:
             raise _unsupported(feature, name)
-    if tuple(window_size) != (-1, -1):
-        raise _unsupported("sliding-window attention", "window_size")
-    if softcap:
-        raise _unsupported("logit softcapping", "softcap")
+    if len(tuple(window_size)) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = window_size
+    if right not in (-1, 0):
+        raise _unsupported(f"a window to the right of the query (window_size[1] = {right}, not -1 or 0)",
+                           "window_size")
     if out is None:
         raise TypeError("out must be an array of q's shape (vLLM writes into it)")
     checks.kind("cu_seqlens_q", cu_seqlens_q)
@@ -150,7 +153,9 @@ def unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_s
     fp8 = np.dtype(k.dtype).itemsize == 1   # as in vLLM, the descales apply to fp8 caches only
     paged_attention_prefill(q, k, v, block_table, seqused_k, cu_seqlens_q, scale=softmax_scale, causal=causal,
                             layout="nhd", k_scale=_descale("k_descale", k_descale) if fp8 else 1.0,
-                            v_scale=_descale("v_descale", v_descale) if fp8 else 1.0, out=out)
+                            v_scale=_descale("v_descale", v_descale) if fp8 else 1.0, out=out,
+                            alibi_slopes=alibi_slopes, logits_soft_cap=softcap if softcap else None, sinks=sinks,
+                            window_left=left)
     return out
 
 

@@ -24,6 +24,7 @@ from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.instance import DeviceInfo, MatrixShape
 from .runtime.pipeline import Launch, fold_grid
+from .variants import Variants, refuse
 
 FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
 MATRIX_ROWS = 64         # and of paged_prefill_coopmat
@@ -142,9 +143,9 @@ class _Problem:
             raise TypeError(f"causal must be a bool, not {type(causal).__name__}")
         checks.kind("query", query)
         self.ragged = len(query.shape) == 3
-        if not self.ragged:
-            checks.ndim("query", query, 4, "[num_tokens, num_heads, head_size] (with query_start_loc) or "
-                        "[num_seqs, num_heads, q_len, head_size]")
+        if len(query.shape) not in (3, 4):
+            raise ValueError(f"query must have 3 dimensions [num_tokens, num_heads, head_size] (with query_start_loc) "
+                             f"or 4 [num_seqs, num_heads, q_len, head_size], got shape {tuple(query.shape)}")
         self.query_type = storage_type("query", query, QUERY_TYPES)
         spec = self.spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype, cache_types)
         self.num_heads, self.head_size = query.shape[1], query.shape[-1]
@@ -194,7 +195,8 @@ class _Problem:
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=block_tables.shape[1], num_blocks=self.num_blocks,
             num_seqs=self.num_seqs, causal=int(self.causal), scale=self.scale * k_scale, v_scale=v_scale,
-            group_size=1, partition_size=0, num_partitions=1, **strides, **spec.strides())
+            group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0, **strides,
+            **spec.strides())
         self.query_start_loc_arg = query_start_loc if self.ragged else self.query_start_loc
 
     def tiles(self, rows_per_tile: int) -> np.ndarray:
@@ -309,7 +311,9 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                             query_start_loc: Array | None = None, *, scale: float | None = None, causal: bool = True,
                             layout: str = "nhd", kv_cache_dtype: str = "auto", k_scale: float = 1.0,
                             v_scale: float = 1.0, backend: str | None = None, validate: bool = True,
-                            out: Array | None = None, kernel: str = "auto") -> tuple[Array, Array]:
+                            out: Array | None = None, alibi_slopes: Array | None = None,
+                            logits_soft_cap: float | None = None, sinks: Array | None = None,
+                            window_left: int = -1, kernel: str = "auto") -> tuple[Array, Array]:
     """Attention of each sequence's new tokens (its last q_len_s positions) over its paged KV cache: a ragged
     batch of prompts, prompt chunks and decode tokens (q_len_s = 1) in one launch.
 
@@ -323,9 +327,12 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                  q_len_s (the fixed-q_len form also takes 0, an empty sequence: zeros out, lse -inf)
     scale        softmax scale, default 1 / sqrt(head_size); accumulation is float32
     causal       query i of sequence s (position seq_lens[s] - q_len_s + i) sees keys 0 .. that position
+    alibi_slopes float32 [num_heads], logits_soft_cap, sinks float32 [num_heads], window_left: the attention
+                 variants (pagedvk.variants); the window counts back from each query's own position
     Returns (out like query in the query's dtype, lse float32 like query without its head_size axis:
-    [num_tokens, num_heads] or [num_seqs, num_heads, q_len]), lse the natural-log sum of exp(scale q.k) over the
-    keys seen (FlashInfer's): numpy for a numpy query, DeviceArrays for a DeviceArray query.
+    [num_tokens, num_heads] or [num_seqs, num_heads, q_len]), lse the natural-log sum of exp(logit) over the
+    keys seen and the sink (FlashInfer's, in natural log): numpy for a numpy query, DeviceArrays for a
+    DeviceArray query.
     validate=False skips the checks of the tables' values (as DecodePlan's): the kernels bound every
     index themselves, so bad values give wrong rows for their sequences, never an access outside a buffer.
     query_start_loc is always checked (the launch's tile table is built from it on the host).
@@ -339,25 +346,33 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
     """
     return _run(*_forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale=scale,
                           causal=causal, layout=layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-                          v_scale=v_scale, backend=backend, validate=validate, kernel=kernel), dict(out=out))
+                          v_scale=v_scale, backend=backend, validate=validate, alibi_slopes=alibi_slopes,
+                          logits_soft_cap=logits_soft_cap, sinks=sinks, window_left=window_left, kernel=kernel),
+                dict(out=out))
 
 
-def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, **options) -> tuple:
+def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, alibi_slopes=None,
+             logits_soft_cap=None, sinks=None, window_left=-1, **options) -> tuple:
     """The checked forward: (problem, dispatches, inputs, outputs) for _run or launch()."""
     p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **options)
     if out is not None:
         p.check_like("out", out, tuple(query.shape), "(the query's shape)", query.dtype)
+    variants = Variants(p.num_heads, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                        window_left=window_left)
+    device_of(*variants.inputs.values(), device=p.device)
+    p.push_fields.update(variants.push())
     tiles = p.tiles(MATRIX_ROWS if p.matrix else FORWARD_ROWS)
     return (p, [(PAGED_PREFILL, p.grid(tiles))],
             dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                 seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles),
+                 seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles, **variants.inputs),
             dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:-1]), np.float32)))
 
 
 def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_cache: Array, block_tables: Array,
                              seq_lens: Array, out: Array, lse: Array, query_start_loc: Array | None = None, *,
                              scale: float | None = None, causal: bool = True, layout: str = "nhd",
-                             backend: str | None = None, validate: bool = True) -> tuple[Array, Array, Array]:
+                             backend: str | None = None, validate: bool = True, alibi_slopes=None,
+                             logits_soft_cap=None, sinks=None, window_left: int = -1) -> tuple[Array, Array, Array]:
     """Gradients of paged_attention_prefill: (dq, dk_cache, dv_cache) for the upstream gradient dout.
 
     {query}
@@ -369,10 +384,14 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
     Where several sequences read one physical block their gradients add up (in a fixed order, so results
     are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a DeviceArray query
     gives DeviceArrays. validate as for paged_attention_prefill.
+    The attention variants are not supported here yet: alibi_slopes, logits_soft_cap, sinks and window_left
+    are accepted, so a forward's arguments can be passed on, and refused unless off.
 
     >>> dq, dk, dv = pagedvk.paged_attention_backward(dout, q, key_cache, value_cache, block_tables, seq_lens, out, lse,
     ...                                               query_start_loc)
     """
+    refuse("paged_attention_backward", alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sinks=sinks,
+           window_left=window_left)
     return _run(*_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, query_start_loc,
                            scale=scale, causal=causal, layout=layout, backend=backend, validate=validate))
 

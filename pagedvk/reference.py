@@ -22,30 +22,69 @@ def gather_kv(key_cache, value_cache, block_table_row, seq_len):
     return k[:seq_len], v[:seq_len]
 
 
+# -- the attention variants (pagedvk.variants), as plain formulas over positions ---------------------------
+
+def logits(q, k, scale, query_pos, key_pos, slope=None, logits_soft_cap=None, window_left=-1, causal=True):
+    """[n, t] logits of queries q [n, d] at positions query_pos over keys k [t, d] at key_pos, -inf where a
+    key is not visible: scaled, softcapped (c tanh(x / c)), plus ALiBi's slope * (key_pos - query_pos);
+    visible: key_pos <= query_pos when causal, and query_pos - key_pos <= window_left when window_left >= 0."""
+    x = scale * (q @ k.T)
+    if logits_soft_cap is not None:
+        x = logits_soft_cap * np.tanh(x / logits_soft_cap)
+    distance = np.asarray(query_pos, np.float64)[:, None] - np.asarray(key_pos, np.float64)[None, :]
+    if slope is not None:
+        x = x - float(slope) * distance
+    seen = np.ones(x.shape, bool)
+    if causal:
+        seen &= distance >= 0
+    if window_left >= 0:
+        seen &= distance <= window_left
+    return np.where(seen, x, -np.inf)
+
+
 def attention(q, k, v, scale):
     """softmax(scale * q k^T) v for one query row set. q [n, d], k [t, d], v [t, d]; t == 0 gives zeros."""
-    if k.shape[0] == 0:
-        return np.zeros((q.shape[0], v.shape[1])), np.full(q.shape[0], -np.inf)
-    logits = scale * (q @ k.T)
-    m = logits.max(axis=-1, keepdims=True)
-    p = np.exp(logits - m)
-    denom = p.sum(axis=-1, keepdims=True)
-    return (p / denom) @ v, (m + np.log(denom))[:, 0]
+    p, lse = softmax_rows(np.full((q.shape[0], 0), -np.inf) if k.shape[0] == 0 else scale * (q @ k.T))
+    return p @ v, lse
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None):
-    """Decode attention: query [num_seqs, num_heads, head_size] -> out [num_seqs, num_heads, head_size]."""
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None, alibi_slopes=None,
+                    logits_soft_cap=None, sinks=None, window_left=-1, return_lse=False):
+    """Decode attention: query [num_seqs, num_heads, head_size] -> out [num_seqs, num_heads, head_size], and
+    with return_lse (out, lse [num_seqs, num_heads]). Each query is its sequence's last position; the variants
+    as pagedvk.variants defines them."""
     query = np.asarray(query, dtype=np.float64)
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
     scale = 1.0 / np.sqrt(head_size) if scale is None else scale
-    out = np.zeros_like(query)
+    out, lse = np.zeros_like(query), np.zeros((num_seqs, num_heads))
     for s in range(num_seqs):
-        k, v = gather_kv(key_cache, value_cache, block_tables[s], int(seq_lens[s]))
+        n = int(seq_lens[s])
+        k, v = gather_kv(key_cache, value_cache, block_tables[s], n)
         for h in range(num_heads):
-            out[s, h] = attention(query[s, h][None], k[:, h // group], v[:, h // group], scale)[0][0]
-    return out
+            x = logits(query[s, h][None], k[:, h // group], scale, [n - 1], np.arange(n),
+                       None if alibi_slopes is None else alibi_slopes[h], logits_soft_cap, window_left)
+            p, row_lse = softmax_rows(x, None if sinks is None else sinks[h])
+            out[s, h], lse[s, h] = (p @ v[:, h // group])[0], row_lse[0]
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """FlashInfer's merge_state in float64: the attention over the union of two disjoint key sets from each
+    set's output [..., head_size] and natural-log lse [...]; a part with lse -inf contributes nothing."""
+    a, b = np.asarray(out_a, np.float64), np.asarray(out_b, np.float64)
+    sa, sb = np.asarray(lse_a, np.float64), np.asarray(lse_b, np.float64)
+    m = np.maximum(sa, sb)
+    safe = np.where(np.isfinite(m), m, 0.0)
+    wa, wb = np.exp(sa - safe), np.exp(sb - safe)
+    total = wa + wb
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.where((total > 0)[..., None], (wa[..., None] * np.where(np.isfinite(sa)[..., None], a, 0)
+                                                 + wb[..., None] * np.where(np.isfinite(sb)[..., None], b, 0))
+                       / np.where(total > 0, total, 1.0)[..., None], 0.0)
+        lse = np.where(total > 0, safe + np.log(total), -np.inf)
+    return out, lse
 
 
 # -- prefill and its backward: ragged batches (or q_len queries per sequence), either cache layout ---------
@@ -88,13 +127,17 @@ def visible(q_len, seq_len, causal):
     return np.arange(seq_len)[None, :] <= seq_len - q_len + np.arange(q_len)[:, None]
 
 
-def softmax_rows(logits):
+def softmax_rows(logits, sink=None):
     """(probabilities, log-sum-exp) of each row of logits, -inf where masked; a row with no visible key
-    gives zero probabilities and lse -inf."""
+    gives zero probabilities and lse -inf. sink: one more logit in every row's denominator, with no value
+    (attention sinks): it lowers the probabilities and joins the lse."""
     m = logits.max(axis=1, keepdims=True, initial=-np.inf)
+    if sink is not None:
+        m = np.maximum(m, float(sink))
     seen = np.isfinite(m)
     p = np.exp(logits - np.where(seen, m, 0.0))
-    denom = np.where(seen, p.sum(axis=1, keepdims=True), 1.0)
+    denom = p.sum(axis=1, keepdims=True) + (np.exp(float(sink) - np.where(seen, m, 0.0)) if sink is not None else 0)
+    denom = np.where(seen, denom, 1.0)
     return p / denom, np.where(seen, m + np.log(denom), -np.inf)[:, 0]
 
 
@@ -114,11 +157,13 @@ def ragged_query(query, query_start_loc=None):
 
 
 def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
-                            causal=True, layout="nhd"):
+                            causal=True, layout="nhd", alibi_slopes=None, logits_soft_cap=None, sinks=None,
+                            window_left=-1):
     """Ragged query [num_tokens, num_heads, head_size] with query_start_loc [num_seqs + 1] (sequence s owns tokens
     query_start_loc[s] .. query_start_loc[s + 1] - 1, its last positions), or query [num_seqs, num_heads, q_len,
     head_size] -> (out like query, lse like query without head_size). lse is the natural-log sum of
-    exp(scale q.k) over the keys a query sees (-inf, with zeros out, if none)."""
+    exp(logit) over the keys a query sees, and its sink (-inf, with zeros out, if none); the variants as
+    pagedvk.variants defines them."""
     q, loc, unflatten = ragged_query(query, query_start_loc)
     num_heads, head_size = q.shape[1], q.shape[2]
     k_nhd, v_nhd = caches_as_nhd(key_cache, value_cache, layout)
@@ -130,9 +175,11 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_len
         n, rows = int(seq_lens[s]), slice(loc[s], loc[s + 1])
         blocks, offsets = token_slots(block_tables[s], n, block_size)
         k, v = k_nhd[blocks, offsets], v_nhd[blocks, offsets]        # [n, num_kv_heads, head_size]
-        mask = visible(loc[s + 1] - loc[s], n, causal)
+        q_len = loc[s + 1] - loc[s]
         for h in range(num_heads):
-            p, lse[rows, h] = softmax_rows(np.where(mask, scale * (q[rows, h] @ k[:, h // group].T), -np.inf))
+            x = logits(q[rows, h], k[:, h // group], scale, n - q_len + np.arange(q_len), np.arange(n),
+                       None if alibi_slopes is None else alibi_slopes[h], logits_soft_cap, window_left, causal)
+            p, lse[rows, h] = softmax_rows(x, None if sinks is None else sinks[h])
             out[rows, h] = p @ v[:, h // group]
     return unflatten(out), unflatten(lse)
 

@@ -42,6 +42,9 @@ layout(push_constant) uniform Params {
     uint v_token_stride;
     uint v_dim_stride;
     uint blocks_per_segment;
+    float softcap;
+    uint window;
+    uint variants;
 } pc;
 
 const uint WG = 128u;              // == local_size_x
@@ -55,24 +58,34 @@ uint workgroup_index() {
     return gl_WorkGroupID.x + gl_NumWorkGroups.x * (gl_WorkGroupID.y + gl_NumWorkGroups.y * gl_WorkGroupID.z);
 }
 
-// -- The hooks attention variants go through (ALiBi, logit softcapping, sliding windows, sinks), shared by decode
-// and prefill: whether the query at sequence position query_pos sees the key at key_pos (positions count from 0),
-// and a visible key's logit from the scaled dot product of query and key. Plain attention: causal visibility
-// (prefill's causal flag; decode's one query is its sequence's last position), the dot product itself.
-bool key_visible(uint key_pos, uint query_pos) { return pc.causal == 0u || key_pos <= query_pos; }
+// -- Attention variants (pagedvk/abi.py's VARIANT_* flags, softcap, window). The hooks that read the variants'
+// buffers (logit(), logits4(), sink_logit()) are in attention_variants.glsl; these read only the push constants.
+const uint VARIANT_ALIBI = 1u;
+const uint VARIANT_SINKS = 2u;
+const uint VARIANT_LSE = 4u;
 
-float logit(float scaled_dot, uint head, uint key_pos, uint query_pos) { return scaled_dot; }
+// Whether the query at sequence position query_pos sees the key at key_pos (positions count from 0): causal
+// masking (prefill's causal flag; decode's one query is its sequence's last position), and the sliding
+// window, which keeps the keys less than `window` positions before the query (FlashInfer's window_left + 1).
+bool key_visible(uint key_pos, uint query_pos) {
+    return (pc.causal == 0u || key_pos <= query_pos) && (pc.window == 0u || key_pos + pc.window > query_pos);
+}
 
-// The hooks for four query rows (prefill) or four heads (decode) at once: -inf where a key is not visible, or
-// at or past `keys` (a row's keys in the cache, 0 for rows or blocks that are not there).
-vec4 logits4(vec4 scaled_dot, uvec4 heads, uint key_pos, uvec4 query_pos, uvec4 keys) {
-    vec4 l = vec4(NEG_INF);
-    for (uint j = 0u; j < 4u; j++) {
-        if (key_pos < keys[j] && key_visible(key_pos, query_pos[j])) {
-            l[j] = logit(scaled_dot[j], heads[j], key_pos, query_pos[j]);
-        }
-    }
-    return l;
+// The first key the window lets a query at query_pos see (0 without a window). Tile loops start at its block,
+// so blocks wholly before the window are never read.
+uint window_first_key(uint query_pos) {
+    return pc.window == 0u || query_pos < pc.window ? 0u : query_pos + 1u - pc.window;
+}
+
+// The end of an online softmax whose visible logits have max m and sum l of exp(logit - m), with a sink
+// logit (NEG_INF for none) joining the denominator: (the factor that turns the accumulated exp(logit - m)
+// weighted values into the output, the log-sum-exp). No visible key and no sink: (0, -inf).
+vec2 softmax_finish(float m, float l, float sink) {
+    const float top = max(l > 0.0 ? m : NEG_INF, sink);
+    if (top == NEG_INF) return vec2(0.0, NEG_INF);
+    const float kept = l > 0.0 ? l * exp(m - top) : 0.0;
+    const float denom = kept + (sink == NEG_INF ? 0.0 : exp(sink - top));
+    return vec2(l > 0.0 ? exp(m - top) / denom : 0.0, top + log(denom));
 }
 
 // The sequence position of query i of a sequence with q_len queries: they are its last q_len tokens.

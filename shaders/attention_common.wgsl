@@ -30,6 +30,9 @@ struct Params {
     v_token_stride: u32,
     v_dim_stride: u32,
     blocks_per_segment: u32,
+    softcap: f32,
+    window: u32,
+    variants: u32,
 }
 
 const WG: u32 = 128u;              // == @workgroup_size
@@ -49,23 +52,39 @@ fn workgroup_index(wid: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return wid.x + nwg.x * (wid.y + nwg.y * wid.z);
 }
 
-// The hooks attention variants go through, shared by decode and prefill (see attention_common.glsl).
+// Attention variants: the hooks that read only the push constants (see attention_common.glsl); those that
+// read the variants' buffers are in attention_variants.wgsl.
+const VARIANT_ALIBI: u32 = 1u;
+const VARIANT_SINKS: u32 = 2u;
+const VARIANT_LSE: u32 = 4u;
+
 fn key_visible(key_pos: u32, query_pos: u32) -> bool {
-    return pc.causal == 0u || key_pos <= query_pos;
+    return (pc.causal == 0u || key_pos <= query_pos) && (pc.window == 0u || key_pos + pc.window > query_pos);
 }
 
-fn logit(scaled_dot: f32, head: u32, key_pos: u32, query_pos: u32) -> f32 {
-    return scaled_dot;
-}
-
-fn logits4(scaled_dot: vec4<f32>, heads: vec4<u32>, key_pos: u32, query_pos: vec4<u32>, keys: vec4<u32>) -> vec4<f32> {
-    var l = vec4<f32>(neg_inf());
-    for (var j = 0u; j < 4u; j++) {
-        if (key_pos < keys[j] && key_visible(key_pos, query_pos[j])) {
-            l[j] = logit(scaled_dot[j], heads[j], key_pos, query_pos[j]);
-        }
+fn window_first_key(query_pos: u32) -> u32 {
+    if (pc.window == 0u || query_pos < pc.window) {
+        return 0u;
     }
-    return l;
+    return query_pos + 1u - pc.window;
+}
+
+fn softmax_finish(m: f32, l: f32, sink: f32) -> vec2<f32> {
+    let top = max(select(neg_inf(), m, l > 0.0), sink);
+    if (top == neg_inf()) {
+        return vec2<f32>(0.0, neg_inf());
+    }
+    var kept = 0.0;
+    var factor = 0.0;
+    if (l > 0.0) {
+        factor = exp(m - top);
+        kept = l * factor;
+    }
+    var denom = kept;
+    if (sink != neg_inf()) {
+        denom += exp(sink - top);
+    }
+    return vec2<f32>(factor / denom, top + log(denom));
 }
 
 // A sequence's queries are its last q_len tokens (see attention_common.glsl).

@@ -7,8 +7,11 @@
 // block rather than scattered per sequence: one workgroup per (physical block, kv head, KEYS tokens of the
 // block) walks the (sequence, block-table slot) pairs that read the block (block_readers, built on the
 // host) and, for each, the query rows that see its tokens, ROWS at a time:
-//   A. 64 threads compute the 8 x 8 probabilities P, the other 64 dP - D (both read q, dout, out, the
-//      keys and the values straight from their buffers);
+//   S. (once per block) the workgroup stages the KEYS tokens' keys and values in shared memory, converted
+//      to float: every reader and every row step reuses them (read from the cache, each key and value was
+//      read once per row of every step);
+//   A. each thread computes P and dP - D of one (row, key) pair of the 16 x 8 (q, dout and out read from
+//      their buffers, keys and values from shared memory);
 //   C. each thread accumulates dV and dK of its head dims for the KEYS tokens.
 // The sum runs in a fixed order, so it is deterministic and needs no float atomics (not core Vulkan).
 // Every element of dk_cache and dv_cache is written exactly once: blocks and slots nobody reads get 0.
@@ -33,11 +36,22 @@ layout(std430, set = 0, binding = 10) writeonly buffer DvCache { float dv_cache[
 #include "prefill_common.glsl"
 
 const uint KEYS = 8u;               // block tokens per workgroup, two vec4s (_a, _b) in the accumulators
-const uint ROWS = 8u;               // query rows per step
-const uint PAIRS = ROWS * KEYS;     // == WG / 2
+const uint ROWS = 16u;              // query rows per step: one (row, key) pair per thread in A, so each step's
+const uint PAIRS = ROWS * KEYS;     // two barriers serve 128 pairs (== WG)
 
 shared float s_p[PAIRS];            // [row][key]: P
 shared float s_dd[PAIRS];           // [row][key]: dP - D
+// S's keys and values as float quads, [token][head quad]. With s_p and s_dd they fill 16 KiB, the least
+// shared memory a Vulkan device offers, at head size STAGED_HEAD_SIZE; larger heads (256) read the cache in A.
+const uint STAGED_HEAD_SIZE = 240u;
+shared vec4 s_k[KEYS * STAGED_HEAD_SIZE / 4u];
+shared vec4 s_v[KEYS * STAGED_HEAD_SIZE / 4u];
+
+// Value quad c (head dims 4c .. 4c + 3) of token t, kv head h, block b.
+vec4 value_quad(uint b, uint h, uint t, uint c) {
+    const uint vi = value_offset(h, t, 4u * c), vs = pc.v_dim_stride;
+    return vec4(VALUE_AT(b, vi), VALUE_AT(b, vi + vs), VALUE_AT(b, vi + 2u * vs), VALUE_AT(b, vi + 3u * vs));
+}
 
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
 uint key_element(uint b, uint h, uint t, uint d) {
@@ -60,10 +74,10 @@ void main() {
     const uint first_entry = pc.num_blocks + 1u;   // block_readers: num_blocks + 1 offsets, then the pairs
     const uint entries = uint(max(int(block_readers.length()) - int(first_entry), 0));
 
-    // Phase A's pair: row pr, key pk; threads 0-63 compute P, threads 64-127 dP - D.
-    const uint pair = tid % PAIRS, pr = pair / KEYS, pk = pair % KEYS;
-    const bool takes_p = tid < PAIRS;
+    // Phase A's pair: row pr, key pk.
+    const uint pr = tid / KEYS, pk = tid % KEYS;
     const uint d0 = tid, d1 = tid + WG;
+    const bool staged = hs <= STAGED_HEAD_SIZE;
 
     for (uint b = gl_WorkGroupID.x; b < num_blocks; b += gl_NumWorkGroups.x) {
         vec4 dk0_a = vec4(0.0), dk0_b = vec4(0.0), dk1_a = vec4(0.0), dk1_b = vec4(0.0);   // [key] of dims d0, d1
@@ -71,6 +85,15 @@ void main() {
         const bool listed = b + 1u < uint(block_readers.length());
         const uint e_begin = listed ? min(uint(max(block_readers[b], 0)), entries) : 0u;
         const uint e_end = listed ? min(uint(max(block_readers[b + 1u], 0)), entries) : 0u;
+        if (staged && e_begin < e_end) {   // S (uniform: every thread has the same block and entries)
+            barrier();   // the previous block's steps are done with s_k, s_v
+            for (uint i = tid; i < KEYS * hc; i += WG) {
+                const uint t = sub * KEYS + i / hc, c = i % hc;
+                s_k[i] = kv_quad(key_load(b, key_offset(kv_head, t, c)));
+                s_v[i] = value_quad(b, kv_head, t, c);
+            }
+            barrier();
+        }
 
         for (uint e = e_begin; e < e_end; e++) {
             const int reader = block_readers[first_entry + e];
@@ -87,31 +110,27 @@ void main() {
                 : uint(clamp(int(p0) - (int(seq_len) - int(q_len)), 0, int(q_len)));
 
             for (uint r0 = i_first * group; r0 < rows; r0 += ROWS) {
-                // A: P or dP - D of pair (pr, pk), 0 where the query does not see the token.
+                // A: P and dP - D of pair (pr, pk), 0 where the query does not see the token.
                 const uint gr = r0 + pr;
                 const uint q = row_base(q_start, kv_head, gr);
                 const uint token = sub * KEYS + pk;
-                float val = 0.0;
+                float p = 0.0, dd = 0.0;
                 if (gr < rows && p0 + pk < visible_keys(gr / group, q_len, seq_len) && q + hs <= row_floats
                         && q / hs < uint(lse.length())) {
-                    float s = 0.0, t = 0.0;
-                    if (takes_p) {
-                        for (uint c = 0u; c < hc; c++)
-                            s += dot(q_quad(query[q / 4u + c]), kv_quad(key_load(b, key_offset(kv_head, token, c))));
-                        val = exp(s * pc.scale - lse[q / hs]);
-                    } else {
-                        const uint v0 = value_offset(kv_head, token, 0u), vs = pc.v_dim_stride;
-                        for (uint c = 0u; c < hc; c++) {
-                            uint vi = v0 + 4u * c * vs;
-                            vec4 v = vec4(VALUE_AT(b, vi), VALUE_AT(b, vi + vs), VALUE_AT(b, vi + 2u * vs), VALUE_AT(b, vi + 3u * vs));
-                            vec4 g = q_quad(dout[q / 4u + c]);
-                            s += dot(g, v);
-                            t += dot(g, q_quad(out_[q / 4u + c]));
-                        }
-                        val = s - t;
+                    float x = 0.0, s = 0.0, t = 0.0;
+                    for (uint c = 0u; c < hc; c++) {
+                        vec4 k = staged ? s_k[pk * hc + c] : kv_quad(key_load(b, key_offset(kv_head, token, c)));
+                        vec4 v = staged ? s_v[pk * hc + c] : value_quad(b, kv_head, token, c);
+                        vec4 g = q_quad(dout[q / 4u + c]);
+                        x += dot(q_quad(query[q / 4u + c]), k);
+                        s += dot(g, v);
+                        t += dot(g, q_quad(out_[q / 4u + c]));
                     }
+                    p = exp(x * pc.scale - lse[q / hs]);
+                    dd = s - t;
                 }
-                if (takes_p) s_p[pair] = val; else s_dd[pair] = val;
+                s_p[tid] = p;
+                s_dd[tid] = dd;
                 barrier();
 
                 // C: this thread's head dims of dV and dK, for the KEYS tokens.

@@ -26,11 +26,16 @@ var<immediate> pc: Params;
 const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
 const KEYS: u32 = 8u;               // block tokens per workgroup: two vec4s (_a, _b) in the accumulators
-const ROWS: u32 = 8u;               // query rows per step
-const PAIRS: u32 = 64u;             // ROWS * KEYS == WG / 2
+const ROWS: u32 = 16u;              // query rows per step: one (row, key) pair per thread in A
+const PAIRS: u32 = 128u;            // ROWS * KEYS == WG
 
 var<workgroup> s_p: array<f32, PAIRS>;     // [row][key]: P
 var<workgroup> s_dd: array<f32, PAIRS>;    // [row][key]: dP - D
+// The staged keys and values (phase S of the GLSL source), [token][head quad]: 16 KiB with s_p and s_dd.
+const STAGED_HEAD_SIZE: u32 = 240u;
+const STAGED_QUADS: u32 = 480u;            // KEYS * STAGED_HEAD_SIZE / 4
+var<workgroup> s_k: array<vec4<f32>, STAGED_QUADS>;
+var<workgroup> s_v: array<vec4<f32>, STAGED_QUADS>;
 
 fn s_p4(i: u32) -> vec4<f32> {
     return vec4<f32>(s_p[i], s_p[i + 1u], s_p[i + 2u], s_p[i + 3u]);
@@ -38,6 +43,13 @@ fn s_p4(i: u32) -> vec4<f32> {
 
 fn s_dd4(i: u32) -> vec4<f32> {
     return vec4<f32>(s_dd[i], s_dd[i + 1u], s_dd[i + 2u], s_dd[i + 3u]);
+}
+
+// Value quad c of token t, kv head h, block b.
+fn value_quad(b: u32, h: u32, t: u32, c: u32) -> vec4<f32> {
+    let vi = value_offset(h, t, 4u * c);
+    let vs = pc.v_dim_stride;
+    return vec4<f32>(value_at(b, vi), value_at(b, vi + vs), value_at(b, vi + 2u * vs), value_at(b, vi + 3u * vs));
 }
 
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
@@ -65,12 +77,11 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let first_entry = pc.num_blocks + 1u;
     let entries = u32(max(i32(arrayLength(&block_readers)) - i32(first_entry), 0));
 
-    let pair = tid % PAIRS;
-    let pr = pair / KEYS;
-    let pk = pair % KEYS;
-    let takes_p = tid < PAIRS;
+    let pr = tid / KEYS;   // phase A's pair: row pr, key pk
+    let pk = tid % KEYS;
     let d0 = tid;
     let d1 = tid + WG;
+    let staged = hs <= STAGED_HEAD_SIZE;
 
     for (var b = wid.x; b < num_blocks; b += nwg.x) {
         var dk0_a = vec4<f32>(0.0);
@@ -86,6 +97,16 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         if (b + 1u < arrayLength(&block_readers)) {
             e_begin = min(u32(max(block_readers[b], 0)), entries);
             e_end = min(u32(max(block_readers[b + 1u], 0)), entries);
+        }
+        if (staged && e_begin < e_end) {   // S (uniform)
+            workgroupBarrier();
+            for (var i = tid; i < KEYS * hc; i += WG) {
+                let t = sub * KEYS + i / hc;
+                let c = i % hc;
+                s_k[i] = kv_quad(key_load(b, key_offset(kv_head, t, c)));
+                s_v[i] = value_quad(b, kv_head, t, c);
+            }
+            workgroupBarrier();
         }
 
         for (var e = e_begin; e < e_end; e++) {
@@ -113,39 +134,34 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             }
 
             for (var r0 = i_first * group; r0 < rows; r0 += ROWS) {
-                // A: P or dP - D of pair (pr, pk), 0 where the query does not see the token.
+                // A: P and dP - D of pair (pr, pk), 0 where the query does not see the token.
                 let gr = r0 + pr;
                 let q = row_base(q_start, kv_head, gr);
                 let token = sub * KEYS + pk;
-                var val = 0.0;
+                var p = 0.0;
+                var dd = 0.0;
                 if (gr < rows && p0 + pk < visible_keys(gr / group, q_len, seq_len) && q + hs <= row_floats
                         && q / hs < arrayLength(&lse)) {
+                    var x = 0.0;
                     var s = 0.0;
                     var t = 0.0;
-                    if (takes_p) {
-                        for (var c = 0u; c < hc; c++) {
-                            s += dot(q_quad(query[q / 4u + c]), kv_quad(key_load(b, key_offset(kv_head, token, c))));
+                    for (var c = 0u; c < hc; c++) {
+                        var k = s_k[min(pk * hc + c, STAGED_QUADS - 1u)];
+                        var v = s_v[min(pk * hc + c, STAGED_QUADS - 1u)];
+                        if (!staged) {
+                            k = kv_quad(key_load(b, key_offset(kv_head, token, c)));
+                            v = value_quad(b, kv_head, token, c);
                         }
-                        val = exp(s * pc.scale - lse[q / hs]);
-                    } else {
-                        let v0 = value_offset(kv_head, token, 0u);
-                        let vs = pc.v_dim_stride;
-                        for (var c = 0u; c < hc; c++) {
-                            let vi = v0 + 4u * c * vs;
-                            let v = vec4<f32>(value_at(b, vi), value_at(b, vi + vs), value_at(b, vi + 2u * vs),
-                                              value_at(b, vi + 3u * vs));
-                            let g = q_quad(dout[q / 4u + c]);
-                            s += dot(g, v);
-                            t += dot(g, q_quad(out[q / 4u + c]));
-                        }
-                        val = s - t;
+                        let g = q_quad(dout[q / 4u + c]);
+                        x += dot(q_quad(query[q / 4u + c]), k);
+                        s += dot(g, v);
+                        t += dot(g, q_quad(out[q / 4u + c]));
                     }
+                    p = exp(x * pc.scale - lse[q / hs]);
+                    dd = s - t;
                 }
-                if (takes_p) {
-                    s_p[pair] = val;
-                } else {
-                    s_dd[pair] = val;
-                }
+                s_p[tid] = p;
+                s_dd[tid] = dd;
                 workgroupBarrier();
 
                 // C: this thread's head dims of dV and dK, for the KEYS tokens.

@@ -34,15 +34,19 @@
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };           // [seqs, heads, head_size]
-#define KV_SEGMENT_BINDING 8   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+#define KV_SEGMENT_BINDING 11  // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, head_size]
 layout(std430, set = 0, binding = 6) writeonly buffer PartialOut { vec2 partial_out[]; }; // [seqs, heads, partitions, head_size]
 layout(std430, set = 0, binding = 7) writeonly buffer PartialStats { vec2 partial_stats[]; }; // [seqs, heads, partitions]: (max, sum)
+layout(std430, set = 0, binding = 8) readonly buffer AlibiSlopes { float alibi_slopes[]; }; // [heads] (VARIANT_ALIBI)
+layout(std430, set = 0, binding = 9) readonly buffer Sinks { float sinks[]; };             // [heads] (VARIANT_SINKS)
+layout(std430, set = 0, binding = 10) writeonly buffer Lse { float lse[]; };               // [seqs, heads] (VARIANT_LSE)
 
 #include "attention_common.glsl"
+#include "attention_variants.glsl"
 
 const uint MAX_GROUP = 8u;                      // query heads per workgroup: two vec4s
 const uint TILE = WG;                           // tokens per tile: one key token per thread
@@ -145,9 +149,11 @@ void main() {
     const uint row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(row), 0)));
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
-    const uint start = part * P;                                  // first token of the partition
-    const uint end = part + 1u == pc.num_partitions ? seq_len : min(seq_len, start + P);
     const uint last = seq_len - 1u;                               // the query's position
+    // Variant: the partitions cover the sliding window only, from the block of its first key.
+    const uint window0 = min(window_first_key(last), seq_len) & ~bs_mask;
+    const uint start = window0 + part * P;                         // first token of the partition
+    const uint end = part + 1u == pc.num_partitions ? seq_len : min(seq_len, start + P);
 
     for (uint i = tid; i < MAX_GROUP * hq; i += WG) {
         const uint g = i % MAX_GROUP, c = i / MAX_GROUP;
@@ -346,12 +352,17 @@ void main() {
         }
         const float l = g < 4u ? l_a[g] : l_b[g - 4u];
         const float m = g < 4u ? m_a[g] : m_b[g - 4u];
-        o *= l > 0.0 ? 1.0 / l : 0.0;
         const uint head = head0 + g;
         if (pc.num_partitions == 1u) {
+            // Variants: the sink joins the denominator here (once: a split's reduce adds it), lse is written.
+            const vec2 fin = softmax_finish(m, l, sink_logit(head));
+            o *= fin.x;
             const uint pair = ((seq * pc.num_heads + head) * hs + d0) >> 1;
             if (pair < uint(out_.length())) out_[pair] = out_pair(o * pc.v_scale);
+            const uint lse_row = seq * pc.num_heads + head;
+            if (d0 == 0u && (pc.variants & VARIANT_LSE) != 0u && lse_row < uint(lse.length())) lse[lse_row] = fin.y;
         } else {
+            o *= l > 0.0 ? 1.0 / l : 0.0;
             const uint slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
             if (slot >= uint(partial_stats.length()) || (slot + 1u) * hs > 2u * uint(partial_out.length())) continue;
             partial_out[(slot * hs + d0) >> 1] = o;

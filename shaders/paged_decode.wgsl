@@ -12,6 +12,7 @@
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
 //!include attention_common.wgsl
+//!include attention_variants.wgsl
 //!include kv_chunk_access.wgsl
 
 @group(0) @binding(0) var<storage, read> query: array<QQuad>;                // [seqs, heads, head_size]
@@ -22,9 +23,12 @@
 @group(0) @binding(5) var<storage, read_write> out: array<OutPair>;          // [seqs, heads, head_size]
 @group(0) @binding(6) var<storage, read_write> partial_out: array<vec2<f32>>; // [seqs, heads, partitions, head_size]
 @group(0) @binding(7) var<storage, read_write> partial_stats: array<vec2<f32>>; // [seqs, heads, partitions]: (max, sum)
+@group(0) @binding(8) var<storage, read> alibi_slopes: array<f32>;         // [heads] (VARIANT_ALIBI)
+@group(0) @binding(9) var<storage, read> sinks: array<f32>;                // [heads] (VARIANT_SINKS)
+@group(0) @binding(10) var<storage, read_write> lse: array<f32>;           // [seqs, heads] (VARIANT_LSE)
 var<immediate> pc: Params;
 
-const KV_SEGMENT_BINDING: u32 = 8u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
 override HEAD_SIZE: u32 = 0u;
 
@@ -165,9 +169,11 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     if (seq < arrayLength(&seq_lens)) {
         seq_len = min(u32(max(seq_lens[seq], 0)), row_blocks * bs);
     }
-    let start = part * P;                                     // first token of the partition
-    let end = select(min(seq_len, start + P), seq_len, part + 1u == pc.num_partitions);
     let last = seq_len - 1u;                                  // the query's position
+    // Variant: the partitions cover the sliding window only, from the block of its first key.
+    let window0 = min(window_first_key(last), seq_len) & ~bs_mask;
+    let start = window0 + part * P;                           // first token of the partition
+    let end = select(min(seq_len, start + P), seq_len, part + 1u == pc.num_partitions);
 
     for (var i = tid; i < MAX_GROUP * hq; i += WG) {
         let g = i % MAX_GROUP;
@@ -426,14 +432,21 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         let lo = g < 4u;
         let l = select(l_b[g & 3u], l_a[g & 3u], lo);
         let m = select(m_b[g & 3u], m_a[g & 3u], lo);
-        o *= select(0.0, 1.0 / l, l > 0.0);
         let head = head0 + g;
         if (pc.num_partitions == 1u) {
+            // Variants: the sink joins the denominator here (once: a split's reduce adds it), lse is written.
+            let fin = softmax_finish(m, l, sink_logit(head));
+            o *= fin.x;
             let pair = ((seq * pc.num_heads + head) * hs + d0) >> 1u;
             if (pair < arrayLength(&out)) {
                 out[pair] = out_pair(o * pc.v_scale);
             }
+            let lse_row = seq * pc.num_heads + head;
+            if (d0 == 0u && (pc.variants & VARIANT_LSE) != 0u && lse_row < arrayLength(&lse)) {
+                lse[lse_row] = fin.y;
+            }
         } else {
+            o *= select(0.0, 1.0 / l, l > 0.0);
             let slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
             if (slot >= arrayLength(&partial_stats) || (slot + 1u) * hs > 2u * arrayLength(&partial_out)) {
                 continue;

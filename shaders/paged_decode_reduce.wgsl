@@ -8,6 +8,8 @@
 @group(0) @binding(1) var<storage, read> partial_out: array<vec2<f32>>;        // [seqs, heads, partitions, head_size]
 @group(0) @binding(2) var<storage, read> partial_stats: array<vec2<f32>>;      // [seqs, heads, partitions]
 @group(0) @binding(3) var<storage, read_write> out: array<OutPair>;            // [seqs, heads, head_size]
+@group(0) @binding(4) var<storage, read> sinks: array<f32>;                    // [heads] (VARIANT_SINKS)
+@group(0) @binding(5) var<storage, read_write> lse: array<f32>;                // [seqs, heads] (VARIANT_LSE)
 var<immediate> pc: Params;
 
 const KV_CHUNK_QUADS: u32 = 1u;   // no cache here: attention_common.wgsl's key addressing goes unused
@@ -33,7 +35,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     if (seq < arrayLength(&seq_lens)) {
         seq_len = u32(max(seq_lens[seq], 0));
     }
-    let parts = min(pc.num_partitions, (seq_len + pc.partition_size - 1u) / pc.partition_size);
+    let seq_keys = min(seq_len, pc.max_blocks_per_seq * pc.block_size);   // as the decode bounds it
+    let first = min(window_first_key(seq_keys - 1u), seq_keys) & ~(pc.block_size - 1u);
+    let parts = min(pc.num_partitions, (seq_keys - first + pc.partition_size - 1u) / pc.partition_size);
 
     var m = neg_inf();
     for (var i = 0u; i < parts; i++) {
@@ -53,8 +57,16 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             acc += w * partial_out[((slot0 + i) * hs + d0) >> 1u];
         }
     }
-    let inv = select(0.0, pc.v_scale / total, total > 0.0);
+    var sink = neg_inf();
+    if ((pc.variants & VARIANT_SINKS) != 0u && head < arrayLength(&sinks)) {
+        sink = sinks[head];
+    }
+    let fin = softmax_finish(m, total, sink);
     if (d0 < hs) {
-        out[(o + d0) >> 1u] = out_pair(acc * inv);
+        out[(o + d0) >> 1u] = out_pair(acc * (fin.x * pc.v_scale));
+    }
+    let row = seq * pc.num_heads + head;
+    if (tid == 0u && (pc.variants & VARIANT_LSE) != 0u && row < arrayLength(&lse)) {
+        lse[row] = fin.y;
     }
 }

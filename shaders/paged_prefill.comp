@@ -27,7 +27,7 @@
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [tokens, heads, head_size]
-#define KV_SEGMENT_BINDING 9   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+#define KV_SEGMENT_BINDING 11  // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
@@ -35,8 +35,11 @@ layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_s
 layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };            // [tiles, 2]
 layout(std430, set = 0, binding = 7) writeonly buffer Out { OUT_PAIR out_[]; };         // like query
 layout(std430, set = 0, binding = 8) writeonly buffer Lse { float lse[]; };             // [tokens, heads]
+layout(std430, set = 0, binding = 9) readonly buffer AlibiSlopes { float alibi_slopes[]; }; // [heads] (VARIANT_ALIBI)
+layout(std430, set = 0, binding = 10) readonly buffer Sinks { float sinks[]; };            // [heads] (VARIANT_SINKS)
 
 #include "attention_common.glsl"
+#include "attention_variants.glsl"
 #define PREFILL_TILES
 #include "prefill_common.glsl"
 
@@ -135,7 +138,10 @@ void main() {
     vec4 o1_a = vec4(0.0), o1_b = vec4(0.0);   // and of head dim tid + WG
     const uint d0 = 2u * tid, d1 = d0 + 1u;   // this thread's head dims
 
-    for (uint base = 0u; base < kv_end; base += TILE) {
+    // Variant: tiles start at the block of the first key the sliding window lets the first row see (rows are
+    // query-major: it sees the earliest keys).
+    const uint kv_start = min(window_first_key(query_position(row0 / group, q_len, seq_len)), kv_end) & ~(bs - 1u);
+    for (uint base = kv_start; base < kv_end; base += TILE) {
         const uint tile_len = min(TILE, kv_end - base);
         const uint tile_blocks = (tile_len + bs - 1u) / bs;
         if (tid < tile_blocks) {
@@ -205,10 +211,10 @@ void main() {
     for (uint r = 0u; r < ROWS; r++) {
         uint q = row_base(q_start, kv_head, row0 + r);
         if (row0 + r >= row_end || q + hs > 2u * uint(out_.length())) continue;
-        float denom = s_row[r];
-        float inv = denom > 0.0 ? pc.v_scale / denom : 0.0;   // a row that sees no key gives zeros
-        vec2 o = vec2(r < 4u ? o0_a[r] : o0_b[r - 4u], r < 4u ? o1_a[r] : o1_b[r - 4u]) * inv;
+        // A row that sees no key gives zeros; the sink (a variant) joins the denominator and the lse.
+        const vec2 fin = softmax_finish(s_m[r], s_row[r], sink_logit(r < 4u ? head_a[r] : head_b[r - 4u]));
+        vec2 o = vec2(r < 4u ? o0_a[r] : o0_b[r - 4u], r < 4u ? o1_a[r] : o1_b[r - 4u]) * (fin.x * pc.v_scale);
         if (d0 < hs) out_[(q + d0) >> 1] = out_pair(o);
-        if (tid == 0u && q / hs < uint(lse.length())) lse[q / hs] = denom > 0.0 ? s_m[r] + log(denom) : NEG_INF;
+        if (tid == 0u && q / hs < uint(lse.length())) lse[q / hs] = fin.y;
     }
 }

@@ -7,6 +7,7 @@
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
 //!include attention_common.wgsl
+//!include attention_variants.wgsl
 //!include kv_access.wgsl
 //!include cache_elements.wgsl
 //!include prefill_common.wgsl
@@ -21,9 +22,11 @@
 @group(0) @binding(6) var<storage, read> tiles: array<i32>;              // [tiles, 2]
 @group(0) @binding(7) var<storage, read_write> out: array<OutPair>;      // like query
 @group(0) @binding(8) var<storage, read_write> lse: array<f32>;          // [tokens, heads]
+@group(0) @binding(9) var<storage, read> alibi_slopes: array<f32>;     // [heads] (VARIANT_ALIBI)
+@group(0) @binding(10) var<storage, read> sinks: array<f32>;           // [heads] (VARIANT_SINKS)
 var<immediate> pc: Params;
 
-const KV_SEGMENT_BINDING: u32 = 9u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+const KV_SEGMENT_BINDING: u32 = 11u;  // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
 const ROWS: u32 = 8u;               // as two vec4s: rows 0-3 (_a) and 4-7 (_b)
 const TILE: u32 = 128u;             // == WG
@@ -153,7 +156,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let d0 = 2u * tid;           // this thread's head dims
     let ninf4 = vec4<f32>(neg_inf());
 
-    for (var base = 0u; base < kv_end; base += TILE) {
+    // Variant: tiles start at the block of the first key the sliding window lets the first row see.
+    let kv_start = min(window_first_key(query_position(row0 / group, q_len, seq_len)), kv_end) & ~(bs - 1u);
+    for (var base = kv_start; base < kv_end; base += TILE) {
         let tile_len = min(TILE, kv_end - base);
         let tile_blocks = (tile_len + bs - 1u) / bs;
         if (tid < tile_blocks) {
@@ -241,15 +246,16 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         if (row0 + r >= row_end || q + hs > 2u * arrayLength(&out)) {
             continue;
         }
-        let denom = s_row[r];
-        let inv = select(0.0, pc.v_scale / denom, denom > 0.0);   // a row that sees no key gives zeros
+        // A row that sees no key gives zeros; the sink (a variant) joins the denominator and the lse.
         let lo = r < 4u;
-        let o = vec2<f32>(select(o0_b[r % 4u], o0_a[r % 4u], lo), select(o1_b[r % 4u], o1_a[r % 4u], lo)) * inv;
+        let fin = softmax_finish(s_m[r], s_row[r], sink_logit(select(head_b[r % 4u], head_a[r % 4u], lo)));
+        let o = vec2<f32>(select(o0_b[r % 4u], o0_a[r % 4u], lo), select(o1_b[r % 4u], o1_a[r % 4u], lo))
+            * (fin.x * pc.v_scale);
         if (d0 < hs) {
             out[(q + d0) >> 1u] = out_pair(o);
         }
         if (tid == 0u && q / hs < arrayLength(&lse)) {
-            lse[q / hs] = select(neg_inf(), s_m[r] + log(denom), denom > 0.0);
+            lse[q / hs] = fin.y;
         }
     }
 }

@@ -24,6 +24,11 @@
 // matrix whose elements hold their own row number tells each invocation its rows (ROWS_OF below), so the
 // rescaling needs no trip through shared memory.
 //
+// The attention variants go through paged_prefill.comp's hooks (attention_variants.glsl): key_visible()
+// (causal and sliding window) and logit() (softcap, then ALiBi) on each element of S as a row's lanes read it
+// in 3b, the sink in the denominator and the lse at the end (softmax_finish), and the window's first block
+// as the first step.
+//
 // Tokens past the workgroup's last visible key are staged as zeros (slots past a sequence's length may hold
 // NaN, and 0 * NaN is NaN). Block ids outside the caches (tables not checked: validate=False) are read as
 // zero keys and values: wrong rows for that sequence, never a read outside a buffer.
@@ -44,7 +49,7 @@
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [tokens, heads, head_size]
-#define KV_SEGMENT_BINDING 9   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+#define KV_SEGMENT_BINDING 11  // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
@@ -52,8 +57,11 @@ layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_s
 layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };            // [tiles, 2]
 layout(std430, set = 0, binding = 7) writeonly buffer Out { OUT_PAIR out_[]; };         // like query
 layout(std430, set = 0, binding = 8) writeonly buffer Lse { float lse[]; };             // [tokens, heads]
+layout(std430, set = 0, binding = 9) readonly buffer AlibiSlopes { float alibi_slopes[]; }; // [heads] (VARIANT_ALIBI)
+layout(std430, set = 0, binding = 10) readonly buffer Sinks { float sinks[]; };            // [heads] (VARIANT_SINKS)
 
 #include "attention_common.glsl"
+#include "attention_variants.glsl"
 #define PREFILL_TILES
 #include "prefill_common.glsl"
 
@@ -184,10 +192,14 @@ void main() {
     [[unroll]] for (uint j = 0u; j < D / 16u; j++) o[j] = MAT_C(0.0);
     float m = NEG_INF, l = 0.0;   // the row's running max; this lane's share of its denominator
     const bool values_by_dim = pc.v_dim_stride == 1u;   // nhd: a token's head dims are contiguous
+    // Variant: steps start at the block of the first key the sliding window lets the tile's first row see
+    // (rows are query-major: it sees the earliest keys), so blocks wholly before every row's window are not
+    // read. A block start keeps the vLLM layout's 8-token value chunks inside one block.
+    const uint kv_start = min(window_first_key(query_position(row0 / group, sq.q_len, seq_len)), kv_end) & ~(bs - 1u);
     uvec4 keys[LOADS], values[LOADS];
-    [[unroll]] for (uint r = 0u; r < LOADS; r++) keys[r] = key_chunk(bt_row, kv_head, 0u, tid + r * WG, kv_end);
+    [[unroll]] for (uint r = 0u; r < LOADS; r++) keys[r] = key_chunk(bt_row, kv_head, kv_start, tid + r * WG, kv_end);
 
-    for (uint base = 0u; base < kv_end; base += BC) {
+    for (uint base = kv_start; base < kv_end; base += BC) {
         barrier();   // every subgroup is done with the last step's values (and, first, the queries)
         // 1. Keys, [key][dim].
         [[unroll]] for (uint r = 0u; r < LOADS; r++) {
@@ -276,9 +288,11 @@ void main() {
         }
     }
 
-    // The rows' denominators; a row that sees no key gives zeros and lse -inf.
+    // The rows' denominators; a row that sees no key gives zeros and lse -inf (or the sink's logit: a
+    // variant, joining the denominator and the lse).
     l += subgroupShuffleXor(l, 1u);
-    if (half_ == 0u) s_row[my_row] = l > 0.0 ? pc.v_scale / l : 0.0;
+    const vec2 fin = softmax_finish(m, l, sink_logit(me.head));
+    if (half_ == 0u) s_row[my_row] = fin.x * pc.v_scale;
     subgroupMemoryBarrierShared();
     subgroupBarrier();
     [[unroll]] for (int i = 0; i < o[0].length(); i++) {
@@ -304,5 +318,5 @@ void main() {
         }
         subgroupBarrier();   // read before the next pass overwrites
     }
-    if (write && half_ == 0u && me.base / D < uint(lse.length())) lse[me.base / D] = l > 0.0 ? m + log(l) : NEG_INF;
+    if (write && half_ == 0u && me.base / D < uint(lse.length())) lse[me.base / D] = fin.y;
 }

@@ -93,6 +93,14 @@ class Case:
         return np.full(self.query.shape, np.nan, self.query.dtype)
 
 
+def in_layout(case, layout, dtype):
+    """The case's caches (vLLM layout, already of `dtype`) in `layout`."""
+    if layout == "vllm":
+        return case.key_cache, case.value_cache
+    k, v = pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
+    return np.ascontiguousarray(k.astype(dtype)), np.ascontiguousarray(v.astype(dtype))
+
+
 # -- sentinels: arrays laid out in one buffer between sentinel ranges, so a stray access lands in a sentinel --
 
 SENTINEL = np.float32(-1234.5)   # a pattern no kernel writes by chance

@@ -30,25 +30,33 @@ def check(case, rng, backend, **kw):
 
 # -- the reference itself, by central differences of the float64 forward ------------------------------------
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["fixed_q_len", "ragged"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_reference_gradient_matches_finite_differences(rng, layout, causal):
-    # Tiny: 2 sequences sharing physical block 0 (so dK and dV add up there), GQA 2:1, blocks 1 and 3 unread.
+def test_reference_gradient_matches_finite_differences(rng, layout, causal, ragged):
+    # Tiny: 2 sequences sharing physical block 0 (so dK and dV add up there), GQA 2:1, blocks 1 and 3 unread;
+    # ragged: 3 and 2 new tokens, and an empty third sequence between them.
     num_blocks, block_size, head_size, q_len = 5, 4, 4, 3
     block_tables = np.array([[0, -1, -1], [0, 2, 4]], np.int32)
     seq_lens = np.array([3, 10], np.int32)
+    loc = ()
+    if ragged:
+        block_tables, seq_lens = block_tables[[0, 0, 1]], np.array([3, 0, 10], np.int32)
+        loc = (np.array([0, 3, 3, 5], np.int32),)
     if layout == "nhd":
         k_shape = v_shape = (num_blocks, block_size, 1, head_size)
     else:
         k_shape, v_shape = (num_blocks, 1, head_size // 4, block_size, 4), (num_blocks, 1, head_size, block_size)
-    q, k, v = rng.standard_normal((2, 2, q_len, head_size)), rng.standard_normal(k_shape), rng.standard_normal(v_shape)
+    q_shape = (5, 2, head_size) if ragged else (2, 2, q_len, head_size)
+    q, k, v = rng.standard_normal(q_shape), rng.standard_normal(k_shape), rng.standard_normal(v_shape)
     dout = rng.standard_normal(q.shape)
     opts = dict(causal=causal, layout=layout, scale=0.7)
 
     def loss(q, k, v):
-        return float(np.sum(dout * pagedvk.reference.paged_attention_prefill(q, k, v, block_tables, seq_lens, **opts)[0]))
+        out = pagedvk.reference.paged_attention_prefill(q, k, v, block_tables, seq_lens, *loc, **opts)[0]
+        return float(np.sum(dout * out))
 
-    grads = pagedvk.reference.paged_attention_backward(dout, q, k, v, block_tables, seq_lens, **opts)
+    grads = pagedvk.reference.paged_attention_backward(dout, q, k, v, block_tables, seq_lens, *loc, **opts)
     h = 1e-6
     for i, (name, grad) in enumerate(zip(NAMES, grads)):
         x = (q, k, v)[i]

@@ -96,3 +96,18 @@ def test_device_variable_blank_is_unset(monkeypatch):
     assert config.device() is None
     monkeypatch.setenv("PAGEDVK_DEVICE", " 0 ")
     assert config.device() == "0"
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "inf", "nan", "2e6"])
+def test_bad_spin_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("PAGEDVK_SPIN_US", value)
+    with pytest.raises(ValueError, match=r"PAGEDVK_SPIN_US must be a number of microseconds in \[0, "):
+        config.spin_ns(cpu_device=False)
+
+
+def test_spin_defaults_to_polling_on_gpus_only(monkeypatch):
+    monkeypatch.delenv("PAGEDVK_SPIN_US", raising=False)
+    assert config.spin_ns(cpu_device=True) == 0
+    assert config.spin_ns(cpu_device=False) == int(config.DEFAULT_SPIN_US * 1000)
+    monkeypatch.setenv("PAGEDVK_SPIN_US", " 250 ")
+    assert config.spin_ns(cpu_device=True) == 250_000

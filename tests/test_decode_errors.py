@@ -143,8 +143,8 @@ def test_vllm_unsupported_options_raise(case):
     q, k, v, bt, sl = case.args()
     out = case.poisoned_out()
     call = lambda **kw: pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 16, 64, **kw)
-    with pytest.raises(NotImplementedError, match="ALiBi"):
-        call(alibi_slopes=np.ones(8, np.float32))
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(num_heads\) must be 8"):
+        call(alibi_slopes=np.ones(7, np.float32))   # ALiBi is supported (tests/test_variants.py); its checks hold
     with pytest.raises(TypeError, match=r"key_cache must be uint8 \(or float8_e4m3fn\) with kv_cache_dtype='fp8'"):
         call(kv_cache_dtype="fp8")   # fp8 caches arrive as uint8 (tests/test_dtypes.py runs them)
     with pytest.raises(NotImplementedError, match="block-sparse"):

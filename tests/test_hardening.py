@@ -25,10 +25,16 @@ def close_all(*arrays):
         a.close()
 
 
+def lasting(device) -> int:
+    """Live Vulkan objects other than pipelines. A pipeline is made at its kernel's first use and lives as long
+    as its device, so what a test leaves behind is counted the same whether or not an earlier test made them."""
+    return device.live_objects() - len(device._pipelines)
+
+
 @pytest.fixture
 def warm(device):
-    """The decode pipeline made (it lives as long as the device), so live-object counts compare like
-    with like."""
+    """The device after a decode: the one-shot machinery's first-use objects made, so live-object counts
+    (lasting()) compare like with like."""
     case = Case(np.random.default_rng(0), num_seqs=1, head_size=32, max_len=20)
     pagedvk.paged_attention(*case.args())
     release_cached_plans(device)   # the pipeline stays; the one-shot plan kept for that shape goes
@@ -60,7 +66,7 @@ def test_unchecked_device_tables_stay_inside_their_buffers(rng, warm):
     # caches. Sentinels right before and after the caches and the output, in the same buffer, must keep
     # their pattern (a stray read or write past a binding lands in its neighbours).
     device = warm
-    live = device.live_objects()
+    live = lasting(device)
     case = Case(rng, num_seqs=12, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, max_len=100)
     num_blocks = case.key_cache.shape[0]
     poison = np.full(case.query.shape, np.nan, np.float32)
@@ -97,7 +103,7 @@ def test_unchecked_device_tables_stay_inside_their_buffers(rng, warm):
     close_all(k, v, q, out, bt, sl, *guards)
     release_cached_plans()   # one-shot calls keep their plans: a bounded cache, not a leak
     gc.collect()
-    assert device.live_objects() == live   # nothing the runs made is left behind
+    assert lasting(device) == live   # nothing the runs made is left behind
 
 
 def test_every_id_and_length_bad(rng, device):
@@ -120,24 +126,24 @@ def test_allocation_larger_than_the_heap_is_out_of_memory(device):
     # Asking Vulkan for more than a heap is invalid usage, so the library refuses it itself, naming the
     # size and the heap (its size, or the driver's budget with VK_EXT_memory_budget).
     budget = device.memory_budget()
-    live = device.live_objects()
+    live = lasting(device)
     nbytes = budget.size + (1 << 20)
     with pytest.raises(pagedvk.OutOfMemoryError) as e:
         device.buffer(nbytes)
     assert isinstance(e.value, MemoryError)
     assert str(nbytes) in str(e.value) and f"heap {budget.heap}" in str(e.value)
     assert e.value.nbytes == nbytes and e.value.budget.source in ("heap size", "VK_EXT_memory_budget")
-    assert device.live_objects() == live
+    assert lasting(device) == live
 
 
 def test_driver_out_of_memory_is_out_of_memory(device):
     # 1 TiB: lavapipe's vkCreateBuffer itself returns VK_ERROR_OUT_OF_DEVICE_MEMORY (a real driver
     # failure, no memory touched); a driver that makes the buffer hits the heap check instead.
-    live = device.live_objects()
+    live = lasting(device)
     with pytest.raises(pagedvk.OutOfMemoryError, match=str(2**40)) as e:
         device.buffer(2**40)
     assert "heap" in str(e.value)
-    assert device.live_objects() == live
+    assert lasting(device) == live
     a = pagedvk.asarray(np.arange(8, dtype=np.int32))
     assert (a.numpy() == np.arange(8)).all()
     a.close()
@@ -159,7 +165,7 @@ def test_allocate_until_it_fails_then_recover(device, monkeypatch):
         return memory
 
     monkeypatch.setattr(vk, "vkAllocateMemory", capped)
-    live = device.live_objects()
+    live = lasting(device)
     held, failure = [], None
     for _ in range(8):
         try:
@@ -169,10 +175,10 @@ def test_allocate_until_it_fails_then_recover(device, monkeypatch):
             break
     assert failure is not None and len(held) == 3
     assert str(chunk) in str(failure) and f"heap {budget.heap}" in str(failure) and "out of device memory" in str(failure)
-    assert device.live_objects() == live + len(held)   # the failed one left nothing behind
+    assert lasting(device) == live + len(held)   # the failed one left nothing behind
     for b in held:
         b.close()
-    assert device.live_objects() == live
+    assert lasting(device) == live
     allocated[0] = 0   # the closed buffers gave their memory back: the cap starts again
     again = device.buffer(chunk)
     again.close()
@@ -185,14 +191,14 @@ def test_simulated_out_of_memory(device, monkeypatch, error):
     def fail(*args, **kw):
         raise error()
 
-    live = device.live_objects()
+    live = lasting(device)
     monkeypatch.setattr(vk, "vkAllocateMemory", fail)
     with pytest.raises(pagedvk.OutOfMemoryError) as e:
         pagedvk.empty((1000, 1000))
     kind = "device" if error is vk.VkErrorOutOfDeviceMemory else "host"
     assert f"out of {kind} memory" in str(e.value) and "4000000 bytes" in str(e.value)
     assert f"heap {device.memory_budget().heap}" in str(e.value) and e.value.budget is not None
-    assert device.live_objects() == live
+    assert lasting(device) == live
     monkeypatch.undo()
     a = pagedvk.asarray(np.ones(1000, np.float32))
     assert a.numpy().sum() == 1000
@@ -245,12 +251,14 @@ def long_case(rng, device):
     return Case(rng, num_seqs=64, num_heads=8, num_kv_heads=1, head_size=128, block_size=32, seq_lens=[8192] * 64)
 
 
-def test_timeout_then_the_device_goes_on(rng, warm, monkeypatch):
+@pytest.mark.parametrize("spin_us", ["0", "100000"])   # a PAGEDVK_TIMEOUT shorter than the fence polling too
+def test_timeout_then_the_device_goes_on(rng, warm, monkeypatch, spin_us):
+    monkeypatch.setenv("PAGEDVK_SPIN_US", spin_us)
     # PAGEDVK_TIMEOUT=1e-9: the wait gives up at once with the TimeoutError subclass while the kernel
     # still runs. The recorded launch is then still pending: the next run must wait for it before
     # submitting it again, and nothing it uses may be freed under it (validation checks both).
     device = warm
-    live = device.live_objects()
+    live = lasting(device)
     case = long_case(rng, device)
     q, k, v, bt, sl = (pagedvk.asarray(a) for a in case.args())
     out = pagedvk.empty(case.query.shape)
@@ -272,7 +280,7 @@ def test_timeout_then_the_device_goes_on(rng, warm, monkeypatch):
     close_all(q, k, v, bt, sl, out)
     release_cached_plans()   # one-shot calls keep their plans: a bounded cache, not a leak
     gc.collect()
-    assert device.live_objects() == live
+    assert lasting(device) == live
 
 
 def test_simulated_timeout(rng, warm, monkeypatch):
@@ -287,7 +295,7 @@ def test_simulated_timeout(rng, warm, monkeypatch):
         return real(*args)
 
     case = Case(rng, num_seqs=2, head_size=32, max_len=40)
-    live = warm.live_objects()
+    live = lasting(warm)
     monkeypatch.setattr(commands, "wait_for_fences", times_out_once)
     with pytest.raises(GPUTimeoutError):
         pagedvk.paged_attention(*case.args())
@@ -295,7 +303,7 @@ def test_simulated_timeout(rng, warm, monkeypatch):
     np.testing.assert_allclose(out, case.reference(), rtol=1e-5, atol=1e-5)
     release_cached_plans()   # one-shot calls keep their plans: a bounded cache, not a leak
     gc.collect()
-    assert warm.live_objects() == live
+    assert lasting(warm) == live
 
 
 # -- 4. no leaks ---------------------------------------------------------------------------------------
@@ -319,11 +327,11 @@ def test_soak_launches_hold_memory_flat(rng, device):
     for _ in range(1000):
         plan.run(q, k, v, out)
     gc.collect()
-    rss, live = rss_mib(), device.live_objects()
+    rss, live = rss_mib(), lasting(device)
     for _ in range(SOAK_LAUNCHES):
         plan.run(q, k, v, out)
     gc.collect()
-    assert device.live_objects() == live
+    assert lasting(device) == live
     assert rss_mib() - rss < RSS_BOUND_MIB, f"host memory grew {rss_mib() - rss:.1f} MiB over {SOAK_LAUNCHES} launches"
     np.testing.assert_allclose(out.numpy(), case.reference(), rtol=1e-5, atol=1e-5)
     plan.close()
@@ -344,11 +352,11 @@ def test_array_cycles_hold_memory_flat(device):
     for i in range(500):
         cycle(i)
     gc.collect()
-    rss, live = rss_mib(), device.live_objects()
+    rss, live = rss_mib(), lasting(device)
     for i in range(10_000):
         cycle(i)
     gc.collect()
-    assert device.live_objects() == live
+    assert lasting(device) == live
     assert rss_mib() - rss < RSS_BOUND_MIB, f"host memory grew {rss_mib() - rss:.1f} MiB over 10,000 arrays"
 
 
@@ -393,12 +401,15 @@ def test_closed_device_is_refused_everywhere(rng):
 
 
 @pytest.mark.parametrize("backend", ["glsl", "wgsl"])
-def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, device, backend):
+@pytest.mark.parametrize("ragged", [False, True], ids=["fixed_q_len", "ragged"])
+def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, device, backend, ragged):
     # The same bad device-resident tables (validate=False) through the prefill forward and backward: the
     # kernels treat bad blocks as empty and clamp lengths, so valid sequences stay right, the caches and
-    # the neighbouring sentinels are untouched, and nothing is written outside the gradient caches.
+    # the neighbouring sentinels are untouched, and nothing is written outside the gradient caches. The
+    # ragged batch gives the bad sequences 1, 5 and 4 queries (sequence 5's 4 past its clamped length).
     from test_prefill import PrefillCase
-    case = PrefillCase(rng, q_len=3, layout="vllm", seq_lens=[40, 17, 64, 33, 20, 50], num_heads=4,
+    shape = dict(q_lens=[3, 1, 0, 5, 2, 4]) if ragged else dict(q_len=3)
+    case = PrefillCase(rng, **shape, layout="vllm", seq_lens=[40, 17, 64, 33, 20, 50], num_heads=4,
                        num_kv_heads=2, head_size=32)
     num_blocks = case.key_cache.shape[0]
     (k, v), guards = fenced(device, case.key_cache, case.value_cache)
@@ -407,14 +418,16 @@ def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, devic
     bad_bt[1, 0], bad_bt[3, :], bad_sl[5] = num_blocks, -(2**31), 2**31 - 1
     bt, sl = pagedvk.asarray(bad_bt), pagedvk.asarray(bad_sl)
     opts = dict(layout="vllm", backend=backend, validate=False)
-    out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, sl, **opts)
+    loc = [pagedvk.asarray(case.query_start_loc)] if ragged else []
+    out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, sl, *loc, **opts)
     ref_out, ref_lse = case.reference()
-    valid = [0, 2, 4]
+    valid = (np.concatenate([np.arange(*case.query_start_loc[s:s + 2]) for s in (0, 2, 4)]) if ragged
+             else [0, 2, 4])
     got = out.numpy()
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got[valid], ref_out[valid], rtol=1e-5, atol=1e-5)
     dout = pagedvk.asarray(rng.standard_normal(case.query.shape).astype(np.float32))
-    dq, dk, dv = pagedvk.paged_attention_backward(dout, q, k, v, bt, sl, out, lse, **opts)
+    dq, dk, dv = pagedvk.paged_attention_backward(dout, q, k, v, bt, sl, out, lse, *loc, **opts)
     assert np.isfinite(dq.numpy()).all() and np.isfinite(dk.numpy()).all() and np.isfinite(dv.numpy()).all()
     ref_dq = pagedvk.reference.paged_attention_backward(dout.numpy(), *case.args(), **case.options())[0]
     np.testing.assert_allclose(dq.numpy()[valid], ref_dq[valid], rtol=1e-4, atol=1e-5)
@@ -422,7 +435,7 @@ def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, devic
     np.testing.assert_array_equal(v.numpy(), case.value_cache)
     assert_untouched(*guards)
     assert device.lost is None
-    close_all(k, v, q, bt, sl, out, lse, dout, dq, dk, dv, *guards)
+    close_all(k, v, q, bt, sl, out, lse, dout, dq, dk, dv, *loc, *guards)
 
 
 # -- issue 7 points 3 and 4: grids past the device's limits, lengths that outgrow a plan -----------------------
@@ -482,3 +495,20 @@ def test_lengths_that_outgrow_the_plan_are_covered(rng, device):
         lens.write(case.seq_lens)
         out = plan.run(case.query, case.key_cache, case.value_cache)
     assert rel_error(out, case.reference()) <= 1e-5
+
+
+def test_spinning_wait_polls_and_sees_the_result(rng, warm, monkeypatch):
+    # PAGEDVK_SPIN_US: waits poll the fence first. The result is the same and the polling really runs (a
+    # PAGEDVK_TIMEOUT shorter than the spin: test_timeout_then_the_device_goes_on).
+    real, polls = commands.get_fence_status, []
+
+    def counting(*args):
+        polls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(commands, "get_fence_status", counting)
+    monkeypatch.setenv("PAGEDVK_SPIN_US", "100000")
+    case = Case(rng, num_seqs=2, head_size=32, max_len=40)
+    out = pagedvk.paged_attention(*case.args())
+    np.testing.assert_allclose(out, case.reference(), rtol=1e-5, atol=1e-5)
+    assert polls

@@ -195,6 +195,13 @@ def test_ragged_gqa_groups_and_causal(rng, backend, num_heads, num_kv_heads, cau
                       causal=causal, block_size=8), backend)
 
 
+def test_work_tiles_cover_each_sequence_and_skip_empty_ones():
+    # 3 queries x group 4 = 12 rows: tiles at rows 0 and 8; no queries: no tile; 1 query: one tile.
+    tiles = pagedvk.prefill.work_tiles(np.array([0, 3, 3, 4], np.int32), group=4, rows_per_tile=8)
+    assert tiles.dtype == np.int32 and tiles.tolist() == [[0, 0], [0, 8], [2, 0]]
+    assert pagedvk.prefill.work_tiles(np.array([0, 0], np.int32), 4, 8).shape == (0, 2)
+
+
 def test_ragged_batch_equals_its_parts_run_alone(rng, backend):
     # Each sequence's rows are tiled from the sequence's own first row, so running it alone does the same sums.
     case = PrefillCase(rng, q_lens=[4, 1, 0, 9], layout="vllm")
@@ -310,7 +317,8 @@ def test_rejects_num_heads_not_a_multiple_of_kv_heads(rng):
 
 
 @pytest.mark.parametrize("name,value,match", [
-    ("query", lambda c: c.query[0, 0], r"query must have 4 dimensions"),
+    ("query", lambda c: c.query[0, 0], r"query must have 3 dimensions \[num_tokens, num_heads, head_size\] \(with "
+                                       r"query_start_loc\) or 4 \[num_seqs, num_heads, q_len, head_size\], got"),
     ("query", lambda c: c.query[..., :32].copy(), r"query.shape\[3\] \(head_size, from the caches\) must be 64"),
     ("query", lambda c: c.query[:2].copy(), r"block_tables.shape\[0\] \(num_seqs, from query\) must be 2"),
     ("query", lambda c: c.query[:, :, :0].copy(), r"query.shape\[2\] \(q_len\) must be at least 1"),
@@ -418,13 +426,10 @@ def test_unified_attention_fp8_descales(rng):
 
 
 @pytest.mark.parametrize("name,value,match", [
-    ("window_size", (128, 0), "sliding-window attention"),
-    ("softcap", 30.0, "logit softcapping"),
+    ("window_size", (128, 5), r"a window to the right of the query \(window_size\[1\] = 5, not -1 or 0\)"),
     ("q_descale", 1.0, "query scaling"),
-    ("alibi_slopes", np.ones(4, np.float32), "ALiBi"),
     ("output_scale", 1.0, "fp8 output"),
     ("qq_bias", np.zeros((8, 8), np.float32), "a query bias"),
-    ("sinks", np.zeros(4, np.float32), "attention sinks"),
     ("k_descale", np.array([[1.0, 2.0]], np.float32), "differs between sequences or kv heads"),
 ])
 def test_unified_attention_unsupported_options(rng, name, value, match):

@@ -62,7 +62,7 @@ def test_storage_files_stand_in_for_the_generic_includes():
     key = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg")
     names = [p.name for p in abi.source_files(SHADERS, key)]
     assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_bf16.wgsl", "attention_common.wgsl",
-                     "kv_chunk_segmented.wgsl"]
+                     "attention_variants.wgsl", "kv_chunk_segmented.wgsl"]
     # The decode reads 16-byte chunks; prefill keeps its quads.
     key = abi.PAGED_PREFILL.key("wgsl", "f16", "f16")
     assert "kv_bound.wgsl" in [p.name for p in abi.source_files(SHADERS, key)]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 
 import numpy as np
+
 import vulkan as vk
 
-from ..config import timeout_ns
+from ..config import spin_ns, timeout_ns
 from ..errors import ClosedError, GPUTimeoutError
 from .memory import raise_vk
 from .owned import Owned
@@ -25,6 +27,8 @@ queue_submit = vk.lib.vkQueueSubmit
 wait_for_fences = vk.lib.vkWaitForFences
 # VkResult vkResetFences(VkDevice, uint32_t fenceCount, const VkFence*)
 reset_fences = vk.lib.vkResetFences
+# VkResult vkGetFenceStatus(VkDevice, VkFence)
+get_fence_status = vk.lib.vkGetFenceStatus
 
 
 def vk_error(result: int) -> Exception:
@@ -173,6 +177,16 @@ class CommandBuffer(Owned):
                 self.wait(timeout)
         dev.check()
 
+    def _spin(self, ns: int) -> None:
+        """Poll the fence for at most ns: the blocking wait that follows then returns at once if it has
+        signalled (or reports what polling found, a lost device included)."""
+        if ns <= 0:
+            return
+        deadline = time.perf_counter_ns() + ns
+        handle, fence = self.device.handle, self.fence
+        while get_fence_status(handle, fence) == vk.VK_NOT_READY and time.perf_counter_ns() < deadline:
+            pass
+
     def wait(self, timeout: int | None = None) -> None:
         """Wait for the last submission, at most PAGEDVK_TIMEOUT seconds; GPUTimeoutError past that (the
         submission then stays pending: nothing it uses is freed or reused until it has finished)."""
@@ -181,6 +195,7 @@ class CommandBuffer(Owned):
             if not self.pending:
                 return
             timeout = timeout_ns() if timeout is None else timeout
+            self._spin(min(spin_ns(dev.info.type == "cpu"), timeout))
             result = wait_for_fences(dev.handle, 1, self._fences, vk.VK_TRUE, timeout)
             if result == vk.VK_TIMEOUT:
                 self._keep_in_flight()
