@@ -6,8 +6,9 @@ the push constants) and both query forms, ragged [num_tokens, ...] with query_st
 [num_seqs, num_heads, q_len, ...] (the query strides do).
 
 The forward has a second kernel for devices with cooperative matrices (VK_KHR_cooperative_matrix):
-shaders/paged_prefill_coopmat.comp, same bindings and push constants, for float16 queries and caches at head
-sizes 64 and 128. `matrix_kernel` is the rule that picks it, from the device's listed multiplies.
+shaders/paged_prefill_coopmat.comp, same bindings and push constants (the attention variants included), for
+float16 queries and caches at head sizes 64 and 128. `matrix_kernel` is the rule that picks it, from the
+device's listed multiplies; every variant runs on either kernel, so the variants do not enter the choice.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from pagedvk import abi, prefill
 from pagedvk.runtime.instance import MatrixShape
 from conftest import rel_error
 from test_prefill import PrefillCase, poisoned_outputs  # noqa: F401 - the fixture poisons this module's outputs
+from test_variants import VARIANTS, variant_args
 
 TOL = 2e-3   # float16 storage and operands
 F16_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
@@ -118,12 +119,13 @@ def f16_caches(case):
     return tuple(np.ascontiguousarray(a) for a in pagedvk.reference.nhd_as_cache(k, v, case.layout, key_shape))
 
 
-def run_f16(case, kernel):
-    """(out's, lse's) relative error against float64 on the same float16 inputs; rows that see no key must
-    give lse -inf (and zeros), as the reference."""
-    args = (case.query.astype(np.float16), *f16_caches(case), *case.args()[3:])
-    out, lse = pagedvk.paged_attention_prefill(*args, kernel=kernel, **case.options())
-    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options())
+def run_f16(case, kernel, caches=None, **variants):
+    """(out's, lse's) relative error against float64 on the same float16 inputs (the case's caches, or
+    `caches` in its layout), with the attention variants given; rows that see no key must give lse -inf (and
+    zeros), as the reference."""
+    args = (case.query.astype(np.float16), *(caches or f16_caches(case)), *case.args()[3:])
+    out, lse = pagedvk.paged_attention_prefill(*args, kernel=kernel, **case.options(**variants))
+    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options(**variants))
     assert out.dtype == np.float16 and lse.dtype == np.float32
     empty = np.isneginf(ref_lse)
     assert np.array_equal(np.isneginf(lse), empty)
@@ -168,3 +170,60 @@ def test_auto_picks_the_matrix_kernel(rng):
     assert prefill.matrix_kernel(device.info, device.features, "glsl", "f16", "f16", 128) == "coopmat"
     case = PrefillCase(rng, q_len=33, head_size=128)
     assert run_f16(case, "auto")[0] <= TOL
+
+
+# -- the attention variants (issue 11) in the matrix kernel, where it runs --
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("head_size", (64, 128))
+def test_matrix_kernel_each_variant_and_all(rng, layout, variant, head_size):
+    # GQA, a query tile over several 64-key steps; all variants also without causal masking
+    case = PrefillCase(rng, q_len=40, layout=layout, head_size=head_size, num_heads=8, num_kv_heads=2,
+                       seq_lens=[40, 230, 75])
+    kw = variant_args(rng, 8, VARIANTS[variant])
+    for causal in (True, False) if variant == "all" else (True,):
+        case.causal = causal
+        out_err, lse_err = run_f16(case, "coopmat", **kw)
+        assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("window_left", [0, 1, 15, 63, 64, 100, 5000])
+def test_matrix_kernel_window_edges(rng, window_left):
+    # windows within one block, one 64-key step, across steps and longer than every context; MQA tiles of
+    # 64 rows whose first and last rows' windows differ
+    case = PrefillCase(rng, q_len=70, head_size=128, num_heads=4, num_kv_heads=1, block_size=8,
+                       seq_lens=[70, 333, 129])
+    out_err, lse_err = run_f16(case, "coopmat", window_left=window_left)
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_matrix_kernel_ragged_batch_with_every_variant(rng, layout):
+    # prompt chunks, decode tokens and empty sequences in one batch, every variant at once (sinks on rows
+    # that see keys and on none)
+    case = PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
+                       num_kv_heads=4)
+    out_err, lse_err = run_f16(case, "coopmat", **variant_args(rng, 12, VARIANTS["all"]))
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_matrix_kernel_window_does_not_read_blocks_before_it(rng, layout):
+    # NaN in every block wholly before the window of each sequence's first query: the matrix kernel's
+    # steps start at the tile's first window block, so none of them is read (NaN would reach out)
+    q_len, window_left, bs = 20, 30, 16
+    case = PrefillCase(rng, q_len=q_len, layout=layout, head_size=64, num_heads=8, num_kv_heads=2,
+                       block_size=bs, seq_lens=[600, 300, 100])
+    k, v = f16_caches(case)
+    args = (case.query.astype(np.float16), k, v, *case.args()[3:])
+    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options(window_left=window_left))
+    for s, n in enumerate(case.seq_lens):
+        for b in case.block_tables[s, :(n - q_len - window_left) // bs]:
+            k[b] = v[b] = np.nan
+    out, lse = pagedvk.paged_attention_prefill(*args, kernel="coopmat", **case.options(window_left=window_left))
+    assert rel_error(out, ref_out) <= TOL and rel_error(lse, ref_lse) <= TOL
