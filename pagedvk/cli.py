@@ -13,6 +13,7 @@ from . import bench, config, suite
 from .dtypes import device_dtypes
 from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
 from .errors import PagedVKError
+from .prefill import describe_choice
 from .selection import devices, select
 
 
@@ -35,6 +36,8 @@ def cmd_devices(args) -> int:
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     print(f"\nselected: [{chosen.index}] {chosen.name}: {reason}")
+    for i in infos:   # which prefill kernel each device gets, and why
+        print(f"prefill forward on [{i.index}]: {describe_choice(i)}")
     return 0
 
 

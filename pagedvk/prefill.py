@@ -4,6 +4,11 @@ cache layout (pagedvk.layouts) and any cache storage type (pagedvk.dtypes; the b
 and bfloat16 caches). One module per kernel and storage type reads both layouts (the caches' strides travel in
 the push constants) and both query forms, ragged [num_tokens, ...] with query_start_loc and fixed-q_len
 [num_seqs, num_heads, q_len, ...] (the query strides do).
+
+The forward has a second kernel for devices with cooperative matrices (VK_KHR_cooperative_matrix):
+shaders/paged_prefill_coopmat.comp, same bindings and push constants (the attention variants included), for
+float16 queries and caches at head sizes 64 and 128. `matrix_kernel` is the rule that picks it, from the
+device's listed multiplies; every variant runs on either kernel, so the variants do not enter the choice.
 """
 
 from __future__ import annotations
@@ -13,18 +18,68 @@ import math
 import numpy as np
 
 from . import checks, kernels
-from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL
+from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, VariantKey
 from .array import Array, DeviceArray, asarray, empty
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
+from .runtime.instance import DeviceInfo, MatrixShape
 from .runtime.pipeline import Launch, fold_grid
 from .variants import Variants, refuse
 
 FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
+MATRIX_ROWS = 64         # and of paged_prefill_coopmat
 DQ_ROWS = 8              # and of paged_backward_dq
 DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
+# The multiply paged_prefill_coopmat is written with, and the subgroup size its softmax assumes (two lanes
+# for each of a subgroup's 16 rows).
+MATRIX_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
+MATRIX_SUBGROUP = 32
+MATRIX_KIND = "coopmat"
+PREFILL_KERNELS = ("auto", "scalar", "coopmat")
+
+
+def matrix_unavailable(info: DeviceInfo, features=None) -> str:
+    """Why the device cannot run the cooperative-matrix prefill, or "" if it can. `features`: the Vulkan
+    features a Device enabled (pagedvk.Device.features), where one is open."""
+    shape = lambda s: (s.m, s.n, s.k, s.a, s.b, s.c, s.result, s.scope)
+    if not any(shape(s) == shape(MATRIX_SHAPE) for s in info.matrix_shapes):
+        return f"it lists no {MATRIX_SHAPE} cooperative-matrix multiply (VK_KHR_cooperative_matrix)"
+    if info.subgroup_size != MATRIX_SUBGROUP:
+        return f"its subgroup size is {info.subgroup_size}, not {MATRIX_SUBGROUP}"
+    needs = VariantKey(PAGED_PREFILL.op, "glsl", matrix=MATRIX_KIND).requires()
+    missing = [f for f in needs if f not in features] if features is not None else []
+    return f"it lacks the Vulkan feature(s) {', '.join(missing)}" if missing else ""
+
+
+def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, head_size: int,
+                  kernel: str = "auto") -> str:
+    """The forward's matrix kind for these arguments: "coopmat" where a module exists for them (GLSL,
+    float16 caches and queries, head size 64 or 128) and the device runs it, else "" (the scalar kernel).
+    kernel="scalar" or "coopmat" forces the choice; "coopmat" raises ValueError where it cannot run."""
+    if kernel not in PREFILL_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, PREFILL_KERNELS))}, got {kernel!r}")
+    if kernel == "scalar":
+        return ""
+    built = {(k, qq, h) for _, k, qq, h in PAGED_PREFILL.matrix_variants}
+    why = matrix_unavailable(info, features)
+    if not why and (backend != "glsl" or (kv, q, head_size) not in built):
+        why = (f"the cooperative-matrix prefill is built for backend 'glsl' with float16 caches and queries at "
+               f"head sizes {', '.join(str(h) for _, _, h in sorted(built))}, not backend {backend!r}, cache {kv}, "
+               f"query {q}, head size {head_size}")
+    if why and kernel == "coopmat":
+        raise ValueError(f"kernel='coopmat' cannot run on {info.name}: {why}")
+    return "" if why else MATRIX_KIND
+
+
+def describe_choice(info: DeviceInfo) -> str:
+    """The prefill forward kernel a device gets, in words (`pagedvk devices`)."""
+    why = matrix_unavailable(info)
+    if why:
+        return f"scalar (no cooperative matrices: {why})"
+    sizes = ", ".join(str(h) for *_, h in PAGED_PREFILL.matrix_variants)
+    return f"coopmat ({MATRIX_SHAPE}) for float16 caches and queries at head sizes {sizes}; scalar otherwise"
 
 
 def _check_query_start_loc(query_start_loc, num_tokens: int) -> np.ndarray:
@@ -84,7 +139,7 @@ class _Problem:
 
     def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=None, causal=True,
                  layout="nhd", backend=None, validate=True, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
-                 cache_types=CACHE_TYPES):
+                 cache_types=CACHE_TYPES, kernel="auto"):
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, not {type(causal).__name__}")
         checks.kind("query", query)
@@ -132,6 +187,9 @@ class _Problem:
         self.device = device_of(query, key_cache, value_cache, block_tables, seq_lens,
                                 *([query_start_loc] if self.ragged else []))
         self.host = isinstance(query, np.ndarray)
+        # The forward's kernel ("" scalar, or a matrix kind); the backward's kernels are scalar.
+        self.matrix = matrix_kernel(self.device.info, self.device.features, self.backend, spec.storage.tag,
+                                    self.query_type.tag, self.head_size, kernel)
         # num_blocks is the caches' shape[0]: their buffers (and dk_cache's, dv_cache's) hold that many blocks,
         # and the kernels bound block ids by it rather than by the buffers' length() (attention_common.glsl).
         self.push_fields = dict(
@@ -146,6 +204,9 @@ class _Problem:
         return work_tiles(self.query_start_loc, self.num_heads // self.num_kv_heads, rows_per_tile)
 
     def key(self, kernel, access: str = ""):
+        if kernel is PAGED_PREFILL and self.matrix:
+            return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
+                              self.matrix)
         return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, access=access)
 
     def push(self, caches) -> bytes:
@@ -258,7 +319,7 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                             v_scale: float = 1.0, backend: str | None = None, validate: bool = True,
                             out: Array | None = None, alibi_slopes: Array | None = None,
                             logits_soft_cap: float | None = None, sinks: Array | None = None,
-                            window_left: int = -1) -> tuple[Array, Array]:
+                            window_left: int = -1, kernel: str = "auto") -> tuple[Array, Array]:
     """Attention of each sequence's new tokens (its last q_len_s positions) over its paged KV cache: a ragged
     batch of prompts, prompt chunks and decode tokens (q_len_s = 1) in one launch.
 
@@ -283,13 +344,17 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
     query_start_loc is always checked (the launch's tile table is built from it on the host).
     out          optional, the query's shape and dtype: written with the result and returned (a DeviceArray in
                  place, a numpy array filled), as vLLM's ops take it
+    kernel       "auto": the cooperative-matrix kernel where the device has one for these arguments
+                 (matrix_kernel), else the scalar one; "scalar" or "coopmat" to force it (ValueError where
+                 "coopmat" cannot run). The matrix kernel multiplies in float16, accumulating in float32.
 
     >>> out, lse = pagedvk.paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     """
     return _run(*_forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale=scale,
                           causal=causal, layout=layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                           v_scale=v_scale, backend=backend, validate=validate, alibi_slopes=alibi_slopes,
-                          logits_soft_cap=logits_soft_cap, sinks=sinks, window_left=window_left), dict(out=out))
+                          logits_soft_cap=logits_soft_cap, sinks=sinks, window_left=window_left, kernel=kernel),
+                dict(out=out))
 
 
 def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, alibi_slopes=None,
@@ -302,7 +367,7 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
                         window_left=window_left)
     device_of(*variants.inputs.values(), device=p.device)
     p.push_fields.update(variants.push())
-    tiles = p.tiles(FORWARD_ROWS)
+    tiles = p.tiles(MATRIX_ROWS if p.matrix else FORWARD_ROWS)
     return (p, [(PAGED_PREFILL, p.grid(tiles))],
             dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                  seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles, **variants.inputs),

@@ -151,11 +151,14 @@ def test_prefill_benchmark_small_without_torch(tmp_path):
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
             "m.SMALL_SWEEP = {'mixed': [(5, 20), (1, 24), (0, 9)]}; sys.exit(m.main(sys.argv[1:]))")
     path = tmp_path / "prefill.json"
-    result = run_python(code, argv=["--small", "--dtypes", "f32", "--repeats", "1", "--json", str(path)])
+    # --kernels auto,coopmat: float32 has no matrix module, so coopmat's rows are reported skipped, with why.
+    result = run_python(code, argv=["--small", "--dtypes", "f32", "--repeats", "1", "--kernels", "auto,coopmat",
+                                    "--json", str(path)])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no torch with CUDA: pagedvk's figures alone" in result.stdout
+    assert result.stdout.count("coopmat: skipped: kernel='coopmat' cannot run") == 2, result.stdout
     rows = json.loads(path.read_text())["rows"]
-    assert [r["backend"] for r in rows] == ["glsl", "wgsl"]
+    assert [(r["backend"], r["kernel"]) for r in rows] == [("glsl", "auto"), ("wgsl", "auto")]
     for r in rows:
         assert r["ok"] and r["forward_us"] > 0 and r["backward_us"] > 0 and r["separate_us"] > 0
         assert r["GFLOP"] == 4 * 64 * 4 * (5 * 15 + 15 + 24) / 1e9   # (query head, visible key) pairs

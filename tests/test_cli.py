@@ -20,6 +20,9 @@ def test_devices_lists_the_selected_device():
     result = pagedvk_cli("devices")
     assert result.returncode == 0, result.stderr
     assert "selected: [" in result.stdout and pagedvk.devices()[0].name in result.stdout, result.stdout
+    # and which prefill forward each device gets, the reason included
+    for info in pagedvk.devices():
+        assert f"prefill forward on [{info.index}]: {pagedvk.prefill.describe_choice(info)}" in result.stdout
 
 
 def test_bench_small_shape_passes_its_check():

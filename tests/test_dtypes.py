@@ -190,8 +190,8 @@ def masked_device(monkeypatch, *features):
     from pagedvk.runtime import device as device_module
     real = device_module.query_features
 
-    def without(pd, f11=None, f12=None):
-        f11, f12 = real(pd, f11, f12)
+    def without(pd, f11=None, f12=None, chain=None):
+        f11, f12 = real(pd, f11, f12, chain)
         for name in features:
             for struct in (f11, f12):
                 if hasattr(struct, name):

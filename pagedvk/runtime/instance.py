@@ -27,6 +27,62 @@ VENDORS = {0x1002: "AMD", 0x1010: "ImgTec", 0x10DE: "NVIDIA", 0x13B5: "ARM", 0x5
            0x8086: "Intel", 0x106B: "Apple", 0x10005: "Mesa"}
 
 
+# VkComponentTypeKHR and VkScopeKHR as short names; bfloat16 is VK_KHR_shader_bfloat16's, newer than the
+# `vulkan` package's headers.
+COMPONENT_TYPES = {
+    vk.VK_COMPONENT_TYPE_FLOAT16_KHR: "f16", vk.VK_COMPONENT_TYPE_FLOAT32_KHR: "f32",
+    vk.VK_COMPONENT_TYPE_FLOAT64_KHR: "f64", 1000141000: "bf16",
+    vk.VK_COMPONENT_TYPE_SINT8_KHR: "s8", vk.VK_COMPONENT_TYPE_SINT16_KHR: "s16",
+    vk.VK_COMPONENT_TYPE_SINT32_KHR: "s32", vk.VK_COMPONENT_TYPE_SINT64_KHR: "s64",
+    vk.VK_COMPONENT_TYPE_UINT8_KHR: "u8", vk.VK_COMPONENT_TYPE_UINT16_KHR: "u16",
+    vk.VK_COMPONENT_TYPE_UINT32_KHR: "u32", vk.VK_COMPONENT_TYPE_UINT64_KHR: "u64",
+}
+SCOPES = {vk.VK_SCOPE_DEVICE_KHR: "device", vk.VK_SCOPE_WORKGROUP_KHR: "workgroup",
+          vk.VK_SCOPE_SUBGROUP_KHR: "subgroup", vk.VK_SCOPE_QUEUE_FAMILY_KHR: "queue_family"}
+COOPERATIVE_MATRIX_EXTENSION = "VK_KHR_cooperative_matrix"
+
+
+@dataclass(frozen=True)
+class MatrixShape:
+    """One cooperative-matrix multiply a device offers (VkCooperativeMatrixPropertiesKHR): result (m x n) =
+    a (m x k) * b (k x n) + c, element types as short names ("f16", "f32", "bf16", "s8", ...)."""
+
+    m: int
+    n: int
+    k: int
+    a: str
+    b: str
+    c: str
+    result: str
+    scope: str = "subgroup"
+    saturating: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.m}x{self.n}x{self.k} {self.a}*{self.b}+{self.c}->{self.result} ({self.scope})"
+
+
+def matrix_shapes(instance, pd, extensions) -> tuple:
+    """The cooperative-matrix multiplies the device lists; () without VK_KHR_cooperative_matrix."""
+    if COOPERATIVE_MATRIX_EXTENSION not in extensions:
+        return ()
+    name = b"vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"
+    address = vk.lib.vkGetInstanceProcAddr(instance, name)
+    if address == vk.ffi.NULL:
+        return ()
+    # Called through cffi directly: the package's wrapper leaves each output struct's sType unset.
+    query = vk.ffi.cast("PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", address)
+    count = vk.ffi.new("uint32_t*")
+    check(query(pd, count, vk.ffi.NULL), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    props = vk.ffi.new("VkCooperativeMatrixPropertiesKHR[]", count[0])
+    for i in range(count[0]):
+        props[i].sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+    check(query(pd, count, props), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    kind = lambda t: COMPONENT_TYPES.get(t, f"type{t}")
+    return tuple(MatrixShape(p.MSize, p.NSize, p.KSize, kind(p.AType), kind(p.BType), kind(p.CType),
+                             kind(p.ResultType), SCOPES.get(p.scope, f"scope{p.scope}"), bool(p.saturatingAccumulation))
+                 for p in props[0:count[0]])
+
+
 def version_string(v: int) -> str:
     return f"{vk.VK_VERSION_MAJOR(v)}.{vk.VK_VERSION_MINOR(v)}.{vk.VK_VERSION_PATCH(v)}"
 
@@ -61,6 +117,8 @@ class DeviceInfo:
     compute_units: int           # SMs / CUs where the driver says (VK_NV_shader_sm_builtins,
                                  # VK_AMD_shader_core_properties), else 0 (see decode.partitioning)
     extensions: frozenset = field(repr=False)
+    # VK_KHR_cooperative_matrix's multiplies (MatrixShape), () without it
+    matrix_shapes: tuple = field(default=(), repr=False)
     handle: object = field(default=None, repr=False, compare=False)  # VkPhysicalDevice
 
     def __str__(self) -> str:
@@ -145,7 +203,8 @@ class Instance:
 
     def physical_devices(self) -> list:
         if self._infos is None:
-            self._infos = [describe(i, pd) for i, pd in enumerate(vk.vkEnumeratePhysicalDevices(self.handle))]
+            self._infos = [describe(i, pd, self.handle)
+                           for i, pd in enumerate(vk.vkEnumeratePhysicalDevices(self.handle))]
         return self._infos
 
     def close(self) -> None:
@@ -159,7 +218,7 @@ class Instance:
         self.handle = None
 
 
-def describe(index: int, pd) -> DeviceInfo:
+def describe(index: int, pd, instance) -> DeviceInfo:
     props = vk.vkGetPhysicalDeviceProperties(pd)
     extensions = frozenset(e.extensionName for e in vk.vkEnumerateDeviceExtensionProperties(pd, None))
     subgroup = vk.VkPhysicalDeviceSubgroupProperties(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES)
@@ -198,12 +257,14 @@ def describe(index: int, pd) -> DeviceInfo:
         max_allocation_bytes=maint3.maxMemoryAllocationSize,
         min_storage_buffer_offset_alignment=props.limits.minStorageBufferOffsetAlignment,
         max_workgroup_count=tuple(props.limits.maxComputeWorkGroupCount), compute_units=int(compute_units),
-        extensions=extensions, handle=pd)
+        extensions=extensions, matrix_shapes=matrix_shapes(instance, pd, extensions), handle=pd)
 
 
-def query_features(pd, f11=None, f12=None):
-    """The Vulkan 1.1 and 1.2 feature structs of a device (filled in); pass structs to chain them."""
-    f12 = f12 or vk.VkPhysicalDeviceVulkan12Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES)
+def query_features(pd, f11=None, f12=None, chain=None):
+    """The Vulkan 1.1 and 1.2 feature structs of a device (filled in); pass structs to chain them, and in
+    `chain` an extension's feature struct to fill in too."""
+    f12 = f12 or vk.VkPhysicalDeviceVulkan12Features(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+                                                     pNext=chain)
     f11 = f11 or vk.VkPhysicalDeviceVulkan11Features(
         sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12)
     feats = vk.VkPhysicalDeviceFeatures2(sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, pNext=f11)

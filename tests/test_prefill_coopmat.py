@@ -1,0 +1,229 @@
+"""The cooperative-matrix prefill forward (shaders/paged_prefill_coopmat.comp) and the rule that picks it.
+
+The rule and the property query are tested everywhere, with made-up property lists where the device has
+none (lavapipe). The kernel itself runs only where the device lists its multiply: those tests are marked
+`needs_coopmat`, skipped elsewhere with the reason (lavapipe has no cooperative matrices)."""
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+import pagedvk
+from pagedvk import abi, prefill
+from pagedvk.runtime.instance import MatrixShape
+from conftest import rel_error
+from test_prefill import PrefillCase, poisoned_outputs  # noqa: F401 - the fixture poisons this module's outputs
+from test_variants import VARIANTS, variant_args
+
+TOL = 2e-3   # float16 storage and operands
+F16_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
+NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
+
+_info = pagedvk.select()[0]
+_why = prefill.matrix_unavailable(_info)
+needs_coopmat = pytest.mark.skipif(bool(_why), reason=f"needs VK_KHR_cooperative_matrix: {_info.name}: {_why}")
+
+
+def with_shapes(shapes, subgroup_size=32):
+    return dataclasses.replace(_info, matrix_shapes=tuple(shapes), subgroup_size=subgroup_size)
+
+
+# -- the rule, on made-up devices --
+
+def test_the_device_listing_the_multiply_gets_the_matrix_kernel():
+    info = with_shapes([MatrixShape(16, 8, 16, "f16", "f16", "f16", "f16"), F16_SHAPE])
+    assert prefill.matrix_unavailable(info, NEEDS) == ""
+    assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 128) == "coopmat"
+    assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 64) == "coopmat"
+    assert prefill.describe_choice(info).startswith("coopmat (16x16x16 f16*f16+f32->f32 (subgroup))")
+
+
+@pytest.mark.parametrize("shapes,subgroup,features,reason", [
+    ([], 32, NEEDS, "lists no 16x16x16 f16*f16+f32->f32"),
+    ([MatrixShape(16, 16, 16, "f16", "f16", "f16", "f16")], 32, NEEDS, "lists no 16x16x16 f16*f16+f32->f32"),
+    ([MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32")], 32, NEEDS, "lists no"),
+    ([dataclasses.replace(F16_SHAPE, scope="workgroup")], 32, NEEDS, "lists no"),
+    ([F16_SHAPE], 64, NEEDS, "subgroup size is 64, not 32"),
+    ([F16_SHAPE], 32, NEEDS - {"vulkanMemoryModel"}, "lacks the Vulkan feature(s) vulkanMemoryModel"),
+])
+def test_other_devices_keep_the_scalar_kernel(shapes, subgroup, features, reason):
+    info = with_shapes(shapes, subgroup)
+    assert reason in prefill.matrix_unavailable(info, features)
+    assert prefill.matrix_kernel(info, features, "glsl", "f16", "f16", 128) == ""
+    with pytest.raises(ValueError, match=f"kernel=.coopmat. cannot run on .*{re.escape(reason)}"):
+        prefill.matrix_kernel(info, features, "glsl", "f16", "f16", 128, kernel="coopmat")
+
+
+@pytest.mark.parametrize("backend,kv,q,head_size", [
+    ("wgsl", "f16", "f16", 128), ("glsl", "f32", "f16", 128), ("glsl", "f16", "f32", 128),
+    ("glsl", "bf16", "bf16", 128), ("glsl", "f16", "f16", 80), ("glsl", "f16", "f16", 256)])
+def test_arguments_without_a_matrix_module_keep_the_scalar_kernel(backend, kv, q, head_size):
+    info = with_shapes([F16_SHAPE])
+    assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size) == ""
+    assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="scalar") == ""
+    with pytest.raises(ValueError, match="built for backend 'glsl' with float16 caches and queries at head sizes 64, 128"):
+        prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="coopmat")
+
+
+def test_kernel_argument_is_checked():
+    with pytest.raises(ValueError, match="kernel must be one of 'auto', 'scalar', 'coopmat', got 'fast'"):
+        prefill.matrix_kernel(_info, set(), "glsl", "f16", "f16", 128, kernel="fast")
+
+
+def test_matrix_modules_are_named_built_and_required():
+    key = abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, matrix="coopmat")
+    assert key.name == "paged_prefill.coopmat.kv_f16.q_f16.h128.glsl"
+    assert key.source == "paged_prefill_coopmat.comp" and key.target_env == "vulkan1.2"
+    assert key.defines() == {"KV_F16": 1, "Q_F16": 1, "HEAD_SIZE": 128}
+    assert set(key.requires()) == NEEDS
+    assert abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, "seg", "coopmat").defines()["KV_SEGMENTED"] == 1
+    built = {k for k in abi.PAGED_PREFILL.keys() if k.matrix}
+    assert key in built and len(built) == 2 * len(abi.CACHE_ACCESS)
+    with pytest.raises(ValueError, match="no 'coopmat' module for glsl, cache storage 'f16', query storage 'f16', "
+                                         "head size 96"):
+        abi.PAGED_PREFILL.key("glsl", "f16", "f16", 96, matrix="coopmat")
+
+
+# -- the device's own properties --
+
+def test_property_query_matches_the_extension():
+    for info in pagedvk.devices():
+        if "VK_KHR_cooperative_matrix" not in info.extensions:
+            assert info.matrix_shapes == ()
+        assert all(isinstance(s, MatrixShape) and s.m > 0 for s in info.matrix_shapes)
+
+
+def test_matrix_feature_is_enabled_only_with_the_extension(rng):
+    device = pagedvk.default_device()
+    assert ("cooperativeMatrix" in device.features) == bool(device.info.matrix_shapes)
+    # the memory model comes only with the matrices: with it on, the cache writers' Device-scope atomics would
+    # need vulkanMemoryModelDeviceScope too (the validation layer says so)
+    assert ("vulkanMemoryModel" in device.features) == ("cooperativeMatrix" in device.features)
+    if _why:   # the automatic choice runs the scalar kernel, and asking for the matrix one says why not
+        case = PrefillCase(rng, q_len=3, head_size=128)
+        assert max(run_f16(case, "auto")) <= TOL
+        with pytest.raises(ValueError, match="kernel='coopmat' cannot run"):
+            run_f16(case, "coopmat")
+
+
+# -- the kernel, where it runs --
+
+def f16_caches(case):
+    """The case's caches in float16, in its layout (vLLM's packs x = 8 float16 key elements, not 4)."""
+    k, v = (a.astype(np.float16) for a in pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache,
+                                                                            case.layout))
+    num_blocks, block_size, num_kv_heads, head_size = k.shape
+    key_shape = (num_blocks, num_kv_heads, head_size // 8, block_size, 8)
+    return tuple(np.ascontiguousarray(a) for a in pagedvk.reference.nhd_as_cache(k, v, case.layout, key_shape))
+
+
+def run_f16(case, kernel, caches=None, **variants):
+    """(out's, lse's) relative error against float64 on the same float16 inputs (the case's caches, or
+    `caches` in its layout), with the attention variants given; rows that see no key must give lse -inf (and
+    zeros), as the reference."""
+    args = (case.query.astype(np.float16), *(caches or f16_caches(case)), *case.args()[3:])
+    out, lse = pagedvk.paged_attention_prefill(*args, kernel=kernel, **case.options(**variants))
+    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options(**variants))
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty)
+    return rel_error(out, ref_out), rel_error(lse[~empty], ref_lse[~empty])
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+@pytest.mark.parametrize("causal", (True, False))
+@pytest.mark.parametrize("head_size", (64, 128))
+@pytest.mark.parametrize("q_len", (1, 7, 100))
+def test_matrix_kernel_matches_reference(rng, layout, causal, head_size, q_len):
+    case = PrefillCase(rng, q_len=q_len, layout=layout, causal=causal, head_size=head_size, num_heads=8,
+                       num_kv_heads=2, shared_prefix_blocks=2)
+    out_err, lse_err = run_f16(case, "coopmat")
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("block_size", (8, 16, 32))
+def test_matrix_kernel_many_tiles_and_block_sizes(rng, block_size):
+    # rows over several 64-row tiles, contexts over several 64-key steps, an empty sequence, MQA
+    case = PrefillCase(rng, q_len=70, head_size=128, num_heads=4, num_kv_heads=1, block_size=block_size,
+                       seq_lens=[70, 0, 333, 129])
+    out_err, lse_err = run_f16(case, "coopmat")
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_matrix_kernel_ragged_batch(rng, layout):
+    # prompts, chunks, decode tokens and empty sequences in one batch; GQA groups across 64-row tiles
+    case = PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
+                       num_kv_heads=4)
+    out_err, lse_err = run_f16(case, "coopmat")
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+def test_auto_picks_the_matrix_kernel(rng):
+    device = pagedvk.default_device()
+    assert prefill.matrix_kernel(device.info, device.features, "glsl", "f16", "f16", 128) == "coopmat"
+    case = PrefillCase(rng, q_len=33, head_size=128)
+    assert run_f16(case, "auto")[0] <= TOL
+
+
+# -- the attention variants (issue 11) in the matrix kernel, where it runs --
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("head_size", (64, 128))
+def test_matrix_kernel_each_variant_and_all(rng, layout, variant, head_size):
+    # GQA, a query tile over several 64-key steps; all variants also without causal masking
+    case = PrefillCase(rng, q_len=40, layout=layout, head_size=head_size, num_heads=8, num_kv_heads=2,
+                       seq_lens=[40, 230, 75])
+    kw = variant_args(rng, 8, VARIANTS[variant])
+    for causal in (True, False) if variant == "all" else (True,):
+        case.causal = causal
+        out_err, lse_err = run_f16(case, "coopmat", **kw)
+        assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("window_left", [0, 1, 15, 63, 64, 100, 5000])
+def test_matrix_kernel_window_edges(rng, window_left):
+    # windows within one block, one 64-key step, across steps and longer than every context; MQA tiles of
+    # 64 rows whose first and last rows' windows differ
+    case = PrefillCase(rng, q_len=70, head_size=128, num_heads=4, num_kv_heads=1, block_size=8,
+                       seq_lens=[70, 333, 129])
+    out_err, lse_err = run_f16(case, "coopmat", window_left=window_left)
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_matrix_kernel_ragged_batch_with_every_variant(rng, layout):
+    # prompt chunks, decode tokens and empty sequences in one batch, every variant at once (sinks on rows
+    # that see keys and on none)
+    case = PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
+                       num_kv_heads=4)
+    out_err, lse_err = run_f16(case, "coopmat", **variant_args(rng, 12, VARIANTS["all"]))
+    assert out_err <= TOL and lse_err <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_matrix_kernel_window_does_not_read_blocks_before_it(rng, layout):
+    # NaN in every block wholly before the window of each sequence's first query: the matrix kernel's
+    # steps start at the tile's first window block, so none of them is read (NaN would reach out)
+    q_len, window_left, bs = 20, 30, 16
+    case = PrefillCase(rng, q_len=q_len, layout=layout, head_size=64, num_heads=8, num_kv_heads=2,
+                       block_size=bs, seq_lens=[600, 300, 100])
+    k, v = f16_caches(case)
+    args = (case.query.astype(np.float16), k, v, *case.args()[3:])
+    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options(window_left=window_left))
+    for s, n in enumerate(case.seq_lens):
+        for b in case.block_tables[s, :(n - q_len - window_left) // bs]:
+            k[b] = v[b] = np.nan
+    out, lse = pagedvk.paged_attention_prefill(*args, kernel="coopmat", **case.options(window_left=window_left))
+    assert rel_error(out, ref_out) <= TOL and rel_error(lse, ref_lse) <= TOL
