@@ -329,7 +329,8 @@ PREFILL_INPUTS = ATTENTION_INPUTS + (
     Binding("tiles", readonly=True),
 )
 
-# Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log), ROWS = 8 rows per tile.
+# Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log); tiles of 8 to 64 rows, by the
+# sequence's rows and the head size (pagedvk.prefill.forward_rows).
 PAGED_PREFILL = KernelABI(
     op="paged_prefill",
     bindings=PREFILL_INPUTS + (
