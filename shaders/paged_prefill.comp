@@ -69,6 +69,16 @@ vec4 row_group_reduce(vec4 v, uint rg, uint cg, uint RG, uint G, bool take_max) 
     return w;
 }
 
+// The logits of key k of the tile for a thread's rows from their dot products: the hooks, -inf where masked. A
+// token outside the cache (or past the tile) is visible to no row.
+vec4 key_logits(vec4 dots, uint k, uint tile_len, uint base, uvec4 heads, uvec4 qpos, uvec4 keys) {
+    const int phys = k < tile_len ? s_phys[k / pc.block_size] : -1;
+    return logits4(dots * pc.scale, heads, base + k, qpos, phys >= 0 ? keys : uvec4(0u));
+}
+
+// Softmax weights of logits x under running maxes m; 0 where masked (exp(-inf - -inf) would be NaN).
+vec4 weights(vec4 x, vec4 m) { return mix(exp(x - m), vec4(0.0), equal(x, vec4(NEG_INF))); }
+
 // Rows per tile for a sequence of `rows` rows: 8, 16, 32 or 64, at most 32 above head size 128. The tile table
 // is built with the same rule (pagedvk.prefill.forward_rows).
 uint tile_rows(uint rows, uint hs) {
@@ -169,12 +179,11 @@ void main() {
             }
             barrier();
         }
-        // The logit hooks; -inf where masked. A token outside the cache is visible to no row.
-        for (uint j = 0u; j < 4u; j++) {
-            const uint k = cols[j];
-            const int phys = k < tile_len ? s_phys[k / bs] : -1;
-            st[j] = logits4(st[j] * pc.scale, heads, base + k, qpos, phys >= 0 ? keys : uvec4(0u));
-        }
+        // Written out rather than looped over j: st stays in registers on compilers that do not unroll.
+        st[0] = key_logits(st[0], cols.x, tile_len, base, heads, qpos, keys);
+        st[1] = key_logits(st[1], cols.y, tile_len, base, heads, qpos, keys);
+        st[2] = key_logits(st[2], cols.z, tile_len, base, heads, qpos, keys);
+        st[3] = key_logits(st[3], cols.w, tile_len, base, heads, qpos, keys);
 
         // Online softmax across tiles, per row: every thread of a row group keeps the same running max.
         const vec4 m_new = max(m, row_group_reduce(max(max(st[0], st[1]), max(st[2], st[3])), rg, cg, RG, G, true));
@@ -182,11 +191,12 @@ void main() {
         m = m_new;
         l *= alpha;
         o0 *= alpha.x; o1 *= alpha.y; o2 *= alpha.z; o3 *= alpha.w;
-        for (uint j = 0u; j < 4u; j++) {
-            const vec4 p = mix(exp(st[j] - m), vec4(0.0), equal(st[j], vec4(NEG_INF)));
-            l += p;
-            s_mem[cols[j] * RG + rg] = p;
-        }
+        const vec4 p0 = weights(st[0], m), p1 = weights(st[1], m), p2 = weights(st[2], m), p3 = weights(st[3], m);
+        l += p0 + p1 + p2 + p3;
+        s_mem[cols.x * RG + rg] = p0;
+        s_mem[cols.y * RG + rg] = p1;
+        s_mem[cols.z * RG + rg] = p2;
+        s_mem[cols.w * RG + rg] = p3;
         barrier();
 
         // PV: the values VK keys at a time, read along whichever axis of the cache is contiguous (quads of

@@ -52,6 +52,16 @@ fn row_group_reduce(v: vec4<f32>, rg: u32, cg: u32, row_groups: u32, g_count: u3
     return w;
 }
 
+fn key_logits(dots: vec4<f32>, k: u32, tile_len: u32, base: u32, heads: vec4<u32>, qpos: vec4<u32>,
+              keys: vec4<u32>) -> vec4<f32> {
+    let seen = select(vec4<u32>(0u), keys, tile_phys(k, tile_len) >= 0);
+    return logits4(dots * pc.scale, heads, base + k, qpos, seen);
+}
+
+fn weights(x: vec4<f32>, m: vec4<f32>) -> vec4<f32> {
+    return select(exp(x - m), vec4<f32>(0.0), x == vec4<f32>(neg_inf()));
+}
+
 fn tile_rows(rows: u32, hs: u32) -> u32 {   // paged_prefill.comp's tile_rows()
     let most = select(32u, 64u, hs <= 128u);
     var r = 8u;
@@ -190,12 +200,11 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             }
             workgroupBarrier();
         }
-        // The logit hooks; -inf where masked. A token outside the cache is visible to no row.
-        for (var j = 0u; j < 4u; j++) {
-            let k = cols[j];
-            let seen = select(vec4<u32>(0u), keys, tile_phys(k, tile_len) >= 0);
-            st[j] = logits4(st[j] * pc.scale, heads, base + k, qpos, seen);
-        }
+        // The logit hooks, -inf where masked; written out so that st stays in registers.
+        st[0] = key_logits(st[0], cols.x, tile_len, base, heads, qpos, keys);
+        st[1] = key_logits(st[1], cols.y, tile_len, base, heads, qpos, keys);
+        st[2] = key_logits(st[2], cols.z, tile_len, base, heads, qpos, keys);
+        st[3] = key_logits(st[3], cols.w, tile_len, base, heads, qpos, keys);
 
         // Online softmax across tiles, per row.
         let m_new = max(m, row_group_reduce(max(max(st[0], st[1]), max(st[2], st[3])), rg, cg, row_groups, g_count,
@@ -207,11 +216,15 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         o1 *= alpha.y;
         o2 *= alpha.z;
         o3 *= alpha.w;
-        for (var j = 0u; j < 4u; j++) {
-            let p = select(exp(st[j] - m), vec4<f32>(0.0), st[j] == ninf4);
-            l += p;
-            s_mem[cols[j] * row_groups + rg] = p;
-        }
+        let p0 = weights(st[0], m);
+        let p1 = weights(st[1], m);
+        let p2 = weights(st[2], m);
+        let p3 = weights(st[3], m);
+        l += p0 + p1 + p2 + p3;
+        s_mem[cols.x * row_groups + rg] = p0;
+        s_mem[cols.y * row_groups + rg] = p1;
+        s_mem[cols.z * row_groups + rg] = p2;
+        s_mem[cols.w * row_groups + rg] = p3;
         workgroupBarrier();
 
         // PV: the values vk keys at a time, along the cache's contiguous axis.
