@@ -52,6 +52,7 @@ const uint S_MEM = 1008u;                    // 16128 bytes, with s_phys under 1
 const uint P_QUADS = 512u;
 const uint V_QUADS = S_MEM - P_QUADS;
 const uint MAX_TILE_BLOCKS = 256u / MIN_BLOCK_SIZE;   // KT is 256 at most
+const uint NO_ROW = 0xffffffffu;
 
 shared vec4 s_mem[S_MEM];
 shared int s_phys[MAX_TILE_BLOCKS];          // the tile's physical block ids, -1 where out of range
@@ -133,6 +134,26 @@ void main() {
     const uvec4 vcols = min(cols, uvec4(hq - 1u));
     const uint k_off = ROWS * QK_STRIDE;       // the key chunk in s_mem
     const uint VK = min(KT, (V_QUADS / hq) & ~3u);   // keys per value sub-tile: whole quads of tokens
+    const uint bs_log2 = findMSB(bs);
+
+    // What this thread stages, worked out once: the divisions by run-time sizes would otherwise cost as much as
+    // the arithmetic they feed. Element n < 4 of each staging loop is number tid + WG * n of its stage (each
+    // stage has at most 512):
+    //   a query or key chunk: row or key lane_row + n * row_step, head quad c0 + cl of the chunk at c0;
+    //   a value sub-tile (VK * hq elements): key v_k[n] of the sub-tile and head quad v_c[n] (nhd), or keys
+    //   v_k[n] .. v_k[n] + 3 and head dim v_c[n] (vLLM's layout: values are read along the contiguous axis,
+    //   and a tile and its sub-tiles start on quads of tokens).
+    const uint cl = tid & (CQ - 1u), lane_row = tid >> findMSB(CQ), row_step = WG / CQ;
+    const bool dims_contiguous = pc.v_dim_stride == 1u;
+    uvec4 q_src;                               // query quad of element n at c0 = 0, or NO_ROW
+    uvec4 v_k, v_c;
+    for (uint n = 0u; n < 4u; n++) {
+        const uint r = lane_row + n * row_step, gr = row0 + r, q = row_base(q_start, kv_head, gr);
+        q_src[n] = r < ROWS && gr < row_end && q + hs <= query_elems ? q / 4u + cl : NO_ROW;
+        const uint i = tid + WG * n;
+        v_k[n] = dims_contiguous ? i / hq : 4u * (i / hs);
+        v_c[n] = dims_contiguous ? i % hq : i % hs;
+    }
 
     vec4 m = vec4(NEG_INF);                    // running max of each row's logits
     vec4 l = vec4(0.0);                        // this thread's share of each row's softmax denominator
@@ -153,19 +174,26 @@ void main() {
         // S: st[j] = the logits of key cg + G*j for rows 0-3, accumulated a chunk of head dims at a time. Keys
         // outside the cache or past the tile are staged as zeros: slots past a sequence's length may hold
         // anything, NaN included.
+        ivec4 k_phys;                          // the block of each key this thread stages (-1: none)
+        uvec4 k_tok;                           // and its quad 0 in the block
+        for (uint n = 0u; n < 4u; n++) {
+            const uint k = lane_row + n * row_step;
+            k_phys[n] = k < tile_len ? s_phys[k >> bs_log2] : -1;
+            k_tok[n] = key_offset(kv_head, k & (bs - 1u), 0u);
+        }
         mat4 st = mat4(0.0);
         for (uint c0 = 0u; c0 < hq; c0 += CQ) {
-            for (uint i = tid; i < ROWS * CQ; i += WG) {
-                const uint r = i / CQ, c = c0 + i % CQ, gr = row0 + r;
-                const uint q = row_base(q_start, kv_head, gr);
-                const bool valid = c < hq && gr < row_end && q + hs <= query_elems;
-                s_mem[r * QK_STRIDE + i % CQ] = valid ? q_quad(query[q / 4u + c]) : vec4(0.0);
+            const bool in_head = c0 + cl < hq;
+            for (uint n = 0u; n < 4u; n++) {
+                const uint r = lane_row + n * row_step;
+                if (r >= ROWS) break;
+                s_mem[r * QK_STRIDE + cl] = q_src[n] != NO_ROW && in_head ? q_quad(query[q_src[n] + c0]) : vec4(0.0);
             }
-            for (uint i = tid; i < KT * CQ; i += WG) {
-                const uint k = i / CQ, c = c0 + i % CQ;
-                const int phys = k < tile_len ? s_phys[k / bs] : -1;
-                s_mem[k_off + k * QK_STRIDE + i % CQ] = phys >= 0 && c < hq
-                    ? kv_quad(key_load(uint(phys), key_offset(kv_head, (base + k) % bs, c))) : vec4(0.0);
+            for (uint n = 0u; n < 4u; n++) {
+                const uint k = lane_row + n * row_step;
+                if (k >= KT) break;
+                s_mem[k_off + k * QK_STRIDE + cl] = k_phys[n] >= 0 && in_head
+                    ? kv_quad(key_load(uint(k_phys[n]), k_tok[n] + key_offset(0u, 0u, c0 + cl))) : vec4(0.0);
             }
             barrier();
             const uint n = min(CQ, hq - c0);
@@ -202,21 +230,18 @@ void main() {
         // PV: the values VK keys at a time, read along whichever axis of the cache is contiguous (quads of
         // head dims in nhd, of tokens in vLLM's layout: a tile and its sub-tiles start on quads of tokens).
         for (uint sub = 0u; sub < tile_len; sub += VK) {
-            if (pc.v_dim_stride == 1u) {
-                for (uint i = tid; i < VK * hq; i += WG) {
-                    const uint k = sub + i / hq, c = i % hq;
-                    const int phys = k < tile_len ? s_phys[k / bs] : -1;
-                    s_mem[P_QUADS + i] = phys >= 0
-                        ? kv_quad(value_load(uint(phys), value_offset(kv_head, (base + k) % bs, 4u * c) >> 2)) : vec4(0.0);
-                }
-            } else {
-                for (uint i = tid; i < VK / 4u * hs; i += WG) {
-                    const uint k = sub + 4u * (i / hs), d = i % hs;
-                    const int phys = k < tile_len ? s_phys[k / bs] : -1;
-                    const vec4 v = phys >= 0
-                        ? kv_quad(value_load(uint(phys), value_offset(kv_head, (base + k) % bs, d) >> 2)) : vec4(0.0);
-                    const uint at = P_QUADS + (k - sub) * hq + d / 4u;
-                    for (uint e = 0u; e < 4u; e++) s_mem[at + e * hq][d % 4u] = k + e < tile_len ? v[e] : 0.0;
+            for (uint n = 0u; n < 4u; n++) {
+                if (tid + WG * n >= VK * hq) break;
+                const uint k = sub + v_k[n];
+                const int phys = k < tile_len ? s_phys[k >> bs_log2] : -1;
+                const uint d = dims_contiguous ? 4u * v_c[n] : v_c[n];
+                const vec4 v = phys >= 0
+                    ? kv_quad(value_load(uint(phys), value_offset(kv_head, k & (bs - 1u), d) >> 2)) : vec4(0.0);
+                if (dims_contiguous) {
+                    s_mem[P_QUADS + tid + WG * n] = v;
+                } else {
+                    const uint at = P_QUADS + v_k[n] * hq + (d >> 2);
+                    for (uint e = 0u; e < 4u; e++) s_mem[at + e * hq][d & 3u] = k + e < tile_len ? v[e] : 0.0;
                 }
             }
             barrier();

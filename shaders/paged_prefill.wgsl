@@ -35,6 +35,7 @@ const S_MEM: u32 = 1008u;
 const P_QUADS: u32 = 512u;
 const V_QUADS: u32 = 496u;           // S_MEM - P_QUADS
 const MAX_TILE_BLOCKS: u32 = 32u;    // 256 keys / MIN_BLOCK_SIZE
+const NO_ROW: u32 = 0xffffffffu;
 
 var<workgroup> s_mem: array<vec4<f32>, S_MEM>;
 var<workgroup> s_phys: array<i32, MAX_TILE_BLOCKS>;
@@ -145,6 +146,25 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let k_off = n_rows * qk_stride;
     let vk = min(kt, (V_QUADS / hq) & ~3u);
     let ninf4 = vec4<f32>(neg_inf());
+    let bs_log2 = firstLeadingBit(bs);
+
+    // What this thread stages, worked out once (paged_prefill.comp explains).
+    let cl = tid & (cq - 1u);
+    let lane_row = tid >> firstLeadingBit(cq);
+    let row_step = WG / cq;
+    let dims_contiguous = pc.v_dim_stride == 1u;
+    var q_src = vec4<u32>(NO_ROW);
+    var v_k = vec4<u32>(0u);
+    var v_c = vec4<u32>(0u);
+    for (var n = 0u; n < 4u; n++) {
+        let r = lane_row + n * row_step;
+        if (r < n_rows && row_valid(q_start, kv_head, row0 + r, row_end)) {
+            q_src[n] = row_base(q_start, kv_head, row0 + r) / 4u + cl;
+        }
+        let i = tid + WG * n;
+        v_k[n] = select(4u * (i / hs), i / hq, dims_contiguous);
+        v_c[n] = select(i % hs, i % hq, dims_contiguous);
+    }
 
     var m = ninf4;
     var l = vec4<f32>(0.0);
@@ -164,27 +184,39 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         workgroupBarrier();
 
         // S: logits a chunk of head dims at a time; keys outside the cache or past the tile staged as zeros.
+        var k_phys = vec4<i32>(-1);
+        var k_tok = vec4<u32>(0u);
+        for (var n = 0u; n < 4u; n++) {
+            let k = lane_row + n * row_step;
+            if (k < tile_len) {
+                k_phys[n] = s_phys[k >> bs_log2];
+            }
+            k_tok[n] = key_offset(kv_head, k & (bs - 1u), 0u);
+        }
         var st = mat4x4<f32>();
         for (var c0 = 0u; c0 < hq; c0 += cq) {
-            for (var i = tid; i < n_rows * cq; i += WG) {
-                let r = i / cq;
-                let c = c0 + i % cq;
-                let gr = row0 + r;
+            let in_head = c0 + cl < hq;
+            for (var n = 0u; n < 4u; n++) {
+                let r = lane_row + n * row_step;
+                if (r >= n_rows) {
+                    break;
+                }
                 var q = vec4<f32>(0.0);
-                if (c < hq && row_valid(q_start, kv_head, gr, row_end)) {
-                    q = q_quad(query[row_base(q_start, kv_head, gr) / 4u + c]);
+                if (q_src[n] != NO_ROW && in_head) {
+                    q = q_quad(query[q_src[n] + c0]);
                 }
-                s_mem[r * qk_stride + i % cq] = q;
+                s_mem[r * qk_stride + cl] = q;
             }
-            for (var i = tid; i < kt * cq; i += WG) {
-                let k = i / cq;
-                let c = c0 + i % cq;
-                let phys = tile_phys(k, tile_len);
-                var kq = vec4<f32>(0.0);
-                if (phys >= 0 && c < hq) {
-                    kq = kv_quad(key_load(u32(phys), key_offset(kv_head, (base + k) % bs, c)));
+            for (var n = 0u; n < 4u; n++) {
+                let k = lane_row + n * row_step;
+                if (k >= kt) {
+                    break;
                 }
-                s_mem[k_off + k * qk_stride + i % cq] = kq;
+                var kq = vec4<f32>(0.0);
+                if (k_phys[n] >= 0 && in_head) {
+                    kq = kv_quad(key_load(u32(k_phys[n]), k_tok[n] + key_offset(0u, 0u, c0 + cl)));
+                }
+                s_mem[k_off + k * qk_stride + cl] = kq;
             }
             workgroupBarrier();
             let n = min(cq, hq - c0);
@@ -229,29 +261,26 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
 
         // PV: the values vk keys at a time, along the cache's contiguous axis.
         for (var sub = 0u; sub < tile_len; sub += vk) {
-            if (pc.v_dim_stride == 1u) {
-                for (var i = tid; i < vk * hq; i += WG) {
-                    let k = sub + i / hq;
-                    let c = i % hq;
-                    let phys = tile_phys(k, tile_len);
-                    var v = vec4<f32>(0.0);
-                    if (phys >= 0) {
-                        v = kv_quad(value_load(u32(phys), value_offset(kv_head, (base + k) % bs, 4u * c) >> 2u));
-                    }
-                    s_mem[P_QUADS + i] = v;
+            for (var n = 0u; n < 4u; n++) {
+                if (tid + WG * n >= vk * hq) {
+                    break;
                 }
-            } else {
-                for (var i = tid; i < vk / 4u * hs; i += WG) {
-                    let k = sub + 4u * (i / hs);
-                    let d = i % hs;
-                    let phys = tile_phys(k, tile_len);
-                    var v = vec4<f32>(0.0);
-                    if (phys >= 0) {
-                        v = kv_quad(value_load(u32(phys), value_offset(kv_head, (base + k) % bs, d) >> 2u));
-                    }
-                    let at = P_QUADS + (k - sub) * hq + d / 4u;
+                let k = sub + v_k[n];
+                var phys = -1;
+                if (k < tile_len) {
+                    phys = s_phys[k >> bs_log2];
+                }
+                let d = select(v_c[n], 4u * v_c[n], dims_contiguous);
+                var v = vec4<f32>(0.0);
+                if (phys >= 0) {
+                    v = kv_quad(value_load(u32(phys), value_offset(kv_head, k & (bs - 1u), d) >> 2u));
+                }
+                if (dims_contiguous) {
+                    s_mem[P_QUADS + tid + WG * n] = v;
+                } else {
+                    let at = P_QUADS + v_k[n] * hq + (d >> 2u);
                     for (var e = 0u; e < 4u; e++) {
-                        s_mem[at + e * hq][d % 4u] = select(0.0, v[e], k + e < tile_len);
+                        s_mem[at + e * hq][d & 3u] = select(0.0, v[e], k + e < tile_len);
                     }
                 }
             }
