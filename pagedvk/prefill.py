@@ -21,7 +21,7 @@ from .opargs import backend_name, device_of, softmax_scale
 from .runtime.pipeline import Launch, fold_grid
 from .variants import Variants, refuse
 
-DQ_ROWS = 8              # and of paged_backward_dq
+DQ_ROWS = 8              # query rows (query, head) per workgroup of paged_backward_dq
 DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
 

@@ -13,11 +13,11 @@
 // tile is read from the paged cache once, converted to float32 into shared memory, and serves all ROWS rows:
 //   S. logits: the tile's keys and the rows' queries are staged CQ head quads at a time; thread (rg, cg)
 //      accumulates a 4 x 4 block, rows 4rg .. 4rg+3 by keys cg + G*j (G = 128 / (ROWS / 4) threads per
-//      row group), two shared-memory vec4 reads per 16 multiply-adds;
+//      row group): per head quad, eight shared-memory vec4 reads feed 64 multiply-adds;
 //   softmax: each row's tile max over its G threads through shared memory; every thread rescales what it
 //      holds of its rows and writes its weights P (key-major, a vec4 per key and row group);
 //   PV. the values are staged VK keys at a time; thread (rg, cg) accumulates rows 4rg .. 4rg+3 by head quads
-//      cg + G*j, again 4 x 4 (quads) per shared read of a weight vec4 and four value vec4s.
+//      cg + G*j (mat4s o0 .. o3): per key, five vec4 reads (the rows' weights, four value quads) feed 64.
 // Shared memory stays under 16 KiB, the least a Vulkan device may offer: Q and K chunks, then P, then V
 // share one array (S_MEM), each use separated from the next by a barrier.
 //
