@@ -106,7 +106,7 @@ void main() {
     const uint RG = ROWS / 4u;                 // row groups of 4 rows
     const uint G = WG / RG;                    // threads per row group: 8 .. 64
     const uint KT = 4u * G;                    // keys per tile: 32 .. 256
-    const uint CQ = min(8u, 512u / KT);        // head quads per staged chunk: the chunks fit in P_QUADS + 352
+    const uint CQ = min(8u, 512u / KT);        // head quads per staged chunk: (ROWS + KT) * (CQ + 1) <= 864
     const uint QK_STRIDE = CQ + 1u;            // vec4s per staged row: one of padding against bank conflicts
     const uint rg = tid / G, cg = tid % G;
     const uint row_end = min(row0 + ROWS, rows);
