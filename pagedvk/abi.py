@@ -360,7 +360,9 @@ READ_BANDWIDTH = KernelABI(
 #                    its context of seq_lens[s] tokens (the new tokens included), so its query i sits at
 #                    position seq_lens[s] - q_len_s + i and, causal, sees keys 0 .. that position.
 #   tiles            int32 [num_tiles, 2]: the launch's work, built on the host (pagedvk.prefill.work_tiles):
-#                    (sequence, first row) of each tile of a kernel's ROWS rows. A sequence's rows are its
+#                    (sequence, first row) of each tile of a kernel's rows per tile (dq: 8; the forward: 8 to
+#                    64, a function of the sequence's row count and the head size that the kernel computes
+#                    again from those, so the table stays two numbers a tile). A sequence's rows are its
 #                    (query, head) pairs for the heads sharing one kv head, query-major: row r is query
 #                    r / group, head kv_head * group + r % group (group = num_heads / num_kv_heads). A tile
 #                    holds rows of one sequence only; a sequence without queries has no tile (costs nothing).
@@ -375,8 +377,9 @@ PREFILL_INPUTS = ATTENTION_INPUTS + (
     Binding("tiles", readonly=True),
 )
 
-# Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log), ROWS = 8 rows per tile
-# for the scalar modules, 64 for the cooperative-matrix ones (pagedvk/prefill.py: each builds its own tiles).
+# Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log). Tiles of 8 to 64 rows for the
+# scalar modules, by the sequence's rows and the head size (pagedvk.prefill.forward_rows); 64 for the
+# cooperative-matrix ones (pagedvk.prefill: each builds its own tiles).
 PAGED_PREFILL = KernelABI(
     op="paged_prefill",
     bindings=PREFILL_INPUTS + (

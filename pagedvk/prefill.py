@@ -27,8 +27,7 @@ from .runtime.instance import DeviceInfo, MatrixShape
 from .runtime.pipeline import Launch, fold_grid
 from .variants import Variants, refuse
 
-FORWARD_ROWS = 8         # query rows (query, head) per workgroup of paged_prefill
-MATRIX_ROWS = 64         # and of paged_prefill_coopmat
+MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefill_coopmat (scalar: forward_rows)
 DQ_ROWS = 8              # and of paged_backward_dq
 DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
@@ -82,6 +81,17 @@ def describe_choice(info: DeviceInfo) -> str:
     return f"coopmat ({MATRIX_SHAPE}) for float16 caches and queries at head sizes {sizes}; scalar otherwise"
 
 
+def forward_rows(head_size: int, rows: np.ndarray) -> np.ndarray:
+    """Query rows (query, head) per workgroup of paged_prefill for sequences of `rows` rows each (group * q_len_s):
+    the fewest of 8, 16, 32 and 64 that hold them, at most 64, or 32 above head size 128 so that each thread's
+    share of the output stays 64 floats. paged_prefill's tile_rows() is the same rule."""
+    most = 64 if head_size <= 128 else 32
+    tile = np.full(np.shape(rows), 8, np.int64)
+    for _ in range(3):
+        tile = np.where((tile < rows) & (tile < most), 2 * tile, tile)
+    return tile
+
+
 def _check_query_start_loc(query_start_loc, num_tokens: int) -> np.ndarray:
     """query_start_loc of a ragged query: int32 [num_seqs + 1], 0 first, non-decreasing, num_tokens last. Read on
     the host whatever validate says: the tile table is built from it."""
@@ -122,16 +132,18 @@ def _check_lengths(seq_lens: np.ndarray, q_lens: np.ndarray, ragged: bool) -> No
                      f"the queries are each sequence's last q_len tokens (0, an empty sequence, is allowed)")
 
 
-def work_tiles(query_start_loc: np.ndarray, group: int, rows_per_tile: int) -> np.ndarray:
+def work_tiles(query_start_loc: np.ndarray, group: int, rows_per_tile) -> np.ndarray:
     """The tile table of a ragged batch (PREFILL_INPUTS in pagedvk/abi.py): int32 [num_tiles, 2], the
-    (sequence, first row) of each tile of rows_per_tile rows, in sequence order. Sequence s has group * q_len_s
-    rows (group = num_heads / num_kv_heads), so ceil(group * q_len_s / rows_per_tile) tiles, none when it has
-    no queries."""
+    (sequence, first row) of each tile of rows_per_tile rows (one number, or a function of a sequence's row
+    counts giving each sequence's), in sequence order. Sequence s has group * q_len_s rows (group =
+    num_heads / num_kv_heads), so ceil(group * q_len_s / its rows per tile) tiles, none when it has no queries."""
     q_lens = np.diff(np.asarray(query_start_loc, np.int64))
-    counts = -(-group * q_lens // rows_per_tile)
+    rows = group * q_lens
+    per_seq = np.broadcast_to(rows_per_tile(rows) if callable(rows_per_tile) else rows_per_tile, rows.shape)
+    counts = -(-rows // per_seq)
     seqs = np.repeat(np.arange(len(q_lens)), counts)
     firsts = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    return np.stack([seqs, firsts * rows_per_tile], axis=1).astype(np.int32).reshape(-1, 2)
+    return np.stack([seqs, firsts * per_seq[seqs]], axis=1).astype(np.int32).reshape(-1, 2)
 
 
 class _Problem:
@@ -200,7 +212,7 @@ class _Problem:
             **spec.strides())
         self.query_start_loc_arg = query_start_loc if self.ragged else self.query_start_loc
 
-    def tiles(self, rows_per_tile: int) -> np.ndarray:
+    def tiles(self, rows_per_tile) -> np.ndarray:
         return work_tiles(self.query_start_loc, self.num_heads // self.num_kv_heads, rows_per_tile)
 
     def key(self, kernel, access: str = ""):
@@ -367,7 +379,7 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
                         window_left=window_left)
     device_of(*variants.inputs.values(), device=p.device)
     p.push_fields.update(variants.push())
-    tiles = p.tiles(MATRIX_ROWS if p.matrix else FORWARD_ROWS)
+    tiles = p.tiles(MATRIX_ROWS if p.matrix else lambda rows: forward_rows(p.head_size, rows))
     return (p, [(PAGED_PREFILL, p.grid(tiles))],
             dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                  seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles, **variants.inputs),

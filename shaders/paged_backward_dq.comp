@@ -33,7 +33,7 @@ layout(std430, set = 0, binding = 10) writeonly buffer Dq { float dq[]; };      
 #define PREFILL_TILES
 #include "prefill_common.glsl"
 
-const uint ROWS = 8u;                          // query rows per workgroup: two vec4s (_a, _b), as in the forward
+const uint ROWS = 8u;                          // query rows per workgroup: two vec4s (_a, _b)
 const uint TILE = WG;                          // tokens per tile: one per thread in A
 const uint MAX_TILE_BLOCKS = TILE / MIN_BLOCK_SIZE;
 

@@ -3,21 +3,23 @@
 // positions) attend over its cached keys and values (causal or not), giving the output and the log-sum-exp
 // (natural log) the backward pass needs. The batch's layout (query_start_loc, the host-built tile table,
 // the query strides) is PREFILL_INPUTS in pagedvk/abi.py; decode tokens (q_len_s = 1) are ordinary rows.
-// Grown from the seed's WGSL forward, which ran one thread per query row over the whole context with a
-// 512-float array per thread.
+// This is the scalar forward: every device without cooperative matrices runs it, and WGSL has no other.
 //
 // One workgroup per (tile of ROWS query rows of one sequence, kv head), from the tile table. The rows are
-// (query, head) pairs of the heads that share the kv head (GQA), query-major, so each key and value read
-// serves ROWS rows. The
-// context is walked in tiles of TILE tokens with an online softmax, as in paged_decode.comp:
-//   A. each thread computes the logits of one token of the tile for every row (its key read once, in
-//      16-byte chunks; the query rows are read straight from their buffer: every thread reads the same
-//      address at once, which GPUs serve as one broadcast, and staging them in shared memory made
-//      lavapipe's compile of the WGSL module take seconds);
-//   B. the workgroup takes each row's tile max, rescales what it has accumulated, and turns logits into
-//      weights;
-//   C. each thread accumulates the weighted values of the head dims it owns, for every row.
-// Shared memory stays under 16 KiB, the least a Vulkan device may offer.
+// (query, head) pairs of the heads that share the kv head (GQA), query-major. ROWS (tile_rows()) is 64, or
+// 32 above head size 128 so that what a thread accumulates stays 64 floats; a sequence with fewer rows (decode
+// tokens, short chunks) gets the fewest of 8, 16 and 32 that hold them, wasting less of the workgroup.
+// The context is walked in tiles of KT = 2048 / ROWS keys with an online softmax; every key and value of a
+// tile is read from the paged cache once, converted to float32 into shared memory, and serves all ROWS rows:
+//   S. logits: the tile's keys and the rows' queries are staged CQ head quads at a time; thread (rg, cg)
+//      accumulates a 4 x 4 block, rows 4rg .. 4rg+3 by keys cg + G*j (G = 128 / (ROWS / 4) threads per
+//      row group): per head quad, eight shared-memory vec4 reads feed 64 multiply-adds;
+//   softmax: each row's tile max over its G threads through shared memory; every thread rescales what it
+//      holds of its rows and writes its weights P (key-major, a vec4 per key and row group);
+//   PV. the values are staged VK keys at a time; thread (rg, cg) accumulates rows 4rg .. 4rg+3 by head quads
+//      cg + G*j (mat4s o0 .. o3): per key, five vec4 reads (the rows' weights, four value quads) feed 64.
+// Shared memory stays under 16 KiB, the least a Vulkan device may offer: Q and K chunks, then P, then V
+// share one array (S_MEM), each use separated from the next by a barrier.
 //
 // Every index into a buffer is bounded here, not only in Python: block ids outside the caches, lengths
 // beyond the block-table row and rows beyond the table are treated as empty, never read.
@@ -43,64 +45,72 @@ layout(std430, set = 0, binding = 10) readonly buffer Sinks { float sinks[]; }; 
 #define PREFILL_TILES
 #include "prefill_common.glsl"
 
-// The eight rows of a workgroup travel as two vec4s (rows 0-3, rows 4-7) rather than as float[8]: loops
-// over a local array defeat some compilers (WGSL's guarded loops are not unrolled, and an array indexed
-// in a loop then becomes a chain of selects), vector arithmetic does not.
-const uint ROWS = 8u;                          // query rows per workgroup
-const uint TILE = WG;                          // tokens per tile: one per thread in A
-const uint LANES = WG / ROWS;                  // threads reducing one row in B
-const uint MAX_TILE_BLOCKS = TILE / MIN_BLOCK_SIZE;
+// Shared memory, in vec4s: [0, ROWS * (CQ + 1)) query chunk, then KT * (CQ + 1) key chunk (at most 864);
+// later [0, P_QUADS) the weights P (KT keys x ROWS / 4 row groups = 512), and from P_QUADS the row
+// reductions (128), then the value sub-tile (VK keys x head quads, V_QUADS at most).
+const uint S_MEM = 1008u;                    // 16128 bytes, with s_phys under 16 KiB
+const uint P_QUADS = 512u;
+const uint V_QUADS = S_MEM - P_QUADS;
+const uint MAX_TILE_BLOCKS = 256u / MIN_BLOCK_SIZE;   // KT is 256 at most
+const uint NO_ROW = 0xffffffffu;
 
-shared vec4 s_p[TILE * 2u];                  // [token][rows 0-3 | rows 4-7]: logits, then weights
-shared float s_red[WG];                      // per-lane partial results of a row reduction
-shared float s_row[ROWS];                    // a row reduction's result
-shared float s_m[ROWS];                      // running max of each row's logits
-shared float s_alpha[ROWS];                  // this tile's rescaling of each row's accumulators
+shared vec4 s_mem[S_MEM];
 shared int s_phys[MAX_TILE_BLOCKS];          // the tile's physical block ids, -1 where out of range
 
-// Max or sum of each row of s_p (TILE values) into s_row: LANES threads per row, then one.
-void row_reduce(bool take_max) {
-    const uint tid = gl_LocalInvocationID.x;
-    const uint r = tid / LANES, lane = tid % LANES;
-    float v = take_max ? NEG_INF : 0.0;
-    for (uint t = lane; t < TILE; t += LANES) {
-        float x = s_p[t * 2u + r / 4u][r % 4u];
-        v = take_max ? max(v, x) : v + x;
-    }
-    s_red[tid] = v;
+// Max (or sum) of vec4 v over the G threads of each row group: through s_mem at P_QUADS, two barriers.
+vec4 row_group_reduce(vec4 v, uint rg, uint cg, uint RG, uint G, bool take_max) {
+    s_mem[P_QUADS + cg * RG + rg] = v;
     barrier();
-    if (tid < ROWS) {
-        float w = take_max ? NEG_INF : 0.0;
-        for (uint i = 0u; i < LANES; i++) {
-            float x = s_red[tid * LANES + i];
-            w = take_max ? max(w, x) : w + x;
-        }
-        s_row[tid] = w;
+    vec4 w = take_max ? vec4(NEG_INF) : vec4(0.0);
+    for (uint g = 0u; g < G; g++) {
+        const vec4 x = s_mem[P_QUADS + g * RG + rg];
+        w = take_max ? max(w, x) : w + x;
     }
     barrier();
+    return w;
 }
 
-vec4 Q(uint i) { return q_quad(query[i]); }   // query quad i
+// The logits of key k of the tile for a thread's rows from their dot products: the hooks, -inf where masked. A
+// token outside the cache (or past the tile) is visible to no row.
+vec4 key_logits(vec4 dots, uint k, uint tile_len, uint base, uvec4 heads, uvec4 qpos, uvec4 keys) {
+    const int phys = k < tile_len ? s_phys[k / pc.block_size] : -1;
+    return logits4(dots * pc.scale, heads, base + k, qpos, phys >= 0 ? keys : uvec4(0u));
+}
 
-vec4 rows4(uint first, bool from_m) {   // s_m or s_alpha of rows first .. first + 3
-    return from_m ? vec4(s_m[first], s_m[first + 1u], s_m[first + 2u], s_m[first + 3u])
-                  : vec4(s_alpha[first], s_alpha[first + 1u], s_alpha[first + 2u], s_alpha[first + 3u]);
+// Softmax weights of logits x under running maxes m; 0 where masked (exp(-inf - -inf) would be NaN).
+vec4 weights(vec4 x, vec4 m) { return mix(exp(x - m), vec4(0.0), equal(x, vec4(NEG_INF))); }
+
+// Rows per tile for a sequence of `rows` rows: 8, 16, 32 or 64, at most 32 above head size 128. The tile table
+// is built with the same rule (pagedvk.prefill.forward_rows).
+uint tile_rows(uint rows, uint hs) {
+    const uint most = hs <= 128u ? 64u : 32u;
+    uint r = 8u;
+    while (r < rows && r < most) r *= 2u;
+    return r;
 }
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint hs = pc.head_size;
-    const uint hc = hs / 4u;                   // head quads
+    const uint hq = hs / 4u;                   // head quads
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
     uint kv_head, seq, row0;
-    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE) return;
-    const uvec2 queries = sequence_queries(seq, uint(query.length()) * 4u / (hs * pc.num_heads));
+    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u) return;
+    const uint query_elems = uint(query.length()) * 4u;
+    const uvec2 queries = sequence_queries(seq, query_elems / (hs * pc.num_heads));
     const uint q_start = queries.x, q_len = queries.y;
     const uint rows = group * q_len;
     if (row0 >= rows) return;
+    const uint ROWS = tile_rows(rows, hs);
+    const uint RG = ROWS / 4u;                 // row groups of 4 rows
+    const uint G = WG / RG;                    // threads per row group: 8 .. 64
+    const uint KT = 4u * G;                    // keys per tile: 32 .. 256
+    const uint CQ = min(8u, 512u / KT);        // head quads per staged chunk: (ROWS + KT) * (CQ + 1) <= 864
+    const uint QK_STRIDE = CQ + 1u;            // vec4s per staged row: one of padding against bank conflicts
+    const uint rg = tid / G, cg = tid % G;
     const uint row_end = min(row0 + ROWS, rows);
-    if (row_base(q_start, kv_head, row0) + hs > uint(query.length()) * 4u) return;
+    if (row_base(q_start, kv_head, row0) + hs > query_elems) return;
 
     const uint num_blocks = pc.num_blocks;
     const uint bt_row = seq * pc.max_blocks_per_seq;
@@ -109,40 +119,51 @@ void main() {
     // Rows are query-major, so the last row sees the most keys.
     const uint kv_end = visible_keys((row_end - 1u) / group, q_len, seq_len);
 
-    // Keys each row sees; 0 for rows past the end (or past the query buffer).
-    uint keys[ROWS];
-    for (uint r = 0u; r < ROWS; r++) {
-        uint gr = row0 + r;
-        bool valid = gr < row_end && row_base(q_start, kv_head, gr) + hs <= uint(query.length()) * 4u;
-        keys[r] = valid ? visible_keys(gr / group, q_len, seq_len) : 0u;
+    // This thread's rows 4rg .. 4rg+3: the keys each sees (0 for rows past the end or the query buffer), its
+    // query head and sequence position, for the logit hooks.
+    uvec4 keys, heads, qpos;
+    for (uint i = 0u; i < 4u; i++) {
+        const uint gr = row0 + 4u * rg + i;
+        const bool valid = gr < row_end && row_base(q_start, kv_head, gr) + hs <= query_elems;
+        keys[i] = valid ? visible_keys(gr / group, q_len, seq_len) : 0u;
+        heads[i] = kv_head * group + gr % group;
+        qpos[i] = query_position(gr / group, q_len, seq_len);
     }
-    const uvec4 keys_a = uvec4(keys[0], keys[1], keys[2], keys[3]);
-    const uvec4 keys_b = uvec4(keys[4], keys[5], keys[6], keys[7]);
-    // Each row's query head and sequence position, for the logit hooks.
-    uvec4 head_a, head_b, qpos_a, qpos_b;
-    for (uint r = 0u; r < 4u; r++) {
-        head_a[r] = kv_head * group + (row0 + r) % group;
-        head_b[r] = kv_head * group + (row0 + 4u + r) % group;
-        qpos_a[r] = query_position((row0 + r) / group, q_len, seq_len);
-        qpos_b[r] = query_position((row0 + 4u + r) / group, q_len, seq_len);
-    }
-    // Each row's first query chunk; rows that see nothing read row 0's (in bounds) and are masked.
-    uint qb[ROWS];
-    for (uint r = 0u; r < ROWS; r++) qb[r] = row_base(q_start, kv_head, keys[r] > 0u ? row0 + r : row0) / 4u;
-    const uvec4 qb_a = uvec4(qb[0], qb[1], qb[2], qb[3]);
-    const uvec4 qb_b = uvec4(qb[4], qb[5], qb[6], qb[7]);
-    if (tid < ROWS) s_m[tid] = NEG_INF;
+    // The head quads of this thread's output columns, clamped into the head (columns past it are never written).
+    const uvec4 cols = cg + G * uvec4(0u, 1u, 2u, 3u);
+    const uvec4 vcols = min(cols, uvec4(hq - 1u));
+    const uint k_off = ROWS * QK_STRIDE;       // the key chunk in s_mem
+    const uint VK = min(KT, (V_QUADS / hq) & ~3u);   // keys per value sub-tile: whole quads of tokens
+    const uint bs_log2 = findMSB(bs);
 
-    vec4 l_a = vec4(0.0), l_b = vec4(0.0);     // this thread's share of each row's softmax denominator
-    vec4 o0_a = vec4(0.0), o0_b = vec4(0.0);   // weighted values of head dim tid, per row
-    vec4 o1_a = vec4(0.0), o1_b = vec4(0.0);   // and of head dim tid + WG
-    const uint d0 = 2u * tid, d1 = d0 + 1u;   // this thread's head dims
+    // What this thread stages, worked out once: the divisions by run-time sizes would otherwise cost as much as
+    // the arithmetic they feed. Element n < 4 of each staging loop is number tid + WG * n of its stage (each
+    // stage has at most 512):
+    //   a query or key chunk: row or key lane_row + n * row_step, head quad c0 + cl of the chunk at c0;
+    //   a value sub-tile (VK * hq elements): key v_k[n] of the sub-tile and head quad v_c[n] (nhd), or keys
+    //   v_k[n] .. v_k[n] + 3 and head dim v_c[n] (vLLM's layout: values are read along the contiguous axis,
+    //   and a tile and its sub-tiles start on quads of tokens).
+    const uint cl = tid & (CQ - 1u), lane_row = tid >> findMSB(CQ), row_step = WG / CQ;
+    const bool dims_contiguous = pc.v_dim_stride == 1u;
+    uvec4 q_src;                               // query quad of element n at c0 = 0, or NO_ROW
+    uvec4 v_k, v_c;
+    for (uint n = 0u; n < 4u; n++) {
+        const uint r = lane_row + n * row_step, gr = row0 + r, q = row_base(q_start, kv_head, gr);
+        q_src[n] = r < ROWS && gr < row_end && q + hs <= query_elems ? q / 4u + cl : NO_ROW;
+        const uint i = tid + WG * n;
+        v_k[n] = dims_contiguous ? i / hq : 4u * (i / hs);
+        v_c[n] = dims_contiguous ? i % hq : i % hs;
+    }
+
+    vec4 m = vec4(NEG_INF);                    // running max of each row's logits
+    vec4 l = vec4(0.0);                        // this thread's share of each row's softmax denominator
+    mat4 o0 = mat4(0.0), o1 = mat4(0.0), o2 = mat4(0.0), o3 = mat4(0.0);   // row i: column j = head quad cols[j]
 
     // Variant: tiles start at the block of the first key the sliding window lets the first row see (rows are
-    // query-major: it sees the earliest keys).
+    // query-major: it sees the earliest keys). Tiles are whole blocks: KT is a multiple of the block size.
     const uint kv_start = min(window_first_key(query_position(row0 / group, q_len, seq_len)), kv_end) & ~(bs - 1u);
-    for (uint base = kv_start; base < kv_end; base += TILE) {
-        const uint tile_len = min(TILE, kv_end - base);
+    for (uint base = kv_start; base < kv_end; base += KT) {
+        const uint tile_len = min(KT, kv_end - base);
         const uint tile_blocks = (tile_len + bs - 1u) / bs;
         if (tid < tile_blocks) {
             int b = block_tables[bt_row + base / bs + tid];
@@ -150,71 +171,106 @@ void main() {
         }
         barrier();
 
-        // A: token base + tid's logit for every row, -inf where masked.
-        const uint token = base + tid;
-        const int phys = tid < tile_len ? s_phys[tid / bs] : -1;
-        vec4 x_a = vec4(0.0), x_b = vec4(0.0);
-        if (phys >= 0) {
-            for (uint c = 0u; c < hc; c++) {
-                vec4 k = kv_quad(key_load(uint(phys), key_offset(kv_head, token % bs, c)));
-                x_a += vec4(dot(k, Q(qb_a.x + c)), dot(k, Q(qb_a.y + c)), dot(k, Q(qb_a.z + c)), dot(k, Q(qb_a.w + c)));
-                x_b += vec4(dot(k, Q(qb_b.x + c)), dot(k, Q(qb_b.y + c)), dot(k, Q(qb_b.z + c)), dot(k, Q(qb_b.w + c)));
+        // S: st[j] = the logits of key cg + G*j for rows 0-3, accumulated a chunk of head dims at a time. Keys
+        // outside the cache or past the tile are staged as zeros: slots past a sequence's length may hold
+        // anything, NaN included.
+        ivec4 k_phys;                          // the block of each key this thread stages (-1: none)
+        uvec4 k_tok;                           // and its quad 0 in the block
+        for (uint n = 0u; n < 4u; n++) {
+            const uint k = lane_row + n * row_step;
+            k_phys[n] = k < tile_len ? s_phys[k >> bs_log2] : -1;
+            k_tok[n] = key_offset(kv_head, k & (bs - 1u), 0u);
+        }
+        mat4 st = mat4(0.0);
+        for (uint c0 = 0u; c0 < hq; c0 += CQ) {
+            const bool in_head = c0 + cl < hq;
+            for (uint n = 0u; n < 4u; n++) {
+                const uint r = lane_row + n * row_step;
+                if (r >= ROWS) break;
+                s_mem[r * QK_STRIDE + cl] = q_src[n] != NO_ROW && in_head ? q_quad(query[q_src[n] + c0]) : vec4(0.0);
             }
+            for (uint n = 0u; n < 4u; n++) {
+                const uint k = lane_row + n * row_step;
+                if (k >= KT) break;
+                s_mem[k_off + k * QK_STRIDE + cl] = k_phys[n] >= 0 && in_head
+                    ? kv_quad(key_load(uint(k_phys[n]), k_tok[n] + key_offset(0u, 0u, c0 + cl))) : vec4(0.0);
+            }
+            barrier();
+            const uint n = min(CQ, hq - c0);
+            for (uint c = 0u; c < n; c++) {
+                const uint qr = 4u * rg * QK_STRIDE + c, kr = k_off + cg * QK_STRIDE + c;
+                const mat4 q = mat4(s_mem[qr], s_mem[qr + QK_STRIDE], s_mem[qr + 2u * QK_STRIDE], s_mem[qr + 3u * QK_STRIDE]);
+                st[0] += s_mem[kr] * q;   // vector * matrix: the key's dot product with each row
+                st[1] += s_mem[kr + G * QK_STRIDE] * q;
+                st[2] += s_mem[kr + 2u * G * QK_STRIDE] * q;
+                st[3] += s_mem[kr + 3u * G * QK_STRIDE] * q;
+            }
+            barrier();
         }
-        // A token outside the cache is visible to no row.
-        x_a = logits4(x_a * pc.scale, head_a, token, qpos_a, phys >= 0 ? keys_a : uvec4(0u));
-        x_b = logits4(x_b * pc.scale, head_b, token, qpos_b, phys >= 0 ? keys_b : uvec4(0u));
-        s_p[tid * 2u] = x_a;
-        s_p[tid * 2u + 1u] = x_b;
+        // Written out rather than looped over j: st stays in registers on compilers that do not unroll.
+        st[0] = key_logits(st[0], cols.x, tile_len, base, heads, qpos, keys);
+        st[1] = key_logits(st[1], cols.y, tile_len, base, heads, qpos, keys);
+        st[2] = key_logits(st[2], cols.z, tile_len, base, heads, qpos, keys);
+        st[3] = key_logits(st[3], cols.w, tile_len, base, heads, qpos, keys);
+
+        // Online softmax across tiles, per row: every thread of a row group keeps the same running max.
+        const vec4 m_new = max(m, row_group_reduce(max(max(st[0], st[1]), max(st[2], st[3])), rg, cg, RG, G, true));
+        const vec4 alpha = mix(exp(m - m_new), vec4(1.0), equal(m_new, vec4(NEG_INF)));
+        m = m_new;
+        l *= alpha;
+        o0 *= alpha.x; o1 *= alpha.y; o2 *= alpha.z; o3 *= alpha.w;
+        const vec4 p0 = weights(st[0], m), p1 = weights(st[1], m), p2 = weights(st[2], m), p3 = weights(st[3], m);
+        l += p0 + p1 + p2 + p3;
+        s_mem[cols.x * RG + rg] = p0;
+        s_mem[cols.y * RG + rg] = p1;
+        s_mem[cols.z * RG + rg] = p2;
+        s_mem[cols.w * RG + rg] = p3;
         barrier();
 
-        // B: online softmax across tiles, per row.
-        row_reduce(true);
-        if (tid < ROWS) {
-            float m_old = s_m[tid];
-            float m_new = max(m_old, s_row[tid]);
-            s_alpha[tid] = m_new == NEG_INF ? 1.0 : exp(m_old - m_new);
-            s_m[tid] = m_new;
+        // PV: the values VK keys at a time, read along whichever axis of the cache is contiguous (quads of
+        // head dims in nhd, of tokens in vLLM's layout: a tile and its sub-tiles start on quads of tokens).
+        for (uint sub = 0u; sub < tile_len; sub += VK) {
+            for (uint n = 0u; n < 4u; n++) {
+                if (tid + WG * n >= VK * hq) break;
+                const uint k = sub + v_k[n];
+                const int phys = k < tile_len ? s_phys[k >> bs_log2] : -1;
+                const uint d = dims_contiguous ? 4u * v_c[n] : v_c[n];
+                const vec4 v = phys >= 0
+                    ? kv_quad(value_load(uint(phys), value_offset(kv_head, k & (bs - 1u), d) >> 2)) : vec4(0.0);
+                if (dims_contiguous) {
+                    s_mem[P_QUADS + tid + WG * n] = v;
+                } else {
+                    const uint at = P_QUADS + v_k[n] * hq + (d >> 2);
+                    for (uint e = 0u; e < 4u; e++) s_mem[at + e * hq][d & 3u] = k + e < tile_len ? v[e] : 0.0;
+                }
+            }
+            barrier();
+            const uint n = min(VK, tile_len - sub);
+            for (uint k = 0u; k < n; k++) {
+                const vec4 p = s_mem[(sub + k) * RG + rg];
+                const uint vr = P_QUADS + k * hq;
+                const mat4 v = mat4(s_mem[vr + vcols.x], s_mem[vr + vcols.y], s_mem[vr + vcols.z], s_mem[vr + vcols.w]);
+                o0 += p.x * v; o1 += p.y * v; o2 += p.z * v; o3 += p.w * v;
+            }
+            barrier();   // s_mem and s_phys are rewritten next
         }
-        barrier();
-        const vec4 alpha_a = rows4(0u, false), alpha_b = rows4(4u, false);
-        const vec4 p_a = mix(exp(x_a - rows4(0u, true)), vec4(0.0), equal(x_a, vec4(NEG_INF)));
-        const vec4 p_b = mix(exp(x_b - rows4(4u, true)), vec4(0.0), equal(x_b, vec4(NEG_INF)));
-        l_a = l_a * alpha_a + p_a;
-        l_b = l_b * alpha_b + p_b;
-        o0_a *= alpha_a; o0_b *= alpha_b;
-        o1_a *= alpha_a; o1_b *= alpha_b;
-        s_p[tid * 2u] = p_a;
-        s_p[tid * 2u + 1u] = p_b;
-        barrier();
-
-        // C: weighted values of this thread's head dims. Tokens past kv_end are never read: slots past a
-        // sequence's length may hold anything, NaN included, and 0 * NaN is NaN.
-        for (uint t = 0u; t < tile_len; t++) {
-            int b = s_phys[t / bs];
-            if (b < 0) continue;
-            if (d0 >= hs) break;   // threads past the head have no dims
-            uint v = value_offset(kv_head, (base + t) % bs, d0);
-            float v0 = VALUE_AT(uint(b), v), v1 = VALUE_AT(uint(b), v + pc.v_dim_stride);
-            vec4 w_a = s_p[t * 2u], w_b = s_p[t * 2u + 1u];
-            o0_a += w_a * v0; o0_b += w_b * v0;
-            o1_a += w_a * v1; o1_b += w_b * v1;
-        }
-        barrier();   // s_p and s_phys are rewritten by the next tile
     }
 
-    // Each row's denominator, summed over the threads once at the end.
-    s_p[tid * 2u] = l_a;
-    s_p[tid * 2u + 1u] = l_b;
-    barrier();
-    row_reduce(false);
-    for (uint r = 0u; r < ROWS; r++) {
-        uint q = row_base(q_start, kv_head, row0 + r);
-        if (row0 + r >= row_end || q + hs > 2u * uint(out_.length())) continue;
+    // Each row's denominator, summed over its row group once at the end.
+    l = row_group_reduce(l, rg, cg, RG, G, false);
+    for (uint i = 0u; i < 4u; i++) {
+        const uint gr = row0 + 4u * rg + i;
+        const uint q = row_base(q_start, kv_head, gr);
+        if (gr >= row_end || q + hs > 2u * uint(out_.length())) continue;
         // A row that sees no key gives zeros; the sink (a variant) joins the denominator and the lse.
-        const vec2 fin = softmax_finish(s_m[r], s_row[r], sink_logit(r < 4u ? head_a[r] : head_b[r - 4u]));
-        vec2 o = vec2(r < 4u ? o0_a[r] : o0_b[r - 4u], r < 4u ? o1_a[r] : o1_b[r - 4u]) * (fin.x * pc.v_scale);
-        if (d0 < hs) out_[(q + d0) >> 1] = out_pair(o);
-        if (tid == 0u && q / hs < uint(lse.length())) lse[q / hs] = fin.y;
+        const vec2 fin = softmax_finish(m[i], l[i], sink_logit(heads[i]));
+        const mat4 o = (i == 0u ? o0 : i == 1u ? o1 : i == 2u ? o2 : o3) * (fin.x * pc.v_scale);
+        for (uint j = 0u; j < 4u; j++) {
+            if (cols[j] >= hq) break;
+            const uint at = (q + 4u * cols[j]) >> 1;
+            out_[at] = out_pair(o[j].xy);
+            out_[at + 1u] = out_pair(o[j].zw);
+        }
+        if (cg == 0u && q / hs < uint(lse.length())) lse[q / hs] = fin.y;
     }
 }

@@ -202,6 +202,28 @@ def test_work_tiles_cover_each_sequence_and_skip_empty_ones():
     assert pagedvk.prefill.work_tiles(np.array([0, 0], np.int32), 4, 8).shape == (0, 2)
 
 
+def test_forward_tile_rows_follow_each_sequence_and_the_head_size():
+    # The fewest of 8, 16, 32, 64 rows holding a sequence's rows; 32 at most above head size 128.
+    rows = np.array([1, 8, 9, 16, 17, 33, 64, 200])
+    assert pagedvk.prefill.forward_rows(128, rows).tolist() == [8, 8, 16, 16, 32, 64, 64, 64]
+    assert pagedvk.prefill.forward_rows(256, rows).tolist() == [8, 8, 16, 16, 32, 32, 32, 32]
+    # group 2: rows 2, 0, 14, 80 -> one 8-row tile, none, one 16-row tile, two 64-row tiles.
+    tiles = pagedvk.prefill.work_tiles(np.array([0, 1, 1, 8, 48], np.int32), group=2,
+                                       rows_per_tile=lambda r: pagedvk.prefill.forward_rows(64, r))
+    assert tiles.tolist() == [[0, 0], [2, 0], [3, 0], [3, 64]]
+
+
+@pytest.mark.parametrize("head_size", [72, 192])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_tile_size_over_long_contexts(rng, backend, layout, head_size):
+    # Group 3: rows 3, 9, 21, 48, 105 give tiles of 8, 16, 32 and 64 rows (32 at most for head 192: its
+    # 105 rows take four), key tiles of 256 down to 32 keys over contexts of several tiles whose lengths are
+    # not multiples of 4 (vLLM's value quads run past a tile's end), and value sub-tiles that fill shared
+    # memory (head 72: 18 quads a key).
+    check(PrefillCase(rng, q_lens=[1, 3, 7, 16, 35], seq_lens=[601, 263, 150, 97, 333], num_heads=6,
+                      num_kv_heads=2, head_size=head_size, layout=layout, block_size=8), backend)
+
+
 def test_ragged_batch_equals_its_parts_run_alone(rng, backend):
     # Each sequence's rows are tiled from the sequence's own first row, so running it alone does the same sums.
     case = PrefillCase(rng, q_lens=[4, 1, 0, 9], layout="vllm")
