@@ -17,6 +17,7 @@ scalar); a kernel the device cannot run for a row's arguments is reported and sk
     python benchmarks/prefill.py --small              # a sweep lavapipe finishes in a few minutes
     python benchmarks/prefill.py --dtypes f16 --backends glsl --json prefill.json
     python benchmarks/prefill.py --dtypes f16 --backends glsl --kernels scalar,coopmat   # both forwards
+    python benchmarks/prefill.py --batches 4x512/4096 --dtypes f16         # the issue's shape only
 """
 
 import argparse
@@ -203,10 +204,18 @@ def main(argv=None) -> int:
     p.add_argument("--backends", type=parsed(bench.parse_backends), default=["glsl", "wgsl"])
     p.add_argument("--kernels", type=parsed(parse_kernels), default=["auto"],
                    help="comma-separated forward kernels: auto, scalar, coopmat (default: auto)")
+    p.add_argument("--batches", default=None,
+                   help="comma-separated names of the sweep's batches to run (default: all), e.g. 4x512/4096")
     p.add_argument("--repeats", type=positive, default=10, help="timed submissions per figure")
     p.add_argument("--json", default=None, help="also write every figure to this file")
     args = p.parse_args(argv)
     sweep, heads = (SMALL_SWEEP, HEADS["small"]) if args.small else (SWEEP, HEADS["full"])
+    if args.batches is not None:
+        names = [n.strip() for n in args.batches.split(",")]
+        unknown = [n for n in names if n not in sweep]
+        if unknown:
+            p.error(f"--batches: no batch {unknown[0]!r} in the sweep; it has {', '.join(map(repr, sweep))}")
+        sweep = {n: sweep[n] for n in names}
     torch = None
     try:
         import torch
