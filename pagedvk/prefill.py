@@ -28,6 +28,11 @@ from .runtime.pipeline import Launch, fold_grid
 from .variants import Variants, refuse
 
 MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefill_coopmat (scalar: forward_rows)
+# kernel="auto" on a device with the matrix kernel: sequences with fewer rows than this (decode tokens, short
+# chunks) run the scalar kernel's small tiles in the same submission, where a 64-row matrix tile would be mostly
+# empty and still walk the whole context (a mixed batch of 2 x 512 new tokens and 64 decode tokens took 2.78 ms
+# in one matrix launch against 2.16 ms as separate prefill and decode calls on the H200).
+MATRIX_MIN_ROWS = MATRIX_ROWS // 2
 DQ_ROWS = 8              # and of paged_backward_dq
 DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
@@ -132,7 +137,7 @@ def _check_lengths(seq_lens: np.ndarray, q_lens: np.ndarray, ragged: bool) -> No
                      f"the queries are each sequence's last q_len tokens (0, an empty sequence, is allowed)")
 
 
-def work_tiles(query_start_loc: np.ndarray, group: int, rows_per_tile) -> np.ndarray:
+def work_tiles(query_start_loc: np.ndarray, group: int, rows_per_tile, include=None) -> np.ndarray:
     """The tile table of a ragged batch (PREFILL_INPUTS in pagedvk/abi.py): int32 [num_tiles, 2], the
     (sequence, first row) of each tile of rows_per_tile rows (one number, or a function of a sequence's row
     counts giving each sequence's), in sequence order. Sequence s has group * q_len_s rows (group =
@@ -141,6 +146,8 @@ def work_tiles(query_start_loc: np.ndarray, group: int, rows_per_tile) -> np.nda
     rows = group * q_lens
     per_seq = np.broadcast_to(rows_per_tile(rows) if callable(rows_per_tile) else rows_per_tile, rows.shape)
     counts = -(-rows // per_seq)
+    if include is not None:   # only these sequences (a bool per sequence)
+        counts = np.where(include, counts, 0)
     seqs = np.repeat(np.arange(len(q_lens)), counts)
     firsts = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.stack([seqs, firsts * per_seq[seqs]], axis=1).astype(np.int32).reshape(-1, 2)
@@ -202,6 +209,7 @@ class _Problem:
         # The forward's kernel ("" scalar, or a matrix kind); the backward's kernels are scalar.
         self.matrix = matrix_kernel(self.device.info, self.device.features, self.backend, spec.storage.tag,
                                     self.query_type.tag, self.head_size, kernel)
+        self.kernel = kernel
         # num_blocks is the caches' shape[0]: their buffers (and dk_cache's, dv_cache's) hold that many blocks,
         # and the kernels bound block ids by it rather than by the buffers' length() (attention_common.glsl).
         self.push_fields = dict(
@@ -212,13 +220,15 @@ class _Problem:
             **spec.strides())
         self.query_start_loc_arg = query_start_loc if self.ragged else self.query_start_loc
 
-    def tiles(self, rows_per_tile) -> np.ndarray:
-        return work_tiles(self.query_start_loc, self.num_heads // self.num_kv_heads, rows_per_tile)
+    def tiles(self, rows_per_tile, include=None) -> np.ndarray:
+        return work_tiles(self.query_start_loc, self.num_heads // self.num_kv_heads, rows_per_tile, include)
 
-    def key(self, kernel, access: str = ""):
-        if kernel is PAGED_PREFILL and self.matrix:
+    def key(self, kernel, access: str = "", matrix: str | None = None):
+        """The module of `kernel`; for the forward, the matrix kind `matrix` ("" scalar), the problem's by default."""
+        matrix = self.matrix if matrix is None else matrix
+        if kernel is PAGED_PREFILL and matrix:
             return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
-                              self.matrix)
+                              matrix)
         return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, access=access)
 
     def push(self, caches) -> bytes:
@@ -260,17 +270,22 @@ class _Problem:
 
 
 def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
-    """(pipeline, buffers, push constants, grid) of each (kernel ABI, grid) with workgroups, its buffers bound
-    by the names its ABI declares, from `arrays` (DeviceArrays)."""
+    """(pipeline, buffers, push constants, grid) of each dispatch with workgroups, its buffers bound by the names
+    its ABI declares, from `arrays` (DeviceArrays). A dispatch is (kernel ABI, grid) or (kernel ABI, grid,
+    options): options["matrix"] the forward's matrix kind for this dispatch ("" scalar), options["inputs"]
+    {binding name: name in arrays} where a binding takes another array (a second tile table)."""
     caches = bind_caches(arrays["key_cache"], arrays["value_cache"], problem.backend)
     bound = dict(key_cache=caches.key, value_cache=caches.value)
     steps = []
-    for abi, grid in dispatches:
+    for abi, grid, *options in dispatches:
         if math.prod(grid) == 0:
             continue
-        key = problem.key(abi, caches.access)
+        options = options[0] if options else {}
+        key = problem.key(abi, caches.access, options.get("matrix"))
+        renamed = options.get("inputs", {})
         extra = dict(zip([b.name for b in abi.bindings_for(key)[len(abi.bindings):]], caches.extra))
-        buffers = [bound.get(b.name) or extra.get(b.name) or arrays[b.name].buffer for b in abi.bindings_for(key)]
+        buffers = [bound.get(b.name) or extra.get(b.name) or arrays[renamed.get(b.name, b.name)].buffer
+                   for b in abi.bindings_for(key)]
         steps.append((kernels.pipeline(problem.device, abi, key, problem.variants_used()), buffers,
                       problem.push(caches), grid))
     return steps
@@ -369,6 +384,11 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                 dict(out=out))
 
 
+def _bindable(tiles: np.ndarray) -> np.ndarray:
+    """A tile table a buffer can hold: one unread row where it has none (its dispatch has no workgroups)."""
+    return tiles if len(tiles) else np.zeros((1, 2), np.int32)
+
+
 def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, alibi_slopes=None,
              logits_soft_cap=None, sinks=None, window_left=-1, **options) -> tuple:
     """The checked forward: (problem, dispatches, inputs, outputs) for _run or launch()."""
@@ -379,10 +399,21 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
                         window_left=window_left)
     device_of(*variants.inputs.values(), device=p.device)
     p.push_fields.update(variants.push())
-    tiles = p.tiles(MATRIX_ROWS if p.matrix else lambda rows: forward_rows(p.head_size, rows))
-    return (p, [(PAGED_PREFILL, p.grid(tiles))],
+    scalar_rows = lambda rows: forward_rows(p.head_size, rows)
+    if not p.matrix:
+        tiles, more_dispatches, more_inputs = p.tiles(scalar_rows), [], {}
+    else:
+        rows = (p.num_heads // p.num_kv_heads) * np.diff(p.query_start_loc)
+        short = rows < MATRIX_MIN_ROWS if p.kernel == "auto" else np.zeros(len(rows), bool)
+        tiles = p.tiles(MATRIX_ROWS, include=~short)
+        scalar_tiles = p.tiles(scalar_rows, include=short)
+        # The short sequences' scalar tiles: a second dispatch in the same submission, binding its own table.
+        more_dispatches = [(PAGED_PREFILL, p.grid(scalar_tiles), dict(matrix="", inputs=dict(tiles="scalar_tiles")))]
+        more_inputs = dict(scalar_tiles=_bindable(scalar_tiles))
+    return (p, [(PAGED_PREFILL, p.grid(tiles))] + more_dispatches,
             dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                 seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles, **variants.inputs),
+                 seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=_bindable(tiles), **more_inputs,
+                 **variants.inputs),
             dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:-1]), np.float32)))
 
 

@@ -200,6 +200,10 @@ def test_work_tiles_cover_each_sequence_and_skip_empty_ones():
     tiles = pagedvk.prefill.work_tiles(np.array([0, 3, 3, 4], np.int32), group=4, rows_per_tile=8)
     assert tiles.dtype == np.int32 and tiles.tolist() == [[0, 0], [0, 8], [2, 0]]
     assert pagedvk.prefill.work_tiles(np.array([0, 0], np.int32), 4, 8).shape == (0, 2)
+    # include: the tiles of the chosen sequences only (the matrix and scalar halves of a mixed batch)
+    loc = np.array([0, 3, 3, 4], np.int32)
+    assert pagedvk.prefill.work_tiles(loc, 4, 8, include=np.array([True, True, False])).tolist() == [[0, 0], [0, 8]]
+    assert pagedvk.prefill.work_tiles(loc, 4, 8, include=np.array([False, True, True])).tolist() == [[2, 0]]
 
 
 def test_forward_tile_rows_follow_each_sequence_and_the_head_size():

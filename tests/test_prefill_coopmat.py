@@ -67,6 +67,29 @@ def test_arguments_without_a_matrix_module_keep_the_scalar_kernel(backend, kv, q
         prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="coopmat")
 
 
+def test_split_batches_bind_each_dispatch_its_own_tile_table(rng, monkeypatch):
+    """The mechanics of kernel="auto"'s split on any device: the matrix kernel's part of a ragged batch is
+    played by the scalar module (its tiles built by the scalar rule), so both dispatches, each binding its own
+    tile table, run here and must together write every row."""
+    scalar_key = prefill._Problem.key
+    monkeypatch.setattr(prefill, "matrix_kernel", lambda *a: "coopmat")
+    monkeypatch.setattr(prefill, "MATRIX_ROWS", lambda rows: prefill.forward_rows(64, rows))
+    monkeypatch.setattr(prefill._Problem, "key", lambda self, kernel, access="", matrix=None: scalar_key(
+        self, kernel, access, ""))
+    launches, launch = [], prefill.Launch
+    monkeypatch.setattr(prefill, "Launch", lambda device, steps, *a, **k: launches.append(steps) or launch(
+        device, steps, *a, **k))
+    case = PrefillCase(rng, q_lens=[1, 40, 0, 3, 17, 1], head_size=64, num_heads=4, num_kv_heads=2)
+    out, lse = pagedvk.paged_attention_prefill(*case.args(), **case.options())
+    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*case.args(), **case.options())
+    assert rel_error(out, ref_out) <= 1e-5 and rel_error(lse, ref_lse) <= 1e-5
+    # rows 2 x q_len: 80 and 34 (3 tiles) on the "matrix" dispatch; 2, 6, 2 (3 tiles) on the scalar one; a
+    # workgroup per (tile, kv head) each, and each dispatch binds its own table (binding 6, `tiles`)
+    (steps,) = launches
+    assert [step[3] for step in steps] == [(6, 1, 1), (6, 1, 1)]
+    assert steps[0][1][6] is not steps[1][1][6]
+
+
 def test_kernel_argument_is_checked():
     with pytest.raises(ValueError, match="kernel must be one of 'auto', 'scalar', 'coopmat', got 'fast'"):
         prefill.matrix_kernel(_info, set(), "glsl", "f16", "f16", 128, kernel="fast")
@@ -170,6 +193,26 @@ def test_auto_picks_the_matrix_kernel(rng):
     assert prefill.matrix_kernel(device.info, device.features, "glsl", "f16", "f16", 128) == "coopmat"
     case = PrefillCase(rng, q_len=33, head_size=128)
     assert run_f16(case, "auto")[0] <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_auto_runs_short_sequences_on_the_scalar_kernel_in_the_same_launch(rng, layout, monkeypatch):
+    # prompts on the matrix kernel; decode tokens and a short chunk (fewer than MATRIX_MIN_ROWS rows) on the
+    # scalar kernel's tiles, each half of the batch's rows written by one dispatch of the same submission
+    modules, pipeline = [], pagedvk.kernels.pipeline
+    monkeypatch.setattr(pagedvk.kernels, "pipeline",
+                        lambda device, kernel, key, *a: modules.append(key.name) or pipeline(device, kernel, key, *a))
+    case = PrefillCase(rng, q_lens=[1, 70, 0, 1, 3, 130, 1], layout=layout, head_size=128, num_heads=8, num_kv_heads=2)
+    out_err, lse_err = run_f16(case, "auto")
+    assert out_err <= TOL and lse_err <= TOL
+    assert modules == ["paged_prefill.coopmat.kv_f16.q_f16.h128.glsl", "paged_prefill.kv_f16.q_f16.glsl"]
+    modules.clear()
+    run_f16(PrefillCase(rng, q_lens=[1, 2, 1], layout=layout, head_size=128, num_heads=8, num_kv_heads=2), "auto")
+    assert modules == ["paged_prefill.kv_f16.q_f16.glsl"]   # only short sequences: the matrix dispatch is empty
+    modules.clear()
+    run_f16(case, "coopmat")                                   # forced: every row on the matrix kernel
+    assert modules == ["paged_prefill.coopmat.kv_f16.q_f16.h128.glsl"]
 
 
 # -- the attention variants (issue 11) in the matrix kernel, where it runs --
