@@ -178,12 +178,15 @@ def test_matrix_kernel_many_tiles_and_block_sizes(rng, block_size):
 
 
 @needs_coopmat
+@pytest.mark.parametrize("variants", ("none", "all"))
 @pytest.mark.parametrize("layout", ("nhd", "vllm"))
-def test_matrix_kernel_ragged_batch(rng, layout):
-    # prompts, chunks, decode tokens and empty sequences in one batch; GQA groups across 64-row tiles
+def test_matrix_kernel_ragged_batch(rng, layout, variants):
+    # prompts, chunks, decode tokens and empty sequences in one batch; GQA groups across 64-row tiles; with
+    # every variant at once (sinks on rows that see keys and on none) or none
     case = PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
                        num_kv_heads=4)
-    out_err, lse_err = run_f16(case, "coopmat")
+    kw = variant_args(rng, 12, VARIANTS["all"]) if variants == "all" else {}
+    out_err, lse_err = run_f16(case, "coopmat", **kw)
     assert out_err <= TOL and lse_err <= TOL
 
 
@@ -240,17 +243,6 @@ def test_matrix_kernel_window_edges(rng, window_left):
     case = PrefillCase(rng, q_len=70, head_size=128, num_heads=4, num_kv_heads=1, block_size=8,
                        seq_lens=[70, 333, 129])
     out_err, lse_err = run_f16(case, "coopmat", window_left=window_left)
-    assert out_err <= TOL and lse_err <= TOL
-
-
-@needs_coopmat
-@pytest.mark.parametrize("layout", ("nhd", "vllm"))
-def test_matrix_kernel_ragged_batch_with_every_variant(rng, layout):
-    # prompt chunks, decode tokens and empty sequences in one batch, every variant at once (sinks on rows
-    # that see keys and on none)
-    case = PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
-                       num_kv_heads=4)
-    out_err, lse_err = run_f16(case, "coopmat", **variant_args(rng, 12, VARIANTS["all"]))
     assert out_err <= TOL and lse_err <= TOL
 
 
