@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import build_shaders  # noqa: E402
 from pagedvk import bench  # noqa: E402
-from pagedvk.abi import PAGED_DECODE, VARIANTS_SPEC_ID  # noqa: E402
+from pagedvk import kernels  # noqa: E402
+from pagedvk.abi import DECODE_GROUP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE  # noqa: E402
 from pagedvk.runtime.pipeline import Pipeline  # noqa: E402
 
 KEY_MATH = [("s_a += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 0u);", "s_a += chunk_quad(w[k], i);"),
@@ -56,9 +57,14 @@ def build(key, folder: Path) -> dict:
         src = folder / f"ablation_{len(built)}.comp"
         out = src.with_suffix(".spv")
         src.write_text(text)
-        build_shaders.compile_glsl(src, out, key.defines())
+        build_shaders.compile_glsl(src, out, key)
         built[name] = out.read_bytes()
     return built
+
+
+def plan_constants(shape) -> dict:
+    """The decode kernel's specialization in the benchmark's plans (vLLM's layout): see DecodePlan.constants."""
+    return {DECODE_VALUE_ORDER_SPEC_ID: 1, DECODE_GROUP_SPEC_ID: 4 if shape.num_heads // shape.num_kv_heads <= 4 else 8}
 
 
 def main(argv=None) -> int:
@@ -82,13 +88,13 @@ def main(argv=None) -> int:
                 if identity_tables:
                     inputs.block_tables = np.arange(inputs.num_blocks, dtype=np.int32).reshape(inputs.block_tables.shape)
                 for name, spirv in modules.items() if not identity_tables else [("kept kernel", modules["kept kernel"])]:
-                    # The plan runs without variants: its pipeline is the one specialized with VARIANTS false.
-                    replaced = device._pipelines.pop((key, "plain"), None)
+                    # The plan runs without variants, specialized for the benchmark's layout and head group.
+                    cached, specialization = kernels.specialized(PAGED_DECODE, key, False, plan_constants(shape))
+                    replaced = device._pipelines.pop(cached, None)
                     if replaced is not None:
                         replaced.close()
-                    device._pipelines[(key, "plain")] = Pipeline(device, PAGED_DECODE, spirv, name,
-                                                                 PAGED_DECODE.bindings_for(key),
-                                                                 {VARIANTS_SPEC_ID: False})
+                    device._pipelines[cached] = Pipeline(device, PAGED_DECODE, spirv, name,
+                                                         PAGED_DECODE.bindings_for(key), specialization)
                     r = bench.time_decode(inputs, "glsl", iters=args.iters)
                     label = name + (", identity block tables" if identity_tables else "")
                     r.update(kernel=label, fraction_of_read=r["GBps"] / ceiling["GBps"])

@@ -7,6 +7,7 @@ its loads explain.
 
     python benchmarks/pipeline_stats.py paged_decode.kv_f16.q_f16.h128.glsl      # modules by name (pagedvk/spv)
     python benchmarks/pipeline_stats.py --no-variants paged_decode.kv_f16.q_f16.h128.glsl
+    python benchmarks/pipeline_stats.py --no-variants --spec 1=1 --spec 2=4 paged_decode.kv_f16.q_f16.h128.glsl
     python benchmarks/pipeline_stats.py path/to/module.spv                          # or any SPIR-V file
 
 The device is PAGEDVK_DEVICE's, or the one pagedvk would pick. --no-variants specializes VARIANTS false where a
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("modules", nargs="+", help="module names (as in pagedvk/spv, without .spv) or SPIR-V files")
     p.add_argument("--no-variants", action="store_true", help="specialize VARIANTS false where declared")
+    p.add_argument("--spec", action="append", default=[], metavar="ID=VALUE",
+                   help="set a specialization constant the module declares, e.g. the decode kernel's layout and "
+                        "head-group width as a plan sets them: --spec 1=1 --spec 2=4 (pagedvk/abi.py)")
     args = p.parse_args(argv)
     info, _ = pagedvk.select()
     physical = vk.vkEnumeratePhysicalDevices(get_instance().handle)[info.index]
@@ -105,12 +109,13 @@ def main(argv=None) -> int:
             code = path.read_bytes()
             declared = VARIANTS_SPEC_ID in spirv.reflect(code).spec_constants
             spec = {VARIANTS_SPEC_ID: False} if args.no_variants and declared else {}
+            spec.update({int(i): int(v) for i, v in (item.split("=") for item in args.spec)})
             shown = []
             for stat, value in statistics(device, code, spec):
                 if stat == "Local Memory Size" and isinstance(value, int) and value >= NVIDIA_LOCAL_BASE:
                     value = f"{value} (2^36 + {value - NVIDIA_LOCAL_BASE})"
                 shown.append(f"{stat} {value}")
-            print(f"{path.stem}{' (no variants)' if spec else ''}: " + "; ".join(shown), flush=True)
+            print(f"{path.stem}{f' {spec}' if spec else ''}: " + "; ".join(shown), flush=True)
     finally:
         vk.vkDestroyDevice(device, None)
     return 0

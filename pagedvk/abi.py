@@ -45,6 +45,10 @@ KV_SEGMENTS = 4
 WRITE_INCLUDES_OPS = ("reshape_and_cache",)
 # Ops that read their caches as 16-byte chunks (kv_chunk_access.wgsl; GLSL: KV_CHUNKS in kv_storage.glsl).
 CHUNK_READ_OPS = ("paged_decode",)
+# Ops whose GLSL modules reduce over the workgroup with subgroup arithmetic (GL_KHR_shader_subgroup_arithmetic,
+# which Vulkan leaves optional). Each also has modules reducing in shared memory only, reduce="shared", for
+# devices without it: the generic head size, every cache storage and access (KernelABI.key picks them).
+SUBGROUP_REDUCE_OPS = ("paged_decode",)
 # Cooperative-matrix modules (VK_KHR_cooperative_matrix; GLSL only: naga has no matrix type) are named by
 # their source's suffix, shaders/<op>_<matrix>.comp ("coopmat"). They need glslang 13 or newer and SPIR-V 1.5
 # (Vulkan 1.2: the Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a
@@ -85,11 +89,12 @@ class VariantKey:
     head_size: int = 0    # 0: any head size, read from the push constants
     access: str = ""      # how caches larger than one binding are read (CACHE_ACCESS)
     matrix: str = ""      # "" or a matrix kind ("coopmat"): the op's cooperative-matrix source
+    reduce: str = ""      # "" or "shared": workgroup reductions without subgroup arithmetic (SUBGROUP_REDUCE_OPS)
 
     @property
     def name(self) -> str:
         axes = [self.matrix, f"kv_{self.kv}" if self.kv else "", self.access, f"q_{self.q}" if self.q else "",
-                f"h{self.head_size}" if self.head_size else ""]
+                f"h{self.head_size}" if self.head_size else "", f"{self.reduce}_reduce" if self.reduce else ""]
         return ".".join([self.op, *filter(None, axes), self.backend])
 
     @property
@@ -108,6 +113,7 @@ class VariantKey:
         d.update({f"Q_{self.q.upper()}": 1} if self.q else {})
         d.update({"HEAD_SIZE": self.head_size} if self.head_size else {})
         d.update({{"seg": "KV_SEGMENTED", "bda": "KV_ADDRESSED"}[self.access]: 1} if self.access else {})
+        d.update({"SHARED_REDUCE": 1} if self.reduce else {})
         return d
 
     def includes(self) -> dict:
@@ -149,6 +155,15 @@ class KernelABI:
     # (matrix kind, cache tag, query tag, head size): cooperative-matrix modules, GLSL, head size fixed, one per
     # cache access; each has the op's bindings and push constants (its grid may differ: the op says)
     matrix_variants: tuple = ()
+    # ((constant_id, SPIR-V type), ...): the op's own specialization constants, in its GLSL modules only
+    spec_constants: tuple = ()
+
+    def specialization_constants(self, key: VariantKey) -> dict:
+        """{constant_id: type} that the module declares: VARIANTS_SPEC_ID where it specializes the variants,
+        and the op's own in GLSL (naga emits none)."""
+        if key.backend != "glsl":
+            return {}
+        return {**({VARIANTS_SPEC_ID: "bool"} if self.specializes_variants(key) else {}), **dict(self.spec_constants)}
 
     def specializes_variants(self, key: VariantKey) -> bool:
         """Whether the module declares VARIANTS_SPEC_ID: the GLSL modules of the attention kernels, which
@@ -182,10 +197,12 @@ class KernelABI:
                                      for i in range(1, KV_SEGMENTS))
 
     def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0, access: str = "",
-            matrix: str = "") -> VariantKey:
+            matrix: str = "", subgroup_arithmetic: bool = True) -> VariantKey:
         """The module that runs this op for these arguments: the one place a module is chosen. A head size
         with no module of its own runs the generic module (head size from the push constants), and so do
-        caches read in segments. A matrix module exists only for its listed (kind, cache, query, head size)."""
+        caches read in segments. A matrix module exists only for its listed (kind, cache, query, head size).
+        subgroup_arithmetic=False (the device lacks it): the generic module reducing in shared memory, for an
+        op in SUBGROUP_REDUCE_OPS."""
         if matrix:
             if (matrix, kv, q, head_size) not in self.matrix_variants or backend != "glsl":
                 built = ", ".join(f"{m} kv {k} q {qq} head {h}" for m, k, qq, h in self.matrix_variants) or "none"
@@ -202,8 +219,13 @@ class KernelABI:
         for axis, value, allowed in (("cache storage", kv, self.kv_types), ("query storage", q, self.q_types)):
             if (value or allowed) and value not in allowed:
                 raise ValueError(f"{self.op} has no module for {axis} {value!r} (built: {', '.join(allowed)})")
+        if not subgroup_arithmetic and self.reduces_in_subgroups(backend):
+            return VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
         fixed = head_size if head_size in self.head_sizes and not access else 0
         return VariantKey(self.op, backend, kv, q, fixed, access)
+
+    def reduces_in_subgroups(self, backend: str) -> bool:
+        return backend == "glsl" and self.op in SUBGROUP_REDUCE_OPS
 
     def accesses(self, backend: str) -> tuple:
         if not self.kv_types:
@@ -219,6 +241,9 @@ class KernelABI:
                         yield VariantKey(self.op, backend, kv, q, hs)
                     for access in self.accesses(backend)[1:]:
                         yield VariantKey(self.op, backend, kv, q, 0, access)
+                    if self.reduces_in_subgroups(backend):
+                        for access in self.accesses(backend):
+                            yield VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
         for matrix, kv, q, hs in self.matrix_variants:
             for access in self.accesses("glsl"):
                 yield VariantKey(self.op, "glsl", kv, q, hs, access, matrix)
@@ -279,6 +304,11 @@ VARIANT_LSE = 4                  # lse is written: the natural-log log-sum-exp o
 # The specialization constant (GLSL `VARIANTS`, attention_common.glsl) that a launch without variants sets
 # false: its pipeline then holds none of the variants' code. WGSL modules have none (naga emits none).
 VARIANTS_SPEC_ID = 0
+# The decode kernel's own specialization constants (shaders/paged_decode.comp), set per plan by pagedvk/decode.py:
+# which V stage the cache layout needs, and how many query heads a workgroup takes. 0 (their default) reads
+# both from the push constants.
+DECODE_VALUE_ORDER_SPEC_ID = 1   # 1: a head dim's tokens contiguous (vLLM's layout); 2: a token's dims (nhd)
+DECODE_GROUP_SPEC_ID = 2         # 4: groups of at most 4 query heads; 8: of 5 to 8
 
 # The per-head inputs of the attention variants, float32 [num_heads] each; a 16-byte placeholder when the
 # variant is off (its VARIANT_* flag clear): read only where the flag is set.
@@ -306,6 +336,7 @@ PAGED_DECODE = KernelABI(
     kv_types=STORAGE_TYPES,
     q_types=QUERY_TYPES,
     head_sizes=UNROLLED_HEAD_SIZES,
+    spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32")),
 )
 
 # Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.

@@ -17,7 +17,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checks, config, kernels
-from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE
+from .abi import DECODE_GROUP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import Array, DeviceArray, asarray, empty
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
@@ -50,6 +50,12 @@ def compute_units(info) -> int:
     if info.type == "cpu":
         return os.cpu_count() or 1
     return UNITS_ESTIMATE.get(info.type, 16)
+
+
+def subgroup_reductions(info) -> bool:
+    """Whether the decode kernel may reduce with subgroup arithmetic: the device has it, and subgroups of at least
+    4 invocations (its scratch holds WG / 4 subgroups' results); else it runs the shared-memory module."""
+    return info.subgroup_arithmetic and info.subgroup_size >= 4
 
 
 def partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units: int) -> tuple:
@@ -177,9 +183,12 @@ class DecodePlan(Owned):
         self._owned.append(self._no_lse)
         # The module (unrolled for this head size). Its pipeline for the plan's variants is made now; a run that
         # adds lse or sinks, or reads segmented caches, gets its own at first use (kernels.pipeline keeps them).
-        self.key = PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, head_size)
-        kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()))
         self.group_size = group_size(num_heads, num_kv_heads)
+        self.key = self._module()
+        # The kernel's specialization (GLSL): one V stage for the layout, one width of head group.
+        self.constants = {DECODE_VALUE_ORDER_SPEC_ID: 2 if self.spec.strides()["v_dim_stride"] == 1 else 1,
+                          DECODE_GROUP_SPEC_ID: 4 if self.group_size <= 4 else 8}
+        kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
         max_seq_len = self.variants.span(min(int(lens.max(initial=0)), block_tables.shape[1] * block_size),
@@ -403,8 +412,7 @@ class DecodePlan(Owned):
         spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,
                          self.block_size)
         caches = bind_caches(k, v, self.backend)
-        key = self.key if not caches.access else PAGED_DECODE.key(self.backend, self.spec.storage.tag,
-                                                                  self.query_type.tag, access=caches.access)
+        key = self.key if not caches.access else self._module(caches.access)
         variant_push = self.variants.push(lse=lse is not None, sinks=sinks is not None)
         variants = variants_in_use(variant_push)
         push = PAGED_DECODE.pack_push(
@@ -416,7 +424,7 @@ class DecodePlan(Owned):
             num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
             **variant_push)
         lse_buffer = (lse if lse is not None else self._no_lse).buffer
-        decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants),
+        decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants, self.constants),
                   (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *self._variant_buffers(sinks),
                    lse_buffer, *caches.extra), push, self.grid)
         if self.reduce_key is None:
@@ -425,6 +433,11 @@ class DecodePlan(Owned):
                   (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1], lse_buffer), push,
                   self.reduce_grid)
         return [decode, reduce]
+
+    def _module(self, access: str = ""):
+        """The decode module for this plan and a cache access (abi.CACHE_ACCESS)."""
+        return PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
+                                subgroup_arithmetic=subgroup_reductions(self.device.info))
 
     def _variant_buffers(self, sinks: DeviceArray | None) -> tuple:
         """The alibi_slopes and sinks bindings (ATTENTION_VARIANT_INPUTS' order); `sinks` in place of the plan's."""

@@ -53,22 +53,36 @@ def load_spirv(kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> bytes:
     return path.read_bytes()
 
 
-def pipeline(device, kernel: abi_mod.KernelABI, key: abi_mod.VariantKey, variants: bool = True) -> Pipeline:
+def specialized(kernel: abi_mod.KernelABI, key: abi_mod.VariantKey, variants: bool = True,
+                constants: dict | None = None) -> tuple:
+    """(the device's pipeline cache key, {constant_id: value}) of the pipeline `pipeline` makes for these
+    arguments; benchmarks that swap a pipeline for an experiment's use it too."""
+    plain = not variants and kernel.specializes_variants(key)
+    declared = kernel.specialization_constants(key)
+    own = {i: v for i, v in (constants or {}).items() if i in declared}
+    specialization = {**({abi_mod.VARIANTS_SPEC_ID: False} if plain else {}), **own}
+    return (key, "plain" if plain else "", tuple(sorted(own.items()))), specialization
+
+
+def pipeline(device, kernel: abi_mod.KernelABI, key: abi_mod.VariantKey, variants: bool = True,
+             constants: dict | None = None) -> Pipeline:
     """The device's pipeline for this module, created on first use and kept until the device closes.
 
     variants=False: the pipeline for launches without attention variants (no VARIANT_* flag, softcap or
     window), with the variants' code specialized away where the module allows it (abi.VARIANTS_SPEC_ID).
+    constants: {constant_id: value} of the op's own specialization constants (KernelABI.spec_constants), set
+    where the module declares them (GLSL) and ignored where it does not (WGSL).
     """
     missing = [f for f in key.requires() if f not in device.features]
     if missing:
         raise UnsupportedFeatureError(f"{key.name} needs the Vulkan feature(s) {', '.join(missing)}, which "
                                       f"{device.info.name} does not have (or pagedvk did not enable)")
-    plain = not variants and kernel.specializes_variants(key)
-    cache_key = (key, "plain") if plain else key
+    cache_key, specialization = specialized(kernel, key, variants, constants)
+    plain = cache_key[1] == "plain"
     with _lock:
         cached = device._pipelines.get(cache_key)
         if cached is None or cached.closed:
             cached = device._pipelines[cache_key] = Pipeline(
                 device, kernel, load_spirv(kernel, key), key.name + (" (no variants)" if plain else ""),
-                kernel.bindings_for(key), {abi_mod.VARIANTS_SPEC_ID: False} if plain else None)
+                kernel.bindings_for(key), specialization or None)
         return cached

@@ -13,13 +13,14 @@
 //   K. thread t takes token t of the tile: it loads the token's key as 16-byte chunks, K_BATCH at a time,
 //      each batch issued before any of it is used, and dots it with the group's queries (read from shared
 //      memory, where every thread of the workgroup reads the same address: a broadcast);
-//   S. the workgroup takes each head's tile max, rescales what earlier tiles accumulated and turns logits
-//      into weights in shared memory; the next tile's block ids are fetched meanwhile (s_phys holds two);
+//   S. the workgroup takes each head's tile max (subgroup reductions, then across subgroups), rescales what
+//      earlier tiles accumulated and turns logits into weights in shared memory; the next tile's block ids
+//      are fetched meanwhile (s_phys holds two);
 //   V. vLLM's layout keeps a head dim's tokens contiguous, so thread t owns head dim t (and t + 128): it
 //      loads the tile's values of that dim as 16-byte chunks, V_BATCH at a time, and accumulates them
 //      weighted for every head. In the nhd layout a token's head dims are contiguous, so threads own a quad
 //      of head dims and a share of the tokens, and their sums meet in shared memory at the end.
-// Three barriers a tile.
+// Two barriers a tile (three where the device lacks subgroup arithmetic: SHARED_REDUCE).
 // The per-head state of up to 8 heads is two vec4s (heads 0-3, heads 4-7; the second is skipped when the
 // group has at most 4 heads), so every product is a 4x4 matrix-vector product and the WGSL twin has the same
 // shape. The softmax denominator is summed per thread and reduced once at the end; no epsilon is added, so a
@@ -29,6 +30,9 @@
 // beyond the block-table row and rows beyond the table are treated as empty, never read.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
+#ifndef SHARED_REDUCE
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 #define KV_CHUNKS   // the caches are read 16 bytes at a time (kv_storage.glsl)
 #include "kv_storage.glsl"
 
@@ -53,11 +57,12 @@ const uint MAX_GROUP = 8u;                      // query heads per workgroup: tw
 const uint TILE = WG;                           // tokens per tile: one key token per thread
 const uint CQ = KV_CHUNK_QUADS;                 // quads per 16-byte chunk
 const uint CHUNK_TOKENS = 4u * CQ;              // value tokens in one chunk of vLLM's layout
-// Chunks a thread loads before it uses any. Measured on the H200 (BENCHMARKS.md, "decode kernel steps"):
-// batches of 4 beat 8 and 16, and loading a tile's values together with its keys was slower still; more
-// registers for loads in flight cost more occupancy than they gain.
-const uint K_BATCH = 4u;
-const uint V_BATCH = 4u;
+// Chunks a thread loads before it uses any: a 128-dim fp16 key whole, and half a tile's values. Measured on the
+// H200 with the specialized pipelines (BENCHMARKS.md, "decode kernel steps"): 16 and 8 beat 8/8, 8/16, 16/16
+// and 4/8 at large batch (350 against 360-399 us at 64 x 4096 fp16); loading a tile's values together with its
+// keys was slower still.
+const uint K_BATCH = 16u;
+const uint V_BATCH = 8u;
 const uint TILE_BLOCKS = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
 const uint MAX_QUADS = MAX_HEAD_SIZE / 4u;
 // Head dims a thread owns in vLLM's layout (dim tid, then tid + WG): one where the head size is fixed and at most
@@ -70,16 +75,48 @@ const uint SLOTS = (HEAD_SIZE + WG - 1u) / WG;
 const uint SLOTS = 2u;
 #endif
 
+// Specialized per plan (pagedvk/decode.py; abi.DECODE_VALUE_ORDER_SPEC_ID, abi.DECODE_GROUP_SPEC_ID), so the
+// pipeline holds one layout's V stage and one width of head group: the H200's compiler gave the kernel with
+// both 231 registers a thread, with one 155-167, and it ran 1.25x faster (BENCHMARKS.md). 0 reads the push
+// constants, as a pipeline made without specialization must.
+layout(constant_id = 1) const uint VALUE_ORDER = 0u;   // 1: vLLM's layout (a dim's tokens contiguous); 2: nhd
+layout(constant_id = 2) const uint GROUP_LIMIT = 0u;   // 4 or 8: the most query heads a workgroup takes
+
 shared vec4 s_q[MAX_QUADS * MAX_GROUP];         // queries * scale: [quad][head]
 shared vec4 s_w[TILE / 4u * MAX_GROUP];         // logits, then weights: [token quad][head], 4 tokens a vec4
 shared int s_phys[2u * TILE_BLOCKS];            // physical blocks of this tile and the next, -1 where invalid
 shared float s_o[4u * MAX_HEAD_SIZE * MAX_GROUP / 2u]; // sums at the end: [lane][head][dim]; reductions' scratch
 
-// Max (is_max) or sum of (a, b) over the workgroup: each thread's values into s_o (its sums come only at
-// the end), 32 threads reduce eight threads' values each, then every thread reduces those 16 x 2. Two
-// barriers: the caller's barriers separate one call's reads from the next call's writes.
+// Max (is_max) or sum of (a, b; b only where `wide`) over the workgroup. The callers' barriers separate one
+// call's reads of the scratch from the next call's writes.
+#ifndef SHARED_REDUCE
+// Each subgroup reduces its own values (one instruction a step on the GPU), then every thread combines the
+// subgroups' results: one barrier. Subgroups of at least 4 invocations (pagedvk/decode.py sends smaller ones to
+// SHARED_REDUCE). s_red is its own array: reusing s_o's floats for it made the kernel 1.13x slower on the H200.
+const uint MAX_SUBGROUPS = WG / 4u;
+shared vec4 s_red[2u * MAX_SUBGROUPS];
+void workgroup_reduce(inout vec4 a, inout vec4 b, bool is_max, bool wide) {
+    if (is_max) {
+        a = subgroupMax(a);
+        if (wide) b = subgroupMax(b);
+    } else {
+        a = subgroupAdd(a);
+        if (wide) b = subgroupAdd(b);
+    }
+    if (subgroupElect()) { s_red[2u * gl_SubgroupID] = a; s_red[2u * gl_SubgroupID + 1u] = b; }
+    barrier();
+    a = s_red[0]; b = s_red[1];
+    for (uint i = 1u; i < gl_NumSubgroups; i++) {
+        a = is_max ? max(a, s_red[2u * i]) : a + s_red[2u * i];
+        if (wide) b = is_max ? max(b, s_red[2u * i + 1u]) : b + s_red[2u * i + 1u];
+    }
+}
+#else
+// Devices without subgroup arithmetic (abi.VariantKey.reduce "shared"): each thread's values into s_o (its
+// sums come only at the end), 32 threads reduce eight threads' values each, then every thread reduces those
+// 16 x 2. Two barriers.
 const uint REDUCE_ROUND = 8u * WG;   // where in s_o the 16 x 2 partial results go
-void workgroup_reduce(inout vec4 a, inout vec4 b, bool is_max) {
+void workgroup_reduce(inout vec4 a, inout vec4 b, bool is_max, bool wide) {
     const uint tid = gl_LocalInvocationID.x;
     for (uint j = 0u; j < 4u; j++) { s_o[8u * tid + j] = a[j]; s_o[8u * tid + 4u + j] = b[j]; }
     barrier();
@@ -102,6 +139,7 @@ void workgroup_reduce(inout vec4 a, inout vec4 b, bool is_max) {
         b = i == 0u ? y : is_max ? max(b, y) : b + y;
     }
 }
+#endif
 
 // Blocks of the tile that starts at token `base` of a partition ending at `end` (0 past the end).
 uint tile_blocks(uint base, uint end, uint bs_log2) {
@@ -142,7 +180,7 @@ void main() {
     const uint bs = pc.block_size;          // a power of two (8, 16 or 32): divisions by it are shifts
     const uint bs_log2 = uint(findLSB(bs)), bs_mask = bs - 1u;
     const uint group = pc.group_size;
-    const bool wide = group > 4u;       // heads 4-7 in use
+    const bool wide = GROUP_LIMIT == 0u ? group > 4u : GROUP_LIMIT > 4u;   // heads 4-7 in use
     const uint P = pc.partition_size;
     const uint head_groups = pc.num_heads / max(group, 1u);
     const uint wg = workgroup_index();
@@ -150,6 +188,10 @@ void main() {
     const uint part = wg / (head_groups * max(pc.num_seqs, 1u));
     if (group == 0u || group > MAX_GROUP || P == 0u || hs > MAX_HEAD_SIZE || bs < MIN_BLOCK_SIZE
         || bs > TILE || part >= pc.num_partitions) return;
+    // A pipeline specialized for other arguments than the push constants' writes nothing (the plan keeps them
+    // equal: pagedvk/decode.py).
+    if ((GROUP_LIMIT != 0u && group > GROUP_LIMIT) || (VALUE_ORDER != 0u && (pc.v_dim_stride == 1u) != (VALUE_ORDER == 2u)))
+        return;
     const uint head0 = (wg % head_groups) * group;               // first query head of this workgroup
     const uint kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     const uint hq = hs / 4u;                                     // quads of one head
@@ -175,7 +217,7 @@ void main() {
 
     // The V stage's share of the work. vLLM's layout: head dims tid and tid + WG. nhd: quad column `col` of
     // the head and every `lanes`-th token from `lane`.
-    const bool dims_contiguous = pc.v_dim_stride == 1u;
+    const bool dims_contiguous = VALUE_ORDER == 0u ? pc.v_dim_stride == 1u : VALUE_ORDER == 2u;
     const uint lanes = dims_contiguous ? WG / hq : 1u;
     const uint col = tid % hq, lane = tid / hq;
 
@@ -249,7 +291,7 @@ void main() {
 
         // S: the tile's max per head, the rescale, this token's weights.
         vec4 t_a = x_a, t_b = x_b;
-        workgroup_reduce(t_a, t_b, true);
+        workgroup_reduce(t_a, t_b, true, wide);
         const vec4 n_a = max(m_a, t_a), n_b = max(m_b, t_b);
         // exp(-inf - -inf) would be NaN: a head with no visible key so far keeps weight 0.
         const vec4 alpha_a = mix(exp(m_a - n_a), vec4(1.0), equal(n_a, vec4(NEG_INF)));
@@ -329,7 +371,7 @@ void main() {
             }
         }
     }
-    workgroup_reduce(l_a, l_b, false);
+    workgroup_reduce(l_a, l_b, false, wide);
     barrier();   // s_o's reduction scratch is read; the sums go there next
 
     // Each head's sums meet in s_o ([lane][head][dim]; one lane in vLLM's layout), then are normalized

@@ -1,5 +1,7 @@
 """Decode attention against the float64 reference, on random data with poisoned outputs."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -201,3 +203,49 @@ def test_partitioning_rule():
     with pytest.raises(TypeError, match="partition_size must be an int"):
         pagedvk.DecodePlan(np.zeros((1, 1), np.int32), np.zeros(1, np.int32), num_heads=8, num_kv_heads=2,
                            head_size=64, block_size=16, num_blocks=1, partition_size=1.5)
+
+
+# -- the GLSL kernel's specializations (abi.DECODE_*_SPEC_ID) and its reductions without subgroup arithmetic --
+
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (8, 8)])
+@pytest.mark.parametrize("lacking", [dict(subgroup_arithmetic=False), dict(subgroup_size=2)],
+                         ids=["no_arithmetic", "subgroups_of_2"])
+def test_devices_without_subgroup_arithmetic_run_the_shared_memory_reduction(rng, device, monkeypatch, backend,
+                                                                             layout, num_heads, num_kv_heads, lacking):
+    monkeypatch.setattr(device, "info", dataclasses.replace(device.info, **lacking))
+    case = Case(rng, seq_lens=[1, 130, 700], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128)
+    k, v = case.key_cache, case.value_cache
+    if layout == "nhd":
+        k = np.ascontiguousarray(k.transpose(0, 3, 1, 2, 4).reshape(k.shape[0], 16, num_kv_heads, 128))
+        v = np.ascontiguousarray(v.transpose(0, 3, 1, 2))
+    for partition_size in (None, 128):
+        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                head_size=128, block_size=16, num_blocks=k.shape[0], layout=layout,
+                                partition_size=partition_size, device=device) as plan:
+            # GLSL: the generic module built with SHARED_REDUCE; WGSL reduces in shared memory anyway
+            assert plan.key.reduce == ("shared" if backend == "glsl" else "")
+            out = plan.run(case.query, k, v, out=case.poisoned_out())
+        assert rel_error(out, case.reference()) <= TOL
+
+
+@pytest.mark.parametrize("wrong", ["group", "layout"])
+def test_a_pipeline_specialized_for_other_arguments_writes_nothing(rng, backend, wrong):
+    # The plan keeps its specialization and push constants equal; were they not, a GLSL kernel must leave the
+    # output alone rather than run one layout's or group width's code on another's data. WGSL modules have no
+    # specialization constants: the plan's are ignored there, and the result stays right.
+    from pagedvk.abi import DECODE_GROUP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID
+    case = Case(rng, num_heads=16, num_kv_heads=2, head_size=64)   # groups of 8 heads, vLLM's layout
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=16, num_kv_heads=2, head_size=64,
+                            block_size=16, num_blocks=case.key_cache.shape[0], partition_size=4096) as plan:
+        # one partition: the decode kernel writes `out` itself (a split's reduce would merge unwritten partials)
+        assert plan.num_partitions == 1
+        assert plan.constants == {DECODE_VALUE_ORDER_SPEC_ID: 1, DECODE_GROUP_SPEC_ID: 8}
+        plan.constants = {**plan.constants, **({DECODE_GROUP_SPEC_ID: 4} if wrong == "group"
+                                               else {DECODE_VALUE_ORDER_SPEC_ID: 2})}
+        out = pagedvk.asarray(case.poisoned_out())   # on the device: what the kernel leaves stays NaN
+        out = plan.run(case.query, case.key_cache, case.value_cache, out=out).numpy()
+    if backend == "glsl":
+        assert np.isnan(out).all()
+    else:
+        assert rel_error(out, case.reference()) <= TOL

@@ -51,9 +51,9 @@ def test_module_matches_declared_abi(kernel, key):
     assert r.push_constant_size == kernel.push_size
     assert [m.offset for m in r.push_constant_members] == list(kernel.push_offsets().values())
     assert all(m.size == 4 for m in r.push_constant_members)
-    # Sizes are fixed at build time; the one specialization constant turns the attention variants' code off
-    # (naga emits none: WGSL modules keep the variants' push-constant tests).
-    assert r.spec_constants == ({abi.VARIANTS_SPEC_ID: "bool"} if kernel.specializes_variants(key) else {})
+    # Sizes are fixed at build time; specialization constants turn the attention variants' code off, and pick
+    # the decode kernel's V stage and head-group width (naga emits none: WGSL modules keep push-constant tests).
+    assert r.spec_constants == kernel.specialization_constants(key)
 
 
 def test_modules_are_current():

@@ -117,6 +117,9 @@ class DeviceInfo:
     compute_units: int           # SMs / CUs where the driver says (VK_NV_shader_sm_builtins,
                                  # VK_AMD_shader_core_properties), else 0 (see decode.partitioning)
     extensions: frozenset = field(repr=False)
+    # subgroupAdd/Max in compute shaders (VK_SUBGROUP_FEATURE_ARITHMETIC_BIT), optional in Vulkan: the decode
+    # kernel's reductions use it where present (abi.SUBGROUP_REDUCE_OPS)
+    subgroup_arithmetic: bool = True
     # VK_KHR_cooperative_matrix's multiplies (MatrixShape), () without it
     matrix_shapes: tuple = field(default=(), repr=False)
     handle: object = field(default=None, repr=False, compare=False)  # VkPhysicalDevice
@@ -250,6 +253,8 @@ def describe(index: int, pd, instance) -> DeviceInfo:
         vendor=VENDORS.get(props.vendorID, f"0x{props.vendorID:04x}"), driver=driver_name,
         driver_version=driver_info or str(props.driverVersion), api_version=version_string(props.apiVersion),
         device_local_bytes=local, subgroup_size=subgroup.subgroupSize,
+        subgroup_arithmetic=bool(subgroup.supportedOperations & vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT
+                                 and subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
         fp16=bool(f12.shaderFloat16), storage16=bool(f11.storageBuffer16BitAccess),
         storage8=bool(f12.storageBuffer8BitAccess), bf16="VK_KHR_shader_bfloat16" in extensions,
         cooperative_matrix="VK_KHR_cooperative_matrix" in extensions,
