@@ -177,9 +177,19 @@ def segment_limit(device) -> int:
     return limit // 16 * 16
 
 
+# Set by the test suite (tests/conftest.py): empty() arrays then start with every bit set (NaN in every float
+# type), so an output or scratch a kernel never wrote shows in the result instead of memory that may still hold
+# an earlier run's right answer.
+POISON_EMPTY = False
+
+
 def empty(shape, dtype=np.float32, device=None) -> DeviceArray:
     """An uninitialised device array."""
-    return DeviceArray(shape, dtype, device)
+    a = DeviceArray(shape, dtype, device)
+    if POISON_EMPTY:
+        for b in a.buffers:
+            a.device.fill(b, 0xFFFFFFFF)
+    return a
 
 
 def zeros(shape, dtype=np.float32, device=None) -> DeviceArray:
