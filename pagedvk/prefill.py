@@ -28,10 +28,9 @@ from .runtime.pipeline import Launch, fold_grid
 from .variants import Variants, in_use as variants_in_use, refuse
 
 MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefill_coopmat (scalar: forward_rows)
-# kernel="auto" on a device with the matrix kernel: sequences with fewer rows than this (decode tokens, short
-# chunks) run the scalar kernel's small tiles in the same submission, where a 64-row matrix tile would be mostly
-# empty and still walk the whole context (a mixed batch of 2 x 512 new tokens and 64 decode tokens took 2.78 ms
-# in one matrix launch against 2.16 ms as separate prefill and decode calls on the H200).
+# kernel="auto" on a device with the matrix kernel: sequences with fewer rows than this (short chunks) run the
+# scalar kernel's small tiles in the same submission, where a 64-row matrix tile would be mostly empty and
+# still walk the whole context. Decode tokens go to the decode kernel instead (_DecodePart).
 MATRIX_MIN_ROWS = MATRIX_ROWS // 2
 DQ_ROWS = 8              # and of paged_backward_dq
 DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
@@ -201,6 +200,8 @@ class _Problem:
         if not math.isfinite(self.scale):
             raise ValueError(f"scale must be finite, got {scale}")
         k_scale, v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.decode_part = None   # the forward's decode tokens, where the decode kernel takes them (_DecodePart)
         self.causal = bool(causal)
         self.backend = backend_name(backend)
         self.device = device_of(query, key_cache, value_cache, block_tables, seq_lens,
@@ -284,6 +285,8 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
                    for b in abi.bindings_for(key)]
         pipeline = kernels.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields))
         steps.append((pipeline, buffers, problem.push(caches), grid))
+    if problem.decode_part is not None:
+        steps += problem.decode_part.steps(arrays)
     return steps
 
 
@@ -327,6 +330,8 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict, given: dict
     finally:
         for a in temporaries + list(results.values()):
             a.close()
+        if problem.decode_part is not None:
+            problem.decode_part.close()
 
 
 QUERY_DOC = """query        float32, float16 or bfloat16, ragged [num_tokens, num_heads, head_size] with
@@ -396,13 +401,20 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
     device_of(*variants.inputs.values(), device=p.device)
     p.push_fields.update(variants.push())
     scalar_rows = lambda rows: forward_rows(p.head_size, rows)
+    q_lens = np.diff(p.query_start_loc)
+    tokens = _decode_tokens(p, q_lens) if p.kernel == "auto" else None
+    rest = np.ones(len(q_lens), bool)   # the sequences the prefill kernels take
+    if tokens is not None:
+        p.decode_part = _DecodePart(p, *tokens, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                                    sinks=sinks, window_left=window_left)
+        rest[tokens[0]:tokens[1]] = False
     if not p.matrix:
-        tiles, more_dispatches, more_inputs = p.tiles(scalar_rows), [], {}
+        tiles, more_dispatches, more_inputs = p.tiles(scalar_rows, include=rest), [], {}
     else:
-        rows = (p.num_heads // p.num_kv_heads) * np.diff(p.query_start_loc)
+        rows = (p.num_heads // p.num_kv_heads) * q_lens
         short = rows < MATRIX_MIN_ROWS if p.kernel == "auto" else np.zeros(len(rows), bool)
-        tiles = p.tiles(MATRIX_ROWS, include=~short)
-        scalar_tiles = p.tiles(scalar_rows, include=short)
+        tiles = p.tiles(MATRIX_ROWS, include=rest & ~short)
+        scalar_tiles = p.tiles(scalar_rows, include=rest & short)
         # The short sequences' scalar tiles: a second dispatch in the same submission, binding its own table.
         more_dispatches = [(PAGED_PREFILL, p.grid(scalar_tiles), dict(matrix="", inputs=dict(tiles="scalar_tiles")))]
         more_inputs = dict(scalar_tiles=_bindable(scalar_tiles))
@@ -411,6 +423,61 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
                  seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=_bindable(tiles), **more_inputs,
                  **variants.inputs),
             dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:-1]), np.float32)))
+
+
+def _decode_tokens(p: _Problem, q_lens: np.ndarray) -> tuple | None:
+    """(s0, s1): the batch's decode tokens (sequences of one new token) where the decode kernel can take them in
+    the forward's launch, else None. They must be consecutive sequences (vLLM and FlashInfer batch decode
+    requests together), so that their query, out and lse rows are one range of each buffer, bound at an offset
+    the device allows."""
+    single = np.flatnonzero(q_lens == 1)
+    if single.size == 0 or single[-1] - single[0] + 1 != single.size:
+        return None
+    s0, s1 = int(single[0]), int(single[-1]) + 1
+    r0 = int(p.query_start_loc[s0])
+    align = p.device.info.min_storage_buffer_offset_alignment
+    row = p.num_heads * p.head_size * p.query_type.dtype.itemsize
+    if (r0 * row) % align or (r0 * p.num_heads * 4) % align:
+        return None
+    return s0, s1
+
+
+class _DecodePart:
+    """The forward's decode tokens, sequences s0 .. s1 - 1, run by the decode kernel (pagedvk.decode) in the
+    forward's submission: a prefill tile of one token per head group would still walk the whole context alone,
+    where the decode kernel reads it at bandwidth and splits long contexts. A mixed batch of 2 x 512 new tokens
+    and 64 decode tokens over 4096 cached ones took 2.78 ms through the matrix kernel alone and 4.23 ms with the
+    tokens on the scalar kernel, against 2.15 ms as separate prefill and decode calls (H200, float16)."""
+
+    def __init__(self, p: _Problem, s0: int, s1: int, **variants):
+        from .decode import DecodePlan   # decode imports nothing of prefill; the import stays local all the same
+        self.rows, self.views = (int(p.query_start_loc[s0]), s1 - s0), ()
+        self.query_type, self.num_heads, self.head_size = p.query_type, p.num_heads, p.head_size
+        tables, lens = checks.host(p.block_tables)[s0:s1], checks.host(p.seq_lens)[s0:s1]
+        self.plan = DecodePlan(tables, lens, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
+                               head_size=p.head_size, block_size=p.block_size, num_blocks=p.num_blocks,
+                               dtype=p.spec.storage.dtype, query_dtype=p.query_type.dtype, layout=p.spec.layout,
+                               scale=p.scale, k_scale=p.k_scale, v_scale=p.v_scale, device=p.device,
+                               backend=p.backend, validate=False, **variants)
+
+    def steps(self, arrays: dict) -> list:
+        """The decode kernel's dispatches over the tokens' rows of query, out and lse (views, no copies)."""
+        r0, n = self.rows
+        row = self.num_heads * self.head_size * self.query_type.dtype.itemsize
+
+        def rows(name, nbytes, shape, dtype):
+            return DeviceArray._over(arrays[name].buffer, r0 * nbytes, shape, dtype)
+
+        shape = (n, self.num_heads, self.head_size)
+        query, out = (rows(name, row, shape, self.query_type.dtype) for name in ("query", "out"))
+        lse = rows("lse", self.num_heads * 4, (n, self.num_heads), np.float32)
+        self.views = (query, out, lse)   # a launch binds its arrays weakly: these must outlive it
+        return self.plan._steps(query, arrays["key_cache"], arrays["value_cache"], out,
+                                arrays["key_cache"].shape[0], lse=lse)
+
+    def close(self) -> None:
+        self.views = ()
+        self.plan.close()
 
 
 def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_cache: Array, block_tables: Array,
@@ -466,7 +533,7 @@ class Recorded:
     returns them). close() frees the launch, the outputs and the tables uploaded for it."""
 
     def __init__(self, problem: _Problem, dispatches, inputs: dict, outputs: dict):
-        self._owned = []
+        self._owned, self.problem = [], problem
         arrays = {}
         for name, a in inputs.items():
             arrays[name] = asarray(a, device=problem.device)
@@ -492,6 +559,8 @@ class Recorded:
         self.launch.close()
         for a in self._owned:
             a.close()
+        if self.problem.decode_part is not None:
+            self.problem.decode_part.close()
 
 
 paged_attention_prefill.__doc__ = paged_attention_prefill.__doc__.format(query=QUERY_DOC)

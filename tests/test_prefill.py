@@ -1,6 +1,8 @@
 """Prefill attention (paged_attention_prefill) against the float64 reference, on both backends, both cache
 layouts, random data and outputs poisoned with NaN; every rejected input names its argument."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -283,6 +285,40 @@ def modules_used(monkeypatch) -> list:
                         lambda device, abi, key, *args: used.append((abi.op, key.backend)) or pipeline(device, abi, key,
                                                                                                       *args))
     return used
+
+
+@pytest.mark.parametrize("q_lens,routed", [
+    ([5, 1, 1, 1, 9], True),    # decode tokens between prefill chunks
+    ([1, 1, 0, 7], True),       # first, an empty sequence after them
+    ([1, 1, 1], True),          # decode only
+    ([1, 3, 1], False),         # not consecutive: the prefill kernels take them
+    (None, True),               # the fixed form with q_len 1
+])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mixed_batch_decode_tokens_run_the_decode_kernel(rng, backend, monkeypatch, layout, q_lens, routed):
+    used = modules_used(monkeypatch)
+    # contexts long enough that the decode part splits them (partitions merged by its reduce)
+    seq_lens = None if q_lens is None else [n + int(rng.integers(300, 900)) for n in q_lens]
+    case = PrefillCase(rng, q_lens=q_lens, q_len=1 if q_lens is None else None, layout=layout, seq_lens=seq_lens,
+                       head_size=128)
+    check(case, backend)
+    assert (("paged_decode", backend) in used) == routed
+    assert (("paged_prefill", backend) in used) == (q_lens is not None and max(q_lens) > 1)
+    del used[:]
+    check(case, backend, kernel="scalar")   # a kernel asked for by name takes every sequence itself
+    assert used == [("paged_prefill", backend)]
+
+
+def test_decode_tokens_at_an_offset_the_device_cannot_bind_stay_in_the_prefill_launch(rng, device, monkeypatch):
+    from pagedvk.prefill import _decode_tokens, _Problem
+    # one head of 4 float32 dims: the decode tokens' query rows start at byte 32 and their lse rows at byte 8
+    case = PrefillCase(rng, q_lens=[2, 1, 1], num_heads=1, num_kv_heads=1, head_size=4)
+    problem = _Problem(*case.args(), **case.options())
+    for align, tokens in ((4, (1, 3)), (8, (1, 3)), (16, None), (64, None)):
+        monkeypatch.setattr(device, "info", dataclasses.replace(device.info, min_storage_buffer_offset_alignment=align))
+        assert _decode_tokens(problem, np.array([2, 1, 1])) == tokens
+    first = PrefillCase(rng, q_lens=[1, 1, 2], num_heads=1, num_kv_heads=1, head_size=4)
+    assert _decode_tokens(_Problem(*first.args(), **first.options()), np.array([1, 1, 2])) == (0, 2)   # offset 0
 
 
 def test_backend_from_environment(rng, monkeypatch):
