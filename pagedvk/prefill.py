@@ -33,7 +33,6 @@ MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefi
 # empty and still walk the whole context (a mixed batch of 2 x 512 new tokens and 64 decode tokens took 2.78 ms
 # in one matrix launch against 2.16 ms as separate prefill and decode calls on the H200).
 MATRIX_MIN_ROWS = MATRIX_ROWS // 2
-DQ_ROWS = 8              # and of paged_backward_dq
 DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
 # The multiply paged_prefill_coopmat is written with, and the subgroup size its softmax assumes (two lanes
@@ -87,7 +86,7 @@ def describe_choice(info: DeviceInfo) -> str:
 
 
 def forward_rows(head_size: int, rows: np.ndarray) -> np.ndarray:
-    """Query rows (query, head) per workgroup of paged_prefill for sequences of `rows` rows each (group * q_len_s):
+    """Query rows (query, head) per workgroup of paged_prefill and paged_backward_dq for sequences of `rows` rows each (group * q_len_s):
     the fewest of 8, 16, 32 and 64 that hold them, at most 64, or 32 above head size 128 so that each thread's
     share of the output stays 64 floats. paged_prefill's tile_rows() is the same rule."""
     most = 64 if head_size <= 128 else 32
@@ -454,7 +453,7 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
     p.check_like("dout", dout, tuple(query.shape), query_layout, query.dtype)
     p.check_like("out", out, tuple(query.shape), query_layout, query.dtype)
     p.check_like("lse", lse, tuple(query.shape[:-1]), "(the query's shape without head_size)", np.float32)
-    tiles = p.tiles(DQ_ROWS)
+    tiles = p.tiles(lambda rows: forward_rows(p.head_size, rows))
     inputs = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                   seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles, dout=dout, out=out, lse=lse,
                   block_readers=p.block_readers())

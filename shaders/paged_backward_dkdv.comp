@@ -47,12 +47,6 @@ const uint STAGED_HEAD_SIZE = 240u;
 shared vec4 s_k[KEYS * STAGED_HEAD_SIZE / 4u];
 shared vec4 s_v[KEYS * STAGED_HEAD_SIZE / 4u];
 
-// Value quad c (head dims 4c .. 4c + 3) of token t, kv head h, block b.
-vec4 value_quad(uint b, uint h, uint t, uint c) {
-    const uint vi = value_offset(h, t, 4u * c), vs = pc.v_dim_stride;
-    return vec4(VALUE_AT(b, vi), VALUE_AT(b, vi + vs), VALUE_AT(b, vi + 2u * vs), VALUE_AT(b, vi + 3u * vs));
-}
-
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
 uint key_element(uint b, uint h, uint t, uint d) {
     return (b * pc.k_block_stride + key_offset(h, t, d >> 2)) * 4u + (d & 3u);

@@ -45,13 +45,6 @@ fn s_dd4(i: u32) -> vec4<f32> {
     return vec4<f32>(s_dd[i], s_dd[i + 1u], s_dd[i + 2u], s_dd[i + 3u]);
 }
 
-// Value quad c of token t, kv head h, block b.
-fn value_quad(b: u32, h: u32, t: u32, c: u32) -> vec4<f32> {
-    let vi = value_offset(h, t, 4u * c);
-    let vs = pc.v_dim_stride;
-    return vec4<f32>(value_at(b, vi), value_at(b, vi + vs), value_at(b, vi + 2u * vs), value_at(b, vi + 3u * vs));
-}
-
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
 fn key_element(b: u32, h: u32, t: u32, d: u32) -> u32 {
     return (b * pc.k_block_stride + key_offset(h, t, d >> 2u)) * 4u + (d & 3u);
