@@ -33,7 +33,7 @@ MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefi
 # empty and still walk the whole context (a mixed batch of 2 x 512 new tokens and 64 decode tokens took 2.78 ms
 # in one matrix launch against 2.16 ms as separate prefill and decode calls on the H200).
 MATRIX_MIN_ROWS = MATRIX_ROWS // 2
-DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
+DKDV_KEYS = 16           # block tokens per workgroup of paged_backward_dkdv, at most (fewer in smaller blocks)
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
 # The multiply paged_prefill_coopmat is written with, and the subgroup size its softmax assumes (two lanes
 # for each of a subgroup's 16 rows).
@@ -457,7 +457,7 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
     inputs = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                   seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles, dout=dout, out=out, lse=lse,
                   block_readers=p.block_readers())
-    dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // DKDV_TOKENS)
+    dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // min(p.block_size, DKDV_KEYS))
     return (p, [(PAGED_BACKWARD_DQ, p.grid(tiles)), (PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
             dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
                  dv_cache=(tuple(value_cache.shape), np.float32)))
