@@ -27,7 +27,7 @@ import pagedvk  # noqa: E402
 from pagedvk import kernels, spirv  # noqa: E402
 from pagedvk.abi import VARIANTS_SPEC_ID  # noqa: E402
 from pagedvk.runtime.instance import get_instance  # noqa: E402
-from pagedvk.runtime.pipeline import _specialization_info  # noqa: E402
+from pagedvk.runtime.pipeline import specialization_info  # noqa: E402
 
 EXTENSION = "VK_KHR_pipeline_executable_properties"
 STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
@@ -64,7 +64,7 @@ def statistics(device, code: bytes, specialization: dict) -> list:
         sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(code), pCode=code), None)
     stage = vk.VkPipelineShaderStageCreateInfo(
         sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, stage=STAGE, module=module, pName="main",
-        pSpecializationInfo=_specialization_info(specialization))
+        pSpecializationInfo=specialization_info(specialization))
     pipeline = vk.vkCreateComputePipelines(device, None, 1, [vk.VkComputePipelineCreateInfo(
         sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
         flags=vk.VK_PIPELINE_CREATE_CAPTURE_STATISTICS_BIT_KHR, stage=stage, layout=layout)], None)[0]

@@ -26,7 +26,7 @@ from .opargs import backend_name, device_of, softmax_scale
 from .runtime.owned import Owned
 from .runtime.pipeline import Launch, Transfers, fold_grid
 from .selection import get_device
-from .variants import Variants, per_head
+from .variants import Variants, in_use as variants_in_use, per_head
 
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
@@ -178,7 +178,7 @@ class DecodePlan(Owned):
         # The module (unrolled for this head size). Its pipeline for the plan's variants is made now; a run that
         # adds lse or sinks, or reads segmented caches, gets its own at first use (kernels.pipeline keeps them).
         self.key = PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, head_size)
-        kernels.pipeline(self.device, PAGED_DECODE, self.key, self.variants.used())
+        kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()))
         self.group_size = group_size(num_heads, num_kv_heads)
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
@@ -405,7 +405,8 @@ class DecodePlan(Owned):
         caches = bind_caches(k, v, self.backend)
         key = self.key if not caches.access else PAGED_DECODE.key(self.backend, self.spec.storage.tag,
                                                                   self.query_type.tag, access=caches.access)
-        variants = self.variants.used(lse=lse is not None, sinks=sinks is not None)
+        variant_push = self.variants.push(lse=lse is not None, sinks=sinks is not None)
+        variants = variants_in_use(variant_push)
         push = PAGED_DECODE.pack_push(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
@@ -413,14 +414,16 @@ class DecodePlan(Owned):
             q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.scale * self.k_scale,
             v_scale=self.v_scale, group_size=self.group_size, partition_size=self.partition_size,
             num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
-            **self.variants.push(lse=lse is not None, sinks=sinks is not None))
+            **variant_push)
         lse_buffer = (lse if lse is not None else self._no_lse).buffer
-        decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants), (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials,
-                             *self._variant_buffers(sinks), lse_buffer, *caches.extra), push, self.grid)
+        decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants),
+                  (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *self._variant_buffers(sinks),
+                   lse_buffer, *caches.extra), push, self.grid)
         if self.reduce_key is None:
             return [decode]
-        reduce = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, self.reduce_key, variants), (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1],
-                                         lse_buffer), push, self.reduce_grid)
+        reduce = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, self.reduce_key, variants),
+                  (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1], lse_buffer), push,
+                  self.reduce_grid)
         return [decode, reduce]
 
     def _variant_buffers(self, sinks: DeviceArray | None) -> tuple:

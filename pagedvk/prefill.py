@@ -25,7 +25,7 @@ from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.instance import DeviceInfo, MatrixShape
 from .runtime.pipeline import Launch, fold_grid
-from .variants import Variants, refuse
+from .variants import Variants, in_use as variants_in_use, refuse
 
 MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefill_coopmat (scalar: forward_rows)
 # kernel="auto" on a device with the matrix kernel: sequences with fewer rows than this (decode tokens, short
@@ -236,10 +236,6 @@ class _Problem:
             self.push_fields, blocks_per_segment=caches.blocks_per_segment,
             num_blocks=self.spec.blocks_held(caches.key_bytes, caches.value_bytes)))
 
-    def variants_used(self) -> bool:
-        """Whether the push constants turn on an attention variant (kernels.pipeline's variants)."""
-        return any(self.push_fields[name] for name in ("softcap", "window", "variants"))
-
     def grid(self, tiles: np.ndarray) -> tuple:
         """Workgroups (kv head, tile), numbered linearly over a grid folded to the device's limits."""
         return fold_grid(len(tiles) * self.num_kv_heads, self.device.info.max_workgroup_count)
@@ -285,8 +281,8 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
         extra = dict(zip([b.name for b in abi.bindings_for(key)[len(abi.bindings):]], caches.extra))
         buffers = [bound.get(b.name) or extra.get(b.name) or arrays[renamed.get(b.name, b.name)].buffer
                    for b in abi.bindings_for(key)]
-        steps.append((kernels.pipeline(problem.device, abi, key, problem.variants_used()), buffers,
-                      problem.push(caches), grid))
+        pipeline = kernels.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields))
+        steps.append((pipeline, buffers, problem.push(caches), grid))
     return steps
 
 

@@ -86,13 +86,15 @@ class Variants:
         flags = self.flags | (VARIANT_LSE if lse else 0) | (VARIANT_SINKS if sinks else 0)
         return dict(softcap=self.softcap, window=self.window, variants=flags)
 
-    def used(self, lse: bool = False, sinks: bool = False) -> bool:
-        """Whether a launch with these push constants needs the variants' code (kernels.pipeline's variants)."""
-        return any(self.push(lse, sinks).values())
-
     def span(self, max_seq_len: int, block_size: int) -> int:
         """Tokens a decode must read of a sequence of max_seq_len: the window, from its first key's block."""
         return max_seq_len if not self.window else min(max_seq_len, self.window + block_size - 1)
+
+
+def in_use(push: dict) -> bool:
+    """Whether a launch's push constants (any dict holding softcap, window and variants, as Variants.push gives
+    them) turn on a variant: the launch then needs the pipeline with the variants' code (kernels.pipeline)."""
+    return any(push[name] for name in ("softcap", "window", "variants"))
 
 
 def refuse(op: str, **variants) -> None:

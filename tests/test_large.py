@@ -21,11 +21,12 @@ def backend(request):
 
 
 def sparse_caches(rng, num_blocks, used_blocks, dtype=np.float32):
-    """vLLM-layout caches of num_blocks blocks where only `used_blocks` hold random data (the rest stays
-    untouched memory), and block tables for two sequences over them."""
+    """vLLM-layout caches of num_blocks blocks where only `used_blocks` hold random data (the rest is NaN: a
+    read of it would show), and block tables for two sequences over them. (Untouched memory from np.empty
+    could hold signalling NaNs, whose cast to float64 in the reference warned now and then.)"""
     x = 16 // np.dtype(dtype).itemsize
-    key_cache = np.empty((num_blocks, NUM_KV_HEADS, HEAD_SIZE // x, BLOCK_SIZE, x), dtype)
-    value_cache = np.empty((num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE), dtype)
+    key_cache = np.full((num_blocks, NUM_KV_HEADS, HEAD_SIZE // x, BLOCK_SIZE, x), np.nan, dtype)
+    value_cache = np.full((num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE), np.nan, dtype)
     for b in used_blocks:
         key_cache[b] = rng.standard_normal(key_cache.shape[1:])
         value_cache[b] = rng.standard_normal(value_cache.shape[1:])

@@ -442,7 +442,7 @@ def test_backward_refuses_variants(rng, name, value):
 
 
 @pytest.mark.parametrize("split", (False, True), ids=("one_partition", "split"))
-def test_runs_without_variants_take_the_pipeline_without_their_code(rng, backend, split):
+def test_runs_without_variants_take_the_pipeline_without_their_code(rng, backend, split, monkeypatch):
     """A run with no variant (nor lse) takes the pipeline specialized with VARIANTS false where the module has
     the constant (GLSL): shown by giving that pipeline a window through the push constants, which it then
     ignores. WGSL modules have no specialization constants and keep applying it."""
@@ -452,7 +452,7 @@ def test_runs_without_variants_take_the_pipeline_without_their_code(rng, backend
     with pagedvk.DecodePlan.for_caches(key_cache, value_cache, case.block_tables, case.seq_lens, 8, backend=backend,
                                        window_left=40, partition_size=32 if split else 512) as plan:
         assert (plan.num_partitions > 1) == split
-        plan.variants.used = lambda lse=False, sinks=False: False   # the window's push constant, the plain pipeline
+        monkeypatch.setattr(pagedvk.decode, "variants_in_use", lambda push: False)   # the window, the plain pipeline
         plan.run(case.query, key_cache, value_cache, out=out)
     window_left = -1 if backend == "glsl" else 40
     assert rel_error(out, reference.paged_attention(*case.args(), window_left=window_left)) <= TOL

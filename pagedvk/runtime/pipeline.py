@@ -61,7 +61,7 @@ class Pipeline(Owned):
                 sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(spirv), pCode=spirv), None)
             stage = vk.VkPipelineShaderStageCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, stage=STAGE, module=self.module,
-                pName="main", pSpecializationInfo=_specialization_info(self.specialization))
+                pName="main", pSpecializationInfo=specialization_info(self.specialization))
             self.handle = vk.vkCreateComputePipelines(d, device.pipeline_cache, 1, [vk.VkComputePipelineCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=self.layout)], None)[0]
         except vk.VkError as e:
@@ -108,7 +108,7 @@ class Pipeline(Owned):
 
 
 
-def _specialization_info(values: dict):
+def specialization_info(values: dict):
     """VkSpecializationInfo for {constant id: value}, each value 4 bytes (VkBool32 or a 32-bit int)."""
     if not values:
         return None
