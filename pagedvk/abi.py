@@ -425,7 +425,7 @@ PAGED_PREFILL = KernelABI(
     matrix_variants=(("coopmat", "f16", "f16", 64), ("coopmat", "f16", "f16", 128)),
 )
 
-# Backward, dq (float32, the query's layout). Workgroups as the forward's, over its own tiles (ROWS = 8).
+# Backward, dq (float32, the query's layout). Workgroups and tiles as the scalar forward's (forward_rows).
 PAGED_BACKWARD_DQ = KernelABI(
     op="paged_backward_dq",
     bindings=PREFILL_INPUTS + (
@@ -440,12 +440,12 @@ PAGED_BACKWARD_DQ = KernelABI(
     q_types=QUERY_TYPES,
 )
 
-# Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 8 tokens of the
-# block) loops over the (sequence, block-table slot) pairs that read the block, listed in block_readers
+# Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 16 tokens of the
+# block, or all 8 of an 8-token block) loops over the (sequence, block-table slot) pairs that read the block, listed in block_readers
 # (int32: num_blocks + 1 offsets, then sequence * max_blocks_per_seq + slot for each pair), so blocks shared
 # by several sequences sum their gradients in a fixed order, without atomics. Queries, dout, out and lse are
 # ragged as in PREFILL_INPUTS (query_start_loc, q_token_stride, q_head_stride).
-# Grid: (min(num_blocks, 65535), num_kv_heads, block_size / 8), grid-stride over blocks.
+# Grid: (min(num_blocks, 65535), num_kv_heads, block_size / min(block_size, 16)), grid-stride over blocks.
 PAGED_BACKWARD_DKDV = KernelABI(
     op="paged_backward_dkdv",
     bindings=(

@@ -32,8 +32,7 @@ MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefi
 # scalar kernel's small tiles in the same submission, where a 64-row matrix tile would be mostly empty and
 # still walk the whole context. Decode tokens go to the decode kernel instead (_DecodePart).
 MATRIX_MIN_ROWS = MATRIX_ROWS // 2
-DQ_ROWS = 8              # and of paged_backward_dq
-DKDV_TOKENS = 8          # block tokens per workgroup of paged_backward_dkdv
+DKDV_KEYS = 16           # block tokens per workgroup of paged_backward_dkdv, at most (fewer in smaller blocks)
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
 # The multiply paged_prefill_coopmat is written with, and the subgroup size its softmax assumes (two lanes
 # for each of a subgroup's 16 rows).
@@ -86,7 +85,7 @@ def describe_choice(info: DeviceInfo) -> str:
 
 
 def forward_rows(head_size: int, rows: np.ndarray) -> np.ndarray:
-    """Query rows (query, head) per workgroup of paged_prefill for sequences of `rows` rows each (group * q_len_s):
+    """Query rows (query, head) per workgroup of paged_prefill and paged_backward_dq for sequences of `rows` rows each (group * q_len_s):
     the fewest of 8, 16, 32 and 64 that hold them, at most 64, or 32 above head size 128 so that each thread's
     share of the output stays 64 floats. paged_prefill's tile_rows() is the same rule."""
     most = 64 if head_size <= 128 else 32
@@ -517,11 +516,11 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
     p.check_like("dout", dout, tuple(query.shape), query_layout, query.dtype)
     p.check_like("out", out, tuple(query.shape), query_layout, query.dtype)
     p.check_like("lse", lse, tuple(query.shape[:-1]), "(the query's shape without head_size)", np.float32)
-    tiles = p.tiles(DQ_ROWS)
+    tiles = p.tiles(lambda rows: forward_rows(p.head_size, rows))
     inputs = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                   seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles, dout=dout, out=out, lse=lse,
                   block_readers=p.block_readers())
-    dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // DKDV_TOKENS)
+    dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // min(p.block_size, DKDV_KEYS))
     return (p, [(PAGED_BACKWARD_DQ, p.grid(tiles)), (PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
             dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
                  dv_cache=(tuple(value_cache.shape), np.float32)))

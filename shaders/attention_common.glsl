@@ -173,4 +173,14 @@ KV_ELEM value_load(uint b, uint i) { return value_cache[b * value_block_elems() 
 #define KEY_AT(b, h, t, d) kv_quad(key_load(b, key_offset(h, t, (d) >> 2)))[(d) & 3u]
 #define VALUE_AT(b, v) kv_quad(value_load(b, (v) >> 2))[(v) & 3u]
 
+#if (defined(KV_ADDRESSED) || defined(KV_SEGMENTED) || defined(KV_QUAD)) && !defined(KV_CHUNKS)
+// Value quad c (head dims 4c .. 4c+3) of token t, kv head h, block b: one load where head dims are contiguous
+// (nhd), four along vLLM's token-contiguous values.
+vec4 value_quad(uint b, uint h, uint t, uint c) {
+    const uint vi = value_offset(h, t, 4u * c), vs = pc.v_dim_stride;
+    if (vs == 1u) return kv_quad(value_load(b, vi >> 2));
+    return vec4(VALUE_AT(b, vi), VALUE_AT(b, vi + vs), VALUE_AT(b, vi + 2u * vs), VALUE_AT(b, vi + 3u * vs));
+}
+#endif
+
 #endif

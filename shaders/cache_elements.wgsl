@@ -10,3 +10,14 @@ fn key_at(b: u32, h: u32, t: u32, d: u32) -> f32 {
 fn value_at(b: u32, v: u32) -> f32 {
     return kv_quad(value_load(b, v >> 2u))[v & 3u];
 }
+
+// Value quad c of token t, kv head h, block b: one load where head dims are contiguous (nhd), four along
+// vLLM's token-contiguous values.
+fn value_quad(b: u32, h: u32, t: u32, c: u32) -> vec4<f32> {
+    let vi = value_offset(h, t, 4u * c);
+    let vs = pc.v_dim_stride;
+    if (vs == 1u) {
+        return kv_quad(value_load(b, vi >> 2u));
+    }
+    return vec4<f32>(value_at(b, vi), value_at(b, vi + vs), value_at(b, vi + 2u * vs), value_at(b, vi + 3u * vs));
+}

@@ -5,14 +5,16 @@
 //
 // A physical block may be read by several sequences (shared prefixes), so gradients are gathered per
 // block rather than scattered per sequence: one workgroup per (physical block, kv head, KEYS tokens of the
-// block) walks the (sequence, block-table slot) pairs that read the block (block_readers, built on the
-// host) and, for each, the query rows that see its tokens, ROWS at a time:
-//   S. (once per block) the workgroup stages the KEYS tokens' keys and values in shared memory, converted
-//      to float: every reader and every row step reuses them (read from the cache, each key and value was
-//      read once per row of every step);
-//   A. each thread computes P and dP - D of one (row, key) pair of the 16 x 8 (q, dout and out read from
-//      their buffers, keys and values from shared memory);
-//   C. each thread accumulates dV and dK of its head dims for the KEYS tokens.
+// block; KEYS = min(block size, 16)) walks the (sequence, block-table slot) pairs that read the block
+// (block_readers, built on the host) and, for each, the query rows that see its tokens, R = 512 / KEYS (32 or
+// 64) at a time. The rows' operands are staged in shared memory and serve all KEYS keys:
+//   D. thread r < R sums row r's D and reads its lse into s_rows;
+//   S. logits and dP, as in paged_backward_dq.comp with the roles of rows and keys kept: the rows' queries and
+//      the keys staged CQ head quads at a time, thread (rg, kg) accumulating rows 4rg .. 4rg+3 of key kg, then
+//      dout and the values; each thread writes its rows' P and dS for its key (row-major, a vec4 per row and
+//      key quad);
+//   C. the rows' queries and dout are staged whole, VR rows at a time; thread (kq, cg) accumulates keys
+//      4kq .. 4kq+3 by head quads cg and cg + CG of dV and dK (six vec4 reads per row feed 64 multiply-adds).
 // The sum runs in a fixed order, so it is deterministic and needs no float atomics (not core Vulkan).
 // Every element of dk_cache and dv_cache is written exactly once: blocks and slots nobody reads get 0.
 #extension GL_GOOGLE_include_directive : require
@@ -35,23 +37,20 @@ layout(std430, set = 0, binding = 10) writeonly buffer DvCache { float dv_cache[
 #include "attention_common.glsl"
 #include "prefill_common.glsl"
 
-const uint KEYS = 8u;               // block tokens per workgroup, two vec4s (_a, _b) in the accumulators
-const uint ROWS = 16u;              // query rows per step: one (row, key) pair per thread in A, so each step's
-const uint PAIRS = ROWS * KEYS;     // two barriers serve 128 pairs (== WG)
+const uint MAX_KEYS = 16u;          // block tokens per workgroup (pagedvk.prefill.DKDV_KEYS)
+const uint MAX_ROWS = 64u;          // R = 512 / KEYS
+// Shared memory, in vec4s: in S, [0, R * (CQ + 1)) a query (or dout) chunk, then KEYS * (CQ + 1) a key (or
+// value) chunk (at most 648); then [0, PD_QUADS) P and dS (R x KEYS / 4 quads each), and from PD_QUADS the
+// rows' sub-tile, VR rows of queries then VR rows of dout. With s_rows, 16128 bytes: under 16 KiB.
+const uint S_MEM = 976u;
+const uint PD_QUADS = 256u;
+const uint CQ = 8u;                 // head quads per staged chunk
+const uint QK_STRIDE = CQ + 1u;     // one vec4 of padding against bank conflicts
+const uint NO_ROW = 0xffffffffu;
+#define ABSENT uintBitsToFloat(0x7f800000u)   // s_rows' lse of a row past the sequence or a buffer (+inf)
 
-shared float s_p[PAIRS];            // [row][key]: P
-shared float s_dd[PAIRS];           // [row][key]: dP - D
-// S's keys and values as float quads, [token][head quad]. With s_p and s_dd they fill 16 KiB, the least
-// shared memory a Vulkan device offers, at head size STAGED_HEAD_SIZE; larger heads (256) read the cache in A.
-const uint STAGED_HEAD_SIZE = 240u;
-shared vec4 s_k[KEYS * STAGED_HEAD_SIZE / 4u];
-shared vec4 s_v[KEYS * STAGED_HEAD_SIZE / 4u];
-
-// Value quad c (head dims 4c .. 4c + 3) of token t, kv head h, block b.
-vec4 value_quad(uint b, uint h, uint t, uint c) {
-    const uint vi = value_offset(h, t, 4u * c), vs = pc.v_dim_stride;
-    return vec4(VALUE_AT(b, vi), VALUE_AT(b, vi + vs), VALUE_AT(b, vi + 2u * vs), VALUE_AT(b, vi + 3u * vs));
-}
+shared vec4 s_mem[S_MEM];
+shared vec2 s_rows[MAX_ROWS];       // (lse, D) of the step's rows
 
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
 uint key_element(uint b, uint h, uint t, uint d) {
@@ -63,37 +62,39 @@ void main() {
     const uint kv_head = gl_WorkGroupID.y;
     const uint sub = gl_WorkGroupID.z;          // tokens sub * KEYS .. of the block
     const uint hs = pc.head_size;
-    const uint hc = hs / 4u;
+    const uint hq = hs / 4u;
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
     const uint max_blocks = pc.max_blocks_per_seq;
-    if (hs > MAX_HEAD_SIZE || (sub + 1u) * KEYS > bs) return;
+    const uint KEYS = min(bs, MAX_KEYS);
+    if (hs > MAX_HEAD_SIZE || hq == 0u || KEYS < 4u || (sub + 1u) * KEYS > bs) return;
+    const uint R = 512u / KEYS;
+    const uint kg = tid % KEYS, rg = tid / KEYS;            // S: key kg, rows 4rg .. 4rg+3
+    const uint KQ = KEYS / 4u, CG = WG / KQ;
+    const uint kq = tid / CG, cg = tid % CG;                  // C: keys 4kq .. 4kq+3, head quads cg, cg + CG
+    const uint c0_ = min(cg, hq - 1u), c1_ = min(cg + CG, hq - 1u);
+    const uint VR = min(R, (S_MEM - PD_QUADS) / (2u * hq));   // rows per sub-tile of C
+    const uint k_off = R * QK_STRIDE;
 
     const uint num_blocks = pc.num_blocks;   // held by the caches and by dk_cache, dv_cache (their shapes)
     const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 4u;
     const uint first_entry = pc.num_blocks + 1u;   // block_readers: num_blocks + 1 offsets, then the pairs
     const uint entries = uint(max(int(block_readers.length()) - int(first_entry), 0));
 
-    // Phase A's pair: row pr, key pk.
-    const uint pr = tid / KEYS, pk = tid % KEYS;
-    const uint d0 = tid, d1 = tid + WG;
-    const bool staged = hs <= STAGED_HEAD_SIZE;
+    // What this thread stages: in S, row or key lane_row + n * row_step at head quad c0 + cl of the chunk at c0;
+    // in C, element tid + WG * n of a sub-tile: row sr[n], head quad sc[n].
+    const uint cl = tid & (CQ - 1u), lane_row = tid / CQ, row_step = WG / CQ;
+    uvec4 sr, sc;
+    for (uint n = 0u; n < 4u; n++) {
+        sr[n] = (tid + WG * n) / hq;
+        sc[n] = (tid + WG * n) % hq;
+    }
 
     for (uint b = gl_WorkGroupID.x; b < num_blocks; b += gl_NumWorkGroups.x) {
-        vec4 dk0_a = vec4(0.0), dk0_b = vec4(0.0), dk1_a = vec4(0.0), dk1_b = vec4(0.0);   // [key] of dims d0, d1
-        vec4 dv0_a = vec4(0.0), dv0_b = vec4(0.0), dv1_a = vec4(0.0), dv1_b = vec4(0.0);
+        mat4 dk0 = mat4(0.0), dk1 = mat4(0.0), dv0 = mat4(0.0), dv1 = mat4(0.0);   // column e: key 4kq+e
         const bool listed = b + 1u < uint(block_readers.length());
         const uint e_begin = listed ? min(uint(max(block_readers[b], 0)), entries) : 0u;
         const uint e_end = listed ? min(uint(max(block_readers[b + 1u], 0)), entries) : 0u;
-        if (staged && e_begin < e_end) {   // S (uniform: every thread has the same block and entries)
-            barrier();   // the previous block's steps are done with s_k, s_v
-            for (uint i = tid; i < KEYS * hc; i += WG) {
-                const uint t = sub * KEYS + i / hc, c = i % hc;
-                s_k[i] = kv_quad(key_load(b, key_offset(kv_head, t, c)));
-                s_v[i] = value_quad(b, kv_head, t, c);
-            }
-            barrier();
-        }
 
         for (uint e = e_begin; e < e_end; e++) {
             const int reader = block_readers[first_entry + e];
@@ -109,64 +110,103 @@ void main() {
             const uint i_first = pc.causal == 0u ? 0u
                 : uint(clamp(int(p0) - (int(seq_len) - int(q_len)), 0, int(q_len)));
 
-            for (uint r0 = i_first * group; r0 < rows; r0 += ROWS) {
-                // A: P and dP - D of pair (pr, pk), 0 where the query does not see the token.
-                const uint gr = r0 + pr;
-                const uint q = row_base(q_start, kv_head, gr);
-                const uint token = sub * KEYS + pk;
-                float p = 0.0, dd = 0.0;
-                if (gr < rows && p0 + pk < visible_keys(gr / group, q_len, seq_len) && q + hs <= row_floats
-                        && q / hs < uint(lse.length())) {
-                    float x = 0.0, s = 0.0, t = 0.0;
-                    for (uint c = 0u; c < hc; c++) {
-                        vec4 k = staged ? s_k[pk * hc + c] : kv_quad(key_load(b, key_offset(kv_head, token, c)));
-                        vec4 v = staged ? s_v[pk * hc + c] : value_quad(b, kv_head, token, c);
-                        vec4 g = q_quad(dout[q / 4u + c]);
-                        x += dot(q_quad(query[q / 4u + c]), k);
-                        s += dot(g, v);
-                        t += dot(g, q_quad(out_[q / 4u + c]));
+            for (uint r0 = i_first * group; r0 < rows; r0 += R) {
+                // D: row r of the step is there when it is a row of the sequence inside every row buffer.
+                if (tid < R) {
+                    const uint gr = r0 + tid, q = row_base(q_start, kv_head, gr);
+                    vec2 row = vec2(ABSENT, 0.0);
+                    if (gr < rows && q + hs <= row_floats && q / hs < uint(lse.length())) {
+                        for (uint c = 0u; c < hq; c++) row.y += dot(q_quad(dout[q / 4u + c]), q_quad(out_[q / 4u + c]));
+                        row.x = lse[q / hs];
                     }
-                    p = exp(x * pc.scale - lse[q / hs]);
-                    dd = s - t;
+                    s_rows[tid] = row;
                 }
-                s_p[tid] = p;
-                s_dd[tid] = dd;
-                barrier();
+                uvec4 q_src;   // the query (dout) quad of staged row n at c0 = 0, or NO_ROW
+                for (uint n = 0u; n < 4u; n++) {
+                    const uint r = lane_row + n * row_step, gr = r0 + r, q = row_base(q_start, kv_head, gr);
+                    q_src[n] = r < R && gr < rows && q + hs <= row_floats ? q / 4u + cl : NO_ROW;
+                }
 
-                // C: this thread's head dims of dV and dK, for the KEYS tokens.
-                for (uint r = 0u; r < ROWS; r++) {
-                    const uint qr = row_base(q_start, kv_head, r0 + r);
-                    if (r0 + r >= rows || qr + hs > row_floats) break;
-                    const uint i = r * KEYS;
-                    const vec4 p_a = vec4(s_p[i], s_p[i + 1u], s_p[i + 2u], s_p[i + 3u]);
-                    const vec4 p_b = vec4(s_p[i + 4u], s_p[i + 5u], s_p[i + 6u], s_p[i + 7u]);
-                    const vec4 ds_a = p_a * vec4(s_dd[i], s_dd[i + 1u], s_dd[i + 2u], s_dd[i + 3u]);
-                    const vec4 ds_b = p_b * vec4(s_dd[i + 4u], s_dd[i + 5u], s_dd[i + 6u], s_dd[i + 7u]);
-                    const uint c0 = qr / 4u + d0 / 4u, c1 = qr / 4u + d1 / 4u;
-                    const float q0 = d0 < hs ? q_quad(query[c0])[d0 % 4u] : 0.0;
-                    const float q1 = d1 < hs ? q_quad(query[c1])[d1 % 4u] : 0.0;
-                    const float g0 = d0 < hs ? q_quad(dout[c0])[d0 % 4u] : 0.0;
-                    const float g1 = d1 < hs ? q_quad(dout[c1])[d1 % 4u] : 0.0;
-                    dv0_a += p_a * g0; dv0_b += p_b * g0;
-                    dk0_a += ds_a * q0; dk0_b += ds_b * q0;
-                    if (hs > WG) {   // uniform: head sizes up to 128 skip it
-                        dv1_a += p_a * g1; dv1_b += p_b * g1;
-                        dk1_a += ds_a * q1; dk1_b += ds_b * q1;
+                // S: phase 0 the logits' dot products, phase 1 dP; acc[i]: row 4rg+i with key kg.
+                vec4 st, dp;
+                for (uint phase = 0u; phase < 2u; phase++) {
+                    vec4 acc = vec4(0.0);
+                    for (uint c0 = 0u; c0 < hq; c0 += CQ) {
+                        const bool in_head = c0 + cl < hq;
+                        for (uint n = 0u; n < 4u; n++) {
+                            const uint r = lane_row + n * row_step;
+                            if (r >= R) break;
+                            const bool there = q_src[n] != NO_ROW && in_head;
+                            s_mem[r * QK_STRIDE + cl] = !there ? vec4(0.0)
+                                : phase == 0u ? q_quad(query[q_src[n] + c0]) : q_quad(dout[q_src[n] + c0]);
+                        }
+                        if (lane_row < KEYS) {
+                            const uint t = sub * KEYS + lane_row;
+                            s_mem[k_off + lane_row * QK_STRIDE + cl] = !in_head ? vec4(0.0)
+                                : phase == 0u ? kv_quad(key_load(b, key_offset(kv_head, t, c0 + cl)))
+                                : value_quad(b, kv_head, t, c0 + cl);
+                        }
+                        barrier();
+                        const uint n = min(CQ, hq - c0);
+                        for (uint c = 0u; c < n; c++) {
+                            const uint qr = 4u * rg * QK_STRIDE + c;
+                            const mat4 q = mat4(s_mem[qr], s_mem[qr + QK_STRIDE], s_mem[qr + 2u * QK_STRIDE],
+                                                s_mem[qr + 3u * QK_STRIDE]);
+                            acc += s_mem[k_off + kg * QK_STRIDE + c] * q;
+                        }
+                        barrier();
+                    }
+                    if (phase == 0u) st = acc; else dp = acc;
+                }
+                // P and dS of rows 4rg .. 4rg+3 with key kg, 0 where the query does not see the token.
+                for (uint i = 0u; i < 4u; i++) {
+                    const uint r = 4u * rg + i, gr = r0 + r;
+                    const vec2 row = s_rows[r];
+                    const bool seen = row.x != ABSENT && p0 + kg < visible_keys(gr / group, q_len, seq_len);
+                    const float p = seen ? exp(st[i] * pc.scale - row.x) : 0.0;
+                    s_mem[r * KQ + kg / 4u][kg & 3u] = p;
+                    s_mem[PD_QUADS / 2u + r * KQ + kg / 4u][kg & 3u] = seen ? p * (dp[i] - row.y) : 0.0;
+                }
+
+                // C: dV and dK of keys 4kq .. 4kq+3, VR rows at a time.
+                for (uint s0 = 0u; s0 < R && r0 + s0 < rows; s0 += VR) {
+                    barrier();   // P and dS are written; the previous sub-tile is used
+                    for (uint n = 0u; n < 4u; n++) {
+                        if (tid + WG * n >= VR * hq) break;
+                        const uint gr = r0 + s0 + sr[n], q = row_base(q_start, kv_head, gr);
+                        const bool there = s0 + sr[n] < R && gr < rows && q + hs <= row_floats;
+                        s_mem[PD_QUADS + tid + WG * n] = there ? q_quad(query[q / 4u + sc[n]]) : vec4(0.0);
+                        s_mem[PD_QUADS + VR * hq + tid + WG * n] = there ? q_quad(dout[q / 4u + sc[n]]) : vec4(0.0);
+                    }
+                    barrier();
+                    const uint n = min(VR, R - s0);
+                    for (uint r = 0u; r < n; r++) {
+                        const vec4 p = s_mem[(s0 + r) * KQ + kq], ds = s_mem[PD_QUADS / 2u + (s0 + r) * KQ + kq];
+                        const uint qr = PD_QUADS + r * hq, gr = PD_QUADS + (VR + r) * hq;
+                        const vec4 q0 = s_mem[qr + c0_], g0 = s_mem[gr + c0_];
+                        dv0 += outerProduct(g0, p);
+                        dk0 += outerProduct(q0, ds);
+                        if (hq > CG) {   // uniform: only head sizes above 4 * CG
+                            const vec4 q1 = s_mem[qr + c1_], g1 = s_mem[gr + c1_];
+                            dv1 += outerProduct(g1, p);
+                            dk1 += outerProduct(q1, ds);
+                        }
                     }
                 }
-                barrier();   // s_p and s_dd are rewritten by the next step
+                barrier();   // s_mem and s_rows are rewritten by the next step
             }
         }
 
-        for (uint k = 0u; k < KEYS; k++) {
-            const uint token = sub * KEYS + k;
-            if (d0 < hs) {
-                dk_cache[key_element(b, kv_head, token, d0)] = pc.scale * (k < 4u ? dk0_a[k] : dk0_b[k - 4u]);
-                dv_cache[b * pc.v_block_stride + value_offset(kv_head, token, d0)] = k < 4u ? dv0_a[k] : dv0_b[k - 4u];
-            }
-            if (d1 < hs) {
-                dk_cache[key_element(b, kv_head, token, d1)] = pc.scale * (k < 4u ? dk1_a[k] : dk1_b[k - 4u]);
-                dv_cache[b * pc.v_block_stride + value_offset(kv_head, token, d1)] = k < 4u ? dv1_a[k] : dv1_b[k - 4u];
+        for (uint e = 0u; e < 4u; e++) {
+            const uint t = sub * KEYS + 4u * kq + e;
+            for (uint j = 0u; j < 2u; j++) {
+                const uint c = cg + CG * j;
+                if (c >= hq) break;
+                const vec4 dk = (j == 0u ? dk0[e] : dk1[e]) * pc.scale, dv = j == 0u ? dv0[e] : dv1[e];
+                for (uint d = 0u; d < 4u; d++) {
+                    dk_cache[key_element(b, kv_head, t, 4u * c + d)] = dk[d];
+                    dv_cache[b * pc.v_block_stride + value_offset(kv_head, t, 4u * c + d)] = dv[d];
+                }
             }
         }
     }

@@ -1,7 +1,8 @@
 // Paged-attention backward, the key and value gradients, WGSL: shaders/paged_backward_dkdv.comp
 // translated statement for statement, with the same interface (PAGED_BACKWARD_DKDV in pagedvk/abi.py).
-// The algorithm is explained there and in attention_common.glsl; build_shaders.py pastes the storage files,
-// the cache access and the common parts.
+// The algorithm (per physical block and its readers, the rows' operands staged and shared by the block's
+// keys) is explained there and in attention_common.glsl; build_shaders.py pastes the storage files, the
+// cache access and the common parts.
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
@@ -25,36 +26,43 @@ var<immediate> pc: Params;
 
 const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
-const KEYS: u32 = 8u;               // block tokens per workgroup: two vec4s (_a, _b) in the accumulators
-const ROWS: u32 = 16u;              // query rows per step: one (row, key) pair per thread in A
-const PAIRS: u32 = 128u;            // ROWS * KEYS == WG
+const MAX_KEYS: u32 = 16u;          // block tokens per workgroup (pagedvk.prefill.DKDV_KEYS)
+const MAX_ROWS: u32 = 64u;          // R = 512 / KEYS
+// Shared memory in vec4s, as paged_backward_dkdv.comp lays it out.
+const S_MEM: u32 = 976u;
+const PD_QUADS: u32 = 256u;
+const CQ: u32 = 8u;
+const QK_STRIDE: u32 = 9u;          // CQ + 1
+const NO_ROW: u32 = 0xffffffffu;
+const ABSENT_BITS: u32 = 0x7f800000u;   // s_rows' lse of a row past the sequence or a buffer (+inf)
 
-var<workgroup> s_p: array<f32, PAIRS>;     // [row][key]: P
-var<workgroup> s_dd: array<f32, PAIRS>;    // [row][key]: dP - D
-// The staged keys and values (phase S of the GLSL source), [token][head quad]: 16 KiB with s_p and s_dd.
-const STAGED_HEAD_SIZE: u32 = 240u;
-const STAGED_QUADS: u32 = 480u;            // KEYS * STAGED_HEAD_SIZE / 4
-var<workgroup> s_k: array<vec4<f32>, STAGED_QUADS>;
-var<workgroup> s_v: array<vec4<f32>, STAGED_QUADS>;
+var<workgroup> s_mem: array<vec4<f32>, S_MEM>;
+var<workgroup> s_rows: array<vec2<f32>, MAX_ROWS>;   // (lse, D) of the step's rows
 
-fn s_p4(i: u32) -> vec4<f32> {
-    return vec4<f32>(s_p[i], s_p[i + 1u], s_p[i + 2u], s_p[i + 3u]);
+// Query (phase 0) or dout (phase 1) quad i.
+fn row_quad(phase: u32, i: u32) -> vec4<f32> {
+    if (phase == 0u) {
+        return q_quad(query[i]);
+    }
+    return q_quad(dout[i]);
 }
 
-fn s_dd4(i: u32) -> vec4<f32> {
-    return vec4<f32>(s_dd[i], s_dd[i + 1u], s_dd[i + 2u], s_dd[i + 3u]);
-}
-
-// Value quad c of token t, kv head h, block b.
-fn value_quad(b: u32, h: u32, t: u32, c: u32) -> vec4<f32> {
-    let vi = value_offset(h, t, 4u * c);
-    let vs = pc.v_dim_stride;
-    return vec4<f32>(value_at(b, vi), value_at(b, vi + vs), value_at(b, vi + 2u * vs), value_at(b, vi + 3u * vs));
+// Key (phase 0) or value (phase 1) quad c of token t of block b.
+fn key_quad(phase: u32, b: u32, h: u32, t: u32, c: u32) -> vec4<f32> {
+    if (phase == 0u) {
+        return kv_quad(key_load(b, key_offset(h, t, c)));
+    }
+    return value_quad(b, h, t, c);
 }
 
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
 fn key_element(b: u32, h: u32, t: u32, d: u32) -> u32 {
     return (b * pc.k_block_stride + key_offset(h, t, d >> 2u)) * 4u + (d & 3u);
+}
+
+// The outer product of column c and row r: column e is c * r[e].
+fn outer(c: vec4<f32>, r: vec4<f32>) -> mat4x4<f32> {
+    return mat4x4<f32>(c * r.x, c * r.y, c * r.z, c * r.w);
 }
 
 @compute @workgroup_size(128, 1, 1)
@@ -64,49 +72,53 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let kv_head = wid.y;
     let sub = wid.z;
     let hs = pc.head_size;
-    let hc = hs / 4u;
+    let hq = hs / 4u;
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
     let max_blocks = pc.max_blocks_per_seq;
-    if (hs > MAX_HEAD_SIZE || (sub + 1u) * KEYS > bs) {
+    let keys = min(bs, MAX_KEYS);
+    if (hs > MAX_HEAD_SIZE || hq == 0u || keys < 4u || (sub + 1u) * keys > bs) {
         return;
     }
+    let n_rows = 512u / keys;            // R
+    let kg = tid % keys;                 // S: key kg, rows 4rg .. 4rg+3
+    let rg = tid / keys;
+    let kq_count = keys / 4u;            // C: keys 4kq .. 4kq+3, head quads cg, cg + c_groups
+    let c_groups = WG / kq_count;
+    let kq = tid / c_groups;
+    let cg = tid % c_groups;
+    let c0_ = min(cg, hq - 1u);
+    let c1_ = min(cg + c_groups, hq - 1u);
+    let vr = min(n_rows, (S_MEM - PD_QUADS) / (2u * hq));
+    let k_off = n_rows * QK_STRIDE;
+    let absent = bitcast<f32>(ABSENT_BITS);
 
     let num_blocks = pc.num_blocks;   // see attention_common.glsl
     let row_floats = min(min(arrayLength(&query), arrayLength(&dout)), arrayLength(&out)) * 4u;
     let first_entry = pc.num_blocks + 1u;
     let entries = u32(max(i32(arrayLength(&block_readers)) - i32(first_entry), 0));
 
-    let pr = tid / KEYS;   // phase A's pair: row pr, key pk
-    let pk = tid % KEYS;
-    let d0 = tid;
-    let d1 = tid + WG;
-    let staged = hs <= STAGED_HEAD_SIZE;
+    // What this thread stages (paged_backward_dkdv.comp explains).
+    let cl = tid & (CQ - 1u);
+    let lane_row = tid / CQ;
+    let row_step = WG / CQ;
+    var sr = vec4<u32>(0u);
+    var sc = vec4<u32>(0u);
+    for (var n = 0u; n < 4u; n++) {
+        sr[n] = (tid + WG * n) / hq;
+        sc[n] = (tid + WG * n) % hq;
+    }
 
     for (var b = wid.x; b < num_blocks; b += nwg.x) {
-        var dk0_a = vec4<f32>(0.0);
-        var dk0_b = vec4<f32>(0.0);
-        var dk1_a = vec4<f32>(0.0);
-        var dk1_b = vec4<f32>(0.0);
-        var dv0_a = vec4<f32>(0.0);
-        var dv0_b = vec4<f32>(0.0);
-        var dv1_a = vec4<f32>(0.0);
-        var dv1_b = vec4<f32>(0.0);
+        var dk0 = mat4x4<f32>();   // column e: key 4kq+e
+        var dk1 = mat4x4<f32>();
+        var dv0 = mat4x4<f32>();
+        var dv1 = mat4x4<f32>();
         var e_begin = 0u;
         var e_end = 0u;
         if (b + 1u < arrayLength(&block_readers)) {
             e_begin = min(u32(max(block_readers[b], 0)), entries);
             e_end = min(u32(max(block_readers[b + 1u], 0)), entries);
-        }
-        if (staged && e_begin < e_end) {   // S (uniform)
-            workgroupBarrier();
-            for (var i = tid; i < KEYS * hc; i += WG) {
-                let t = sub * KEYS + i / hc;
-                let c = i % hc;
-                s_k[i] = kv_quad(key_load(b, key_offset(kv_head, t, c)));
-                s_v[i] = value_quad(b, kv_head, t, c);
-            }
-            workgroupBarrier();
         }
 
         for (var e = e_begin; e < e_end; e++) {
@@ -124,7 +136,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             let q_start = queries.x;
             let q_len = queries.y;
             let rows = group * q_len;
-            let p0 = slot * bs + sub * KEYS;
+            let p0 = slot * bs + sub * keys;
             if (p0 >= seq_len) {
                 continue;
             }
@@ -133,87 +145,139 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                 i_first = u32(clamp(i32(p0) - (i32(seq_len) - i32(q_len)), 0, i32(q_len)));
             }
 
-            for (var r0 = i_first * group; r0 < rows; r0 += ROWS) {
-                // A: P and dP - D of pair (pr, pk), 0 where the query does not see the token.
-                let gr = r0 + pr;
-                let q = row_base(q_start, kv_head, gr);
-                let token = sub * KEYS + pk;
-                var p = 0.0;
-                var dd = 0.0;
-                if (gr < rows && p0 + pk < visible_keys(gr / group, q_len, seq_len) && q + hs <= row_floats
-                        && q / hs < arrayLength(&lse)) {
-                    var x = 0.0;
-                    var s = 0.0;
-                    var t = 0.0;
-                    for (var c = 0u; c < hc; c++) {
-                        var k = s_k[min(pk * hc + c, STAGED_QUADS - 1u)];
-                        var v = s_v[min(pk * hc + c, STAGED_QUADS - 1u)];
-                        if (!staged) {
-                            k = kv_quad(key_load(b, key_offset(kv_head, token, c)));
-                            v = value_quad(b, kv_head, token, c);
+            for (var r0 = i_first * group; r0 < rows; r0 += n_rows) {
+                // D: row r of the step is there when it is a row of the sequence inside every row buffer.
+                if (tid < n_rows) {
+                    let gr = r0 + tid;
+                    let q = row_base(q_start, kv_head, gr);
+                    var row = vec2<f32>(absent, 0.0);
+                    if (gr < rows && q + hs <= row_floats && q / hs < arrayLength(&lse)) {
+                        for (var c = 0u; c < hq; c++) {
+                            row.y += dot(q_quad(dout[q / 4u + c]), q_quad(out[q / 4u + c]));
                         }
-                        let g = q_quad(dout[q / 4u + c]);
-                        x += dot(q_quad(query[q / 4u + c]), k);
-                        s += dot(g, v);
-                        t += dot(g, q_quad(out[q / 4u + c]));
+                        row.x = lse[q / hs];
                     }
-                    p = exp(x * pc.scale - lse[q / hs]);
-                    dd = s - t;
+                    s_rows[tid] = row;
                 }
-                s_p[tid] = p;
-                s_dd[tid] = dd;
-                workgroupBarrier();
+                var q_src = vec4<u32>(NO_ROW);
+                for (var n = 0u; n < 4u; n++) {
+                    let r = lane_row + n * row_step;
+                    let q = row_base(q_start, kv_head, r0 + r);
+                    if (r < n_rows && r0 + r < rows && q + hs <= row_floats) {
+                        q_src[n] = q / 4u + cl;
+                    }
+                }
 
-                // C: this thread's head dims of dV and dK, for the KEYS tokens.
-                for (var r = 0u; r < ROWS; r++) {
-                    let qr = row_base(q_start, kv_head, r0 + r);
-                    if (r0 + r >= rows || qr + hs > row_floats) {
-                        break;
+                // S: phase 0 the logits' dot products, phase 1 dP.
+                var st = vec4<f32>(0.0);
+                var dp = vec4<f32>(0.0);
+                for (var phase = 0u; phase < 2u; phase++) {
+                    var acc = vec4<f32>(0.0);
+                    for (var c0 = 0u; c0 < hq; c0 += CQ) {
+                        let in_head = c0 + cl < hq;
+                        for (var n = 0u; n < 4u; n++) {
+                            let r = lane_row + n * row_step;
+                            if (r >= n_rows) {
+                                break;
+                            }
+                            var x = vec4<f32>(0.0);
+                            if (q_src[n] != NO_ROW && in_head) {
+                                x = row_quad(phase, q_src[n] + c0);
+                            }
+                            s_mem[r * QK_STRIDE + cl] = x;
+                        }
+                        if (lane_row < keys) {
+                            var x = vec4<f32>(0.0);
+                            if (in_head) {
+                                x = key_quad(phase, b, kv_head, sub * keys + lane_row, c0 + cl);
+                            }
+                            s_mem[k_off + lane_row * QK_STRIDE + cl] = x;
+                        }
+                        workgroupBarrier();
+                        let n = min(CQ, hq - c0);
+                        for (var c = 0u; c < n; c++) {
+                            let qr = 4u * rg * QK_STRIDE + c;
+                            let q = mat4x4<f32>(s_mem[qr], s_mem[qr + QK_STRIDE], s_mem[qr + 2u * QK_STRIDE],
+                                                s_mem[qr + 3u * QK_STRIDE]);
+                            acc += s_mem[k_off + kg * QK_STRIDE + c] * q;
+                        }
+                        workgroupBarrier();
                     }
-                    let i = r * KEYS;
-                    let p_a = s_p4(i);
-                    let p_b = s_p4(i + 4u);
-                    let ds_a = p_a * s_dd4(i);
-                    let ds_b = p_b * s_dd4(i + 4u);
-                    let c0 = qr / 4u + d0 / 4u;
-                    let c1 = qr / 4u + d1 / 4u;
-                    var q0 = 0.0;
-                    var g0 = 0.0;
-                    var q1 = 0.0;
-                    var g1 = 0.0;
-                    if (d0 < hs) {
-                        q0 = q_quad(query[c0])[d0 % 4u];
-                        g0 = q_quad(dout[c0])[d0 % 4u];
-                    }
-                    if (d1 < hs) {
-                        q1 = q_quad(query[c1])[d1 % 4u];
-                        g1 = q_quad(dout[c1])[d1 % 4u];
-                    }
-                    dv0_a += p_a * g0;
-                    dv0_b += p_b * g0;
-                    dk0_a += ds_a * q0;
-                    dk0_b += ds_b * q0;
-                    if (hs > WG) {
-                        dv1_a += p_a * g1;
-                        dv1_b += p_b * g1;
-                        dk1_a += ds_a * q1;
-                        dk1_b += ds_b * q1;
+                    if (phase == 0u) {
+                        st = acc;
+                    } else {
+                        dp = acc;
                     }
                 }
-                workgroupBarrier();
+                // P and dS of rows 4rg .. 4rg+3 with key kg, 0 where the query does not see the token.
+                for (var i = 0u; i < 4u; i++) {
+                    let r = 4u * rg + i;
+                    let row = s_rows[r];
+                    var p = 0.0;
+                    var ds = 0.0;
+                    if (row.x != absent && p0 + kg < visible_keys((r0 + r) / group, q_len, seq_len)) {
+                        p = exp(st[i] * pc.scale - row.x);
+                        ds = p * (dp[i] - row.y);
+                    }
+                    s_mem[r * kq_count + kg / 4u][kg & 3u] = p;
+                    s_mem[PD_QUADS / 2u + r * kq_count + kg / 4u][kg & 3u] = ds;
+                }
+
+                // C: dV and dK of keys 4kq .. 4kq+3, vr rows at a time.
+                for (var s0 = 0u; s0 < n_rows && r0 + s0 < rows; s0 += vr) {
+                    workgroupBarrier();   // P and dS are written; the previous sub-tile is used
+                    for (var n = 0u; n < 4u; n++) {
+                        if (tid + WG * n >= vr * hq) {
+                            break;
+                        }
+                        let gr = r0 + s0 + sr[n];
+                        let q = row_base(q_start, kv_head, gr);
+                        var x = vec4<f32>(0.0);
+                        var g = vec4<f32>(0.0);
+                        if (s0 + sr[n] < n_rows && gr < rows && q + hs <= row_floats) {
+                            x = q_quad(query[q / 4u + sc[n]]);
+                            g = q_quad(dout[q / 4u + sc[n]]);
+                        }
+                        s_mem[PD_QUADS + tid + WG * n] = x;
+                        s_mem[PD_QUADS + vr * hq + tid + WG * n] = g;
+                    }
+                    workgroupBarrier();
+                    let n = min(vr, n_rows - s0);
+                    for (var r = 0u; r < n; r++) {
+                        let p = s_mem[(s0 + r) * kq_count + kq];
+                        let ds = s_mem[PD_QUADS / 2u + (s0 + r) * kq_count + kq];
+                        let qr = PD_QUADS + r * hq;
+                        let gr = PD_QUADS + (vr + r) * hq;
+                        dv0 += outer(s_mem[gr + c0_], p);
+                        dk0 += outer(s_mem[qr + c0_], ds);
+                        if (hq > c_groups) {
+                            dv1 += outer(s_mem[gr + c1_], p);
+                            dk1 += outer(s_mem[qr + c1_], ds);
+                        }
+                    }
+                }
+                workgroupBarrier();   // s_mem and s_rows are rewritten by the next step
             }
         }
 
-        for (var k = 0u; k < KEYS; k++) {
-            let token = sub * KEYS + k;
-            let lo = k < 4u;
-            if (d0 < hs) {
-                dk_cache[key_element(b, kv_head, token, d0)] = pc.scale * select(dk0_b[k % 4u], dk0_a[k % 4u], lo);
-                dv_cache[b * pc.v_block_stride + value_offset(kv_head, token, d0)] = select(dv0_b[k % 4u], dv0_a[k % 4u], lo);
-            }
-            if (d1 < hs) {
-                dk_cache[key_element(b, kv_head, token, d1)] = pc.scale * select(dk1_b[k % 4u], dk1_a[k % 4u], lo);
-                dv_cache[b * pc.v_block_stride + value_offset(kv_head, token, d1)] = select(dv1_b[k % 4u], dv1_a[k % 4u], lo);
+        for (var e = 0u; e < 4u; e++) {
+            let t = sub * keys + 4u * kq + e;
+            for (var j = 0u; j < 2u; j++) {
+                let c = cg + c_groups * j;
+                if (c >= hq) {
+                    break;
+                }
+                var dk = dk0[e];
+                var dv = dv0[e];
+                if (j == 1u) {
+                    dk = dk1[e];
+                    dv = dv1[e];
+                }
+                dk *= pc.scale;
+                for (var d = 0u; d < 4u; d++) {
+                    dk_cache[key_element(b, kv_head, t, 4u * c + d)] = dk[d];
+                    dv_cache[b * pc.v_block_stride + value_offset(kv_head, t, 4u * c + d)] = dv[d];
+                }
             }
         }
     }

@@ -3,15 +3,18 @@
 // q.k - lse), dP = dout.v and D = rowsum(dout * out) (FlashAttention-2's backward; the forward's lse
 // saves recomputing the softmax normalisation). The key and value gradients are paged_backward_dkdv.comp.
 //
-// One workgroup per (tile of ROWS query rows of one sequence, kv head), from the tile table, rows packed as
-// in paged_prefill.comp; the batch is ragged as the forward's (PREFILL_INPUTS in pagedvk/abi.py).
-// Each thread computes the rows' D itself, summed in the order A sums dP: where a query sees a single key,
-// out == v, so dP - D is exactly 0 as in float64 (a reduction across threads would leave rounding noise,
-// which would then be all of dq). Then the context is walked in tiles of TILE tokens:
-//   A. each thread takes one token of the tile: its logit and dP for every row (key and value read once),
-//      and from them dS;
-//   C. each thread accumulates dS times the keys for the head dims it owns, for every row.
-// Bounds are kept as in paged_prefill.comp.
+// Laid out as the scalar forward (paged_prefill.comp, which explains the tiles and staging): one workgroup per
+// (tile of ROWS query rows of one sequence, kv head) from the tile table (ROWS from tile_rows(), 8 to 64), the
+// context walked in tiles of KT = 2048 / ROWS keys; thread (rg, cg) holds rows 4rg .. 4rg+3 by keys cg + G*j:
+//   S. logits and dP: the rows' queries and the tile's keys are staged CQ head quads at a time and multiplied
+//      into a 4 x 4 block (st), then the rows' dout and the tile's values likewise (dp); each thread turns its
+//      blocks into dS and writes it to shared memory (key-major, a vec4 per key and row group);
+//   C. dq: the keys are staged VK at a time; thread (rg, cg) accumulates rows 4rg .. 4rg+3 by head quads
+//      cg + G*j (mat4s dq0 .. dq3), five vec4 reads per key feeding 64 multiply-adds.
+// D is computed by each thread for its rows before the walk, as the same vector-times-matrix products that
+// accumulate dP, in the same order: where a query sees a single key out == v, so dP - D is exactly 0 as in
+// float64 (a sum in another order would leave rounding noise, which would then be all of dq).
+// Shared memory stays under 16 KiB as the forward's; bounds are kept as there.
 #extension GL_GOOGLE_include_directive : require
 #include "kv_storage.glsl"
 
@@ -33,44 +36,37 @@ layout(std430, set = 0, binding = 10) writeonly buffer Dq { float dq[]; };      
 #define PREFILL_TILES
 #include "prefill_common.glsl"
 
-const uint ROWS = 8u;                          // query rows per workgroup: two vec4s (_a, _b)
-const uint TILE = WG;                          // tokens per tile: one per thread in A
-const uint MAX_TILE_BLOCKS = TILE / MIN_BLOCK_SIZE;
+// Shared memory, in vec4s: [0, ROWS * (CQ + 1)) a query (or dout) chunk, then KT * (CQ + 1) a key (or value)
+// chunk (at most 864); later [0, DS_QUADS) dS (KT keys x ROWS / 4 row groups = 512) and from DS_QUADS the key
+// sub-tile (VK keys x head quads).
+const uint S_MEM = 1008u;
+const uint DS_QUADS = 512u;
+const uint K_QUADS = S_MEM - DS_QUADS;
+const uint MAX_TILE_BLOCKS = 256u / MIN_BLOCK_SIZE;   // KT is 256 at most
+const uint NO_ROW = 0xffffffffu;
 
-shared vec4 s_ds[TILE * 2u];         // [token][rows 0-3 | rows 4-7]: dS
-shared int s_phys[MAX_TILE_BLOCKS];  // the tile's physical block ids, -1 where out of range
-
-vec4 Q(uint i) { return q_quad(query[i]); }    // quad i of query, dout, out
-vec4 DO(uint i) { return q_quad(dout[i]); }
-vec4 O(uint i) { return q_quad(out_[i]); }
-
-vec4 dots(vec4 x, uvec4 rows) {       // x . query quad of four rows (their quad indices)
-    return vec4(dot(x, Q(rows.x)), dot(x, Q(rows.y)), dot(x, Q(rows.z)), dot(x, Q(rows.w)));
-}
-
-vec4 dout_dots(vec4 x, uvec4 rows) {  // x . dout quad of four rows
-    return vec4(dot(x, DO(rows.x)), dot(x, DO(rows.y)), dot(x, DO(rows.z)), dot(x, DO(rows.w)));
-}
-
-vec4 delta_terms(uvec4 rows) {         // out . dout quad of four rows, operands in dout_dots' order
-    return vec4(dot(O(rows.x), DO(rows.x)), dot(O(rows.y), DO(rows.y)), dot(O(rows.z), DO(rows.z)),
-                dot(O(rows.w), DO(rows.w)));
-}
+shared vec4 s_mem[S_MEM];
+shared int s_phys[MAX_TILE_BLOCKS];          // the tile's physical block ids, -1 where out of range
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint hs = pc.head_size;
-    const uint hc = hs / 4u;
+    const uint hq = hs / 4u;
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
     uint kv_head, seq, row0;
-    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE) return;
+    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u) return;
     // query, dout and out share one shape: a row is in all three or the launch is malformed.
     const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 4u;
     const uvec2 queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));
     const uint q_start = queries.x, q_len = queries.y;
     const uint rows = group * q_len;
     if (row0 >= rows) return;
+    const uint ROWS = tile_rows(rows, hs);
+    const uint RG = ROWS / 4u, G = WG / RG, KT = 4u * G;
+    const uint CQ = min(8u, 512u / KT);
+    const uint QK_STRIDE = CQ + 1u;
+    const uint rg = tid / G, cg = tid % G;
     const uint row_end = min(row0 + ROWS, rows);
     if (row_base(q_start, kv_head, row0) + hs > row_floats) return;
 
@@ -80,34 +76,50 @@ void main() {
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
     const uint kv_end = visible_keys((row_end - 1u) / group, q_len, seq_len);
 
-    // Keys each row sees (0 past the end), its first chunk (row 0's where it sees none) and its lse.
-    uint keys[ROWS], qb[ROWS];
-    float row_lse[ROWS];
-    for (uint r = 0u; r < ROWS; r++) {
-        uint q = row_base(q_start, kv_head, row0 + r);
-        bool valid = row0 + r < row_end && q + hs <= row_floats && q / hs < uint(lse.length());
-        keys[r] = valid ? visible_keys((row0 + r) / group, q_len, seq_len) : 0u;
-        qb[r] = (keys[r] > 0u ? q : row_base(q_start, kv_head, row0)) / 4u;
-        row_lse[r] = keys[r] > 0u ? lse[q / hs] : 0.0;
+    // This thread's rows: the keys each sees (0 past the end or a buffer), its quad 0 in query / dout / out, lse.
+    uvec4 keys, qb;
+    vec4 row_lse = vec4(0.0);
+    for (uint i = 0u; i < 4u; i++) {
+        const uint gr = row0 + 4u * rg + i, q = row_base(q_start, kv_head, gr);
+        const bool valid = gr < row_end && q + hs <= row_floats && q / hs < uint(lse.length());
+        keys[i] = valid ? visible_keys(gr / group, q_len, seq_len) : 0u;
+        qb[i] = valid ? q / 4u : NO_ROW;
+        if (valid) row_lse[i] = lse[q / hs];
     }
-    const uvec4 keys_a = uvec4(keys[0], keys[1], keys[2], keys[3]), keys_b = uvec4(keys[4], keys[5], keys[6], keys[7]);
-    const uvec4 qb_a = uvec4(qb[0], qb[1], qb[2], qb[3]), qb_b = uvec4(qb[4], qb[5], qb[6], qb[7]);
-    const vec4 lse_a = vec4(row_lse[0], row_lse[1], row_lse[2], row_lse[3]);
-    const vec4 lse_b = vec4(row_lse[4], row_lse[5], row_lse[6], row_lse[7]);
-
-    // D = rowsum(dout * out), in the order A sums dP.
-    vec4 delta_a = vec4(0.0), delta_b = vec4(0.0);
-    for (uint c = 0u; c < hc; c++) {
-        delta_a += delta_terms(qb_a + c);
-        delta_b += delta_terms(qb_b + c);
+    // D, as dP is summed in S: component i of (out quad of row i) * (the rows' dout quads as columns).
+    vec4 delta = vec4(0.0);
+    for (uint c = 0u; c < hq; c++) {
+        mat4 g;
+        vec4 o[4];
+        for (uint i = 0u; i < 4u; i++) {
+            g[i] = qb[i] != NO_ROW ? q_quad(dout[qb[i] + c]) : vec4(0.0);
+            o[i] = qb[i] != NO_ROW ? q_quad(out_[qb[i] + c]) : vec4(0.0);
+        }
+        delta += vec4((o[0] * g).x, (o[1] * g).y, (o[2] * g).z, (o[3] * g).w);
     }
 
-    vec4 dq0_a = vec4(0.0), dq0_b = vec4(0.0);   // head dim tid, per row
-    vec4 dq1_a = vec4(0.0), dq1_b = vec4(0.0);   // head dim tid + WG
-    const uint d0 = tid, d1 = tid + WG;
+    const uvec4 cols = cg + G * uvec4(0u, 1u, 2u, 3u);   // keys of S, head quads of C
+    const uvec4 kcols = min(cols, uvec4(hq - 1u));
+    const uint k_off = ROWS * QK_STRIDE;
+    const uint VK = min(KT, K_QUADS / hq);
+    const uint bs_log2 = findMSB(bs);
 
-    for (uint base = 0u; base < kv_end; base += TILE) {
-        const uint tile_len = min(TILE, kv_end - base);
+    // What this thread stages (paged_prefill.comp explains): rows or keys lane_row + n * row_step, head quad
+    // c0 + cl of the chunk at c0; in C, key k_k[n] of the sub-tile, head quad k_c[n].
+    const uint cl = tid & (CQ - 1u), lane_row = tid >> findMSB(CQ), row_step = WG / CQ;
+    uvec4 q_src;                               // query (dout) quad of element n at c0 = 0, or NO_ROW
+    uvec4 k_k, k_c;
+    for (uint n = 0u; n < 4u; n++) {
+        const uint r = lane_row + n * row_step, gr = row0 + r, q = row_base(q_start, kv_head, gr);
+        q_src[n] = r < ROWS && gr < row_end && q + hs <= row_floats ? q / 4u + cl : NO_ROW;
+        k_k[n] = (tid + WG * n) / hq;
+        k_c[n] = (tid + WG * n) % hq;
+    }
+
+    mat4 dq0 = mat4(0.0), dq1 = mat4(0.0), dq2 = mat4(0.0), dq3 = mat4(0.0);   // row i: column j = head quad cols[j]
+
+    for (uint base = 0u; base < kv_end; base += KT) {
+        const uint tile_len = min(KT, kv_end - base);
         const uint tile_blocks = (tile_len + bs - 1u) / bs;
         if (tid < tile_blocks) {
             int b = block_tables[bt_row + base / bs + tid];
@@ -115,51 +127,85 @@ void main() {
         }
         barrier();
 
-        // A: dS of token base + tid for every row, 0 where masked.
-        const uint token = base + tid;
-        const int phys = tid < tile_len ? s_phys[tid / bs] : -1;
-        vec4 x_a = vec4(0.0), x_b = vec4(0.0), dp_a = vec4(0.0), dp_b = vec4(0.0);
-        if (phys >= 0) {
-            const uint v0 = value_offset(kv_head, token % bs, 0u);
-            const uint vs = pc.v_dim_stride;
-            for (uint c = 0u; c < hc; c++) {
-                vec4 k = kv_quad(key_load(uint(phys), key_offset(kv_head, token % bs, c)));
-                uint vi = v0 + 4u * c * vs;
-                const uint p = uint(phys);
-                vec4 v = vec4(VALUE_AT(p, vi), VALUE_AT(p, vi + vs), VALUE_AT(p, vi + 2u * vs), VALUE_AT(p, vi + 3u * vs));
-                x_a += dots(k, qb_a + c);
-                x_b += dots(k, qb_b + c);
-                dp_a += dout_dots(v, qb_a + c);
-                dp_b += dout_dots(v, qb_b + c);
-            }
+        // S: phase 0 the logits' dot products (query . key), phase 1 dP (dout . value); keys outside the cache
+        // or past the tile staged as zeros.
+        ivec4 k_phys;
+        for (uint n = 0u; n < 4u; n++) {
+            const uint k = lane_row + n * row_step;
+            k_phys[n] = k < tile_len ? s_phys[k >> bs_log2] : -1;
         }
-        const bvec4 seen_a = lessThan(uvec4(token), phys >= 0 ? keys_a : uvec4(0u));
-        const bvec4 seen_b = lessThan(uvec4(token), phys >= 0 ? keys_b : uvec4(0u));
-        s_ds[tid * 2u] = mix(vec4(0.0), exp(x_a * pc.scale - lse_a) * (dp_a - delta_a), seen_a);
-        s_ds[tid * 2u + 1u] = mix(vec4(0.0), exp(x_b * pc.scale - lse_b) * (dp_b - delta_b), seen_b);
+        mat4 st, dp;
+        for (uint phase = 0u; phase < 2u; phase++) {
+            mat4 acc = mat4(0.0);
+            for (uint c0 = 0u; c0 < hq; c0 += CQ) {
+                const bool in_head = c0 + cl < hq;
+                for (uint n = 0u; n < 4u; n++) {
+                    const uint r = lane_row + n * row_step;
+                    if (r >= ROWS) break;
+                    const bool there = q_src[n] != NO_ROW && in_head;
+                    s_mem[r * QK_STRIDE + cl] = !there ? vec4(0.0)
+                        : phase == 0u ? q_quad(query[q_src[n] + c0]) : q_quad(dout[q_src[n] + c0]);
+                }
+                for (uint n = 0u; n < 4u; n++) {
+                    const uint k = lane_row + n * row_step;
+                    if (k >= KT) break;
+                    const uint b = uint(k_phys[n]), t = k & (bs - 1u);
+                    s_mem[k_off + k * QK_STRIDE + cl] = k_phys[n] < 0 || !in_head ? vec4(0.0)
+                        : phase == 0u ? kv_quad(key_load(b, key_offset(kv_head, t, c0 + cl)))
+                        : value_quad(b, kv_head, t, c0 + cl);
+                }
+                barrier();
+                const uint n = min(CQ, hq - c0);
+                for (uint c = 0u; c < n; c++) {
+                    const uint qr = 4u * rg * QK_STRIDE + c, kr = k_off + cg * QK_STRIDE + c;
+                    const mat4 q = mat4(s_mem[qr], s_mem[qr + QK_STRIDE], s_mem[qr + 2u * QK_STRIDE], s_mem[qr + 3u * QK_STRIDE]);
+                    acc[0] += s_mem[kr] * q;   // vector * matrix: the key's dot product with each row
+                    acc[1] += s_mem[kr + G * QK_STRIDE] * q;
+                    acc[2] += s_mem[kr + 2u * G * QK_STRIDE] * q;
+                    acc[3] += s_mem[kr + 3u * G * QK_STRIDE] * q;
+                }
+                barrier();
+            }
+            if (phase == 0u) st = acc; else dp = acc;
+        }
+        // dS of key cols[j] for the rows, 0 where a row does not see the key.
+        for (uint j = 0u; j < 4u; j++) {
+            const uint k = cols[j];
+            const bool there = k < tile_len && s_phys[k >> bs_log2] >= 0;
+            const bvec4 seen = lessThan(uvec4(base + k), there ? keys : uvec4(0u));
+            s_mem[k * RG + rg] = mix(vec4(0.0), exp(st[j] * pc.scale - row_lse) * (dp[j] - delta), seen);
+        }
         barrier();
 
-        // C: dS times the keys, for this thread's head dims.
-        for (uint t = 0u; t < tile_len; t++) {
-            int b = s_phys[t / bs];
-            if (b < 0) continue;
-            const vec4 ds_a = s_ds[t * 2u], ds_b = s_ds[t * 2u + 1u];
-            if (d0 < hs) {
-                float kd = KEY_AT(uint(b), kv_head, (base + t) % bs, d0);
-                dq0_a += ds_a * kd; dq0_b += ds_b * kd;
+        // C: dS times the keys, VK keys at a time (key quads are contiguous along head dims in both layouts).
+        for (uint sub = 0u; sub < tile_len; sub += VK) {
+            for (uint n = 0u; n < 4u; n++) {
+                if (tid + WG * n >= VK * hq) break;
+                const uint k = sub + k_k[n];
+                const int phys = k < tile_len ? s_phys[k >> bs_log2] : -1;
+                s_mem[DS_QUADS + tid + WG * n] = phys >= 0
+                    ? kv_quad(key_load(uint(phys), key_offset(kv_head, k & (bs - 1u), k_c[n]))) : vec4(0.0);
             }
-            if (d1 < hs) {
-                float kd = KEY_AT(uint(b), kv_head, (base + t) % bs, d1);
-                dq1_a += ds_a * kd; dq1_b += ds_b * kd;
+            barrier();
+            const uint n = min(VK, tile_len - sub);
+            for (uint k = 0u; k < n; k++) {
+                const vec4 ds = s_mem[(sub + k) * RG + rg];
+                const uint kr = DS_QUADS + k * hq;
+                const mat4 kq = mat4(s_mem[kr + kcols.x], s_mem[kr + kcols.y], s_mem[kr + kcols.z], s_mem[kr + kcols.w]);
+                dq0 += ds.x * kq; dq1 += ds.y * kq; dq2 += ds.z * kq; dq3 += ds.w * kq;
             }
+            barrier();   // s_mem and s_phys are rewritten next
         }
-        barrier();   // s_ds and s_phys are rewritten by the next tile
     }
 
-    for (uint r = 0u; r < ROWS; r++) {
-        uint q = row_base(q_start, kv_head, row0 + r);
-        if (row0 + r >= row_end || q + hs > uint(dq.length())) continue;
-        if (d0 < hs) dq[q + d0] = pc.scale * (r < 4u ? dq0_a[r] : dq0_b[r - 4u]);
-        if (d1 < hs) dq[q + d1] = pc.scale * (r < 4u ? dq1_a[r] : dq1_b[r - 4u]);
+    for (uint i = 0u; i < 4u; i++) {
+        const uint gr = row0 + 4u * rg + i;
+        const uint q = row_base(q_start, kv_head, gr);
+        if (gr >= row_end || q + hs > uint(dq.length())) continue;
+        const mat4 d = (i == 0u ? dq0 : i == 1u ? dq1 : i == 2u ? dq2 : dq3) * pc.scale;
+        for (uint j = 0u; j < 4u; j++) {
+            if (cols[j] >= hq) break;
+            for (uint e = 0u; e < 4u; e++) dq[q + 4u * cols[j] + e] = d[j][e];
+        }
     }
 }

@@ -1,6 +1,7 @@
 // Paged-attention backward, the query gradient, WGSL: shaders/paged_backward_dq.comp translated
 // statement for statement, with the same interface (PAGED_BACKWARD_DQ in pagedvk/abi.py). The algorithm
-// is explained there and in attention_common.glsl; build_shaders.py pastes the storage files, the cache
+// (the forward's tiles, logits and dP as 4 x 4 register blocks, dS staged in shared memory, dq as rows by head
+// quads) is explained there and in paged_prefill.comp; build_shaders.py pastes the storage files, the cache
 // access and the common parts.
 
 //!include kv_storage.wgsl
@@ -26,44 +27,31 @@ var<immediate> pc: Params;
 
 const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
-const ROWS: u32 = 8u;               // as two vec4s: rows 0-3 (_a) and 4-7 (_b)
-const TILE: u32 = 128u;             // == WG
-const MAX_TILE_BLOCKS: u32 = 16u;   // TILE / MIN_BLOCK_SIZE
+// Shared memory in vec4s, as paged_backward_dq.comp lays it out: query (dout) and key (value) chunks, then dS
+// and the key sub-tile.
+const S_MEM: u32 = 1008u;
+const DS_QUADS: u32 = 512u;
+const K_QUADS: u32 = 496u;           // S_MEM - DS_QUADS
+const MAX_TILE_BLOCKS: u32 = 32u;    // 256 keys / MIN_BLOCK_SIZE
+const NO_ROW: u32 = 0xffffffffu;
 
-var<workgroup> s_ds: array<vec4<f32>, 256>;   // TILE * 2: [token][rows 0-3 | rows 4-7], dS
+var<workgroup> s_mem: array<vec4<f32>, S_MEM>;
 var<workgroup> s_phys: array<i32, MAX_TILE_BLOCKS>;
 
-fn Q(i: u32) -> vec4<f32> {    // quad i of query, dout, out
-    return q_quad(query[i]);
-}
-
-fn DO(i: u32) -> vec4<f32> {
+// Query (phase 0) or dout (phase 1) quad i.
+fn row_quad(phase: u32, i: u32) -> vec4<f32> {
+    if (phase == 0u) {
+        return q_quad(query[i]);
+    }
     return q_quad(dout[i]);
 }
 
-fn O(i: u32) -> vec4<f32> {
-    return q_quad(out[i]);
-}
-
-fn dots(x: vec4<f32>, rows: vec4<u32>) -> vec4<f32> {        // x . query quad of four rows
-    return vec4<f32>(dot(x, Q(rows.x)), dot(x, Q(rows.y)), dot(x, Q(rows.z)), dot(x, Q(rows.w)));
-}
-
-fn dout_dots(x: vec4<f32>, rows: vec4<u32>) -> vec4<f32> {   // x . dout quad of four rows
-    return vec4<f32>(dot(x, DO(rows.x)), dot(x, DO(rows.y)), dot(x, DO(rows.z)), dot(x, DO(rows.w)));
-}
-
-fn delta_terms(rows: vec4<u32>) -> vec4<f32> {   // out . dout quad of four rows, operands in dout_dots' order
-    return vec4<f32>(dot(O(rows.x), DO(rows.x)), dot(O(rows.y), DO(rows.y)), dot(O(rows.z), DO(rows.z)),
-                     dot(O(rows.w), DO(rows.w)));
-}
-
-// Keys row gr sees (0 past the end or past a buffer).
-fn row_keys(q_start: u32, q_len: u32, kv_head: u32, gr: u32, row_end: u32, seq_len: u32, row_floats: u32) -> u32 {
-    let group = pc.num_heads / pc.num_kv_heads;
-    let q = row_base(q_start, kv_head, gr);
-    let valid = gr < row_end && q + pc.head_size <= row_floats && q / pc.head_size < arrayLength(&lse);
-    return select(0u, visible_keys(gr / group, q_len, seq_len), valid);
+// Key (phase 0) or value (phase 1) quad c of token t of block b.
+fn key_quad(phase: u32, b: u32, h: u32, t: u32, c: u32) -> vec4<f32> {
+    if (phase == 0u) {
+        return kv_quad(key_load(b, key_offset(h, t, c)));
+    }
+    return value_quad(b, h, t, c);
 }
 
 @compute @workgroup_size(128, 1, 1)
@@ -71,11 +59,11 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         @builtin(num_workgroups) nwg: vec3<u32>) {
     let tid = lid.x;
     let hs = pc.head_size;
-    let hc = hs / 4u;
+    let hq = hs / 4u;
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
     let work = tile_work(workgroup_index(wid, nwg));
-    if (work.w == 0u || hs > MAX_HEAD_SIZE) {
+    if (work.w == 0u || hs > MAX_HEAD_SIZE || hq == 0u) {
         return;
     }
     let kv_head = work.x;
@@ -89,7 +77,15 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     if (row0 >= rows) {
         return;
     }
-    let row_end = min(row0 + ROWS, rows);
+    let n_rows = tile_rows(rows, hs);
+    let row_groups = n_rows / 4u;
+    let g_count = WG / row_groups;
+    let kt = 4u * g_count;
+    let cq = min(8u, 512u / kt);
+    let qk_stride = cq + 1u;
+    let rg = tid / g_count;
+    let cg = tid % g_count;
+    let row_end = min(row0 + n_rows, rows);
     if (row_base(q_start, kv_head, row0) + hs > row_floats) {
         return;
     }
@@ -103,45 +99,63 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     }
     let kv_end = visible_keys((row_end - 1u) / group, q_len, seq_len);
 
-    // Keys each row sees, its first chunk (row 0's where it sees none) and its lse.
-    var keys_a = vec4<u32>(0u);
-    var keys_b = vec4<u32>(0u);
-    var qb_a = vec4<u32>(0u);
-    var qb_b = vec4<u32>(0u);
-    var lse_a = vec4<f32>(0.0);
-    var lse_b = vec4<f32>(0.0);
-    for (var r = 0u; r < 4u; r++) {
-        keys_a[r] = row_keys(q_start, q_len, kv_head, row0 + r, row_end, seq_len, row_floats);
-        keys_b[r] = row_keys(q_start, q_len, kv_head, row0 + 4u + r, row_end, seq_len, row_floats);
-        let qa = row_base(q_start, kv_head, row0 + r);
-        let qb = row_base(q_start, kv_head, row0 + 4u + r);
-        qb_a[r] = select(row_base(q_start, kv_head, row0), qa, keys_a[r] > 0u) / 4u;
-        qb_b[r] = select(row_base(q_start, kv_head, row0), qb, keys_b[r] > 0u) / 4u;
-        if (keys_a[r] > 0u) {
-            lse_a[r] = lse[qa / hs];
-        }
-        if (keys_b[r] > 0u) {
-            lse_b[r] = lse[qb / hs];
+    // This thread's rows: keys seen (0 past the end or a buffer), quad 0 in query / dout / out, lse.
+    var keys = vec4<u32>(0u);
+    var qb = vec4<u32>(NO_ROW);
+    var row_lse = vec4<f32>(0.0);
+    for (var i = 0u; i < 4u; i++) {
+        let gr = row0 + 4u * rg + i;
+        let q = row_base(q_start, kv_head, gr);
+        if (gr < row_end && q + hs <= row_floats && q / hs < arrayLength(&lse)) {
+            keys[i] = visible_keys(gr / group, q_len, seq_len);
+            qb[i] = q / 4u;
+            row_lse[i] = lse[q / hs];
         }
     }
-
-    // D = rowsum(dout * out), per thread, in the order A sums dP (see the GLSL source).
-    var delta_a = vec4<f32>(0.0);
-    var delta_b = vec4<f32>(0.0);
-    for (var c = 0u; c < hc; c++) {
-        delta_a += delta_terms(qb_a + c);
-        delta_b += delta_terms(qb_b + c);
+    // D, as dP is summed in S (see the GLSL source).
+    var delta = vec4<f32>(0.0);
+    for (var c = 0u; c < hq; c++) {
+        var g = mat4x4<f32>();
+        var o = mat4x4<f32>();   // column i: row i's out quad
+        for (var i = 0u; i < 4u; i++) {
+            if (qb[i] != NO_ROW) {
+                g[i] = q_quad(dout[qb[i] + c]);
+                o[i] = q_quad(out[qb[i] + c]);
+            }
+        }
+        delta += vec4<f32>((o[0] * g).x, (o[1] * g).y, (o[2] * g).z, (o[3] * g).w);
     }
 
-    var dq0_a = vec4<f32>(0.0);
-    var dq0_b = vec4<f32>(0.0);
-    var dq1_a = vec4<f32>(0.0);
-    var dq1_b = vec4<f32>(0.0);
-    let d0 = tid;
-    let d1 = tid + WG;
+    let cols = vec4<u32>(cg) + g_count * vec4<u32>(0u, 1u, 2u, 3u);   // keys of S, head quads of C
+    let kcols = min(cols, vec4<u32>(hq - 1u));
+    let k_off = n_rows * qk_stride;
+    let vk = min(kt, K_QUADS / hq);
+    let bs_log2 = firstLeadingBit(bs);
 
-    for (var base = 0u; base < kv_end; base += TILE) {
-        let tile_len = min(TILE, kv_end - base);
+    // What this thread stages (paged_backward_dq.comp explains).
+    let cl = tid & (cq - 1u);
+    let lane_row = tid >> firstLeadingBit(cq);
+    let row_step = WG / cq;
+    var q_src = vec4<u32>(NO_ROW);
+    var k_k = vec4<u32>(0u);
+    var k_c = vec4<u32>(0u);
+    for (var n = 0u; n < 4u; n++) {
+        let r = lane_row + n * row_step;
+        let q = row_base(q_start, kv_head, row0 + r);
+        if (r < n_rows && row0 + r < row_end && q + hs <= row_floats) {
+            q_src[n] = q / 4u + cl;
+        }
+        k_k[n] = (tid + WG * n) / hq;
+        k_c[n] = (tid + WG * n) % hq;
+    }
+
+    var dq0 = mat4x4<f32>();
+    var dq1 = mat4x4<f32>();
+    var dq2 = mat4x4<f32>();
+    var dq3 = mat4x4<f32>();
+
+    for (var base = 0u; base < kv_end; base += kt) {
+        let tile_len = min(kt, kv_end - base);
         let tile_blocks = (tile_len + bs - 1u) / bs;
         if (tid < tile_blocks) {
             let b = block_tables[bt_row + base / bs + tid];
@@ -149,70 +163,124 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         }
         workgroupBarrier();
 
-        // A: dS of token base + tid for every row, 0 where masked.
-        let token = base + tid;
-        var phys = -1;
-        if (tid < tile_len) {
-            phys = s_phys[tid / bs];
-        }
-        var x_a = vec4<f32>(0.0);
-        var x_b = vec4<f32>(0.0);
-        var dp_a = vec4<f32>(0.0);
-        var dp_b = vec4<f32>(0.0);
-        if (phys >= 0) {
-            let v0 = value_offset(kv_head, token % bs, 0u);
-            let vs = pc.v_dim_stride;
-            let p = u32(phys);
-            for (var c = 0u; c < hc; c++) {
-                let k = kv_quad(key_load(p, key_offset(kv_head, token % bs, c)));
-                let vi = v0 + 4u * c * vs;
-                let v = vec4<f32>(value_at(p, vi), value_at(p, vi + vs), value_at(p, vi + 2u * vs),
-                                  value_at(p, vi + 3u * vs));
-                x_a += dots(k, qb_a + c);
-                x_b += dots(k, qb_b + c);
-                dp_a += dout_dots(v, qb_a + c);
-                dp_b += dout_dots(v, qb_b + c);
+        // S: phase 0 the logits' dot products, phase 1 dP.
+        var k_phys = vec4<i32>(-1);
+        for (var n = 0u; n < 4u; n++) {
+            let k = lane_row + n * row_step;
+            if (k < tile_len) {
+                k_phys[n] = s_phys[k >> bs_log2];
             }
         }
-        let seen_a = vec4<u32>(token) < select(vec4<u32>(0u), keys_a, phys >= 0);
-        let seen_b = vec4<u32>(token) < select(vec4<u32>(0u), keys_b, phys >= 0);
-        s_ds[tid * 2u] = select(vec4<f32>(0.0), exp(x_a * pc.scale - lse_a) * (dp_a - delta_a), seen_a);
-        s_ds[tid * 2u + 1u] = select(vec4<f32>(0.0), exp(x_b * pc.scale - lse_b) * (dp_b - delta_b), seen_b);
+        var st = mat4x4<f32>();
+        var dp = mat4x4<f32>();
+        for (var phase = 0u; phase < 2u; phase++) {
+            var acc = mat4x4<f32>();
+            for (var c0 = 0u; c0 < hq; c0 += cq) {
+                let in_head = c0 + cl < hq;
+                for (var n = 0u; n < 4u; n++) {
+                    let r = lane_row + n * row_step;
+                    if (r >= n_rows) {
+                        break;
+                    }
+                    var x = vec4<f32>(0.0);
+                    if (q_src[n] != NO_ROW && in_head) {
+                        x = row_quad(phase, q_src[n] + c0);
+                    }
+                    s_mem[r * qk_stride + cl] = x;
+                }
+                for (var n = 0u; n < 4u; n++) {
+                    let k = lane_row + n * row_step;
+                    if (k >= kt) {
+                        break;
+                    }
+                    var x = vec4<f32>(0.0);
+                    if (k_phys[n] >= 0 && in_head) {
+                        x = key_quad(phase, u32(k_phys[n]), kv_head, k & (bs - 1u), c0 + cl);
+                    }
+                    s_mem[k_off + k * qk_stride + cl] = x;
+                }
+                workgroupBarrier();
+                let n = min(cq, hq - c0);
+                for (var c = 0u; c < n; c++) {
+                    let qr = 4u * rg * qk_stride + c;
+                    let kr = k_off + cg * qk_stride + c;
+                    let q = mat4x4<f32>(s_mem[qr], s_mem[qr + qk_stride], s_mem[qr + 2u * qk_stride],
+                                        s_mem[qr + 3u * qk_stride]);
+                    acc[0] += s_mem[kr] * q;
+                    acc[1] += s_mem[kr + g_count * qk_stride] * q;
+                    acc[2] += s_mem[kr + 2u * g_count * qk_stride] * q;
+                    acc[3] += s_mem[kr + 3u * g_count * qk_stride] * q;
+                }
+                workgroupBarrier();
+            }
+            if (phase == 0u) {
+                st = acc;
+            } else {
+                dp = acc;
+            }
+        }
+        // dS of key cols[j] for the rows, 0 where a row does not see the key.
+        for (var j = 0u; j < 4u; j++) {
+            let k = cols[j];
+            var seen_by = vec4<u32>(0u);
+            if (k < tile_len && s_phys[k >> bs_log2] >= 0) {
+                seen_by = keys;
+            }
+            let ds = exp(st[j] * pc.scale - row_lse) * (dp[j] - delta);
+            s_mem[k * row_groups + rg] = select(vec4<f32>(0.0), ds, vec4<u32>(base + k) < seen_by);
+        }
         workgroupBarrier();
 
-        // C: dS times the keys, for this thread's head dims.
-        for (var t = 0u; t < tile_len; t++) {
-            let b = s_phys[t / bs];
-            if (b < 0) {
-                continue;
+        // C: dS times the keys, vk keys at a time.
+        for (var sub = 0u; sub < tile_len; sub += vk) {
+            for (var n = 0u; n < 4u; n++) {
+                if (tid + WG * n >= vk * hq) {
+                    break;
+                }
+                let k = sub + k_k[n];
+                var x = vec4<f32>(0.0);
+                if (k < tile_len && s_phys[k >> bs_log2] >= 0) {
+                    x = kv_quad(key_load(u32(s_phys[k >> bs_log2]), key_offset(kv_head, k & (bs - 1u), k_c[n])));
+                }
+                s_mem[DS_QUADS + tid + WG * n] = x;
             }
-            let ds_a = s_ds[t * 2u];
-            let ds_b = s_ds[t * 2u + 1u];
-            if (d0 < hs) {
-                let kd = key_at(u32(b), kv_head, (base + t) % bs, d0);
-                dq0_a += ds_a * kd;
-                dq0_b += ds_b * kd;
+            workgroupBarrier();
+            let n = min(vk, tile_len - sub);
+            for (var k = 0u; k < n; k++) {
+                let ds = s_mem[(sub + k) * row_groups + rg];
+                let kr = DS_QUADS + k * hq;
+                let kq = mat4x4<f32>(s_mem[kr + kcols.x], s_mem[kr + kcols.y], s_mem[kr + kcols.z], s_mem[kr + kcols.w]);
+                dq0 += ds.x * kq;
+                dq1 += ds.y * kq;
+                dq2 += ds.z * kq;
+                dq3 += ds.w * kq;
             }
-            if (d1 < hs) {
-                let kd = key_at(u32(b), kv_head, (base + t) % bs, d1);
-                dq1_a += ds_a * kd;
-                dq1_b += ds_b * kd;
-            }
+            workgroupBarrier();   // s_mem and s_phys are rewritten next
         }
-        workgroupBarrier();
     }
 
-    for (var r = 0u; r < ROWS; r++) {
-        let q = row_base(q_start, kv_head, row0 + r);
-        if (row0 + r >= row_end || q + hs > arrayLength(&dq)) {
+    for (var i = 0u; i < 4u; i++) {
+        let gr = row0 + 4u * rg + i;
+        let q = row_base(q_start, kv_head, gr);
+        if (gr >= row_end || q + hs > arrayLength(&dq)) {
             continue;
         }
-        let lo = r < 4u;
-        if (d0 < hs) {
-            dq[q + d0] = pc.scale * select(dq0_b[r % 4u], dq0_a[r % 4u], lo);
+        var d = dq3;
+        if (i == 0u) {
+            d = dq0;
+        } else if (i == 1u) {
+            d = dq1;
+        } else if (i == 2u) {
+            d = dq2;
         }
-        if (d1 < hs) {
-            dq[q + d1] = pc.scale * select(dq1_b[r % 4u], dq1_a[r % 4u], lo);
+        d *= pc.scale;
+        for (var j = 0u; j < 4u; j++) {
+            if (cols[j] >= hq) {
+                break;
+            }
+            for (var e = 0u; e < 4u; e++) {
+                dq[q + 4u * cols[j] + e] = d[j][e];
+            }
         }
     }
 }

@@ -80,15 +80,6 @@ vec4 key_logits(vec4 dots, uint k, uint tile_len, uint base, uvec4 heads, uvec4 
 // Softmax weights of logits x under running maxes m; 0 where masked (exp(-inf - -inf) would be NaN).
 vec4 weights(vec4 x, vec4 m) { return mix(exp(x - m), vec4(0.0), equal(x, vec4(NEG_INF))); }
 
-// Rows per tile for a sequence of `rows` rows: 8, 16, 32 or 64, at most 32 above head size 128. The tile table
-// is built with the same rule (pagedvk.prefill.forward_rows).
-uint tile_rows(uint rows, uint hs) {
-    const uint most = hs <= 128u ? 64u : 32u;
-    uint r = 8u;
-    while (r < rows && r < most) r *= 2u;
-    return r;
-}
-
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint hs = pc.head_size;

@@ -63,15 +63,6 @@ fn weights(x: vec4<f32>, m: vec4<f32>) -> vec4<f32> {
     return select(exp(x - m), vec4<f32>(0.0), x == vec4<f32>(neg_inf()));
 }
 
-fn tile_rows(rows: u32, hs: u32) -> u32 {   // paged_prefill.comp's tile_rows()
-    let most = select(32u, 64u, hs <= 128u);
-    var r = 8u;
-    while (r < rows && r < most) {
-        r *= 2u;
-    }
-    return r;
-}
-
 // Whether row gr of the sequence is there: before row_end and inside the query buffer.
 fn row_valid(q_start: u32, kv_head: u32, gr: u32, row_end: u32) -> bool {
     return gr < row_end && row_base(q_start, kv_head, gr) + pc.head_size <= arrayLength(&query) * 4u;

@@ -23,6 +23,15 @@ bool tile_work(uint wg, out uint kv_head, out uint seq, out uint row0) {
     row0 = uint(max(tiles[2u * tile + 1u], 0));
     return seq < pc.num_seqs;
 }
+
+// Rows per tile of paged_prefill and paged_backward_dq for a sequence of `rows` rows: 8, 16, 32 or 64, at most
+// 32 above head size 128. The tile table is built with the same rule (pagedvk.prefill.forward_rows).
+uint tile_rows(uint rows, uint hs) {
+    const uint most = hs <= 128u ? 64u : 32u;
+    uint r = 8u;
+    while (r < rows && r < most) r *= 2u;
+    return r;
+}
 #endif
 
 #endif

@@ -11,3 +11,13 @@ fn tile_work(wg: u32) -> vec4<u32> {
     let row0 = u32(max(tiles[2u * tile + 1u], 0));
     return vec4<u32>(kv_head, seq, row0, select(0u, 1u, seq < pc.num_seqs));
 }
+
+// Rows per tile of paged_prefill and paged_backward_dq (prefill_common.glsl's tile_rows()).
+fn tile_rows(rows: u32, hs: u32) -> u32 {
+    let most = select(32u, 64u, hs <= 128u);
+    var r = 8u;
+    while (r < rows && r < most) {
+        r *= 2u;
+    }
+    return r;
+}
