@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 from . import bench, config, suite
+from .decode import subgroup_reductions
 from .dtypes import device_dtypes
 from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
 from .errors import PagedVKError
@@ -36,8 +37,10 @@ def cmd_devices(args) -> int:
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     print(f"\nselected: [{chosen.index}] {chosen.name}: {reason}")
-    for i in infos:   # which prefill kernel each device gets, and why
+    for i in infos:   # which prefill kernel each device gets, and why; how decode reduces
         print(f"prefill forward on [{i.index}]: {describe_choice(i)}")
+        print(f"decode reductions on [{i.index}]: " + ("subgroup arithmetic" if subgroup_reductions(i) else
+              "shared memory (the device lacks subgroup arithmetic or has subgroups under 4 invocations)"))
     return 0
 
 

@@ -23,6 +23,8 @@ def test_devices_lists_the_selected_device():
     # and which prefill forward each device gets, the reason included
     for info in pagedvk.devices():
         assert f"prefill forward on [{info.index}]: {pagedvk.prefill.describe_choice(info)}" in result.stdout
+        way = "subgroup arithmetic" if pagedvk.decode.subgroup_reductions(info) else "shared memory"
+        assert f"decode reductions on [{info.index}]: {way}" in result.stdout
 
 
 def test_bench_small_shape_passes_its_check():
