@@ -52,7 +52,8 @@ def matrix_unavailable(info: DeviceInfo, features=None) -> str:
         return f"its subgroup size is {info.subgroup_size}, not {MATRIX_SUBGROUP}"
     needs = VariantKey(PAGED_PREFILL.op, "glsl", matrix=MATRIX_KIND).requires()
     missing = [f for f in needs if f not in features] if features is not None else []
-    return f"it lacks the Vulkan feature(s) {', '.join(missing)}" if missing else ""
+    return (f"pagedvk did not enable the Vulkan feature(s) {', '.join(missing)} on it (the device lacks them, or "
+            f"a validation layer older than Vulkan 1.3.255 is on)") if missing else ""
 
 
 def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, head_size: int,

@@ -22,7 +22,7 @@ F16_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
 NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
 
 _info = pagedvk.select()[0]
-_why = prefill.matrix_unavailable(_info)
+_why = prefill.matrix_unavailable(_info, pagedvk.default_device().features)   # what the device turned on
 needs_coopmat = pytest.mark.skipif(bool(_why), reason=f"needs VK_KHR_cooperative_matrix: {_info.name}: {_why}")
 
 
@@ -46,7 +46,7 @@ def test_the_device_listing_the_multiply_gets_the_matrix_kernel():
     ([MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32")], 32, NEEDS, "lists no"),
     ([dataclasses.replace(F16_SHAPE, scope="workgroup")], 32, NEEDS, "lists no"),
     ([F16_SHAPE], 64, NEEDS, "subgroup size is 64, not 32"),
-    ([F16_SHAPE], 32, NEEDS - {"vulkanMemoryModel"}, "lacks the Vulkan feature(s) vulkanMemoryModel"),
+    ([F16_SHAPE], 32, NEEDS - {"vulkanMemoryModel"}, "did not enable the Vulkan feature(s) vulkanMemoryModel"),
 ])
 def test_other_devices_keep_the_scalar_kernel(shapes, subgroup, features, reason):
     info = with_shapes(shapes, subgroup)

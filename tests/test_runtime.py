@@ -274,3 +274,14 @@ def test_buffer_range_offsets_are_checked(device):
             pagedvk.paged_attention(q, *case.args()[1:])
     q = DeviceArray._over(q.buffer.buffer, align, case.query.shape, np.float32).write(case.query)
     assert rel_error(pagedvk.paged_attention(q, *case.args()[1:]).numpy(), case.reference()) < 1e-5
+
+
+def test_cooperative_matrices_stay_off_under_a_validation_layer_that_predates_them():
+    # Debian 12's layer (1.3.239) reports VK_KHR_cooperative_matrix's structures at device creation as invalid:
+    # under it the device leaves the extension off. Its first header was 1.3.255.
+    from pagedvk.runtime.instance import layer_knows_cooperative_matrix
+    version = lambda patch: (1 << 22) | (3 << 12) | patch
+    assert not layer_knows_cooperative_matrix(version(239))
+    assert not layer_knows_cooperative_matrix(version(254))
+    assert layer_knows_cooperative_matrix(version(255))
+    assert layer_knows_cooperative_matrix((1 << 22) | (4 << 12) | 0)

@@ -15,7 +15,8 @@ import vulkan as vk
 from ..config import timeout_ns
 from ..errors import ClosedError, DeviceLostError, GPUTimeoutError, VulkanError
 from .commands import DeviceCommands
-from .instance import COOPERATIVE_MATRIX_EXTENSION, DeviceInfo, get_instance, query_features, register_closer
+from .instance import (COOPERATIVE_MATRIX_EXTENSION, DeviceInfo, get_instance, layer_knows_cooperative_matrix,
+                       query_features, register_closer)
 from .memory import MEMORY_BUDGET_EXTENSION, DeviceMemory, raise_vk
 from .owned import Owned
 
@@ -57,7 +58,10 @@ class Device(DeviceMemory, DeviceCommands, Owned):
 
         # Turn on the optional features the kernels may use, where the device has them.
         coop = None
-        if info.matrix_shapes:   # only where the device lists multiplies: the extension is there
+        # only where the device lists multiplies (the extension is there), and not under a validation layer that
+        # predates the extension (instance.MATRIX_AWARE_LAYER)
+        if info.matrix_shapes and not (self.instance.validation
+                                       and not layer_knows_cooperative_matrix(self.instance.layer_version)):
             coop = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
                 sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
         have11, have12 = query_features(pd, chain=coop)

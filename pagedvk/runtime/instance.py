@@ -14,6 +14,16 @@ from .. import config
 from ..errors import PagedVKError, ValidationError, VulkanError
 
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
+# The first Vulkan header that knows VK_KHR_cooperative_matrix (1.3.255). A validation layer built from an older
+# one (Debian 12's is 1.3.239) reports the extension's structures at device creation as invalid, so under such a
+# layer pagedvk leaves cooperative matrices off (pagedvk.runtime.device) and the prefill runs its scalar kernel.
+MATRIX_AWARE_LAYER = vk.VK_MAKE_VERSION(1, 3, 255)
+
+
+def layer_knows_cooperative_matrix(spec_version: int) -> bool:
+    """Whether a layer of this specVersion (VkLayerProperties) was built with VK_KHR_cooperative_matrix's
+    structures (the patch number is the header version)."""
+    return spec_version >= MATRIX_AWARE_LAYER
 DEVICE_TYPES = {
     vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "discrete",
     vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: "integrated",
@@ -140,11 +150,14 @@ class Instance:
         available_exts = {e.extensionName for e in vk.vkEnumerateInstanceExtensionProperties(None)}
         if "VK_KHR_portability_enumeration" in available_exts:  # MoltenVK lists itself only when asked
             extensions.append("VK_KHR_portability_enumeration")
+        self.layer_version = 0   # the validation layer's specVersion, when it is on
         if validation:
-            if VALIDATION_LAYER not in {l.layerName for l in vk.vkEnumerateInstanceLayerProperties()}:
+            found = {l.layerName: l.specVersion for l in vk.vkEnumerateInstanceLayerProperties()}
+            if VALIDATION_LAYER not in found:
                 raise PagedVKError(
                     f"PAGEDVK_VALIDATION=1 but {VALIDATION_LAYER} is not installed "
                     "(Debian/Ubuntu: apt-get install vulkan-validationlayers)")
+            self.layer_version = found[VALIDATION_LAYER]
             layers.append(VALIDATION_LAYER)
             extensions.append(vk.VK_EXT_DEBUG_UTILS_EXTENSION_NAME)
         app = vk.VkApplicationInfo(
