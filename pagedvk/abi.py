@@ -45,9 +45,11 @@ KV_SEGMENTS = 4
 WRITE_INCLUDES_OPS = ("reshape_and_cache",)
 # Ops that read their caches as 16-byte chunks (kv_chunk_access.wgsl; GLSL: KV_CHUNKS in kv_storage.glsl).
 CHUNK_READ_OPS = ("paged_decode",)
-# Ops whose GLSL modules reduce over the workgroup with subgroup arithmetic (GL_KHR_shader_subgroup_arithmetic,
-# which Vulkan leaves optional). Each also has modules reducing in shared memory only, reduce="shared", for
-# devices without it: the generic head size, every cache storage and access (KernelABI.key picks them).
+# Ops whose modules reduce over the workgroup with subgroup arithmetic (GLSL: GL_KHR_shader_subgroup_arithmetic;
+# WGSL: naga's subgroup built-ins, through shaders/decode_reduce_subgroup.wgsl), which Vulkan leaves optional.
+# Each also has modules reducing in shared memory only, reduce="shared" (GLSL: SHARED_REDUCE; WGSL:
+# decode_reduce_shared.wgsl), for devices without it: the generic head size, every cache storage and access
+# (KernelABI.key picks them).
 SUBGROUP_REDUCE_OPS = ("paged_decode",)
 # Cooperative-matrix modules (VK_KHR_cooperative_matrix; GLSL only: naga has no matrix type) are named by
 # their source's suffix, shaders/<op>_<matrix>.comp ("coopmat"). They need glslang 13 or newer and SPIR-V 1.5
@@ -123,6 +125,8 @@ class VariantKey:
         if self.op in CHUNK_READ_OPS and self.kv:
             inc["kv_chunk_access.wgsl"] = "kv_chunk_segmented.wgsl" if self.access else "kv_chunk_bound.wgsl"
         inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
+        if self.op in SUBGROUP_REDUCE_OPS:
+            inc["decode_reduce.wgsl"] = f"decode_reduce_{self.reduce or 'subgroup'}.wgsl"
         if self.op in WRITE_INCLUDES_OPS:   # the cache writers' own files
             inc.update({"kv_write.wgsl": f"kv_write_{self.kv}.wgsl", "token_input.wgsl": f"token_{self.q}.wgsl",
                         "kv_write_access.wgsl": "kv_write_segmented.wgsl" if self.access else "kv_write_bound.wgsl"})
@@ -225,7 +229,7 @@ class KernelABI:
         return VariantKey(self.op, backend, kv, q, fixed, access)
 
     def reduces_in_subgroups(self, backend: str) -> bool:
-        return backend == "glsl" and self.op in SUBGROUP_REDUCE_OPS
+        return self.op in SUBGROUP_REDUCE_OPS
 
     def accesses(self, backend: str) -> tuple:
         if not self.kv_types:

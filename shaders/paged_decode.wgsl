@@ -46,47 +46,12 @@ var<workgroup> s_w: array<vec4<f32>, 256>;     // TILE / 4 * MAX_GROUP: logits, 
 var<workgroup> s_phys: array<i32, 32>;         // 2 * TILE_BLOCKS: blocks of this tile and the next, -1 where invalid
 var<workgroup> s_o: array<f32, 4096>;          // 4 * MAX_HEAD_SIZE * MAX_GROUP / 2: sums at the end; reductions' scratch
 
-// Max (is_max) or sum of (*a, *b) over the workgroup, as paged_decode.comp's workgroup_reduce.
-const REDUCE_ROUND: u32 = 8u * WG;   // where in s_o the 16 x 2 partial results go
-fn workgroup_reduce(a: ptr<function, vec4<f32>>, b: ptr<function, vec4<f32>>, is_max: bool, tid: u32) {
-    let va = *a;
-    let vb = *b;
-    s_o[8u * tid] = va.x;
-    s_o[8u * tid + 1u] = va.y;
-    s_o[8u * tid + 2u] = va.z;
-    s_o[8u * tid + 3u] = va.w;
-    s_o[8u * tid + 4u] = vb.x;
-    s_o[8u * tid + 5u] = vb.y;
-    s_o[8u * tid + 6u] = vb.z;
-    s_o[8u * tid + 7u] = vb.w;
-    workgroupBarrier();
-    if (tid < 32u) {   // thread tid reduces one half (heads 0-3 or 4-7) of eight threads' values
-        let h = tid & 1u;
-        let first = (tid >> 1u) * 8u;
-        var r = vec4<f32>(0.0);
-        for (var i = 0u; i < 8u; i++) {
-            let o = 8u * (first + i) + 4u * h;
-            let x = vec4<f32>(s_o[o], s_o[o + 1u], s_o[o + 2u], s_o[o + 3u]);
-            r = select(select(r + x, max(r, x), is_max), x, i == 0u);
-        }
-        s_o[REDUCE_ROUND + 4u * tid] = r.x;
-        s_o[REDUCE_ROUND + 4u * tid + 1u] = r.y;
-        s_o[REDUCE_ROUND + 4u * tid + 2u] = r.z;
-        s_o[REDUCE_ROUND + 4u * tid + 3u] = r.w;
-    }
-    workgroupBarrier();
-    var ra = vec4<f32>(0.0);
-    var rb = vec4<f32>(0.0);
-    for (var i = 0u; i < 16u; i++) {
-        let o = REDUCE_ROUND + 8u * i;
-        let x = vec4<f32>(s_o[o], s_o[o + 1u], s_o[o + 2u], s_o[o + 3u]);
-        let y = vec4<f32>(s_o[o + 4u], s_o[o + 5u], s_o[o + 6u], s_o[o + 7u]);
-        ra = select(select(ra + x, max(ra, x), is_max), x, i == 0u);
-        rb = select(select(rb + y, max(rb, y), is_max), y, i == 0u);
-    }
-    *a = ra;
-    *b = rb;
-}
+// The subgroup of this invocation, for the reduction (main() sets them from its built-ins).
+var<private> sg_id: u32;
+var<private> sg_count: u32;
+var<private> sg_lane: u32;
+
+//!include decode_reduce.wgsl
 
 // Blocks of the tile that starts at token `base` of a partition ending at `end` (0 past the end).
 fn tile_blocks(base: u32, end: u32, bs_log2: u32) -> u32 {
@@ -138,8 +103,12 @@ fn value_or_zero(ph: i32, i: u32) -> vec4<u32> {
 
 @compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
-        @builtin(num_workgroups) nwg: vec3<u32>) {
+        @builtin(num_workgroups) nwg: vec3<u32>, @builtin(subgroup_id) subgroup: u32,
+        @builtin(num_subgroups) subgroups: u32, @builtin(subgroup_invocation_id) subgroup_lane: u32) {
     let tid = lid.x;
+    sg_id = subgroup;
+    sg_count = subgroups;
+    sg_lane = subgroup_lane;
     let hs = select(pc.head_size, HEAD_SIZE, HEAD_SIZE > 0u);   // a fixed head size lets loops unroll
     // Head dims a thread owns in vLLM's layout: one where the head size is fixed and at most WG (the GLSL twin's
     // SLOTS: a constant bound keeps acc_a/acc_b in registers).

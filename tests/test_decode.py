@@ -223,8 +223,8 @@ def test_devices_without_subgroup_arithmetic_run_the_shared_memory_reduction(rng
         with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 head_size=128, block_size=16, num_blocks=k.shape[0], layout=layout,
                                 partition_size=partition_size, device=device) as plan:
-            # GLSL: the generic module built with SHARED_REDUCE; WGSL reduces in shared memory anyway
-            assert plan.key.reduce == ("shared" if backend == "glsl" else "")
+            # the generic module reducing in shared memory (GLSL: SHARED_REDUCE; WGSL: decode_reduce_shared.wgsl)
+            assert plan.key.reduce == "shared"
             out = plan.run(case.query, k, v, out=case.poisoned_out())
         assert rel_error(out, case.reference()) <= TOL
 

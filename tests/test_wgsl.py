@@ -62,12 +62,15 @@ def test_storage_files_stand_in_for_the_generic_includes():
     key = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg")
     names = [p.name for p in abi.source_files(SHADERS, key)]
     assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_bf16.wgsl", "attention_common.wgsl",
-                     "attention_variants.wgsl", "kv_chunk_segmented.wgsl"]
+                     "attention_variants.wgsl", "kv_chunk_segmented.wgsl", "decode_reduce_subgroup.wgsl"]
+    # and the reduction: subgroup arithmetic, or shared memory only for devices without it
+    shared = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg", subgroup_arithmetic=False)
+    assert [p.name for p in abi.source_files(SHADERS, shared)][-1] == "decode_reduce_shared.wgsl"
     # The decode reads 16-byte chunks; prefill keeps its quads.
     key = abi.PAGED_PREFILL.key("wgsl", "f16", "f16")
     assert "kv_bound.wgsl" in [p.name for p in abi.source_files(SHADERS, key)]
-    assert [p.name for p in abi.source_files(SHADERS, abi.PAGED_DECODE.key("wgsl", "f16", "f16"))][-1] \
-        == "kv_chunk_bound.wgsl"
+    decode = abi.PAGED_DECODE.key("wgsl", "f16", "f16")
+    assert "kv_chunk_bound.wgsl" in [p.name for p in abi.source_files(SHADERS, decode)]
     for tag in abi.STORAGE_TYPES:
         text = (SHADERS / f"kv_{tag}.wgsl").read_text()
         assert re.search(r"^alias KvQuad = (vec4<u32>|vec2<u32>|u32);$", text, re.M), tag
