@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 import build_shaders  # noqa: E402
 from pagedvk import bench  # noqa: E402
 from pagedvk import kernels  # noqa: E402
-from pagedvk.abi import DECODE_GROUP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE  # noqa: E402
+from pagedvk.abi import PAGED_DECODE  # noqa: E402
+from pagedvk.decode import group_size, kernel_constants  # noqa: E402
 from pagedvk.runtime.pipeline import Pipeline  # noqa: E402
 
 KEY_MATH = [("s_a += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 0u);", "s_a += chunk_quad(w[k], i);"),
@@ -62,11 +63,6 @@ def build(key, folder: Path) -> dict:
     return built
 
 
-def plan_constants(shape) -> dict:
-    """The decode kernel's specialization in the benchmark's plans (vLLM's layout): see DecodePlan.constants."""
-    return {DECODE_VALUE_ORDER_SPEC_ID: 1, DECODE_GROUP_SPEC_ID: 4 if shape.num_heads // shape.num_kv_heads <= 4 else 8}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="64x4096,8x32768,8x4096")
@@ -84,12 +80,13 @@ def main(argv=None) -> int:
     for identity_tables in (False, True):
         for num_seqs, context in bench.parse_shapes(args.shapes):
             shape = bench.DecodeShape(num_seqs=num_seqs, context=context, dtype=args.dtype)
+            constants = kernel_constants("vllm", group_size(shape.num_heads, shape.num_kv_heads))   # the plan's
             with bench.DecodeInputs(shape, device=device) as inputs:
                 if identity_tables:
                     inputs.block_tables = np.arange(inputs.num_blocks, dtype=np.int32).reshape(inputs.block_tables.shape)
                 for name, spirv in modules.items() if not identity_tables else [("kept kernel", modules["kept kernel"])]:
                     # The plan runs without variants, specialized for the benchmark's layout and head group.
-                    cached, specialization = kernels.specialized(PAGED_DECODE, key, False, plan_constants(shape))
+                    cached, specialization = kernels.specialized(PAGED_DECODE, key, False, constants)
                     replaced = device._pipelines.pop(cached, None)
                     if replaced is not None:
                         replaced.close()

@@ -58,6 +58,13 @@ def subgroup_reductions(info) -> bool:
     return info.subgroup_arithmetic and info.subgroup_size >= 4
 
 
+def kernel_constants(layout: str, group: int) -> dict:
+    """The GLSL kernel's specialization for a plan (abi.DECODE_*_SPEC_ID): the V stage of the cache layout
+    (vLLM's keeps a head dim's tokens contiguous, nhd a token's dims: the kernel's own test, v_dim_stride == 1,
+    holds exactly for nhd) and the width of the head group (at most 4 query heads per kv head, or 5 to 8)."""
+    return {DECODE_VALUE_ORDER_SPEC_ID: 2 if layout == "nhd" else 1, DECODE_GROUP_SPEC_ID: 4 if group <= 4 else 8}
+
+
 def partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units: int) -> tuple:
     """(partition_size, num_partitions): the one rule for splitting contexts (split-K).
 
@@ -185,9 +192,7 @@ class DecodePlan(Owned):
         # adds lse or sinks, or reads segmented caches, gets its own at first use (kernels.pipeline keeps them).
         self.group_size = group_size(num_heads, num_kv_heads)
         self.key = self._module()
-        # The kernel's specialization (GLSL): one V stage for the layout, one width of head group.
-        self.constants = {DECODE_VALUE_ORDER_SPEC_ID: 2 if self.spec.strides()["v_dim_stride"] == 1 else 1,
-                          DECODE_GROUP_SPEC_ID: 4 if self.group_size <= 4 else 8}
+        self.constants = kernel_constants(layout, self.group_size)
         kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.

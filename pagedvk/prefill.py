@@ -20,6 +20,7 @@ import numpy as np
 from . import checks, kernels
 from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, VariantKey
 from .array import Array, DeviceArray, asarray, empty
+from .decode import DecodePlan
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
@@ -220,6 +221,10 @@ class _Problem:
             group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0, **strides,
             **spec.strides())
         self.query_start_loc_arg = query_start_loc if self.ragged else self.query_start_loc
+
+    def query_row_bytes(self) -> int:
+        """Bytes of one query token (all its heads): a row of the ragged query and out."""
+        return self.num_heads * self.head_size * self.query_type.dtype.itemsize
 
     def tiles(self, rows_per_tile, include=None) -> np.ndarray:
         return work_tiles(self.query_start_loc, self.num_heads // self.num_kv_heads, rows_per_tile, include)
@@ -436,8 +441,7 @@ def _decode_tokens(p: _Problem, q_lens: np.ndarray) -> tuple | None:
     s0, s1 = int(single[0]), int(single[-1]) + 1
     r0 = int(p.query_start_loc[s0])
     align = p.device.info.min_storage_buffer_offset_alignment
-    row = p.num_heads * p.head_size * p.query_type.dtype.itemsize
-    if (r0 * row) % align or (r0 * p.num_heads * 4) % align:
+    if (r0 * p.query_row_bytes()) % align or (r0 * p.num_heads * 4) % align:
         return None
     return s0, s1
 
@@ -451,9 +455,9 @@ class _DecodePart:
     decode calls (H200, float16). The tables' rows are read to the host (small; device tables are read back)."""
 
     def __init__(self, p: _Problem, s0: int, s1: int, **variants):
-        from .decode import DecodePlan   # decode imports nothing of prefill; the import stays local all the same
         self.rows, self.views = (int(p.query_start_loc[s0]), s1 - s0), ()
         self.query_type, self.num_heads, self.head_size = p.query_type, p.num_heads, p.head_size
+        self.row_bytes = p.query_row_bytes()
         tables, lens = checks.host(p.block_tables)[s0:s1], checks.host(p.seq_lens)[s0:s1]
         self.plan = DecodePlan(tables, lens, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
                                head_size=p.head_size, block_size=p.block_size, num_blocks=p.num_blocks,
@@ -464,7 +468,7 @@ class _DecodePart:
     def steps(self, arrays: dict) -> list:
         """The decode kernel's dispatches over the tokens' rows of query, out and lse (views, no copies)."""
         r0, n = self.rows
-        row = self.num_heads * self.head_size * self.query_type.dtype.itemsize
+        row = self.row_bytes
 
         def rows(name, nbytes, shape, dtype):
             return DeviceArray._over(arrays[name].buffer, r0 * nbytes, shape, dtype)

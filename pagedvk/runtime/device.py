@@ -58,10 +58,10 @@ class Device(DeviceMemory, DeviceCommands, Owned):
 
         # Turn on the optional features the kernels may use, where the device has them.
         coop = None
-        # only where the device lists multiplies (the extension is there), and not under a validation layer that
-        # predates the extension (instance.MATRIX_AWARE_LAYER)
-        if info.matrix_shapes and not (self.instance.validation
-                                       and not layer_knows_cooperative_matrix(self.instance.layer_version)):
+        # Cooperative matrices only where the device lists multiplies (the extension is there), and not under a
+        # validation layer that predates the extension (instance.MATRIX_AWARE_LAYER).
+        layer_allows = not self.instance.validation or layer_knows_cooperative_matrix(self.instance.layer_version)
+        if info.matrix_shapes and layer_allows:
             coop = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
                 sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
         have11, have12 = query_features(pd, chain=coop)

@@ -24,6 +24,8 @@ def layer_knows_cooperative_matrix(spec_version: int) -> bool:
     """Whether a layer of this specVersion (VkLayerProperties) was built with VK_KHR_cooperative_matrix's
     structures (the patch number is the header version)."""
     return spec_version >= MATRIX_AWARE_LAYER
+
+
 DEVICE_TYPES = {
     vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "discrete",
     vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: "integrated",
