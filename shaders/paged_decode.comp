@@ -58,7 +58,7 @@ const uint TILE = WG;                           // tokens per tile: one key toke
 const uint CQ = KV_CHUNK_QUADS;                 // quads per 16-byte chunk
 const uint CHUNK_TOKENS = 4u * CQ;              // value tokens in one chunk of vLLM's layout
 // Chunks a thread loads before it uses any: a 128-dim fp16 key whole, and half a tile's values. Measured on the
-// H200 with the specialized pipelines (BENCHMARKS.md, "decode kernel steps"): 16 and 8 beat 8/8, 8/16, 16/16
+// H200 with the specialized pipelines (BENCHMARKS.md, "Decode with specialized pipelines"): 16 and 8 beat 8/8, 8/16, 16/16
 // and 4/8 at large batch (350 against 360-399 us at 64 x 4096 fp16); loading a tile's values together with its
 // keys was slower still.
 const uint K_BATCH = 16u;
@@ -85,7 +85,7 @@ layout(constant_id = 2) const uint GROUP_LIMIT = 0u;   // 4 or 8: the most query
 shared vec4 s_q[MAX_QUADS * MAX_GROUP];         // queries * scale: [quad][head]
 shared vec4 s_w[TILE / 4u * MAX_GROUP];         // logits, then weights: [token quad][head], 4 tokens a vec4
 shared int s_phys[2u * TILE_BLOCKS];            // physical blocks of this tile and the next, -1 where invalid
-shared float s_o[4u * MAX_HEAD_SIZE * MAX_GROUP / 2u]; // sums at the end: [lane][head][dim]; reductions' scratch
+shared float s_o[4u * MAX_HEAD_SIZE * MAX_GROUP / 2u]; // sums at the end: [lane][head][dim]; SHARED_REDUCE's scratch
 
 // Max (is_max) or sum of (a, b; b only where `wide`) over the workgroup. The callers' barriers separate one
 // call's reads of the scratch from the next call's writes.
