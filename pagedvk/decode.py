@@ -32,7 +32,7 @@ RECORDED_LAUNCHES = 32                       # per plan: enough for every layer 
 CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
 TILE = 128                                   # tokens the kernel takes at a time (TILE in the kernel)
-WORKGROUPS_PER_UNIT = 4                      # decode workgroups that keep one compute unit's memory pipe busy
+WORKGROUPS_PER_UNIT = 8                      # decode workgroups per compute unit the split aims at (BENCHMARKS.md)
 UNITS_ESTIMATE = {"discrete": 64, "integrated": 16, "virtual": 16, "other": 16}   # where the driver says nothing
 
 

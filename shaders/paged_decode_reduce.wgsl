@@ -1,5 +1,5 @@
 // Merges the partitions of a split decode, WGSL: shaders/paged_decode_reduce.comp translated statement for
-// statement, with the same interface (PAGED_DECODE_REDUCE in pagedvk/abi.py); the GLSL source explains it.
+// statement (its loops left to the driver to unroll), with the same interface (PAGED_DECODE_REDUCE in pagedvk/abi.py); the GLSL source explains it.
 
 //!include q_storage.wgsl
 //!include attention_common.wgsl
@@ -13,6 +13,26 @@
 var<immediate> pc: Params;
 
 const KV_CHUNK_QUADS: u32 = 1u;   // no cache here: attention_common.wgsl's key addressing goes unused
+
+const CHUNK: u32 = 512u;    // partitions whose weights shared memory holds at a time
+const UNROLL: u32 = 8u;     // partial outputs a thread loads before it uses any
+var<workgroup> s_w: array<f32, CHUNK>;
+var<workgroup> s_red: array<f32, WG>;
+var<workgroup> s_acc: array<vec2<f32>, WG>;
+
+// Max (is_max) or sum of every thread's x; every thread gets the result. Barriers on both sides.
+fn workgroup_reduce(tid: u32, x: f32, is_max: bool) -> f32 {
+    workgroupBarrier();
+    s_red[tid] = x;
+    workgroupBarrier();
+    for (var half_ = WG / 2u; half_ > 0u; half_ >>= 1u) {
+        if (tid < half_) {
+            s_red[tid] = select(s_red[tid] + s_red[tid + half_], max(s_red[tid], s_red[tid + half_]), is_max);
+        }
+        workgroupBarrier();
+    }
+    return workgroupUniformLoad(&s_red[0]);
+}
 
 @compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
@@ -28,7 +48,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let o = (seq * pc.num_heads + head) * hs;
     let slot0 = (seq * pc.num_heads + head) * pc.num_partitions;
     if (o + hs > 2u * arrayLength(&out) || slot0 + pc.num_partitions > arrayLength(&partial_stats)
-        || (slot0 + pc.num_partitions) * hs > 2u * arrayLength(&partial_out)) {
+        || (slot0 + pc.num_partitions) * hs > 2u * arrayLength(&partial_out) || hs > 2u * WG) {
         return;
     }
     var seq_len = 0u;
@@ -40,21 +60,53 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let parts = min(pc.num_partitions, (seq_keys - first + pc.partition_size - 1u) / pc.partition_size);
 
     var m = neg_inf();
-    for (var i = 0u; i < parts; i++) {
+    for (var i = tid; i < parts; i += WG) {
         m = max(m, partial_stats[slot0 + i].x);
     }
+    m = workgroup_reduce(tid, m, true);
+
+    let pairs = hs / 2u;
+    let lanes = WG / pairs;
+    let pair = tid % pairs;
+    let lane = tid / pairs;
     var acc = vec2<f32>(0.0);
     var total = 0.0;
-    let d0 = 2u * tid;
-    for (var i = 0u; i < parts; i++) {
-        let ml = partial_stats[slot0 + i];
-        if (ml.y <= 0.0) {
-            continue;    // a partition with no valid token
+    for (var c0 = 0u; c0 < parts; c0 += CHUNK) {
+        let n = min(CHUNK, parts - c0);
+        workgroupBarrier();   // the previous chunk's weights are read
+        for (var j = tid; j < n; j += WG) {
+            let ml = partial_stats[slot0 + c0 + j];
+            var w = 0.0;      // a partition with no valid token: none
+            if (ml.y > 0.0) {
+                w = ml.y * exp(ml.x - m);
+            }
+            s_w[j] = w;
+            total += w;
         }
-        let w = ml.y * exp(ml.x - m);
-        total += w;
-        if (d0 < hs) {
-            acc += w * partial_out[((slot0 + i) * hs + d0) >> 1u];
+        workgroupBarrier();
+        for (var j = lane; lane < lanes && j < n; j += UNROLL * lanes) {
+            var x: array<vec2<f32>, UNROLL>;
+            for (var u = 0u; u < UNROLL; u++) {
+                let k = j + u * lanes;
+                x[u] = vec2<f32>(0.0);
+                if (k < n && s_w[k] > 0.0) {   // an empty partition's output was never written: not read
+                    x[u] = partial_out[(slot0 + c0 + k) * pairs + pair];
+                }
+            }
+            for (var u = 0u; u < UNROLL; u++) {
+                let k = j + u * lanes;
+                if (k < n) {
+                    acc += s_w[k] * x[u];
+                }
+            }
+        }
+    }
+    total = workgroup_reduce(tid, total, false);
+    s_acc[tid] = acc;
+    workgroupBarrier();
+    if (lane == 0u) {
+        for (var l = 1u; l < lanes; l++) {
+            acc += s_acc[l * pairs + pair];
         }
     }
     var sink = neg_inf();
@@ -62,8 +114,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         sink = sinks[head];
     }
     let fin = softmax_finish(m, total, sink);
-    if (d0 < hs) {
-        out[(o + d0) >> 1u] = out_pair(acc * (fin.x * pc.v_scale));
+    if (lane == 0u) {
+        out[(o >> 1u) + pair] = out_pair(acc * (fin.x * pc.v_scale));
     }
     let row = seq * pc.num_heads + head;
     if (tid == 0u && (pc.variants & VARIANT_LSE) != 0u && row < arrayLength(&lse)) {

@@ -161,6 +161,20 @@ def test_split_contexts(rng, partition_size, num_heads, num_kv_heads):
     assert rel_error(out, case.reference()) <= TOL
 
 
+@pytest.mark.parametrize("backend", ["glsl", "wgsl"])
+@pytest.mark.parametrize("head_size", [80, 256])
+def test_many_partitions(rng, backend, head_size):
+    # More partitions than the reduce pass holds weights for at a time (CHUNK, 512), with every number of
+    # partition lanes its threads split into (head 80: three lanes of 40 dim pairs; head 256: one).
+    case = Case(rng, seq_lens=[9000, 0, 100], num_heads=4, num_kv_heads=2, head_size=head_size, block_size=16)
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=4, num_kv_heads=2, head_size=head_size,
+                            block_size=16, num_blocks=case.key_cache.shape[0], partition_size=16,
+                            backend=backend) as plan:
+        assert plan.num_partitions == 563
+        out = plan.run(case.query, case.key_cache, case.value_cache, out=case.poisoned_out())
+    assert rel_error(out, case.reference()) <= TOL
+
+
 @pytest.mark.parametrize("layout", ["vllm", "nhd"])
 def test_split_and_unsplit_agree(rng, layout):
     # The same inputs through one partition, through many, and through the one-shot call: the same result to
@@ -196,7 +210,7 @@ def test_partitioning_rule():
     assert group_size(32, 8) == 4 and group_size(64, 4) == 8 and group_size(12, 1) == 6 and group_size(7, 7) == 1
     # (num_seqs, workgroups per sequence, longest context, compute units) -> (partition size, partitions)
     assert partitioning(256, 8, 2048, 132) == (2048, 1)     # a grid that fills the device is not split
-    assert partitioning(8, 8, 4096, 132) == (512, 8)        # 64 workgroups become 512
+    assert partitioning(8, 8, 4096, 132) == (256, 16)       # 64 workgroups become 1024
     assert partitioning(1, 8, 4096, 132) == (128, 32)       # one sequence: partitions of one tile at least
     assert partitioning(64, 8, 100, 132) == (128, 1)        # short contexts need no reduce
     assert partitioning(1, 8, 0, 132) == (128, 1)           # nothing cached
