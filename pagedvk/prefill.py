@@ -271,11 +271,26 @@ class _Problem:
         return np.concatenate([offsets, (seqs * bt.shape[1] + slots)[order]]).astype(np.int32)
 
 
+def _launch(problem: _Problem, dispatches, arrays: dict, timestamps: bool = False) -> Launch:
+    """The dispatches recorded (see _steps). A forward's decode tokens (_DecodePart) are dispatched after the
+    prefill tiles with no barrier in between, and so are the two kinds of prefill tiles: each writes other rows of
+    out and lse and only reads the rest, and the decode kernel's workgroups run where the prefill's leave room
+    in place of after its last tile. The decode's merge of split contexts, where there is one, comes after a
+    barrier. (The decode dispatched first made the prefill tiles wait for room and the batch slower.)"""
+    steps = _steps(problem, dispatches, arrays)
+    if problem.decode_part is None:
+        return Launch(problem.device, steps, timestamps=timestamps)
+    decode = problem.decode_part.steps(arrays)
+    return Launch(problem.device, steps + decode, timestamps=timestamps,
+                  independent=frozenset(range(1, len(steps) + 1)))
+
+
 def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
     """(pipeline, buffers, push constants, grid) of each dispatch with workgroups, its buffers bound by the names
-    its ABI declares, from `arrays` (DeviceArrays). A dispatch is (kernel ABI, grid) or (kernel ABI, grid,
-    options): options["matrix"] the forward's matrix kind for this dispatch ("" scalar), options["inputs"]
-    {binding name: name in arrays} where a binding takes another array (a second tile table)."""
+    its ABI declares, from `arrays` (DeviceArrays); the forward's decode tokens are not among them (_launch). A
+    dispatch is (kernel ABI, grid) or (kernel ABI, grid, options): options["matrix"] the forward's matrix kind
+    for this dispatch ("" scalar), options["inputs"] {binding name: name in arrays} where a binding takes another
+    array (a second tile table)."""
     caches = bind_caches(arrays["key_cache"], arrays["value_cache"], problem.backend)
     bound = dict(key_cache=caches.key, value_cache=caches.value)
     steps = []
@@ -290,8 +305,6 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
                    for b in abi.bindings_for(key)]
         pipeline = kernels.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields))
         steps.append((pipeline, buffers, problem.push(caches), grid))
-    if problem.decode_part is not None:
-        steps += problem.decode_part.steps(arrays)
     return steps
 
 
@@ -319,7 +332,7 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict, given: dict
                 arrays[name] = given[name]
             else:
                 results[name] = arrays[name] = empty(shape, dtype, problem.device)
-        launch = Launch(problem.device, _steps(problem, dispatches, arrays))
+        launch = _launch(problem, dispatches, arrays)
         try:
             launch.submit()
         finally:
@@ -548,7 +561,7 @@ class Recorded:
             arrays[name] = empty(shape, dtype, problem.device)
             self._owned.append(arrays[name])
         self.outputs = tuple(arrays[name] for name in outputs)
-        self.launch = Launch(problem.device, _steps(problem, dispatches, arrays), timestamps=True)
+        self.launch = _launch(problem, dispatches, arrays, timestamps=True)
 
     @classmethod
     def forward(cls, *args, **options) -> "Recorded":

@@ -309,6 +309,35 @@ def test_mixed_batch_decode_tokens_run_the_decode_kernel(rng, backend, monkeypat
     assert used == [("paged_prefill", backend)]
 
 
+def test_mixed_batch_runs_decode_and_prefill_side_by_side(rng, monkeypatch):
+    # The prefill tiles, the decode dispatch beside them with no barrier in between, the decode's merge of split
+    # contexts after one barrier: one barrier in all where the forward ran them one after the other (2).
+    import pagedvk.runtime.pipeline as pipeline
+    barriers, recorded = [], []
+    barrier = pipeline.memory_barrier
+    monkeypatch.setattr(pipeline, "memory_barrier", lambda *a: (barriers.append(a), barrier(*a)))
+    launch = pipeline.Launch.__init__
+
+    def spy(self, device, steps, *a, **kw):
+        recorded.append(([step[0].name for step in steps], kw.get("independent", frozenset())))
+        return launch(self, device, steps, *a, **kw)
+    monkeypatch.setattr(pipeline.Launch, "__init__", spy)
+    q_lens = [5, 1, 1, 1, 9]
+    case = PrefillCase(rng, q_lens=q_lens, layout="nhd", head_size=128,
+                       seq_lens=[n + int(rng.integers(300, 900)) for n in q_lens])
+    check(case, "glsl")
+    names, independent = recorded[-1]
+    assert [n.split(".")[0] for n in names] == ["paged_prefill", "paged_decode", "paged_decode_reduce"], names
+    assert independent == {1}
+    assert len(barriers) == 1
+
+
+def test_independent_steps_cannot_split_timestamped_groups(device):
+    from pagedvk.runtime.pipeline import Launch
+    with pytest.raises(ValueError, match="independent"):
+        Launch(device, [], timestamps=1, independent=frozenset({2}))
+
+
 def test_decode_tokens_at_an_offset_the_device_cannot_bind_stay_in_the_prefill_launch(rng, device, monkeypatch):
     from pagedvk.prefill import _decode_tokens, _Problem
     # one head of 4 float32 dims: the decode tokens' query rows start at byte 32 and their lse rows at byte 8

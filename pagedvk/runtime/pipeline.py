@@ -193,15 +193,21 @@ class Launch(Owned):
     stamp after every k steps (submit() then returns each group's time: many runs in one submission
     keep the GPU busy between them, as a model's layers do).
     transfers: copies recorded before and after the dispatches (Transfers); timestamps count them too.
+    independent: indices of steps recorded with no barrier before them, so that they run beside the step
+    before them: each reads nothing an earlier step of the launch writes and writes nothing such a step
+    touches. A timestamp is not put before one (timestamps=k must not split such steps).
     """
 
-    def __init__(self, device, steps, timestamps: bool | int = False, transfers: Transfers | None = None):
+    def __init__(self, device, steps, timestamps: bool | int = False, transfers: Transfers | None = None,
+                 independent=frozenset()):
         transfers = transfers or Transfers()
         self.group = len(steps) if timestamps is True else int(timestamps)
         self.per_group = self.group and timestamps is not True
         groups = len(steps) // self.group if self.group else 0
         if self.group and len(steps) % self.group:
             raise ValueError(f"{len(steps)} steps do not make groups of {self.group}")
+        if self.per_group and any(i % self.group == 0 for i in independent):
+            raise ValueError("a step stamped before cannot be independent (timestamps and independent)")
         # Under the device lock from the check to the end of recording: no buffer is freed in between.
         bound = [b for _, buffers, _, _ in steps for b in buffers] + list(transfers.buffers)
         with device.lock:
@@ -216,7 +222,7 @@ class Launch(Owned):
                                    vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
                                    vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
                 for i, ((pipeline, _, push, grid), dset) in enumerate(zip(steps, self.descriptor_sets)):
-                    if i:
+                    if i and i not in independent:
                         memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
                                        vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT)
                         if self.group and i % self.group == 0:
