@@ -60,6 +60,10 @@ TARGET_ENV = "vulkan1.1"   # every other module
 # vLLM's head sizes: decode modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
 # on the H200), in both languages (WGSL: an `override` that build_shaders.py fixes).
 UNROLLED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+# The GLSL decode kernel's specialization constants (DECODE_*_SPEC_ID) as WGSL modules fix them at translation
+# (VariantKey.fixed; naga emits no specialization constants): for these head sizes only, each module four times.
+FIXED_WGSL_HEAD_SIZES = (64, 128)
+DECODE_FIXED = {"vllm_g4": (1, 4), "vllm_g8": (1, 8), "nhd_g4": (2, 4), "nhd_g8": (2, 8)}   # (VALUE_ORDER, GROUP_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -92,11 +96,13 @@ class VariantKey:
     access: str = ""      # how caches larger than one binding are read (CACHE_ACCESS)
     matrix: str = ""      # "" or a matrix kind ("coopmat"): the op's cooperative-matrix source
     reduce: str = ""      # "" or "shared": workgroup reductions without subgroup arithmetic (SUBGROUP_REDUCE_OPS)
+    fixed: str = ""       # WGSL decode: "" or a DECODE_FIXED name, the layout and head-group width fixed
 
     @property
     def name(self) -> str:
         axes = [self.matrix, f"kv_{self.kv}" if self.kv else "", self.access, f"q_{self.q}" if self.q else "",
-                f"h{self.head_size}" if self.head_size else "", f"{self.reduce}_reduce" if self.reduce else ""]
+                f"h{self.head_size}" if self.head_size else "", f"{self.reduce}_reduce" if self.reduce else "",
+                self.fixed]
         return ".".join([self.op, *filter(None, axes), self.backend])
 
     @property
@@ -142,7 +148,8 @@ class VariantKey:
 
     def constants(self) -> dict:
         """WGSL `override`s fixed at translation (naga emits no specialization constants)."""
-        return {"HEAD_SIZE": self.head_size} if self.head_size else {}
+        fixed = dict(zip(("VALUE_ORDER", "GROUP_LIMIT"), DECODE_FIXED[self.fixed])) if self.fixed else {}
+        return {**({"HEAD_SIZE": self.head_size} if self.head_size else {}), **fixed}
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,8 @@ class KernelABI:
     matrix_variants: tuple = ()
     # ((constant_id, SPIR-V type), ...): the op's own specialization constants, in its GLSL modules only
     spec_constants: tuple = ()
+    # head sizes whose WGSL modules are also built with the layout and group width fixed (DECODE_FIXED)
+    fixed_head_sizes: tuple = ()
 
     def specialization_constants(self, key: VariantKey) -> dict:
         """{constant_id: type} that the module declares: VARIANTS_SPEC_ID where it specializes the variants,
@@ -201,12 +210,13 @@ class KernelABI:
                                      for i in range(1, KV_SEGMENTS))
 
     def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0, access: str = "",
-            matrix: str = "", subgroup_arithmetic: bool = True) -> VariantKey:
+            matrix: str = "", subgroup_arithmetic: bool = True, fixed: str = "") -> VariantKey:
         """The module that runs this op for these arguments: the one place a module is chosen. A head size
         with no module of its own runs the generic module (head size from the push constants), and so do
         caches read in segments. A matrix module exists only for its listed (kind, cache, query, head size).
         subgroup_arithmetic=False (the device lacks it): the generic module reducing in shared memory, for an
-        op in SUBGROUP_REDUCE_OPS."""
+        op in SUBGROUP_REDUCE_OPS. fixed (a DECODE_FIXED name): the WGSL module with the layout and head-group
+        width fixed, where one is built for the head size (fixed_head_sizes), else the one that reads them."""
         if matrix:
             if (matrix, kv, q, head_size) not in self.matrix_variants or backend != "glsl":
                 built = ", ".join(f"{m} kv {k} q {qq} head {h}" for m, k, qq, h in self.matrix_variants) or "none"
@@ -225,8 +235,11 @@ class KernelABI:
                 raise ValueError(f"{self.op} has no module for {axis} {value!r} (built: {', '.join(allowed)})")
         if not subgroup_arithmetic and self.reduces_in_subgroups(backend):
             return VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
-        fixed = head_size if head_size in self.head_sizes and not access else 0
-        return VariantKey(self.op, backend, kv, q, fixed, access)
+        if fixed and fixed not in DECODE_FIXED:
+            raise ValueError(f"fixed must be one of {', '.join(DECODE_FIXED)}, got {fixed!r}")
+        unrolled = head_size if head_size in self.head_sizes and not access else 0
+        fixed = fixed if backend == "wgsl" and unrolled and unrolled in self.fixed_head_sizes else ""
+        return VariantKey(self.op, backend, kv, q, unrolled, access, fixed=fixed)
 
     def reduces_in_subgroups(self, backend: str) -> bool:
         return self.op in SUBGROUP_REDUCE_OPS
@@ -243,6 +256,9 @@ class KernelABI:
                 for q in self.q_types or ("",):
                     for hs in (0,) + self.head_sizes:
                         yield VariantKey(self.op, backend, kv, q, hs)
+                        if backend == "wgsl" and hs in self.fixed_head_sizes:
+                            for fixed in DECODE_FIXED:
+                                yield VariantKey(self.op, backend, kv, q, hs, fixed=fixed)
                     for access in self.accesses(backend)[1:]:
                         yield VariantKey(self.op, backend, kv, q, 0, access)
                     if self.reduces_in_subgroups(backend):
@@ -341,6 +357,7 @@ PAGED_DECODE = KernelABI(
     q_types=QUERY_TYPES,
     head_sizes=UNROLLED_HEAD_SIZES,
     spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32")),
+    fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
 )
 
 # Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.

@@ -65,6 +65,12 @@ def kernel_constants(layout: str, group: int) -> dict:
     return {DECODE_VALUE_ORDER_SPEC_ID: 2 if layout == "nhd" else 1, DECODE_GROUP_SPEC_ID: 4 if group <= 4 else 8}
 
 
+def fixed_name(constants: dict) -> str:
+    """The WGSL modules' name (abi.DECODE_FIXED) for the specialization kernel_constants gives the GLSL kernel."""
+    order = "nhd" if constants[DECODE_VALUE_ORDER_SPEC_ID] == 2 else "vllm"
+    return f"{order}_g{constants[DECODE_GROUP_SPEC_ID]}"
+
+
 def partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units: int) -> tuple:
     """(partition_size, num_partitions): the one rule for splitting contexts (split-K).
 
@@ -191,8 +197,8 @@ class DecodePlan(Owned):
         # The module (unrolled for this head size). Its pipeline for the plan's variants is made now; a run that
         # adds lse or sinks, or reads segmented caches, gets its own at first use (kernels.pipeline keeps them).
         self.group_size = group_size(num_heads, num_kv_heads)
-        self.key = self._module()
         self.constants = kernel_constants(layout, self.group_size)
+        self.key = self._module()
         kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
@@ -442,7 +448,8 @@ class DecodePlan(Owned):
     def _module(self, access: str = ""):
         """The decode module for this plan and a cache access (abi.CACHE_ACCESS)."""
         return PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
-                                subgroup_arithmetic=subgroup_reductions(self.device.info))
+                                subgroup_arithmetic=subgroup_reductions(self.device.info),
+                                fixed=fixed_name(self.constants))
 
     def _variant_buffers(self, sinks: DeviceArray | None) -> tuple:
         """The alibi_slopes and sinks bindings (ATTENTION_VARIANT_INPUTS' order); `sinks` in place of the plan's."""

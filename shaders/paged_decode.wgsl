@@ -7,7 +7,9 @@
 //     (a block id of -1, an s_phys slot past the tile) it is an `if`;
 //   * WGSL zero-initializes every `var`: the load batch `w` is declared once, outside the tile loop;
 //   * HEAD_SIZE is an override that build_shaders.py fixes at translation time; 0 means "from the push
-//     constants".
+//     constants". So are VALUE_ORDER and GROUP_LIMIT, the GLSL kernel's specialization constants (naga emits
+//     none): modules of the common head sizes are built once per layout and head-group width
+//     (abi.DECODE_FIXED), and 0 reads both from the push constants.
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
@@ -31,6 +33,8 @@ var<immediate> pc: Params;
 const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
 override HEAD_SIZE: u32 = 0u;
+override VALUE_ORDER: u32 = 0u;   // 1: vLLM's layout (a dim's tokens contiguous); 2: nhd; 0: from v_dim_stride
+override GROUP_LIMIT: u32 = 0u;   // 4 or 8: the most query heads a workgroup takes; 0: from group_size
 
 const MAX_GROUP: u32 = 8u;                      // query heads per workgroup: two vec4s
 const TILE: u32 = WG;                           // tokens per tile: one key token per thread
@@ -117,7 +121,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let bs_log2 = firstTrailingBit(bs);
     let bs_mask = bs - 1u;
     let group = pc.group_size;
-    let wide = group > 4u;           // heads 4-7 in use
+    let wide = select(group > 4u, GROUP_LIMIT > 4u, GROUP_LIMIT != 0u);   // heads 4-7 in use
     let P = pc.partition_size;
     let head_groups = pc.num_heads / max(group, 1u);
     let wg = workgroup_index(wid, nwg);
@@ -125,6 +129,11 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let part = wg / (head_groups * max(pc.num_seqs, 1u));
     if (group == 0u || group > MAX_GROUP || P == 0u || hs > MAX_HEAD_SIZE || bs < MIN_BLOCK_SIZE
         || bs > TILE || part >= pc.num_partitions) {
+        return;
+    }
+    // A module fixed for other arguments than the push constants' writes nothing (the plan keeps them equal).
+    if ((GROUP_LIMIT != 0u && group > GROUP_LIMIT)
+        || (VALUE_ORDER != 0u && (pc.v_dim_stride == 1u) != (VALUE_ORDER == 2u))) {
         return;
     }
     let head0 = (wg % head_groups) * group;                   // first query head of this workgroup
@@ -163,7 +172,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let ninf4 = vec4<f32>(neg_inf());
 
     // The V stage's share of the work (see the GLSL).
-    let dims_contiguous = pc.v_dim_stride == 1u;
+    let dims_contiguous = select(pc.v_dim_stride == 1u, VALUE_ORDER == 2u, VALUE_ORDER != 0u);
     let lanes = select(1u, WG / hq, dims_contiguous);
     let col = tid % hq;
     let lane = tid / hq;

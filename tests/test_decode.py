@@ -245,9 +245,9 @@ def test_devices_without_subgroup_arithmetic_run_the_shared_memory_reduction(rng
 
 @pytest.mark.parametrize("wrong", ["group", "layout"])
 def test_a_pipeline_specialized_for_other_arguments_writes_nothing(rng, backend, wrong):
-    # The plan keeps its specialization and push constants equal; were they not, a GLSL kernel must leave the
-    # output alone rather than run one layout's or group width's code on another's data. WGSL modules have no
-    # specialization constants: the plan's are ignored there, and the result stays right.
+    # The plan keeps its specialization and push constants equal; were they not, the kernel must leave the
+    # output alone rather than run one layout's or group width's code on another's data. GLSL: specialization
+    # constants; WGSL: a module built with both fixed (abi.DECODE_FIXED), for head sizes 64 and 128.
     from pagedvk.abi import DECODE_GROUP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID
     case = Case(rng, num_heads=16, num_kv_heads=2, head_size=64)   # groups of 8 heads, vLLM's layout
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=16, num_kv_heads=2, head_size=64,
@@ -255,11 +255,41 @@ def test_a_pipeline_specialized_for_other_arguments_writes_nothing(rng, backend,
         # one partition: the decode kernel writes `out` itself (a split's reduce would merge unwritten partials)
         assert plan.num_partitions == 1
         assert plan.constants == {DECODE_VALUE_ORDER_SPEC_ID: 1, DECODE_GROUP_SPEC_ID: 8}
+        assert plan.key.fixed == ("vllm_g8" if backend == "wgsl" else "")
         plan.constants = {**plan.constants, **({DECODE_GROUP_SPEC_ID: 4} if wrong == "group"
                                                else {DECODE_VALUE_ORDER_SPEC_ID: 2})}
+        plan.key = plan._module()
+        assert plan.key.fixed == ({"group": "vllm_g4", "layout": "nhd_g8"}[wrong] if backend == "wgsl" else "")
         out = pagedvk.asarray(case.poisoned_out())   # on the device: what the kernel leaves stays NaN
         out = plan.run(case.query, case.key_cache, case.value_cache, out=out).numpy()
-    if backend == "glsl":
-        assert np.isnan(out).all()
-    else:
+    assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("layout", ["vllm", "nhd"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (24, 8)])
+def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv_heads):
+    # Each of the four fixed WGSL modules of a head size, split and not: the same result as float64.
+    case = Case(rng, seq_lens=[1, 130, 700], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128)
+    k, v = case.key_cache, case.value_cache
+    if layout == "nhd":
+        k = np.ascontiguousarray(k.transpose(0, 3, 1, 2, 4).reshape(k.shape[0], 16, num_kv_heads, 128))
+        v = np.ascontiguousarray(v.transpose(0, 3, 1, 2))
+    for partition_size in (None, 128):
+        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                head_size=128, block_size=16, num_blocks=k.shape[0], layout=layout,
+                                partition_size=partition_size, backend="wgsl") as plan:
+            width = 4 if num_heads // num_kv_heads <= 4 else 8
+            assert plan.key.fixed == f"{layout}_g{width}"
+            out = plan.run(case.query, k, v, out=case.poisoned_out())
         assert rel_error(out, case.reference()) <= TOL
+
+
+def test_fixed_wgsl_modules_are_chosen_where_built():
+    from pagedvk.abi import PAGED_DECODE
+    assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4").name == "paged_decode.kv_f16.q_f16.h128.nhd_g4.wgsl"
+    assert PAGED_DECODE.key("wgsl", "f16", "f16", 96, fixed="nhd_g4").fixed == ""      # none built for head 96
+    assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, "seg", fixed="nhd_g4").fixed == ""   # segmented caches
+    assert PAGED_DECODE.key("glsl", "f16", "f16", 128, fixed="nhd_g4").fixed == ""      # GLSL specializes
+    assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4", subgroup_arithmetic=False).fixed == ""
+    with pytest.raises(ValueError, match="fixed must be one of"):
+        PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g16")
