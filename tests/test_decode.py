@@ -175,15 +175,36 @@ def test_many_partitions(rng, backend, head_size):
     assert rel_error(out, case.reference()) <= TOL
 
 
+def caches_in_layout(case, layout):
+    """The case's caches (vLLM's layout) as they are stored in `layout`."""
+    k, v = case.key_cache, case.value_cache
+    if layout == "nhd":
+        blocks, kv_heads, _, block_size, _ = k.shape
+        k = np.ascontiguousarray(k.transpose(0, 3, 1, 2, 4).reshape(blocks, block_size, kv_heads, -1))
+        v = np.ascontiguousarray(v.transpose(0, 3, 1, 2))
+    return k, v
+
+
+def check_split_and_unsplit(case, layout, key_check, **plan_options):
+    """Decode of the case in `layout`, unsplit and in 128-token partitions, against float64; key_check(plan.key)
+    says the plan took the module it should."""
+    k, v = caches_in_layout(case, layout)
+    num_heads, num_kv_heads, head_size = case.query.shape[1], k.shape[1 if layout == "vllm" else 2], case.query.shape[2]
+    for partition_size in (None, 128):
+        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                head_size=head_size, block_size=16, num_blocks=k.shape[0], layout=layout,
+                                partition_size=partition_size, **plan_options) as plan:
+            key_check(plan.key)
+            out = plan.run(case.query, k, v, out=case.poisoned_out())
+        assert rel_error(out, case.reference()) <= TOL
+
+
 @pytest.mark.parametrize("layout", ["vllm", "nhd"])
 def test_split_and_unsplit_agree(rng, layout):
     # The same inputs through one partition, through many, and through the one-shot call: the same result to
     # float32 rounding (the partitions' sums only add in another order), each also against float64.
     case = Case(rng, seq_lens=[1, 17, 700, 1500], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
-    k, v = case.key_cache, case.value_cache
-    if layout == "nhd":
-        k = np.ascontiguousarray(k.transpose(0, 3, 1, 2, 4).reshape(k.shape[0], 16, 2, 64))
-        v = np.ascontiguousarray(v.transpose(0, 3, 1, 2))
+    k, v = caches_in_layout(case, layout)
     outs = []
     for partition_size in (2048, 128, 32):
         with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
@@ -229,18 +250,10 @@ def test_devices_without_subgroup_arithmetic_run_the_shared_memory_reduction(rng
                                                                              layout, num_heads, num_kv_heads, lacking):
     monkeypatch.setattr(device, "info", dataclasses.replace(device.info, **lacking))
     case = Case(rng, seq_lens=[1, 130, 700], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128)
-    k, v = case.key_cache, case.value_cache
-    if layout == "nhd":
-        k = np.ascontiguousarray(k.transpose(0, 3, 1, 2, 4).reshape(k.shape[0], 16, num_kv_heads, 128))
-        v = np.ascontiguousarray(v.transpose(0, 3, 1, 2))
-    for partition_size in (None, 128):
-        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                head_size=128, block_size=16, num_blocks=k.shape[0], layout=layout,
-                                partition_size=partition_size, device=device) as plan:
-            # the generic module reducing in shared memory (GLSL: SHARED_REDUCE; WGSL: decode_reduce_shared.wgsl)
-            assert plan.key.reduce == "shared"
-            out = plan.run(case.query, k, v, out=case.poisoned_out())
-        assert rel_error(out, case.reference()) <= TOL
+
+    def reduces_in_shared_memory(key):   # GLSL: SHARED_REDUCE; WGSL: decode_reduce_shared.wgsl
+        assert key.reduce == "shared"
+    check_split_and_unsplit(case, layout, reduces_in_shared_memory, device=device)
 
 
 @pytest.mark.parametrize("wrong", ["group", "layout"])
@@ -270,18 +283,11 @@ def test_a_pipeline_specialized_for_other_arguments_writes_nothing(rng, backend,
 def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv_heads):
     # Each of the four fixed WGSL modules of a head size, split and not: the same result as float64.
     case = Case(rng, seq_lens=[1, 130, 700], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128)
-    k, v = case.key_cache, case.value_cache
-    if layout == "nhd":
-        k = np.ascontiguousarray(k.transpose(0, 3, 1, 2, 4).reshape(k.shape[0], 16, num_kv_heads, 128))
-        v = np.ascontiguousarray(v.transpose(0, 3, 1, 2))
-    for partition_size in (None, 128):
-        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                head_size=128, block_size=16, num_blocks=k.shape[0], layout=layout,
-                                partition_size=partition_size, backend="wgsl") as plan:
-            width = 4 if num_heads // num_kv_heads <= 4 else 8
-            assert plan.key.fixed == f"{layout}_g{width}"
-            out = plan.run(case.query, k, v, out=case.poisoned_out())
-        assert rel_error(out, case.reference()) <= TOL
+    width = 4 if num_heads // num_kv_heads <= 4 else 8
+
+    def fixed_for_the_plan(key):
+        assert key.fixed == f"{layout}_g{width}"
+    check_split_and_unsplit(case, layout, fixed_for_the_plan, backend="wgsl")
 
 
 def test_fixed_wgsl_modules_are_chosen_where_built():
