@@ -5,6 +5,7 @@ that leave a stage out"). Run from a source checkout (it compiles the ablated mo
 
     python benchmarks/decode_ablations.py                          # 64x4096, 8x32768, 8x4096, float16
     python benchmarks/decode_ablations.py --shapes 2x256 --json out.json
+    python benchmarks/decode_ablations.py --shapes 8x512 --iters 5      # on lavapipe
 
 Each ablation is shaders/paged_decode.comp with statements replaced (ABLATIONS below), built with the defines
 of the module the plan runs (GLSL, head size 128, vLLM layout), and swapped into the plan's pipeline; its
@@ -40,8 +41,20 @@ KEY_LOADS = [("if (k < kchunks) w[k] = key_load(uint(phys), key_offset(kv_head, 
               "if (c0 + k < kchunks) w[k] = uvec4(uint(phys) + k + c0, t, 1u, 2u);")]
 VALUE_LOADS = [("w[K_BATCH + k] = ph >= 0 ? value_load(uint(ph), (row_d + (t0 & bs_mask)) / CHUNK_TOKENS)",
                 "w[K_BATCH + k] = ph >= 0 ? uvec4(uint(ph), row_d + t0, 1u, 2u)")]
+# The products kept, their shared-memory operands replaced by values the compiler cannot fold: what reading the
+# queries (K stage) and the weights (V stage) from shared memory costs. llvmpipe reads shared memory one lane at a
+# time even where every lane reads one address (BENCHMARKS.md, lavapipe's decode).
+QUERY_LOADS = [("s_a += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 0u);",
+                "s_a += chunk_quad(w[k], i) * mat4(vec4(float(k)), vec4(float(i)), vec4(float(c0)), vec4(2.0));"),
+               ("s_b += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 1u);",
+                "s_b += chunk_quad(w[k], i) * mat4(vec4(float(k)), vec4(float(i)), vec4(float(c0)), vec4(3.0));")]
+WEIGHT_LOADS = [("acc_a[slot] += v * weights(t0 >> 2, 0u);\n                                    if (wide)",
+                 "acc_a[slot] += v * mat4(vec4(float(t0)), vec4(float(k)), vec4(1.0), vec4(2.0));\n"
+                 "                                    if (wide)")]
 ABLATIONS = {"no key math": KEY_MATH, "no value math": VALUE_MATH, "no math": KEY_MATH + VALUE_MATH,
-             "no key loads": KEY_LOADS, "no value loads": VALUE_LOADS, "no cache loads": KEY_LOADS + VALUE_LOADS}
+             "no key loads": KEY_LOADS, "no value loads": VALUE_LOADS, "no cache loads": KEY_LOADS + VALUE_LOADS,
+             "no query reads (products kept)": QUERY_LOADS, "no weight reads (products kept)": WEIGHT_LOADS,
+             "neither read (products kept)": QUERY_LOADS + WEIGHT_LOADS}
 TAGS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 
