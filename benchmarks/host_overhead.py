@@ -5,10 +5,12 @@
     python benchmarks/host_overhead.py --context 1024 --iters 500
     PAGEDVK_DEVICE=nvidia python benchmarks/host_overhead.py
 
-Two figures, each the median over --iters calls after a warm-up (on lavapipe use a short --context: its GPU
+Three figures, each the median over --iters calls after a warm-up (on lavapipe use a short --context: its GPU
 time swings with the machine's load, and a long kernel's swing hides the host's microseconds):
   run       DecodePlan.run on device arrays (query, caches, out), the same buffers every call (the launch is
             recorded once), 1 sequence x --context tokens;
+  run, Python only  the same run() with the driver's submit and fence calls stubbed out: the library's share
+            (20x --iters calls: they are short);
   one-shot  pagedvk.paged_attention with numpy inputs (query, caches, tables, lengths), 1 sequence x
             --oneshot-context tokens, numpy out: uploads, launch and download.
 GPU time is DecodePlan.time_ns of the same launch (timestamp queries), so "wall - GPU" is the host's share;
@@ -17,15 +19,18 @@ GPU time is DecodePlan.time_ns of the same launch (timestamp queries), so "wall 
 """
 
 import argparse
+import contextlib
 import math
 import sys
 import time
 
 import ml_dtypes
 import numpy as np
+import vulkan as vk
 
 import pagedvk
 from pagedvk.array import asarray, empty
+from pagedvk.runtime import commands
 
 
 def make_inputs(rng, context: int, dtype, num_heads=32, num_kv_heads=8, head_size=128, block_size=16):
@@ -58,6 +63,20 @@ def measure(call, gpu, iters: int, warmup: int = 10) -> tuple:
     return float(np.median(wall)), float(np.median(cpu)), float(np.median(gpu_ns))
 
 
+@contextlib.contextmanager
+def stubbed_submission():
+    """The Vulkan calls by which a recorded launch is submitted and waited for, made to succeed at once."""
+    names = ("queue_submit", "wait_for_fences", "reset_fences", "get_fence_status")
+    saved = {name: getattr(commands, name) for name in names}
+    try:
+        for name in names:
+            setattr(commands, name, lambda *a: vk.VK_SUCCESS)
+        yield
+    finally:
+        for name, f in saved.items():
+            setattr(commands, name, f)
+
+
 def report(name: str, figures: tuple) -> None:
     wall, cpu, gpu = figures
     print(f"{name:<16} wall {wall / 1e3:9.1f} us   GPU {gpu / 1e3:9.1f} us   wall - GPU {(wall - gpu) / 1e3:8.1f} us"
@@ -85,6 +104,20 @@ def main(argv=None) -> int:
     try:
         report(f"run 1x{args.context}", measure(lambda: plan.run(dq, dk, dv, out=out),
                                                 lambda: plan.time_ns(dq, dk, dv, out), args.iters))
+    finally:
+        plan.close()
+        for a in (dq, dk, dv, out):
+            a.close()
+
+    # run()'s Python alone: the same call with the driver's submit and fence calls stubbed out (nothing reaches
+    # the GPU), so the library's own share shows apart from the driver's and the wake-up's.
+    dq, dk, dv, out = asarray(q, device), asarray(k, device), asarray(v, device), empty(q.shape, dtype, device)
+    plan = pagedvk.DecodePlan.for_caches(dk, dv, tables, lens, q.shape[1], device=device, backend=args.backend)
+    try:
+        plan.run(dq, dk, dv, out=out)   # recorded once, for real
+        with stubbed_submission():
+            wall, cpu, _ = measure(lambda: plan.run(dq, dk, dv, out=out), lambda: 0.0, 20 * args.iters)
+        print(f"{'run, Python only':<16} wall {wall / 1e3:9.1f} us   (submission and fence calls stubbed)", flush=True)
     finally:
         plan.close()
         for a in (dq, dk, dv, out):

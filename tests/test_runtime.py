@@ -285,3 +285,31 @@ def test_cooperative_matrices_stay_off_under_a_validation_layer_that_predates_th
     assert not layer_knows_cooperative_matrix(version(254))
     assert layer_knows_cooperative_matrix(version(255))
     assert layer_knows_cooperative_matrix((1 << 22) | (4 << 12) | 0)
+
+
+def test_a_launch_checks_its_bindings_again_after_any_close(device):
+    # Launch.submit skips re-reading every binding's `closed` while nothing was closed since its last check
+    # (owned.closes()); a closed range, a closed buffer and a collected one must each still be refused.
+    import gc
+    from pagedvk.runtime.memory import BufferRange
+    from pagedvk.runtime.pipeline import Launch
+    from pagedvk import kernels
+    from pagedvk.abi import READ_BANDWIDTH
+    pipeline = kernels.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
+    for how in ("range", "buffer", "collected"):
+        src, dst = pagedvk.zeros(64, np.uint32, device=device), pagedvk.zeros(256, np.uint32, device=device)
+        bound = BufferRange(src.buffer, 0, 256) if how == "range" else src.buffer
+        launch = Launch(device, [(pipeline, (bound, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=16), (1, 1, 1))])
+        launch.submit()
+        launch.submit()   # nothing closed in between: no check made
+        if how == "range":
+            bound.close()
+        elif how == "buffer":
+            src.close()
+        else:
+            del bound, src   # no reference left: the buffer is collected, and its weak reference dies
+            gc.collect()
+        with pytest.raises(pagedvk.ClosedError):
+            launch.submit()
+        launch.close()
+        dst.close()

@@ -18,7 +18,7 @@ from .commands import DeviceCommands
 from .instance import (COOPERATIVE_MATRIX_EXTENSION, DeviceInfo, get_instance, layer_knows_cooperative_matrix,
                        query_features, register_closer)
 from .memory import MEMORY_BUDGET_EXTENSION, DeviceMemory, raise_vk
-from .owned import Owned
+from .owned import Owned, count_close
 
 _serials = itertools.count(1)   # tells apart Device objects opened on one GPU
 
@@ -139,6 +139,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
 
     def _release(self, key, destroy) -> None:
         with self.lock:
+            count_close()   # first: a launch binding this buffer checks its bindings again (Launch.submit)
             self._live.pop(key, None)
             if self.handle is None:
                 return

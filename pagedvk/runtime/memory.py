@@ -11,7 +11,7 @@ import numpy as np
 import vulkan as vk
 
 from ..errors import DeviceLostError, OutOfMemoryError, VulkanError
-from .owned import Owned
+from .owned import Owned, count_close
 
 MEMORY_BUDGET_EXTENSION = "VK_EXT_memory_budget"
 # Vulkan 1.2 buffer device addresses (the binding leaves these two constants None, so their values are here).
@@ -160,6 +160,7 @@ class BufferRange:
 
     def close(self) -> None:
         self.buffer = None
+        count_close()   # launches binding it check their bindings again (Launch.submit)
 
     def device_address(self) -> int:
         return self.buffer.device_address() + self.offset - self.buffer.offset

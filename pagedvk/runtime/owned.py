@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+# How many device resources have been closed or collected in this process (Device._release, BufferRange.close):
+# a launch that found its bindings open skips checking them one by one again until this moves.
+_closes = [0]
+
+
+def closes() -> int:
+    return _closes[0]
+
+
+def count_close() -> None:
+    _closes[0] += 1
+
 
 class Owned:
     """Holds device resources, freed by close() (safe to call twice), on leaving a `with` block, when
