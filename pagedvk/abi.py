@@ -217,6 +217,8 @@ class KernelABI:
         subgroup_arithmetic=False (the device lacks it): the generic module reducing in shared memory, for an
         op in SUBGROUP_REDUCE_OPS. fixed (a DECODE_FIXED name): the WGSL module with the layout and head-group
         width fixed, where one is built for the head size (fixed_head_sizes), else the one that reads them."""
+        if fixed and fixed not in DECODE_FIXED:
+            raise ValueError(f"fixed must be one of {', '.join(DECODE_FIXED)}, got {fixed!r}")
         if matrix:
             if (matrix, kv, q, head_size) not in self.matrix_variants or backend != "glsl":
                 built = ", ".join(f"{m} kv {k} q {qq} head {h}" for m, k, qq, h in self.matrix_variants) or "none"
@@ -235,8 +237,6 @@ class KernelABI:
                 raise ValueError(f"{self.op} has no module for {axis} {value!r} (built: {', '.join(allowed)})")
         if not subgroup_arithmetic and self.reduces_in_subgroups(backend):
             return VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
-        if fixed and fixed not in DECODE_FIXED:
-            raise ValueError(f"fixed must be one of {', '.join(DECODE_FIXED)}, got {fixed!r}")
         unrolled = head_size if head_size in self.head_sizes and not access else 0
         fixed = fixed if backend == "wgsl" and unrolled and unrolled in self.fixed_head_sizes else ""
         return VariantKey(self.op, backend, kv, q, unrolled, access, fixed=fixed)

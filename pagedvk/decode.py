@@ -17,7 +17,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checks, config, kernels
-from .abi import DECODE_GROUP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE
+from .abi import DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE
 from .array import Array, DeviceArray, asarray, empty
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
@@ -67,8 +67,8 @@ def kernel_constants(layout: str, group: int) -> dict:
 
 def fixed_name(constants: dict) -> str:
     """The WGSL modules' name (abi.DECODE_FIXED) for the specialization kernel_constants gives the GLSL kernel."""
-    order = "nhd" if constants[DECODE_VALUE_ORDER_SPEC_ID] == 2 else "vllm"
-    return f"{order}_g{constants[DECODE_GROUP_SPEC_ID]}"
+    fixed = (constants[DECODE_VALUE_ORDER_SPEC_ID], constants[DECODE_GROUP_SPEC_ID])
+    return next(name for name, values in DECODE_FIXED.items() if values == fixed)
 
 
 def partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units: int) -> tuple:

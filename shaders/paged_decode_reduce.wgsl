@@ -1,5 +1,6 @@
 // Merges the partitions of a split decode, WGSL: shaders/paged_decode_reduce.comp translated statement for
-// statement (its loops left to the driver to unroll), with the same interface (PAGED_DECODE_REDUCE in pagedvk/abi.py); the GLSL source explains it.
+// statement (its loops left to the driver to unroll), with the same interface (PAGED_DECODE_REDUCE in
+// pagedvk/abi.py); the GLSL source explains it.
 
 //!include q_storage.wgsl
 //!include attention_common.wgsl

@@ -297,5 +297,6 @@ def test_fixed_wgsl_modules_are_chosen_where_built():
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, "seg", fixed="nhd_g4").fixed == ""   # segmented caches
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, fixed="nhd_g4").fixed == ""      # GLSL specializes
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4", subgroup_arithmetic=False).fixed == ""
-    with pytest.raises(ValueError, match="fixed must be one of"):
-        PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g16")
+    for other in (dict(), dict(subgroup_arithmetic=False), dict(backend="glsl")):   # refused on every path
+        with pytest.raises(ValueError, match="fixed must be one of"):
+            PAGED_DECODE.key(other.pop("backend", "wgsl"), "f16", "f16", 128, fixed="nhd_g16", **other)

@@ -195,7 +195,7 @@ class Launch(Owned):
     transfers: copies recorded before and after the dispatches (Transfers); timestamps count them too.
     independent: indices of steps recorded with no barrier before them, so that they run beside the step
     before them: each reads nothing an earlier step of the launch writes and writes nothing such a step
-    touches. A timestamp is not put before one (timestamps=k must not split such steps).
+    touches. With timestamps=k, a step stamped before (index a multiple of k) cannot be one: ValueError.
     """
 
     def __init__(self, device, steps, timestamps: bool | int = False, transfers: Transfers | None = None,
