@@ -55,7 +55,9 @@ ABLATIONS = {"no key math": KEY_MATH, "no value math": VALUE_MATH, "no math": KE
              "no key loads": KEY_LOADS, "no value loads": VALUE_LOADS, "no cache loads": KEY_LOADS + VALUE_LOADS,
              "no query reads (products kept)": QUERY_LOADS, "no weight reads (products kept)": WEIGHT_LOADS,
              "neither read (products kept)": QUERY_LOADS + WEIGHT_LOADS}
-TAGS = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+# Cache dtype: (cache tag, query tag) of the module the benchmark's plan runs (fp8 caches take float16 queries).
+TAGS = {"float16": ("f16", "f16"), "bfloat16": ("bf16", "bf16"), "float32": ("f32", "f32"),
+        "float8_e4m3fn": ("e4m3", "f16"), "float8_e5m2": ("e5m2", "f16")}
 
 
 def build(key, folder: Path) -> dict:
@@ -84,7 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = bench.get_device()
-    key = PAGED_DECODE.key("glsl", TAGS[args.dtype], TAGS[args.dtype], 128)
+    key = PAGED_DECODE.key("glsl", *TAGS[args.dtype], 128)
     with tempfile.TemporaryDirectory() as tmp:
         modules = build(key, Path(tmp))
     ceiling = bench.read_bandwidth(device, iters=args.iters)

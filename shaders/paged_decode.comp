@@ -200,6 +200,11 @@ void main() {
 
     const uint row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(row), 0)));
+    // The first tile's block ids are fetched beside the sequence's length, not after it: unless a sliding window
+    // moves the partition's start, the start does not depend on the length (one round trip less before the first
+    // keys; 1-2% at 8 x 4096 and 1 x 32768 on the H200).
+    const uint early_block = ((part * P) >> bs_log2) + tid;
+    const int early_phys = tid < TILE_BLOCKS && early_block < row_blocks ? physical_block(row + early_block) : -1;
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
     const uint last = seq_len - 1u;                               // the query's position
     // Variant: the partitions cover the sliding window only, from the block of its first key.
@@ -228,7 +233,7 @@ void main() {
 
     // Block ids are fetched a tile ahead into the other half of s_phys.
     uint next_blocks = tile_blocks(start, end, bs_log2);
-    if (tid < next_blocks) s_phys[tid] = physical_block(row + (start >> bs_log2) + tid);
+    if (tid < next_blocks) s_phys[tid] = window0 == 0u ? early_phys : physical_block(row + (start >> bs_log2) + tid);
     barrier();
     uint tile = 0u;
     for (uint base = start; base < end; base += TILE, tile++) {

@@ -146,6 +146,12 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
 
     let row = seq * pc.max_blocks_per_seq;
     let row_blocks = min(pc.max_blocks_per_seq, u32(max(i32(arrayLength(&block_tables)) - i32(row), 0)));
+    // The first tile's block ids, fetched beside the sequence's length (see the GLSL).
+    let early_block = ((part * P) >> bs_log2) + tid;
+    var early_phys = -1;
+    if (tid < TILE_BLOCKS && early_block < row_blocks) {
+        early_phys = physical_block(row + early_block);
+    }
     var seq_len = 0u;
     if (seq < arrayLength(&seq_lens)) {
         seq_len = min(u32(max(seq_lens[seq], 0)), row_blocks * bs);
@@ -188,7 +194,11 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     // Block ids are fetched a tile ahead into the other half of s_phys.
     var next_blocks = tile_blocks(start, end, bs_log2);
     if (tid < next_blocks) {
-        s_phys[tid] = physical_block(row + (start >> bs_log2) + tid);
+        if (window0 == 0u) {
+            s_phys[tid] = early_phys;
+        } else {
+            s_phys[tid] = physical_block(row + (start >> bs_log2) + tid);
+        }
     }
     workgroupBarrier();
     var tile = 0u;

@@ -69,6 +69,24 @@ def test_nhd_equals_vllm(rng, backend, cache_dtype):
     assert rel_error(outs[1], outs[0]) <= 1e-6
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cache_dtype", (E4M3, E5M2), ids=lambda d: np.dtype(d).name)
+def test_decode_reads_every_fp8_byte_exactly(rng, backend, cache_dtype, layout):
+    # A sequence of one token puts its value row in the output as it is: the 256 bytes of the type (NaNs,
+    # subnormals, zeros of both signs, the largest finite values) as values of two one-token sequences must come
+    # out as ml_dtypes decodes them. The sentinel is no fp8 value, so an unwritten element shows too.
+    case = Case(rng, seq_lens=[1, 1], num_heads=4, num_kv_heads=2, head_size=128, block_size=16, dtype=cache_dtype)
+    every_byte = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    for seq in range(2):
+        case.value_cache[case.block_tables[seq, 0], :, :, 0] = every_byte[seq].view(cache_dtype)
+    query = case.query.astype(np.float32)
+    out = np.full(query.shape, 7777.0, np.float32)
+    pagedvk.paged_attention(query, *in_layout(case, layout, cache_dtype), case.block_tables, case.seq_lens, out=out,
+                            layout=layout, backend=backend)
+    expected = np.repeat(every_byte.view(cache_dtype).astype(np.float32)[:, None, :], 4, axis=1)
+    np.testing.assert_array_equal(out, expected)
+
+
 @pytest.mark.parametrize("kv_cache_dtype,dtype", [("fp8", E4M3), ("fp8_e4m3", E4M3), ("fp8_e5m2", E5M2)])
 def test_vllm_fp8_cache_as_uint8_with_scales(rng, backend, kv_cache_dtype, dtype):
     # vLLM keeps fp8 caches as uint8 and passes the per-tensor scales: the cache holds k / k_scale.
