@@ -57,12 +57,18 @@ const uint MAX_GROUP = 8u;                      // query heads per workgroup: tw
 const uint TILE = WG;                           // tokens per tile: one key token per thread
 const uint CQ = KV_CHUNK_QUADS;                 // quads per 16-byte chunk
 const uint CHUNK_TOKENS = 4u * CQ;              // value tokens in one chunk of vLLM's layout
-// Chunks a thread loads before it uses any: a 128-dim fp16 key whole, and half a tile's values. Measured on the
-// H200 with the specialized pipelines (BENCHMARKS.md, "Decode with specialized pipelines"): 16 and 8 beat 8/8, 8/16, 16/16
-// and 4/8 at large batch (350 against 360-399 us at 64 x 4096 fp16); loading a tile's values together with its
-// keys was slower still.
+// Chunks a thread loads before it uses any: a 128-dim key whole, and half a tile's values (64 tokens), in float16
+// and float32; fp8 keeps float16's counts. Measured on the H200 with the specialized pipelines (BENCHMARKS.md,
+// "Decode with specialized pipelines"): for float16, 16 and 8 beat 8/8, 8/16, 16/16 and 4/8 at large batch (350
+// against 360-399 us at 64 x 4096); loading a tile's values together with its keys was slower still. For float32,
+// 32 and 16 took 556 us against 620 us at 64 x 4096 (88% of the read kernel against 79%; "Host time, fp8 e4m3 ...").
+#if defined(KV_F32)
+const uint K_BATCH = 32u;
+const uint V_BATCH = 16u;
+#else
 const uint K_BATCH = 16u;
 const uint V_BATCH = 8u;
+#endif
 const uint TILE_BLOCKS = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
 const uint MAX_QUADS = MAX_HEAD_SIZE / 4u;
 // Head dims a thread owns in vLLM's layout (dim tid, then tid + WG): one where the head size is fixed and at most

@@ -40,8 +40,10 @@ const MAX_GROUP: u32 = 8u;                      // query heads per workgroup: tw
 const TILE: u32 = WG;                           // tokens per tile: one key token per thread
 const CQ: u32 = KV_CHUNK_QUADS;                 // quads per 16-byte chunk
 const CHUNK_TOKENS: u32 = 4u * CQ;              // value tokens in one chunk of vLLM's layout
-const K_BATCH: u32 = 16u;                       // key chunks a thread loads before it uses any (see the GLSL)
-const V_BATCH: u32 = 8u;                        // value chunks likewise: 16 / 8 took 490 us against 4 / 4's 545 (64 x 4096 fp16, H200)
+// Key and value chunks a thread loads before it uses any (see the GLSL): a 128-dim key and 64 tokens' values in
+// float16 and float32 (CQ 1), float16's counts for fp8.
+const K_BATCH: u32 = select(16u, 32u, CQ == 1u);
+const V_BATCH: u32 = select(8u, 16u, CQ == 1u);
 const TILE_BLOCKS: u32 = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
 const MAX_QUADS: u32 = MAX_HEAD_SIZE / 4u;
 
@@ -189,7 +191,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     var l_b = vec4<f32>(0.0);
     var acc_a: array<vec4<f32>, 4>;   // [dim slot] of heads 0-3 / 4-7 (zero-initialized)
     var acc_b: array<vec4<f32>, 4>;
-    var w: array<vec4<u32>, 24>;      // K_BATCH key chunks, then V_BATCH value chunks in flight
+    var w: array<vec4<u32>, K_BATCH + V_BATCH>;   // key chunks, then value chunks in flight
 
     // Block ids are fetched a tile ahead into the other half of s_phys.
     var next_blocks = tile_blocks(start, end, bs_log2);
