@@ -108,9 +108,9 @@ class VariantKey:
 
     @property
     def name(self) -> str:
-        axes = [self.matrix, self.target, f"kv_{self.kv}" if self.kv else "", self.access, f"q_{self.q}" if self.q else "",
-                f"h{self.head_size}" if self.head_size else "", f"{self.reduce}_reduce" if self.reduce else "",
-                self.fixed]
+        axes = [self.matrix, self.target, f"kv_{self.kv}" if self.kv else "", self.access,
+                f"q_{self.q}" if self.q else "", f"h{self.head_size}" if self.head_size else "",
+                f"{self.reduce}_reduce" if self.reduce else "", self.fixed]
         return ".".join([self.op, *filter(None, axes), self.backend])
 
     @property
