@@ -42,7 +42,7 @@ def main(argv=None) -> int:
               f"({100 * r['fraction_of_read']:.0f}% of read)  err {r['rel_error']:.1e}", flush=True)
     device = rows[0]["device"]
     print(f"\ndevice: {device}; read kernel {ceiling['GBps']:.1f} GB/s over {ceiling['bytes'] / 2**30:.2f} GiB "
-          f"(median of {2 * args.iters} runs); backend {rows[0]['backend']}\n")
+          f"(median of {2 * args.iters} runs); backend {rows[0]['backend']}, decode kernel {rows[0]['kernel']}\n")
     print("| batch | context | window | dtype | median | p10-p90 | KV GB/s | of read BW | rel. error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

@@ -14,7 +14,9 @@ Where a new thing goes (docs/ARCHITECTURE.md says more):
 - a head size compiled with its loops unrolled: UNROLLED_HEAD_SIZES;
 - a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/;
 - a cooperative-matrix module of an op: an entry in its KernelABI's matrix_variants and a
-  shaders/<op>_<kind>.comp with the op's bindings and push constants.
+  shaders/<op>_<kind>.comp with the op's bindings and push constants;
+- a kernel shaped for a kind of device (decode on CPUs): a tag in its KernelABI's targets and a
+  shaders/<op>_<target>.comp with the op's bindings, push constants and specialization constants.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ UNROLLED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 # (VariantKey.fixed; naga emits no specialization constants): for these head sizes only, each module four times.
 FIXED_WGSL_HEAD_SIZES = (64, 128)
 DECODE_FIXED = {"vllm_g4": (1, 4), "vllm_g8": (1, 8), "nhd_g4": (2, 4), "nhd_g8": (2, 8)}   # (VALUE_ORDER, GROUP_LIMIT)
+# Kernels of an op shaped for a kind of device, named by their source's suffix, shaders/<op>_<target>.comp (GLSL
+# only): "cpu", paged_decode for devices that run a subgroup as one SIMD register's lanes (lavapipe), with no
+# shared memory and no barrier. Built for every storage, head size and cache access the op's generic module
+# takes; they reduce with subgroup arithmetic and shuffle.
+TARGETS = ("cpu",)
 
 
 @dataclass(frozen=True)
@@ -97,18 +104,20 @@ class VariantKey:
     matrix: str = ""      # "" or a matrix kind ("coopmat"): the op's cooperative-matrix source
     reduce: str = ""      # "" or "shared": workgroup reductions without subgroup arithmetic (SUBGROUP_REDUCE_OPS)
     fixed: str = ""       # WGSL decode: "" or a DECODE_FIXED name, the layout and head-group width fixed
+    target: str = ""      # "" or a TARGETS tag: the op's source shaped for that kind of device
 
     @property
     def name(self) -> str:
-        axes = [self.matrix, f"kv_{self.kv}" if self.kv else "", self.access, f"q_{self.q}" if self.q else "",
-                f"h{self.head_size}" if self.head_size else "", f"{self.reduce}_reduce" if self.reduce else "",
-                self.fixed]
+        axes = [self.matrix, self.target, f"kv_{self.kv}" if self.kv else "", self.access,
+                f"q_{self.q}" if self.q else "", f"h{self.head_size}" if self.head_size else "",
+                f"{self.reduce}_reduce" if self.reduce else "", self.fixed]
         return ".".join([self.op, *filter(None, axes), self.backend])
 
     @property
     def source(self) -> str:
-        """The source file's name: shaders/<op>[_<matrix>].comp or .wgsl."""
-        return self.op + (f"_{self.matrix}" if self.matrix else "") + SOURCE_SUFFIX[self.backend]
+        """The source file's name: shaders/<op>[_<matrix>|_<target>].comp or .wgsl."""
+        suffix = self.matrix or self.target
+        return self.op + (f"_{suffix}" if suffix else "") + SOURCE_SUFFIX[self.backend]
 
     @property
     def target_env(self) -> str:
@@ -170,6 +179,9 @@ class KernelABI:
     spec_constants: tuple = ()
     # head sizes whose WGSL modules are also built with the layout and group width fixed (DECODE_FIXED)
     fixed_head_sizes: tuple = ()
+    # TARGETS tags of the op's device-shaped GLSL sources, built as its generic modules are (storage, head sizes,
+    # accesses), not reducing in shared memory
+    targets: tuple = ()
 
     def specialization_constants(self, key: VariantKey) -> dict:
         """{constant_id: type} that the module declares: VARIANTS_SPEC_ID where it specializes the variants,
@@ -210,13 +222,17 @@ class KernelABI:
                                      for i in range(1, KV_SEGMENTS))
 
     def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0, access: str = "",
-            matrix: str = "", subgroup_arithmetic: bool = True, fixed: str = "") -> VariantKey:
+            matrix: str = "", subgroup_arithmetic: bool = True, fixed: str = "", target: str = "") -> VariantKey:
         """The module that runs this op for these arguments: the one place a module is chosen. A head size
         with no module of its own runs the generic module (head size from the push constants), and so do
         caches read in segments. A matrix module exists only for its listed (kind, cache, query, head size).
         subgroup_arithmetic=False (the device lacks it): the generic module reducing in shared memory, for an
         op in SUBGROUP_REDUCE_OPS. fixed (a DECODE_FIXED name): the WGSL module with the layout and head-group
-        width fixed, where one is built for the head size (fixed_head_sizes), else the one that reads them."""
+        width fixed, where one is built for the head size (fixed_head_sizes), else the one that reads them.
+        target (one of the op's targets): its device-shaped GLSL module (the caller checks that the device has
+        what it needs); ignored for WGSL, whose modules are the generic kernel's only."""
+        if target and target not in self.targets:
+            raise ValueError(f"{self.op} has no {target!r} kernel (targets: {', '.join(self.targets) or 'none'})")
         if fixed and fixed not in DECODE_FIXED:
             raise ValueError(f"fixed must be one of {', '.join(DECODE_FIXED)}, got {fixed!r}")
         if matrix:
@@ -235,9 +251,11 @@ class KernelABI:
         for axis, value, allowed in (("cache storage", kv, self.kv_types), ("query storage", q, self.q_types)):
             if (value or allowed) and value not in allowed:
                 raise ValueError(f"{self.op} has no module for {axis} {value!r} (built: {', '.join(allowed)})")
+        unrolled = head_size if head_size in self.head_sizes and not access else 0
+        if target and backend == "glsl":
+            return VariantKey(self.op, backend, kv, q, unrolled, access, target=target)
         if not subgroup_arithmetic and self.reduces_in_subgroups(backend):
             return VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
-        unrolled = head_size if head_size in self.head_sizes and not access else 0
         fixed = fixed if backend == "wgsl" and unrolled and unrolled in self.fixed_head_sizes else ""
         return VariantKey(self.op, backend, kv, q, unrolled, access, fixed=fixed)
 
@@ -264,6 +282,11 @@ class KernelABI:
                     if self.reduces_in_subgroups(backend):
                         for access in self.accesses(backend):
                             yield VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
+                    for target in self.targets if backend == "glsl" else ():
+                        for hs in (0,) + self.head_sizes:
+                            yield VariantKey(self.op, backend, kv, q, hs, target=target)
+                        for access in self.accesses(backend)[1:]:
+                            yield VariantKey(self.op, backend, kv, q, 0, access, target=target)
         for matrix, kv, q, hs in self.matrix_variants:
             for access in self.accesses("glsl"):
                 yield VariantKey(self.op, "glsl", kv, q, hs, access, matrix)
@@ -358,6 +381,7 @@ PAGED_DECODE = KernelABI(
     head_sizes=UNROLLED_HEAD_SIZES,
     spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32")),
     fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
+    targets=TARGETS,
 )
 
 # Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.

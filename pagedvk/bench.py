@@ -254,7 +254,8 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
     finally:
         plan.close()
     stats = percentiles(times)
-    return {**asdict(shape), "backend": plan.backend, "device": device.info.name, "layers": inputs.layers,
+    return {**asdict(shape), "backend": plan.backend, "kernel": plan.target or "gpu", "device": device.info.name,
+            "layers": inputs.layers,
             "iters": iters * repeats, "partitions": plan.num_partitions, "partition_size": plan.partition_size,
             "rel_error": error, "checked_seqs": n, "ok": error <= TOLERANCE[shape.dtype], "kv_bytes": shape.kv_bytes,
             "GBps": shape.kv_bytes / (stats["median_us"] * 1e3), **stats}

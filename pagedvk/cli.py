@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from . import bench, config, suite
-from .decode import subgroup_reductions
+from .decode import decode_target, subgroup_reductions
 from .dtypes import device_dtypes
 from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
 from .errors import PagedVKError
@@ -20,6 +20,13 @@ from .selection import devices, select
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+def describe_decode_kernel(info) -> str:
+    """Which decode kernel a device's GLSL plans run (PAGEDVK_DECODE_KERNEL applied)."""
+    if decode_target(info, "glsl") == "cpu":
+        return "cpu (shaders/paged_decode_cpu.comp; WGSL plans run the gpu kernel)"
+    return "gpu (shaders/paged_decode.comp)"
 
 
 def cmd_devices(args) -> int:
@@ -37,8 +44,9 @@ def cmd_devices(args) -> int:
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     print(f"\nselected: [{chosen.index}] {chosen.name}: {reason}")
-    for i in infos:   # which prefill kernel each device gets, and why; how decode reduces
+    for i in infos:   # which prefill kernel each device gets, and why; which decode kernel, and how it reduces
         print(f"prefill forward on [{i.index}]: {describe_choice(i)}")
+        print(f"decode kernel on [{i.index}]: " + describe_decode_kernel(i))
         print(f"decode reductions on [{i.index}]: " + ("subgroup arithmetic" if subgroup_reductions(i) else
               "shared memory (the device lacks subgroup arithmetic or has subgroups under 4 invocations)"))
     return 0

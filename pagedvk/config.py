@@ -69,6 +69,22 @@ def spin_ns(cpu_device: bool) -> int:
                      "microseconds", 1e3, False, MAX_SPIN_US, f"{MAX_SPIN_US:g}")
 
 
+DECODE_KERNELS = ("cpu", "gpu")
+
+
+def decode_kernel(argument: str | None = None) -> str | None:
+    """The decode kernel's shape: the `kernel` argument if given, else PAGEDVK_DECODE_KERNEL ("cpu": the kernel
+    for CPU devices, shaders/paged_decode_cpu.comp; "gpu": shaders/paged_decode.comp; any case), else None: by the
+    device's type (pagedvk.decode.decode_target)."""
+    source, text = ("kernel", argument) if argument is not None else ("PAGEDVK_DECODE_KERNEL",
+                                                                     _get("PAGEDVK_DECODE_KERNEL"))
+    if not text and argument is None:
+        return None
+    if not isinstance(text, str) or text.strip().lower() not in DECODE_KERNELS:
+        raise ValueError(f"{source} must be one of {', '.join(DECODE_KERNELS)} (any case), got {text!r}")
+    return text.strip().lower()
+
+
 def backend(argument: str | None = None) -> str:
     """The kernel language: the `backend` argument if given, else PAGEDVK_BACKEND, else glsl (any case)."""
     source, text = ("backend", argument) if argument is not None else ("PAGEDVK_BACKEND", _get("PAGEDVK_BACKEND"))

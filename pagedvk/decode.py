@@ -58,6 +58,17 @@ def subgroup_reductions(info) -> bool:
     return info.subgroup_arithmetic and info.subgroup_size >= 4
 
 
+def decode_target(info, backend: str, kernel: str | None = None) -> str:
+    """The decode kernel's abi.TARGETS tag: "cpu" (shaders/paged_decode_cpu.comp) on CPU devices, or where
+    `kernel` (else PAGEDVK_DECODE_KERNEL) is "cpu"; "" (shaders/paged_decode.comp) otherwise, or "gpu" forced.
+    lavapipe reads shared memory lane by lane, and paged_decode.comp's operand reads from it took about 70% of its
+    time there (BENCHMARKS.md). The CPU kernel is GLSL only and needs subgroup arithmetic (subgroups of at least 4)
+    and shuffle; elsewhere the generic kernel runs, forced or not."""
+    choice = config.decode_kernel(kernel)
+    wanted = info.type == "cpu" if choice is None else choice == "cpu"
+    return "cpu" if wanted and backend == "glsl" and subgroup_reductions(info) and info.subgroup_shuffle else ""
+
+
 def kernel_constants(layout: str, group: int) -> dict:
     """The GLSL kernel's specialization for a plan (abi.DECODE_*_SPEC_ID): the V stage of the cache layout
     (vLLM's keeps a head dim's tokens contiguous, nhd a token's dims: the kernel's own test, v_dim_stride == 1,
@@ -157,13 +168,17 @@ class DecodePlan(Owned):
     block_size.
     alibi_slopes, logits_soft_cap, sinks, window_left: the attention variants (pagedvk.variants), the same for
     every run of the plan. With a window, the partitions cover each sequence's window only.
+    kernel        "cpu" or "gpu": the decode kernel shaped for CPU devices or for GPUs, whatever the device
+                  (default: PAGEDVK_DECODE_KERNEL, else by the device's type; see ``decode_target``). WGSL plans
+                  run the GPU kernel either way.
     """
 
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
                  block_size: int, num_blocks: int, dtype=np.float32, query_dtype=None, layout: str = "vllm",
                  scale: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0, device=None,
                  backend: str | None = None, validate: bool = True, partition_size: int | None = None,
-                 alibi_slopes=None, logits_soft_cap: float | None = None, sinks=None, window_left: int = -1):
+                 alibi_slopes=None, logits_soft_cap: float | None = None, sinks=None, window_left: int = -1,
+                 kernel: str | None = None):
         self._closed, self._lock = True, threading.Lock()   # until constructed: close() works on a half-made plan
         checks.tables(block_tables, seq_lens)
         dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -172,6 +187,7 @@ class DecodePlan(Owned):
             checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
         self.backend = backend_name(backend)
         self.device = device_of(block_tables, seq_lens, alibi_slopes, sinks, device=device)
+        self.target = decode_target(self.device.info, self.backend, kernel)
         self.num_seqs = block_tables.shape[0]
         self.num_heads, self.num_kv_heads, self.head_size = int(num_heads), int(num_kv_heads), int(head_size)
         self.block_size, self.num_blocks = int(block_size), int(num_blocks)
@@ -449,7 +465,7 @@ class DecodePlan(Owned):
         """The decode module for this plan and a cache access (abi.CACHE_ACCESS)."""
         return PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
                                 subgroup_arithmetic=subgroup_reductions(self.device.info),
-                                fixed=fixed_name(self.constants))
+                                fixed=fixed_name(self.constants), target=self.target)
 
     def _variant_buffers(self, sinks: DeviceArray | None) -> tuple:
         """The alibi_slopes and sinks bindings (ATTENTION_VARIANT_INPUTS' order); `sinks` in place of the plan's."""
@@ -570,7 +586,9 @@ def _oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, opt
         return None
     if options["backend"] is None:   # then PAGEDVK_BACKEND picks it, which may change between calls
         options = dict(options, backend=(None, config.backend()))
-    key = (signature, int(seq_lens.max(initial=0)), tuple((k, type(v), v) for k, v in options.items()))
+    # PAGEDVK_DECODE_KERNEL too may change between calls
+    key = (signature, int(seq_lens.max(initial=0)), tuple((k, type(v), v) for k, v in options.items()),
+           config.decode_kernel())
     try:
         hash(key)
     except TypeError:

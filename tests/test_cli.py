@@ -25,6 +25,8 @@ def test_devices_lists_the_selected_device():
         assert f"prefill forward on [{info.index}]: {pagedvk.prefill.describe_choice(info)}" in result.stdout
         way = "subgroup arithmetic" if pagedvk.decode.subgroup_reductions(info) else "shared memory"
         assert f"decode reductions on [{info.index}]: {way}" in result.stdout
+        kernel = "cpu (" if info.type == "cpu" else "gpu ("   # lavapipe has the subgroup operations it needs
+        assert f"decode kernel on [{info.index}]: {kernel}" in result.stdout
 
 
 def test_bench_small_shape_passes_its_check():

@@ -132,6 +132,8 @@ class DeviceInfo:
     # subgroupAdd/Max in compute shaders (VK_SUBGROUP_FEATURE_ARITHMETIC_BIT), optional in Vulkan: the decode
     # kernel's reductions use it where present (abi.SUBGROUP_REDUCE_OPS)
     subgroup_arithmetic: bool = True
+    # subgroupShuffle in compute shaders (VK_SUBGROUP_FEATURE_SHUFFLE_BIT): the CPU decode kernel needs it
+    subgroup_shuffle: bool = True
     # VK_KHR_cooperative_matrix's multiplies (MatrixShape), () without it
     matrix_shapes: tuple = field(default=(), repr=False)
     handle: object = field(default=None, repr=False, compare=False)  # VkPhysicalDevice
@@ -270,6 +272,8 @@ def describe(index: int, pd, instance) -> DeviceInfo:
         device_local_bytes=local, subgroup_size=subgroup.subgroupSize,
         subgroup_arithmetic=bool(subgroup.supportedOperations & vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT
                                  and subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
+        subgroup_shuffle=bool(subgroup.supportedOperations & vk.VK_SUBGROUP_FEATURE_SHUFFLE_BIT
+                              and subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
         fp16=bool(f12.shaderFloat16), storage16=bool(f11.storageBuffer16BitAccess),
         storage8=bool(f12.storageBuffer8BitAccess), bf16="VK_KHR_shader_bfloat16" in extensions,
         cooperative_matrix="VK_KHR_cooperative_matrix" in extensions,

@@ -1,0 +1,163 @@
+"""The two decode kernels side by side: the one for CPU devices (shaders/paged_decode_cpu.comp, what lavapipe runs
+by default) and the one for GPUs (shaders/paged_decode.comp), each forced on whatever device runs the tests,
+against the float64 reference on random data with NaN-poisoned outputs."""
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pagedvk
+from pagedvk import reference
+from pagedvk.decode import decode_target
+from conftest import Case, assert_untouched, fenced, in_layout, poison_unread_slots, rel_error
+
+CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+
+
+@pytest.fixture(params=("cpu", "gpu"))
+def kernel(request):
+    return request.param
+
+
+def query_and_tolerance(case, dtype):
+    """float32 queries with float32 caches (1e-5); float16 with the others (2e-3), fp8 caches serving 16-bit models."""
+    if np.dtype(dtype) == np.float32:
+        return case.query.astype(np.float32), 1e-5
+    return case.query.astype(np.float16), 2e-3
+
+
+def decode(case, query, kernel, layout="vllm", partition_size=None, validate=True, **variants):
+    """(out, lse, plan key, partitions) of a DecodePlan run into NaN-poisoned outputs."""
+    k, v = in_layout(case, layout, case.key_cache.dtype)
+    out = np.full(query.shape, np.nan, query.dtype)
+    lse = np.full(query.shape[:2], np.nan, np.float32)
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=query.shape[1],
+                            num_kv_heads=case.num_kv_heads, head_size=query.shape[2], block_size=case.block_size,
+                            num_blocks=case.key_cache.shape[0], dtype=case.key_cache.dtype, query_dtype=query.dtype,
+                            layout=layout, partition_size=partition_size, validate=validate, kernel=kernel,
+                            backend="glsl", **variants) as plan:
+        assert plan.key.target == ("cpu" if kernel == "cpu" else "")
+        plan.run(query, k, v, out=out, lse=lse)
+        return out, lse, plan.num_partitions
+
+
+def check_split_and_unsplit(case, query, tol, kernel, layout, **variants):
+    """One partition and 32-token partitions: each against float64 (out and lse), and the two alike."""
+    ref_out, ref_lse = reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
+    outs = []
+    for partition_size, split in ((4096, False), (32, True)):
+        out, lse, parts = decode(case, query, kernel, layout, partition_size, **variants)
+        assert (parts > 1) == split
+        assert rel_error(out, ref_out) <= tol
+        assert rel_error(lse, ref_lse) <= 1e-5
+        outs.append(out.astype(np.float32))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (16, 2), (12, 2)], ids=["g1", "g4", "g8", "g6"])
+@pytest.mark.parametrize("layout", ("vllm", "nhd"))
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_every_dtype_layout_and_group(rng, kernel, dtype, layout, num_heads, num_kv_heads):
+    # Lengths that end mid-quad, mid-block and at a partition's edge; unread slots hold NaN.
+    case = Case(rng, seq_lens=[1, 6, 130, 300], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64,
+                dtype=dtype)
+    poison_unread_slots(case, 16)
+    query, tol = query_and_tolerance(case, dtype)
+    check_split_and_unsplit(case, query, tol, kernel, layout)
+
+
+@pytest.mark.parametrize("block_size", (8, 16, 32))
+@pytest.mark.parametrize("head_size", (32, 48, 80, 256))   # 48: the generic module (no unrolled one)
+@pytest.mark.parametrize("dtype", (np.float32, ml_dtypes.float8_e4m3fn), ids=lambda d: np.dtype(d).name)
+def test_head_and_block_sizes(rng, kernel, dtype, head_size, block_size):
+    case = Case(rng, seq_lens=[3, 77, 200], num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size,
+                dtype=dtype)
+    query, tol = query_and_tolerance(case, dtype)
+    for layout in ("vllm", "nhd"):
+        out, _, _ = decode(case, query, kernel, layout)
+        assert rel_error(out, reference.paged_attention(query, *case.args()[1:])) <= tol
+
+
+@pytest.mark.parametrize("variant", ("alibi_slopes", "logits_soft_cap", "sinks", "window_left", "all"))
+@pytest.mark.parametrize("layout", ("vllm", "nhd"))
+def test_attention_variants(rng, kernel, layout, variant):
+    case = Case(rng, seq_lens=[300, 45, 1, 129], num_heads=12, num_kv_heads=2, head_size=64)
+    poison_unread_slots(case, 16)
+    every = dict(alibi_slopes=rng.uniform(-0.2, 0.2, 12).astype(np.float32), logits_soft_cap=1.5,
+                 sinks=rng.standard_normal(12).astype(np.float32), window_left=40)
+    variants = every if variant == "all" else {variant: every[variant]}
+    check_split_and_unsplit(case, case.query, 1e-5, kernel, layout, **variants)
+
+
+def test_zero_lengths_and_blocks_out_of_range_stay_inside_their_buffers(rng, device, kernel):
+    # Unchecked tables: ids at and past num_blocks, negative ids, lengths past the row and negative, with
+    # sequences of length 0 between valid ones. The sentinels around the caches must keep their pattern; a
+    # sequence with no key in range gives zeros, the valid ones their attention.
+    case = Case(rng, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
+    num_blocks = case.key_cache.shape[0]
+    bt, sl = case.block_tables.copy(), case.seq_lens.copy()
+    bt[4, 0], bt[4, 1] = num_blocks, -3            # sequence 4: its first block out of range, its second negative
+    bt[5, :] = 2**31 - 1                           # sequence 5: no block in range
+    sl[6] = bt.shape[1] * 16 + 5                   # sequence 6: a length past its row, whose padding ids are -1
+    seen = case.seq_lens.copy()                    # so it sees its 7 blocks whole: 112 keys
+    seen[6] = 112
+    expect = reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, seen)
+    (k, v), guards = fenced(device, case.key_cache, case.value_cache)
+    for partition_size in (4096, 32):
+        out = pagedvk.asarray(case.poisoned_out())
+        with pagedvk.DecodePlan(pagedvk.asarray(bt), pagedvk.asarray(sl), num_heads=8, num_kv_heads=2, head_size=64,
+                                block_size=16, num_blocks=num_blocks, partition_size=partition_size, validate=False,
+                                kernel=kernel, backend="glsl") as plan:
+            result = plan.run(pagedvk.asarray(case.query), k, v, out=out).numpy()
+        assert np.isfinite(result).all()
+        assert (result[[0, 2, 5]] == 0).all()
+        np.testing.assert_allclose(result[[1, 3, 6]], expect[[1, 3, 6]], rtol=1e-5, atol=1e-5)
+    assert_untouched(*guards)
+
+
+def test_the_device_type_picks_the_kernel(device, monkeypatch):
+    info = device.info
+    cpu_ready = dataclasses.replace(info, subgroup_arithmetic=True, subgroup_size=max(info.subgroup_size, 4),
+                                    subgroup_shuffle=True)
+    monkeypatch.delenv("PAGEDVK_DECODE_KERNEL", raising=False)
+    assert decode_target(dataclasses.replace(cpu_ready, type="cpu"), "glsl") == "cpu"
+    assert decode_target(dataclasses.replace(cpu_ready, type="discrete"), "glsl") == ""
+    assert decode_target(dataclasses.replace(cpu_ready, type="cpu"), "glsl", "gpu") == ""
+    assert decode_target(dataclasses.replace(cpu_ready, type="discrete"), "glsl", "CPU") == "cpu"
+    assert decode_target(dataclasses.replace(cpu_ready, type="cpu"), "wgsl") == ""   # WGSL: the GPU kernel only
+    for lacking in (dict(subgroup_arithmetic=False), dict(subgroup_size=2), dict(subgroup_shuffle=False)):
+        assert decode_target(dataclasses.replace(cpu_ready, type="cpu", **lacking), "glsl") == ""
+    monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", "cpu")
+    assert decode_target(dataclasses.replace(cpu_ready, type="discrete"), "glsl") == "cpu"
+    assert decode_target(dataclasses.replace(cpu_ready, type="cpu"), "glsl", "gpu") == ""   # the argument wins
+    monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", "fast")
+    with pytest.raises(ValueError, match="PAGEDVK_DECODE_KERNEL must be one of cpu, gpu"):
+        decode_target(info, "glsl")
+    with pytest.raises(ValueError, match="kernel must be one of cpu, gpu"):
+        decode_target(info, "glsl", "tpu")
+
+
+def test_the_one_call_op_follows_the_environment(rng, device, monkeypatch):
+    # paged_attention keeps a plan per call signature: PAGEDVK_DECODE_KERNEL is part of it.
+    case = Case(rng, num_heads=8, num_kv_heads=2, head_size=64)
+    ref = case.reference()
+    pagedvk.decode.release_cached_plans(device)
+    for kernel in ("gpu", "cpu", "gpu"):
+        monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", kernel)
+        assert rel_error(pagedvk.paged_attention(*case.args(), backend="glsl"), ref) <= 1e-5
+    targets = sorted(plan.key.target for plan in pagedvk.decode._oneshot_plans(device).plans())
+    assert targets == ["", "cpu"]
+    pagedvk.decode.release_cached_plans(device)
+
+
+def test_cpu_modules_are_chosen_where_built():
+    from pagedvk.abi import PAGED_DECODE
+    assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").name == "paged_decode.cpu.kv_f16.q_f16.h128.glsl"
+    assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").source == "paged_decode_cpu.comp"
+    assert PAGED_DECODE.key("glsl", "e4m3", "bf16", 100, target="cpu").head_size == 0   # the generic module
+    assert PAGED_DECODE.key("glsl", "f32", "f32", 128, "seg", target="cpu").name == "paged_decode.cpu.kv_f32.seg.q_f32.glsl"
+    assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, target="cpu").target == ""        # no WGSL twin
+    with pytest.raises(ValueError, match="has no 'tpu' kernel"):
+        PAGED_DECODE.key("glsl", "f16", "f16", 128, target="tpu")
