@@ -38,9 +38,8 @@ struct Params {
 const WG: u32 = 128u;              // == @workgroup_size
 const MAX_HEAD_SIZE: u32 = 256u;   // two head dims per thread where threads own dims
 const MIN_BLOCK_SIZE: u32 = 8u;
-// -inf and NaN cannot be WGSL constants (constant expressions must be finite): bitcast at run time.
+// -inf cannot be a WGSL constant (constant expressions must be finite): bitcast at run time.
 const NEG_INF_BITS: u32 = 0xff800000u;
-const NAN_BITS: u32 = 0x7fc00000u;
 
 fn neg_inf() -> f32 {
     return bitcast<f32>(NEG_INF_BITS);

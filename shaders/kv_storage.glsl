@@ -14,8 +14,6 @@
 #extension GL_EXT_buffer_reference_uvec2 : require
 #endif
 
-#define F32_NAN uintBitsToFloat(0x7fc00000u)
-
 // bfloat16 is the top half of a float32.
 vec2 bf16x2(uint w) { return vec2(uintBitsToFloat(w << 16), uintBitsToFloat(w & 0xffff0000u)); }
 

@@ -52,6 +52,7 @@ layout(std430, set = 0, binding = 10) writeonly buffer Lse { float lse[]; };    
 
 #include "attention_common.glsl"
 #include "attention_variants.glsl"
+#include "decode_common.glsl"
 
 const uint MAX_GROUP = 8u;                      // query heads per workgroup: two vec4s
 const uint TILE = WG;                           // tokens per tile: one key token per thread
@@ -150,18 +151,6 @@ void workgroup_reduce(inout vec4 a, inout vec4 b, bool is_max, bool wide) {
 // Blocks of the tile that starts at token `base` of a partition ending at `end` (0 past the end).
 uint tile_blocks(uint base, uint end, uint bs_log2) {
     return base < end ? (min(TILE, end - base) + (1u << bs_log2) - 1u) >> bs_log2 : 0u;
-}
-
-// A block-table entry, -1 where it is not a block of the caches.
-int physical_block(uint i) {
-    const int b = block_tables[i];
-    return (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
-}
-
-// The first n (<= 4) elements of v, the rest zero: slots past a sequence's end may hold anything, NaN
-// included, and 0 * NaN is NaN.
-vec4 first(vec4 v, uint n) {
-    return n >= 4u ? v : vec4(v.x, n > 1u ? v.y : 0.0, n > 2u ? v.z : 0.0, 0.0);
 }
 
 // The group's queries times one key quad: columns are heads (0-3 or 4-7 by h), rows head dims.

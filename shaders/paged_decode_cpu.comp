@@ -49,6 +49,7 @@ layout(std430, set = 0, binding = 10) writeonly buffer Lse { float lse[]; };    
 
 #include "attention_common.glsl"
 #include "attention_variants.glsl"
+#include "decode_common.glsl"
 
 const uint MAX_GROUP = 8u;   // query heads per workgroup: two vec4s (heads 0-3, heads 4-7), as paged_decode.comp
 #ifdef HEAD_SIZE
@@ -63,18 +64,6 @@ const uint SLOTS = QUADS / MIN_LANES;      // head-dim quads a lane owns at most
 // paged_decode.comp's specialization (pagedvk/decode.py sets both per plan; 0 reads the push constants).
 layout(constant_id = 1) const uint VALUE_ORDER = 0u;   // 1: vLLM's layout (a dim's tokens contiguous); 2: nhd
 layout(constant_id = 2) const uint GROUP_LIMIT = 0u;   // 4 or 8: the most query heads a workgroup takes
-
-// A block-table entry, -1 where it is not a block of the caches.
-int physical_block(uint i) {
-    const int b = block_tables[i];
-    return (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
-}
-
-// The first n (<= 4) elements of v, the rest zero: slots past a sequence's end may hold anything, NaN
-// included, and 0 * NaN is NaN.
-vec4 first(vec4 v, uint n) {
-    return n >= 4u ? v : vec4(v.x, n > 1u ? v.y : 0.0, n > 2u ? v.z : 0.0, 0.0);
-}
 
 // Element i of v, chosen by selects: a local vector indexed by a variable is kept in memory by llvmpipe.
 float element(vec4 v, uint i) {
