@@ -10,13 +10,13 @@ key) in the forward, 2.5x that in the backward (five products in place of two). 
 sequences share one shape: q [batch, heads, new, head], K and V contiguous [batch, kv heads, context, head],
 the KV heads expanded for GQA inside the timed step, a bottom-right causal mask; its backward is the time of
 forward + backward less the forward's. pagedvk's forward of the first sequence is checked against float64.
-`--kernels` picks the forward's kernel (pagedvk.prefill.matrix_kernel: auto, scalar, coopmat; the backward is
-scalar); a kernel the device cannot run for a row's arguments is reported and skipped.
+`--kernels` picks the forward's and the backward's kernels (pagedvk.prefill.matrix_kernel: auto, scalar,
+coopmat); a kernel the device cannot run for a row's arguments is reported and skipped.
 
     python benchmarks/prefill.py                      # the issue's shape and a sweep sized for a datacenter GPU
     python benchmarks/prefill.py --small              # a sweep lavapipe finishes in a few minutes
     python benchmarks/prefill.py --dtypes f16 --backends glsl --json prefill.json
-    python benchmarks/prefill.py --dtypes f16 --backends glsl --kernels scalar,coopmat   # both forwards
+    python benchmarks/prefill.py --dtypes f16 --backends glsl --kernels scalar,coopmat   # both kernels
     python benchmarks/prefill.py --batches 4x512/4096 --dtypes f16         # the issue's shape only
 """
 
@@ -115,7 +115,8 @@ def time_pagedvk(inputs, backend, kernel, repeats, heads) -> dict:
                                                    inputs.block_tables[:1], inputs.seq_lens[:1], loc[:2] - loc[0])
         error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         backward = Recorded.backward(inputs.dout, inputs.query, inputs.key_cache, inputs.value_cache,
-                                     inputs.block_tables, inputs.seq_lens, out, lse, loc, backend=backend)
+                                     inputs.block_tables, inputs.seq_lens, out, lse, loc, backend=backend,
+                                     kernel=kernel)
         try:
             bwd_ns = median_ns(backward.launch, repeats)
         finally:
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
                    help="comma-separated query and cache dtypes: float32, float16, bfloat16 (default: f16,f32)")
     p.add_argument("--backends", type=parsed(bench.parse_backends), default=["glsl", "wgsl"])
     p.add_argument("--kernels", type=parsed(parse_kernels), default=["auto"],
-                   help="comma-separated forward kernels: auto, scalar, coopmat (default: auto)")
+                   help="comma-separated kernels, forward and backward: auto, scalar, coopmat (default: auto)")
     p.add_argument("--batches", default=None,
                    help="comma-separated names of the sweep's batches to run (default: all), e.g. 4x512/4096")
     p.add_argument("--repeats", type=positive, default=10, help="timed submissions per figure")

@@ -470,7 +470,8 @@ PAGED_PREFILL = KernelABI(
     matrix_variants=(("coopmat", "f16", "f16", 64), ("coopmat", "f16", "f16", 128)),
 )
 
-# Backward, dq (float32, the query's layout). Workgroups and tiles as the scalar forward's (forward_rows).
+# Backward, dq (float32, the query's layout). Workgroups and tiles as the forward's: forward_rows for the scalar
+# modules, 64 rows for the cooperative-matrix ones (built as the forward's are).
 PAGED_BACKWARD_DQ = KernelABI(
     op="paged_backward_dq",
     bindings=PREFILL_INPUTS + (
@@ -483,6 +484,7 @@ PAGED_BACKWARD_DQ = KernelABI(
     workgroup_size=(128, 1, 1),
     kv_types=GRADIENT_CACHE_TYPES,
     q_types=QUERY_TYPES,
+    matrix_variants=PAGED_PREFILL.matrix_variants,
 )
 
 # Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 16 tokens of the
@@ -490,7 +492,8 @@ PAGED_BACKWARD_DQ = KernelABI(
 # (int32: num_blocks + 1 offsets, then sequence * max_blocks_per_seq + slot for each pair), so blocks shared
 # by several sequences sum their gradients in a fixed order, without atomics. Queries, dout, out and lse are
 # ragged as in PREFILL_INPUTS (query_start_loc, q_token_stride, q_head_stride).
-# Grid: (min(num_blocks, 65535), num_kv_heads, block_size / min(block_size, 16)), grid-stride over blocks.
+# Grid: (min(num_blocks, 65535), num_kv_heads, block_size / min(block_size, 16)), grid-stride over blocks, for
+# the scalar and the cooperative-matrix modules alike (built as the forward's are).
 PAGED_BACKWARD_DKDV = KernelABI(
     op="paged_backward_dkdv",
     bindings=(
@@ -510,6 +513,7 @@ PAGED_BACKWARD_DKDV = KernelABI(
     workgroup_size=(128, 1, 1),
     kv_types=GRADIENT_CACHE_TYPES,
     q_types=QUERY_TYPES,
+    matrix_variants=PAGED_PREFILL.matrix_variants,
 )
 
 # Writes new tokens' keys and values into the caches (vLLM's reshape_and_cache): one thread per (token,

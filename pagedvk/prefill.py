@@ -5,10 +5,11 @@ and bfloat16 caches). One module per kernel and storage type reads both layouts 
 the push constants) and both query forms, ragged [num_tokens, ...] with query_start_loc and fixed-q_len
 [num_seqs, num_heads, q_len, ...] (the query strides do).
 
-The forward has a second kernel for devices with cooperative matrices (VK_KHR_cooperative_matrix):
-shaders/paged_prefill_coopmat.comp, same bindings and push constants (the attention variants included), for
-float16 queries and caches at head sizes 64 and 128. `matrix_kernel` is the rule that picks it, from the
-device's listed multiplies; every variant runs on either kernel, so the variants do not enter the choice.
+Each kernel (forward, dq, dk/dv) has a second module for devices with cooperative matrices
+(VK_KHR_cooperative_matrix): shaders/<kernel>_coopmat.comp, same bindings and push constants (the forward's
+attention variants included), for float16 queries and caches at head sizes 64 and 128. `matrix_kernel` is the
+rule that picks them, from the device's listed multiplies; every variant runs on either forward kernel, so the
+variants do not enter the choice.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def describe_choice(info: DeviceInfo) -> str:
     if why:
         return f"scalar (no cooperative matrices: {why})"
     sizes = ", ".join(str(h) for *_, h in PAGED_PREFILL.matrix_variants)
-    return f"coopmat ({MATRIX_SHAPE}) for float16 caches and queries at head sizes {sizes}; scalar otherwise"
+    return (f"coopmat ({MATRIX_SHAPE}) for float16 caches and queries at head sizes {sizes}, forward and backward; "
+            f"scalar otherwise")
 
 
 def forward_rows(head_size: int, rows: np.ndarray) -> np.ndarray:
@@ -208,7 +210,7 @@ class _Problem:
         self.device = device_of(query, key_cache, value_cache, block_tables, seq_lens,
                                 *([query_start_loc] if self.ragged else []))
         self.host = isinstance(query, np.ndarray)
-        # The forward's kernel ("" scalar, or a matrix kind); the backward's kernels are scalar.
+        # The kernels' matrix kind ("" scalar), the forward's and the backward's alike.
         self.matrix = matrix_kernel(self.device.info, self.device.features, self.backend, spec.storage.tag,
                                     self.query_type.tag, self.head_size, kernel)
         self.kernel = kernel
@@ -230,9 +232,9 @@ class _Problem:
         return work_tiles(self.query_start_loc, self.num_heads // self.num_kv_heads, rows_per_tile, include)
 
     def key(self, kernel, access: str = "", matrix: str | None = None):
-        """The module of `kernel`; for the forward, the matrix kind `matrix` ("" scalar), the problem's by default."""
+        """The module of `kernel` of the matrix kind `matrix` ("" scalar), the problem's by default."""
         matrix = self.matrix if matrix is None else matrix
-        if kernel is PAGED_PREFILL and matrix:
+        if matrix:
             return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
                               matrix)
         return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, access=access)
@@ -408,6 +410,23 @@ def _bindable(tiles: np.ndarray) -> np.ndarray:
     return tiles if len(tiles) else np.zeros((1, 2), np.int32)
 
 
+def _tiled(p: _Problem, kernel, include: np.ndarray) -> tuple:
+    """(dispatches, tile tables) of a tiled kernel (the forward, dq) over the sequences in `include`: the scalar
+    module's tiles (forward_rows) where the problem has no matrix kind; else 64-row matrix tiles, and under
+    kernel="auto" the short sequences' (fewer than MATRIX_MIN_ROWS rows) scalar tiles in a second dispatch of
+    the same submission, binding its own table."""
+    scalar_rows = lambda rows: forward_rows(p.head_size, rows)
+    if not p.matrix:
+        tiles = p.tiles(scalar_rows, include=include)
+        return [(kernel, p.grid(tiles))], dict(tiles=_bindable(tiles))
+    rows = (p.num_heads // p.num_kv_heads) * np.diff(p.query_start_loc)
+    short = rows < MATRIX_MIN_ROWS if p.kernel == "auto" else np.zeros(len(rows), bool)
+    tiles = p.tiles(MATRIX_ROWS, include=include & ~short)
+    scalar_tiles = p.tiles(scalar_rows, include=include & short)
+    return ([(kernel, p.grid(tiles)), (kernel, p.grid(scalar_tiles), dict(matrix="", inputs=dict(tiles="scalar_tiles")))],
+            dict(tiles=_bindable(tiles), scalar_tiles=_bindable(scalar_tiles)))
+
+
 def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, alibi_slopes=None,
              logits_soft_cap=None, sinks=None, window_left=-1, **options) -> tuple:
     """The checked forward: (problem, dispatches, inputs, outputs) for _run or launch()."""
@@ -418,7 +437,6 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
                         window_left=window_left)
     device_of(*variants.inputs.values(), device=p.device)
     p.push_fields.update(variants.push())
-    scalar_rows = lambda rows: forward_rows(p.head_size, rows)
     q_lens = np.diff(p.query_start_loc)
     tokens = _decode_tokens(p, q_lens) if p.kernel == "auto" else None
     rest = np.ones(len(q_lens), bool)   # the sequences the prefill kernels take
@@ -426,20 +444,10 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
         p.decode_part = _DecodePart(p, *tokens, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
                                     sinks=sinks, window_left=window_left)
         rest[tokens[0]:tokens[1]] = False
-    if not p.matrix:
-        tiles, more_dispatches, more_inputs = p.tiles(scalar_rows, include=rest), [], {}
-    else:
-        rows = (p.num_heads // p.num_kv_heads) * q_lens
-        short = rows < MATRIX_MIN_ROWS if p.kernel == "auto" else np.zeros(len(rows), bool)
-        tiles = p.tiles(MATRIX_ROWS, include=rest & ~short)
-        scalar_tiles = p.tiles(scalar_rows, include=rest & short)
-        # The short sequences' scalar tiles: a second dispatch in the same submission, binding its own table.
-        more_dispatches = [(PAGED_PREFILL, p.grid(scalar_tiles), dict(matrix="", inputs=dict(tiles="scalar_tiles")))]
-        more_inputs = dict(scalar_tiles=_bindable(scalar_tiles))
-    return (p, [(PAGED_PREFILL, p.grid(tiles))] + more_dispatches,
+    dispatches, tiles = _tiled(p, PAGED_PREFILL, rest)
+    return (p, dispatches,
             dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                 seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=_bindable(tiles), **more_inputs,
-                 **variants.inputs),
+                 seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, **tiles, **variants.inputs),
             dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:-1]), np.float32)))
 
 
@@ -503,7 +511,8 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
                              seq_lens: Array, out: Array, lse: Array, query_start_loc: Array | None = None, *,
                              scale: float | None = None, causal: bool = True, layout: str = "nhd",
                              backend: str | None = None, validate: bool = True, alibi_slopes=None,
-                             logits_soft_cap=None, sinks=None, window_left: int = -1) -> tuple[Array, Array, Array]:
+                             logits_soft_cap=None, sinks=None, window_left: int = -1,
+                             kernel: str = "auto") -> tuple[Array, Array, Array]:
     """Gradients of paged_attention_prefill: (dq, dk_cache, dv_cache) for the upstream gradient dout.
 
     {query}
@@ -514,7 +523,8 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
     accumulated in float32: dq has the query's shape, dk_cache and dv_cache the caches' shapes and layout.
     Where several sequences read one physical block their gradients add up (in a fixed order, so results
     are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a DeviceArray query
-    gives DeviceArrays. validate as for paged_attention_prefill.
+    gives DeviceArrays. validate and kernel as for paged_attention_prefill: the cooperative-matrix dq and dk/dv
+    kernels multiply in float16 (P and dS rounded to it), accumulating in float32.
     The attention variants are not supported here yet: alibi_slopes, logits_soft_cap, sinks and window_left
     are accepted, so a forward's arguments can be passed on, and refused unless off.
 
@@ -524,7 +534,8 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
     refuse("paged_attention_backward", alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sinks=sinks,
            window_left=window_left)
     return _run(*_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, query_start_loc,
-                           scale=scale, causal=causal, layout=layout, backend=backend, validate=validate))
+                           scale=scale, causal=causal, layout=layout, backend=backend, validate=validate,
+                           kernel=kernel))
 
 
 def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, query_start_loc,
@@ -536,12 +547,12 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
     p.check_like("dout", dout, tuple(query.shape), query_layout, query.dtype)
     p.check_like("out", out, tuple(query.shape), query_layout, query.dtype)
     p.check_like("lse", lse, tuple(query.shape[:-1]), "(the query's shape without head_size)", np.float32)
-    tiles = p.tiles(lambda rows: forward_rows(p.head_size, rows))
+    dq_dispatches, tiles = _tiled(p, PAGED_BACKWARD_DQ, np.ones(p.num_seqs, bool))
     inputs = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                  seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, tiles=tiles, dout=dout, out=out, lse=lse,
+                  seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, **tiles, dout=dout, out=out, lse=lse,
                   block_readers=p.block_readers())
     dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // min(p.block_size, DKDV_KEYS))
-    return (p, [(PAGED_BACKWARD_DQ, p.grid(tiles)), (PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
+    return (p, dq_dispatches + [(PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
             dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
                  dv_cache=(tuple(value_cache.shape), np.float32)))
 

@@ -77,75 +77,13 @@ const uint LOADS = BC * DC / WG; // chunks of keys (and of values) each thread s
 const uint KS = DQ + 2u;         // row stride of staged keys, queries and [key][dim] values, in quads (padded
                                  // against bank conflicts; a multiple of 16 bytes as matrix loads need)
 const uint TS = BC / 4u + 2u;    // row stride of staged [dim][key] values, of S (vec4) and of P, in quads
-
-#define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
-#define MAT_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
-#define MAT_C coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define MATRIX_WALKS_TABLES
+#include "prefill_matrix.glsl"
 
 shared f16vec4 s_kv[max(max(BR, BC) * KS, D * TS)];   // the step's keys, then its values; the queries at the start
 shared vec4 s_s[BR * TS];                    // each subgroup's 16 x BC logits; row numbers; output passes
 shared f16vec4 s_p[BR * TS];                 // each subgroup's 16 x BC weights
 shared float s_row[BR];                      // a per-row factor handed from a row's lanes to its subgroup
-
-f16vec4 half4(uvec2 w) { return f16vec4(unpackFloat2x16(w.x), unpackFloat2x16(w.y)); }
-
-// The sequence's queries and context a workgroup works on.
-struct Seq { uint start; uint q_len; uint len; };
-
-// What one query row gr of the sequence is: where it starts in query / out (elements; lse: / D), its head,
-// its sequence position, and the keys it sees (0 for rows past the end of the tile or of the query buffer).
-// The one place a row number becomes a (token, head, position).
-struct Row { uint base; uint head; uint pos; uint keys; bool valid; };
-Row query_row(Seq q, uint kv_head, uint gr, uint row_end) {
-    const uint group = pc.num_heads / pc.num_kv_heads;
-    Row r;
-    r.base = row_base(q.start, kv_head, gr);
-    r.head = kv_head * group + gr % group;
-    r.pos = query_position(gr / group, q.q_len, q.len);
-    r.valid = gr < row_end && r.base + D <= uint(query.length()) * 4u;
-    r.keys = r.valid ? visible_keys(gr / group, q.q_len, q.len) : 0u;
-    return r;
-}
-
-// Block sizes are powers of two (8, 16, 32: pagedvk.layouts.BLOCK_SIZES): tokens split into (block, slot)
-// by shifts, not by the integer divisions the staging would otherwise do for every chunk.
-uint block_shift() { return uint(findLSB(pc.block_size)); }
-
-// The physical block of a token of the sequence, -1 past kv_end or outside the caches.
-int token_block(uint bt_row, uint token, uint kv_end) {
-    if (token >= kv_end) return -1;
-    int b = block_tables[bt_row + (token >> block_shift())];
-    return (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
-}
-
-// Chunk i (< BC * DC) of a step's keys from `base` on: token i / DC, head dims 8 (i % DC) on. Zeros for
-// tokens that are not there.
-uvec4 key_chunk(uint bt_row, uint kv_head, uint base, uint i, uint kv_end) {
-    const uint t = base + i / DC;
-    const int b = token_block(bt_row, t, kv_end);
-    return b >= 0 ? key_load(uint(b), key_offset(kv_head, t & (pc.block_size - 1u), 2u * (i % DC)) >> 1) : uvec4(0u);
-}
-
-// Chunk i of a step's values, along the axis the cache holds contiguous: by_dim (nhd) token i / DC, head dims
-// 8 (i % DC) on, as the keys; else (vLLM) head dim i / (BC / 8), tokens 8 (i % (BC / 8)) on, of which those
-// at or past kv_end are zeroed (they may hold NaN).
-uvec4 value_chunk(uint bt_row, uint kv_head, uint base, uint i, uint kv_end, bool by_dim) {
-    const uint t = base + (by_dim ? i / DC : 8u * (i % (BC / 8u)));
-    const uint d = by_dim ? 8u * (i % DC) : i / (BC / 8u);
-    const int b = token_block(bt_row, t, kv_end);
-    uvec4 w = b >= 0 ? value_load(uint(b), value_offset(kv_head, t & (pc.block_size - 1u), d) >> 3) : uvec4(0u);
-    if (!by_dim) {
-        for (uint j = 0u; j < 4u; j++) {   // word j holds tokens t + 2j, t + 2j + 1
-            w[j] &= (t + 2u * j < kv_end ? 0xffffu : 0u) | (t + 2u * j + 1u < kv_end ? 0xffff0000u : 0u);
-        }
-    }
-    return w;
-}
-
-// Where chunk i goes in s_kv: keys and nhd values [key][dim] (row stride KS), vLLM values [dim][key] (TS).
-uint chunk_slot(uint i, bool by_dim) {
-    return by_dim ? (i / DC) * KS + 2u * (i % DC) : (i / (BC / 8u)) * TS + 2u * (i % (BC / 8u));
-}
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -168,11 +106,11 @@ void main() {
 
     // This lane's row for the softmax and the output (two lanes per row, each half of the columns).
     const uint my_row = warp * 16u + lane / 2u, half_ = lane & 1u;
-    const Row me = query_row(sq, kv_head, row0 + my_row, row_end);
+    const Row me = query_row(sq, kv_head, row0 + my_row, row_end, uint(query.length()) * 4u);
 
     // The queries, staged as float16 and loaded into each subgroup's matrices; rows that are not there are zeros.
     for (uint i = tid; i < BR * DQ; i += WG) {
-        const Row q = query_row(sq, kv_head, row0 + i / DQ, row_end);
+        const Row q = query_row(sq, kv_head, row0 + i / DQ, row_end, uint(query.length()) * 4u);
         s_kv[(i / DQ) * KS + i % DQ] = q.valid ? half4(query[q.base / 4u + i % DQ]) : f16vec4(0.0);
     }
     // Each element's row number, for ROWS_OF (see the top).

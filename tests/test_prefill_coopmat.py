@@ -1,4 +1,4 @@
-"""The cooperative-matrix prefill forward (shaders/paged_prefill_coopmat.comp) and the rule that picks it.
+"""The cooperative-matrix prefill forward and backward (shaders/*_coopmat.comp) and the rule that picks them.
 
 The rule and the property query are tested everywhere, with made-up property lists where the device has
 none (lavapipe). The kernel itself runs only where the device lists its multiply: those tests are marked
@@ -18,6 +18,7 @@ from test_prefill import PrefillCase, poisoned_outputs  # noqa: F401 - the fixtu
 from test_variants import VARIANTS, variant_args
 
 TOL = 2e-3   # float16 storage and operands
+
 F16_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
 NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
 
@@ -265,3 +266,72 @@ def test_matrix_kernel_window_does_not_read_blocks_before_it(rng, layout):
             k[b] = v[b] = np.nan
     out, lse = pagedvk.paged_attention_prefill(*args, kernel="coopmat", **case.options(window_left=window_left))
     assert rel_error(out, ref_out) <= TOL and rel_error(lse, ref_lse) <= TOL
+
+
+# -- the backward's matrix kernels (dq, dk/dv), where they run --
+
+def run_f16_backward(case, kernel, rng):
+    """(dq's, dk's, dv's) relative error against float64 on the same float16 inputs, with the forward's out
+    (rounded to float16) and lse from the reference, and a float16 dout."""
+    args = (case.query.astype(np.float16), *f16_caches(case), *case.args()[3:5])
+    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, *case.args()[5:], **case.options())
+    dout = rng.standard_normal(case.query.shape).astype(np.float16)
+    grads = pagedvk.paged_attention_backward(dout, *args, ref_out.astype(np.float16), ref_lse.astype(np.float32),
+                                             kernel=kernel, **case.loc(), **case.options())
+    refs = pagedvk.reference.paged_attention_backward(dout, *args, *case.args()[5:], **case.options())
+    for g, like in zip(grads, args):
+        assert g.shape == like.shape and g.dtype == np.float32
+    return tuple(rel_error(g, ref) for g, ref in zip(grads, refs))
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+@pytest.mark.parametrize("causal", (True, False))
+@pytest.mark.parametrize("head_size", (64, 128))
+@pytest.mark.parametrize("q_len", (1, 7, 100))
+def test_matrix_backward_matches_reference(rng, layout, causal, head_size, q_len):
+    # shared prefix blocks: their dK and dV add up over the sequences reading them
+    case = PrefillCase(rng, q_len=q_len, layout=layout, causal=causal, head_size=head_size, num_heads=8,
+                       num_kv_heads=2, shared_prefix_blocks=2)
+    assert max(run_f16_backward(case, "coopmat", rng)) <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+@pytest.mark.parametrize("block_size", (8, 16, 32))
+def test_matrix_backward_many_tiles_and_block_sizes(rng, layout, block_size):
+    # rows over several 64-row tiles and steps, contexts over several 32-key steps, an empty sequence, MQA;
+    # 8-token blocks fill half of the dk/dv kernel's 16 keys, 32-token blocks take two workgroups each
+    case = PrefillCase(rng, q_len=70, layout=layout, head_size=128, num_heads=4, num_kv_heads=1,
+                       block_size=block_size, seq_lens=[70, 0, 333, 129])
+    assert max(run_f16_backward(case, "coopmat", rng)) <= TOL
+
+
+@needs_coopmat
+@pytest.mark.parametrize("kernel", ("coopmat", "auto"))
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_matrix_backward_ragged_batch(rng, layout, kernel):
+    # prompts, chunks, decode tokens and empty sequences in one batch, GQA groups across 64-row tiles; "auto"
+    # runs the short sequences' dq on the scalar kernel in the same launch
+    case = PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
+                       num_kv_heads=4)
+    assert max(run_f16_backward(case, kernel, rng)) <= TOL
+
+
+@needs_coopmat
+def test_auto_picks_the_matrix_backward(rng, monkeypatch):
+    modules, pipeline = [], pagedvk.kernels.pipeline
+    monkeypatch.setattr(pagedvk.kernels, "pipeline",
+                        lambda device, kernel, key, *a: modules.append(key.name) or pipeline(device, kernel, key, *a))
+    case = PrefillCase(rng, q_lens=[70, 1, 33], head_size=128, num_heads=8, num_kv_heads=2)
+    assert max(run_f16_backward(case, "auto", rng)) <= TOL
+    assert modules == ["paged_backward_dq.coopmat.kv_f16.q_f16.h128.glsl", "paged_backward_dq.kv_f16.q_f16.glsl",
+                       "paged_backward_dkdv.coopmat.kv_f16.q_f16.h128.glsl"]
+
+
+def test_backward_matrix_modules_are_named_and_built():
+    for abi_ in (abi.PAGED_BACKWARD_DQ, abi.PAGED_BACKWARD_DKDV):
+        key = abi_.key("glsl", "f16", "f16", 64, matrix="coopmat")
+        assert key.source == f"{abi_.op}_coopmat.comp" and set(key.requires()) == NEEDS
+        assert {k for k in abi_.keys() if k.matrix} == {
+            abi_.key("glsl", "f16", "f16", h, access, "coopmat") for h in (64, 128) for access in abi.CACHE_ACCESS}

@@ -1,0 +1,218 @@
+#version 450
+// Paged-attention backward, the query gradient, on cooperative matrices (VK_KHR_cooperative_matrix): the op
+// of paged_backward_dq.comp, with its bindings, push constants and result (PAGED_BACKWARD_DQ in
+// pagedvk/abi.py), for float16 queries and caches at a head size fixed at build time (HEAD_SIZE):
+//   dq = scale * dS K,  dS = P * (dP - D),  P = exp(scale q.k - lse),  dP = dout.v,  D = rowsum(dout * out).
+// Q.K^T, dout.V^T and dS.K are 16x16x16 float16 products accumulated in float32 (dS rounded to float16 as
+// FlashAttention-2 rounds it), chosen as paged_prefill_coopmat.comp is chosen (pagedvk.prefill).
+//
+// One workgroup of four subgroups per (tile of BR = 64 query rows of one sequence, kv head), from the tile
+// table, rows as in paged_prefill_coopmat.comp. Each subgroup owns 16 rows: their queries and dout stay in
+// registers as matrices, their dq accumulates in registers as matrices. Each row's two lanes sum its D before
+// the walk. The context is walked in steps of BC = 32 keys:
+//   1. the workgroup stages the step's keys and values in shared memory (loaded into registers during the
+//      step before, so the loads' latency hides behind that step's products);
+//   2. each subgroup multiplies S = Q.K^T and dP = dout.V^T for its rows into shared memory;
+//   3. each row's two lanes (half of the keys each) write dS, zero where the row does not see the key;
+//   4. each subgroup adds dS.K to its dq.
+// Keys past the tile's last visible key and blocks outside the caches are staged as zeros, as in the forward.
+#extension GL_GOOGLE_include_directive : require
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_control_flow_attributes : require
+#define KV_CHUNKS   // the caches' bindings hold 16-byte chunks: 8 float16 elements a load
+#include "kv_storage.glsl"
+
+#if !defined(KV_F16) || !defined(Q_F16) || !defined(HEAD_SIZE)
+#error "paged_backward_dq_coopmat is built for float16 caches and queries with HEAD_SIZE fixed"
+#endif
+
+layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
+
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };          // [tokens, heads, head_size]
+#define KV_SEGMENT_BINDING 11   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+CACHE_BINDINGS
+layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
+layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
+layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
+layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };             // [tiles, 2]
+layout(std430, set = 0, binding = 7) readonly buffer Dout { Q_QUAD dout[]; };            // like query
+layout(std430, set = 0, binding = 8) readonly buffer Out { Q_QUAD out_[]; };             // like query
+layout(std430, set = 0, binding = 9) readonly buffer Lse { float lse[]; };               // [tokens, heads]
+layout(std430, set = 0, binding = 10) writeonly buffer Dq { vec2 dq[]; };                // float32, like query
+
+#include "attention_common.glsl"
+#define PREFILL_TILES
+#include "prefill_common.glsl"
+
+const uint D = HEAD_SIZE;        // a multiple of 64 (pagedvk/abi.py builds 64 and 128)
+const uint BR = 64u;             // query rows per workgroup: 16 per subgroup
+const uint BC = 32u;             // keys per step (64 would hold four more matrices in registers per lane)
+const uint DQ = D / 4u;          // float16 quads per key or query row
+const uint DC = D / 8u;          // 16-byte chunks per key row
+const uint LOADS = BC * DC / WG; // chunks of keys (and of values) each thread stages per step
+const uint KS = DQ + 2u;         // row stride of staged queries, keys and [key][dim] values, in quads
+const uint TS = BC / 4u + 2u;    // row stride of staged [dim][key] values, of S and dP (vec4) and of dS, in quads
+#define MATRIX_WALKS_TABLES
+#include "prefill_matrix.glsl"
+
+const uint V_OFF = BC * KS;      // the values' place in s_kv, after the keys
+shared f16vec4 s_kv[max(BR * KS, V_OFF + max(BC * KS, D * TS))];   // the queries and dout at the start; keys, values
+shared vec4 s_s[BR * TS];        // each subgroup's 16 x BC logits; output passes
+shared vec4 s_dp[BR * TS];       // each subgroup's 16 x BC dP
+shared f16vec4 s_ds[BR * TS];    // each subgroup's 16 x BC dS
+
+void main() {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint warp = gl_SubgroupID, lane = gl_SubgroupInvocationID;
+    const uint bs = pc.block_size;
+    const uint group = pc.num_heads / pc.num_kv_heads;
+    uint kv_head, seq, row0;
+    if (!tile_work(workgroup_index(), kv_head, seq, row0) || pc.head_size != D) return;
+    // query, dout and out share one shape: a row is in all three or the launch is malformed.
+    const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 4u;
+    const uvec2 queries = sequence_queries(seq, row_floats / (D * pc.num_heads));
+    const uint rows = group * queries.y;
+    if (row0 >= rows) return;
+    const uint row_end = min(row0 + BR, rows);
+
+    const uint bt_row = seq * pc.max_blocks_per_seq;
+    const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(bt_row), 0)));
+    const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
+    const Seq sq = Seq(queries.x, queries.y, seq_len);
+    const uint kv_end = visible_keys((row_end - 1u) / group, sq.q_len, seq_len);   // rows are query-major
+
+    // This lane's row for dS and the output (two lanes per row, each half of the keys and head dims).
+    const uint my_row = warp * 16u + lane / 2u, half_ = lane & 1u;
+    const Row me = query_row(sq, kv_head, row0 + my_row, row_end, row_floats);
+    const bool has_lse = me.valid && me.base / D < uint(lse.length());
+    const float row_lse = has_lse ? lse[me.base / D] : 0.0;
+    float delta = 0.0;   // D: the row's dout . out, this lane's half of the head dims, then the whole
+    if (has_lse) {
+        for (uint c = half_ * (DQ / 2u); c < (half_ + 1u) * (DQ / 2u); c++) {
+            delta += dot(vec4(half4(dout[me.base / 4u + c])), vec4(half4(out_[me.base / 4u + c])));
+        }
+    }
+    delta += subgroupShuffleXor(delta, 1u);
+
+    // The queries, then dout, staged as float16 and loaded into each subgroup's matrices; rows that are not
+    // there are zeros.
+    MAT_A q[D / 16u];   // one declaration each (see s below)
+    MAT_A g[D / 16u];
+    for (uint pass = 0u; pass < 2u; pass++) {
+        for (uint i = tid; i < BR * DQ; i += WG) {
+            const Row r = query_row(sq, kv_head, row0 + i / DQ, row_end, row_floats);
+            const uint at = r.base / 4u + i % DQ;
+            s_kv[(i / DQ) * KS + i % DQ] = !r.valid ? f16vec4(0.0) : half4(pass == 0u ? query[at] : dout[at]);
+        }
+        barrier();
+        [[unroll]] for (uint k = 0u; k < D / 16u; k++) {
+            if (pass == 0u) coopMatLoad(q[k], s_kv, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
+            else coopMatLoad(g[k], s_kv, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
+        }
+        barrier();
+    }
+
+    MAT_C dq_acc[D / 16u];
+    [[unroll]] for (uint j = 0u; j < D / 16u; j++) dq_acc[j] = MAT_C(0.0);
+    const bool values_by_dim = pc.v_dim_stride == 1u;   // nhd: a token's head dims are contiguous
+    uvec4 keys[LOADS], values[LOADS];
+    [[unroll]] for (uint r = 0u; r < LOADS; r++) {
+        keys[r] = key_chunk(bt_row, kv_head, 0u, tid + r * WG, kv_end);
+        values[r] = value_chunk(bt_row, kv_head, 0u, tid + r * WG, kv_end, values_by_dim);
+    }
+
+    for (uint base = 0u; base < kv_end; base += BC) {
+        // 1. Keys [key][dim] at 0, values at V_OFF ([key][dim] or [dim][key]); then the next step's loads.
+        [[unroll]] for (uint r = 0u; r < LOADS; r++) {
+            const uint kat = chunk_slot(tid + r * WG, true), vat = V_OFF + chunk_slot(tid + r * WG, values_by_dim);
+            s_kv[kat] = half4(keys[r].xy);
+            s_kv[kat + 1u] = half4(keys[r].zw);
+            s_kv[vat] = half4(values[r].xy);
+            s_kv[vat + 1u] = half4(values[r].zw);
+        }
+        barrier();
+        [[unroll]] for (uint r = 0u; r < LOADS; r++) {
+            keys[r] = key_chunk(bt_row, kv_head, base + BC, tid + r * WG, kv_end);
+            values[r] = value_chunk(bt_row, kv_head, base + BC, tid + r * WG, kv_end, values_by_dim);
+        }
+
+        // 2. S = Q.K^T (K^T: the staged keys read column-major) and dP = dout.V^T.
+        MAT_C s[BC / 16u];   // one declaration each: glslang 13 drops the use of a second declarator
+        MAT_C dp[BC / 16u];
+        [[unroll]] for (uint n = 0u; n < BC / 16u; n++) {
+            s[n] = MAT_C(0.0);
+            dp[n] = MAT_C(0.0);
+        }
+        [[unroll]] for (uint k = 0u; k < D / 16u; k++) {
+            [[unroll]] for (uint n = 0u; n < BC / 16u; n++) {
+                MAT_B kt;
+                MAT_B vt;
+                coopMatLoad(kt, s_kv, n * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutColumnMajor);
+                s[n] = coopMatMulAdd(q[k], kt, s[n]);
+                if (values_by_dim) {
+                    coopMatLoad(vt, s_kv, V_OFF + n * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutColumnMajor);
+                } else {
+                    coopMatLoad(vt, s_kv, V_OFF + k * 16u * TS + n * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
+                }
+                dp[n] = coopMatMulAdd(g[k], vt, dp[n]);
+            }
+        }
+        [[unroll]] for (uint n = 0u; n < BC / 16u; n++) {
+            coopMatStore(s[n], s_s, warp * 16u * TS + n * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatStore(dp[n], s_dp, warp * 16u * TS + n * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
+        }
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+
+        // 3. dS for this lane's half of its row: quads half_, half_ + 2, ...
+        [[unroll]] for (uint j = 0u; j < BC / 8u; j++) {
+            const uint cq = 2u * j + half_;
+            const vec4 st = s_s[my_row * TS + cq], dpv = s_dp[my_row * TS + cq];
+            vec4 ds;
+            [[unroll]] for (uint e = 0u; e < 4u; e++) {
+                const bool seen = has_lse && base + 4u * cq + e < me.keys;
+                ds[e] = seen ? exp(st[e] * pc.scale - row_lse) * (dpv[e] - delta) : 0.0;
+            }
+            s_ds[my_row * TS + cq] = f16vec4(ds);
+        }
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+
+        // 4. dq += dS.K (K: the staged keys read row-major).
+        [[unroll]] for (uint k = 0u; k < BC / 16u; k++) {
+            MAT_A ds;
+            coopMatLoad(ds, s_ds, warp * 16u * TS + k * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
+            [[unroll]] for (uint j = 0u; j < D / 16u; j++) {
+                MAT_B kb;
+                coopMatLoad(kb, s_kv, k * 16u * KS + j * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
+                dq_acc[j] = coopMatMulAdd(ds, kb, dq_acc[j]);
+            }
+        }
+        barrier();   // every subgroup is done with this step's keys and values
+    }
+
+    // dq out through shared memory, BC head dims at a time: rows of a workgroup are not evenly spaced in dq.
+    const bool write = me.valid && me.base + D <= 2u * uint(dq.length());
+    for (uint pass = 0u; pass < D / BC; pass++) {
+        [[unroll]] for (uint j = 0u; j < BC / 16u; j++) {
+            coopMatStore(dq_acc[pass * (BC / 16u) + j], s_s, warp * 16u * TS + j * 4u, TS,
+                         gl_CooperativeMatrixLayoutRowMajor);
+        }
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        if (write) {
+            [[unroll]] for (uint j = 0u; j < BC / 8u; j++) {
+                const uint cq = (BC / 8u) * half_ + j;
+                const vec4 v = s_s[my_row * TS + cq] * pc.scale;
+                const uint d = me.base + pass * BC + 4u * cq;
+                dq[d >> 1] = v.xy;
+                dq[(d >> 1) + 1u] = v.zw;
+            }
+        }
+        subgroupBarrier();   // read before the next pass overwrites
+    }
+}
