@@ -8,8 +8,8 @@
 //
 // One workgroup of four subgroups per (tile of BR = 64 query rows of one sequence, kv head), from the tile
 // table, rows as in paged_prefill_coopmat.comp. Each subgroup owns 16 rows: their queries and dout stay in
-// registers as matrices, their dq accumulates in registers as matrices. Each row's two lanes sum its D before
-// the walk. The context is walked in steps of BC = 32 keys:
+// registers as matrices, their dq accumulates in registers as matrices; the rows' D are summed as they are
+// staged. The context is walked in steps of BC = 32 keys:
 //   1. the workgroup stages the step's keys and values in shared memory (loaded into registers during the
 //      step before, so the loads' latency hides behind that step's products);
 //   2. each subgroup multiplies S = Q.K^T and dP = dout.V^T for its rows into shared memory;
@@ -32,15 +32,16 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };          // [tokens, heads, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer Query { uvec4 query[]; };           // [tokens, heads, head_size]
 #define KV_SEGMENT_BINDING 11   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
 layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };             // [tiles, 2]
-layout(std430, set = 0, binding = 7) readonly buffer Dout { Q_QUAD dout[]; };            // like query
-layout(std430, set = 0, binding = 8) readonly buffer Out { Q_QUAD out_[]; };             // like query
+layout(std430, set = 0, binding = 7) readonly buffer Dout { uvec4 dout[]; };             // like query
+layout(std430, set = 0, binding = 8) readonly buffer Out { uvec4 out_[]; };              // like query
+// (query, dout and out are float16, read 8 elements a load: a row's D elements start on a 16-byte boundary)
 layout(std430, set = 0, binding = 9) readonly buffer Lse { float lse[]; };               // [tokens, heads]
 layout(std430, set = 0, binding = 10) writeonly buffer Dq { vec2 dq[]; };                // float32, like query
 
@@ -56,6 +57,7 @@ const uint DC = D / 8u;          // 16-byte chunks per key row
 const uint LOADS = BC * DC / WG; // chunks of keys (and of values) each thread stages per step
 const uint KS = DQ + 2u;         // row stride of staged queries, keys and [key][dim] values, in quads
 const uint TS = BC / 4u + 2u;    // row stride of staged [dim][key] values, of S and dP (vec4) and of dS, in quads
+const uint ROW_LOADS = BR * DC / WG;   // 16-byte chunks of the tile's rows each thread loads from each row buffer
 #define MATRIX_WALKS_TABLES
 #include "prefill_matrix.glsl"
 
@@ -64,6 +66,7 @@ shared f16vec4 s_kv[max(BR * KS, V_OFF + max(BC * KS, D * TS))];   // the querie
 shared vec4 s_s[BR * TS];        // each subgroup's 16 x BC logits; output passes
 shared vec4 s_dp[BR * TS];       // each subgroup's 16 x BC dP
 shared f16vec4 s_ds[BR * TS];    // each subgroup's 16 x BC dS
+shared float s_delta[BR];        // the rows' D
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -73,7 +76,7 @@ void main() {
     uint kv_head, seq, row0;
     if (!tile_work(workgroup_index(), kv_head, seq, row0) || pc.head_size != D) return;
     // query, dout and out share one shape: a row is in all three or the launch is malformed.
-    const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 4u;
+    const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 8u;
     const uvec2 queries = sequence_queries(seq, row_floats / (D * pc.num_heads));
     const uint rows = group * queries.y;
     if (row0 >= rows) return;
@@ -90,31 +93,45 @@ void main() {
     const Row me = query_row(sq, kv_head, row0 + my_row, row_end, row_floats);
     const bool has_lse = me.valid && me.base / D < uint(lse.length());
     const float row_lse = has_lse ? lse[me.base / D] : 0.0;
-    float delta = 0.0;   // D: the row's dout . out, this lane's half of the head dims, then the whole
-    if (has_lse) {
-        for (uint c = half_ * (DQ / 2u); c < (half_ + 1u) * (DQ / 2u); c++) {
-            delta += dot(vec4(half4(dout[me.base / 4u + c])), vec4(half4(out_[me.base / 4u + c])));
-        }
-    }
-    delta += subgroupShuffleXor(delta, 1u);
 
     // The queries, then dout, staged as float16 and loaded into each subgroup's matrices; rows that are not
-    // there are zeros.
-    MAT_A q[D / 16u];   // one declaration each (see s below)
-    MAT_A g[D / 16u];
-    for (uint pass = 0u; pass < 2u; pass++) {
-        for (uint i = tid; i < BR * DQ; i += WG) {
-            const Row r = query_row(sq, kv_head, row0 + i / DQ, row_end, row_floats);
-            const uint at = r.base / 4u + i % DQ;
-            s_kv[(i / DQ) * KS + i % DQ] = !r.valid ? f16vec4(0.0) : half4(pass == 0u ? query[at] : dout[at]);
-        }
-        barrier();
-        [[unroll]] for (uint k = 0u; k < D / 16u; k++) {
-            if (pass == 0u) coopMatLoad(q[k], s_kv, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
-            else coopMatLoad(g[k], s_kv, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
-        }
-        barrier();
+    // there are zeros. All loads are issued before any is used; a row's DC chunks are DC consecutive lanes of
+    // one subgroup, which sum its D from the loads of dout and of out beside them.
+    uvec4 qw[ROW_LOADS], gw[ROW_LOADS], ow[ROW_LOADS];
+    [[unroll]] for (uint k = 0u; k < ROW_LOADS; k++) {
+        const uint i = tid + k * WG;
+        const Row r = query_row(sq, kv_head, row0 + i / DC, row_end, row_floats);
+        const uint at = r.base / 8u + i % DC;
+        qw[k] = r.valid ? query[at] : uvec4(0u);
+        gw[k] = r.valid ? dout[at] : uvec4(0u);
+        ow[k] = r.valid ? out_[at] : uvec4(0u);
     }
+    [[unroll]] for (uint k = 0u; k < ROW_LOADS; k++) {
+        const uint i = tid + k * WG, to = chunk_slot(i, true);
+        s_kv[to] = half4(qw[k].xy);
+        s_kv[to + 1u] = half4(qw[k].zw);
+        float part = dot(vec4(half4(gw[k].xy)), vec4(half4(ow[k].xy))) + dot(vec4(half4(gw[k].zw)), vec4(half4(ow[k].zw)));
+        [[unroll]] for (uint m = DC / 2u; m > 0u; m >>= 1) part += subgroupShuffleXor(part, m);
+        if (i % DC == 0u) s_delta[i / DC] = part;
+    }
+    barrier();
+    MAT_A q[D / 16u];   // one declaration each: glslang 13 drops the use of a second declarator
+    MAT_A g[D / 16u];
+    [[unroll]] for (uint k = 0u; k < D / 16u; k++) {
+        coopMatLoad(q[k], s_kv, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
+    }
+    const float delta = s_delta[my_row];
+    barrier();
+    [[unroll]] for (uint k = 0u; k < ROW_LOADS; k++) {
+        const uint to = chunk_slot(tid + k * WG, true);
+        s_kv[to] = half4(gw[k].xy);
+        s_kv[to + 1u] = half4(gw[k].zw);
+    }
+    barrier();
+    [[unroll]] for (uint k = 0u; k < D / 16u; k++) {
+        coopMatLoad(g[k], s_kv, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
+    }
+    barrier();
 
     MAT_C dq_acc[D / 16u];
     [[unroll]] for (uint j = 0u; j < D / 16u; j++) dq_acc[j] = MAT_C(0.0);
