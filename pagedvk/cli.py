@@ -45,7 +45,7 @@ def cmd_devices(args) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     print(f"\nselected: [{chosen.index}] {chosen.name}: {reason}")
     for i in infos:   # which prefill kernel each device gets, and why; which decode kernel, and how it reduces
-        print(f"prefill forward on [{i.index}]: {describe_choice(i)}")
+        print(f"prefill kernels on [{i.index}]: {describe_choice(i)}")
         print(f"decode kernel on [{i.index}]: " + describe_decode_kernel(i))
         print(f"decode reductions on [{i.index}]: " + ("subgroup arithmetic" if subgroup_reductions(i) else
               "shared memory (the device lacks subgroup arithmetic or has subgroups under 4 invocations)"))

@@ -79,7 +79,7 @@ def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, hea
 
 
 def describe_choice(info: DeviceInfo) -> str:
-    """The prefill forward kernel a device gets, in words (`pagedvk devices`)."""
+    """The prefill kernels (forward and backward) a device gets, in words (`pagedvk devices`)."""
     why = matrix_unavailable(info)
     if why:
         return f"scalar (no cooperative matrices: {why})"

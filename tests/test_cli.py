@@ -20,9 +20,9 @@ def test_devices_lists_the_selected_device():
     result = pagedvk_cli("devices")
     assert result.returncode == 0, result.stderr
     assert "selected: [" in result.stdout and pagedvk.devices()[0].name in result.stdout, result.stdout
-    # and which prefill forward each device gets, the reason included
+    # and which prefill kernels each device gets, the reason included
     for info in pagedvk.devices():
-        assert f"prefill forward on [{info.index}]: {pagedvk.prefill.describe_choice(info)}" in result.stdout
+        assert f"prefill kernels on [{info.index}]: {pagedvk.prefill.describe_choice(info)}" in result.stdout
         way = "subgroup arithmetic" if pagedvk.decode.subgroup_reductions(info) else "shared memory"
         assert f"decode reductions on [{info.index}]: {way}" in result.stdout
         kernel = "cpu (" if info.type == "cpu" else "gpu ("   # lavapipe has the subgroup operations it needs
