@@ -8,7 +8,7 @@
 // block; KEYS = min(block size, 16)) walks the (sequence, block-table slot) pairs that read the block
 // (block_readers, built on the host) and, for each, the query rows that see its tokens, R = 512 / KEYS (32 or
 // 64) at a time. The rows' operands are staged in shared memory and serve all KEYS keys:
-//   D. thread r < R sums row r's D and reads its lse into s_rows;
+//   D. the step's rows' D, WG / R threads summing each, and thread r < R reads row r's lse into s_rows;
 //   S. logits and dP, as in paged_backward_dq.comp with the roles of rows and keys kept: the rows' queries and
 //      the keys staged CQ head quads at a time, thread (rg, kg) accumulating rows 4rg .. 4rg+3 of key kg, then
 //      dout and the values; each thread writes its rows' P and dS for its key (row-major, a vec4 per row and
@@ -18,6 +18,7 @@
 // The sum runs in a fixed order, so it is deterministic and needs no float atomics (not core Vulkan).
 // Every element of dk_cache and dv_cache is written exactly once: blocks and slots nobody reads get 0.
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #include "kv_storage.glsl"
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
@@ -44,6 +45,8 @@ const uint MAX_ROWS = 64u;          // R = 512 / KEYS
 // rows' sub-tile, VR rows of queries then VR rows of dout. With s_rows, 16128 bytes: under 16 KiB.
 const uint S_MEM = 976u;
 const uint PD_QUADS = 256u;
+const uint D_PART = 648u;           // s_mem's vec4s from here: the rows' D in partial sums (WG floats), from D to
+                                    // P and dS (S stays below, P and dS below PD_QUADS; C rewrites it after a barrier)
 const uint CQ = 8u;                 // head quads per staged chunk
 const uint QK_STRIDE = CQ + 1u;     // one vec4 of padding against bank conflicts
 const uint NO_ROW = 0xffffffffu;
@@ -69,6 +72,7 @@ void main() {
     const uint KEYS = min(bs, MAX_KEYS);
     if (hs > MAX_HEAD_SIZE || hq == 0u || KEYS < 4u || (sub + 1u) * KEYS > bs) return;
     const uint R = 512u / KEYS;
+    const uint D_PARTS = WG / R;        // threads summing one row's D: 2 (8-token blocks) or 4
     const uint kg = tid % KEYS, rg = tid / KEYS;            // S: key kg, rows 4rg .. 4rg+3
     const uint KQ = KEYS / 4u, CG = WG / KQ;
     const uint kq = tid / CG, cg = tid % CG;                  // C: keys 4kq .. 4kq+3, head quads cg, cg + CG
@@ -111,15 +115,29 @@ void main() {
                 : uint(clamp(int(p0) - (int(seq_len) - int(q_len)), 0, int(q_len)));
 
             for (uint r0 = i_first * group; r0 < rows; r0 += R) {
-                // D: row r of the step is there when it is a row of the sequence inside every row buffer.
+                // D: row r of the step is there when it is a row of the sequence inside every row buffer. Its
+                // D_PARTS threads each sum every D_PARTS-th head quad of dout * out, four quads at a time (eight
+                // loads in flight); the partial sums meet in s_mem's D_PART, free until P and dS are written.
+                {
+                    const uint r = tid / D_PARTS, gr = r0 + r, q = row_base(q_start, kv_head, gr);
+                    float part = 0.0;
+                    if (gr < rows && q + hs <= row_floats) {
+                        for (uint c = tid % D_PARTS; c < hq; c += 4u * D_PARTS) {
+                            vec4 g[4], o[4];
+                            [[unroll]] for (uint u = 0u; u < 4u; u++) {
+                                const uint cu = c + u * D_PARTS, at = q / 4u + min(cu, hq - 1u);
+                                g[u] = cu < hq ? q_quad(dout[at]) : vec4(0.0);
+                                o[u] = q_quad(out_[at]);
+                            }
+                            [[unroll]] for (uint u = 0u; u < 4u; u++) part += dot(g[u], o[u]);
+                        }
+                    }
+                    s_mem[D_PART + tid / 4u][tid & 3u] = part;
+                }
                 if (tid < R) {
                     const uint gr = r0 + tid, q = row_base(q_start, kv_head, gr);
-                    vec2 row = vec2(ABSENT, 0.0);
-                    if (gr < rows && q + hs <= row_floats && q / hs < uint(lse.length())) {
-                        for (uint c = 0u; c < hq; c++) row.y += dot(q_quad(dout[q / 4u + c]), q_quad(out_[q / 4u + c]));
-                        row.x = lse[q / hs];
-                    }
-                    s_rows[tid] = row;
+                    const bool there = gr < rows && q + hs <= row_floats && q / hs < uint(lse.length());
+                    s_rows[tid] = vec2(there ? lse[q / hs] : ABSENT, 0.0);
                 }
                 uvec4 q_src;   // the query (dout) quad of staged row n at c0 = 0, or NO_ROW
                 for (uint n = 0u; n < 4u; n++) {
@@ -133,12 +151,16 @@ void main() {
                     vec4 acc = vec4(0.0);
                     for (uint c0 = 0u; c0 < hq; c0 += CQ) {
                         const bool in_head = c0 + cl < hq;
-                        for (uint n = 0u; n < 4u; n++) {
+                        vec4 rv[4];   // every load issued before any is stored
+                        [[unroll]] for (uint n = 0u; n < 4u; n++) {
                             const uint r = lane_row + n * row_step;
-                            if (r >= R) break;
-                            const bool there = q_src[n] != NO_ROW && in_head;
-                            s_mem[r * QK_STRIDE + cl] = !there ? vec4(0.0)
+                            const bool there = r < R && q_src[n] != NO_ROW && in_head;
+                            rv[n] = !there ? vec4(0.0)
                                 : phase == 0u ? q_quad(query[q_src[n] + c0]) : q_quad(dout[q_src[n] + c0]);
+                        }
+                        [[unroll]] for (uint n = 0u; n < 4u; n++) {
+                            const uint r = lane_row + n * row_step;
+                            if (r < R) s_mem[r * QK_STRIDE + cl] = rv[n];
                         }
                         if (lane_row < KEYS) {
                             const uint t = sub * KEYS + lane_row;
@@ -161,22 +183,29 @@ void main() {
                 // P and dS of rows 4rg .. 4rg+3 with key kg, 0 where the query does not see the token.
                 for (uint i = 0u; i < 4u; i++) {
                     const uint r = 4u * rg + i, gr = r0 + r;
-                    const vec2 row = s_rows[r];
-                    const bool seen = row.x != ABSENT && p0 + kg < visible_keys(gr / group, q_len, seq_len);
-                    const float p = seen ? exp(st[i] * pc.scale - row.x) : 0.0;
+                    const float row_lse = s_rows[r].x;
+                    float delta = 0.0;
+                    for (uint j = r * D_PARTS; j < (r + 1u) * D_PARTS; j++) delta += s_mem[D_PART + j / 4u][j & 3u];
+                    const bool seen = row_lse != ABSENT && p0 + kg < visible_keys(gr / group, q_len, seq_len);
+                    const float p = seen ? exp(st[i] * pc.scale - row_lse) : 0.0;
                     s_mem[r * KQ + kg / 4u][kg & 3u] = p;
-                    s_mem[PD_QUADS / 2u + r * KQ + kg / 4u][kg & 3u] = seen ? p * (dp[i] - row.y) : 0.0;
+                    s_mem[PD_QUADS / 2u + r * KQ + kg / 4u][kg & 3u] = seen ? p * (dp[i] - delta) : 0.0;
                 }
 
                 // C: dV and dK of keys 4kq .. 4kq+3, VR rows at a time.
                 for (uint s0 = 0u; s0 < R && r0 + s0 < rows; s0 += VR) {
                     barrier();   // P and dS are written; the previous sub-tile is used
-                    for (uint n = 0u; n < 4u; n++) {
-                        if (tid + WG * n >= VR * hq) break;
+                    vec4 qv[4], gv[4];   // every load issued before any is stored
+                    [[unroll]] for (uint n = 0u; n < 4u; n++) {
                         const uint gr = r0 + s0 + sr[n], q = row_base(q_start, kv_head, gr);
-                        const bool there = s0 + sr[n] < R && gr < rows && q + hs <= row_floats;
-                        s_mem[PD_QUADS + tid + WG * n] = there ? q_quad(query[q / 4u + sc[n]]) : vec4(0.0);
-                        s_mem[PD_QUADS + VR * hq + tid + WG * n] = there ? q_quad(dout[q / 4u + sc[n]]) : vec4(0.0);
+                        const bool there = tid + WG * n < VR * hq && s0 + sr[n] < R && gr < rows && q + hs <= row_floats;
+                        qv[n] = there ? q_quad(query[q / 4u + sc[n]]) : vec4(0.0);
+                        gv[n] = there ? q_quad(dout[q / 4u + sc[n]]) : vec4(0.0);
+                    }
+                    [[unroll]] for (uint n = 0u; n < 4u; n++) {
+                        if (tid + WG * n >= VR * hq) break;
+                        s_mem[PD_QUADS + tid + WG * n] = qv[n];
+                        s_mem[PD_QUADS + VR * hq + tid + WG * n] = gv[n];
                     }
                     barrier();
                     const uint n = min(VR, R - s0);

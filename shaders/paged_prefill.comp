@@ -24,6 +24,7 @@
 // Every index into a buffer is bounded here, not only in Python: block ids outside the caches, lengths
 // beyond the block-table row and rows beyond the table are treated as empty, never read.
 #extension GL_GOOGLE_include_directive : require
+#extension GL_EXT_control_flow_attributes : require
 #include "kv_storage.glsl"
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
@@ -175,16 +176,19 @@ void main() {
         mat4 st = mat4(0.0);
         for (uint c0 = 0u; c0 < hq; c0 += CQ) {
             const bool in_head = c0 + cl < hq;
-            for (uint n = 0u; n < 4u; n++) {
+            // Every load of the chunk is issued before any is stored (a loop storing each as it comes waits for
+            // each in turn).
+            vec4 qv[4], kv[4];
+            [[unroll]] for (uint n = 0u; n < 4u; n++) {
                 const uint r = lane_row + n * row_step;
-                if (r >= ROWS) break;
-                s_mem[r * QK_STRIDE + cl] = q_src[n] != NO_ROW && in_head ? q_quad(query[q_src[n] + c0]) : vec4(0.0);
-            }
-            for (uint n = 0u; n < 4u; n++) {
-                const uint k = lane_row + n * row_step;
-                if (k >= KT) break;
-                s_mem[k_off + k * QK_STRIDE + cl] = k_phys[n] >= 0 && in_head
+                qv[n] = r < ROWS && q_src[n] != NO_ROW && in_head ? q_quad(query[q_src[n] + c0]) : vec4(0.0);
+                kv[n] = r < KT && k_phys[n] >= 0 && in_head
                     ? kv_quad(key_load(uint(k_phys[n]), k_tok[n] + key_offset(0u, 0u, c0 + cl))) : vec4(0.0);
+            }
+            [[unroll]] for (uint n = 0u; n < 4u; n++) {
+                const uint r = lane_row + n * row_step;
+                if (r < ROWS) s_mem[r * QK_STRIDE + cl] = qv[n];
+                if (r < KT) s_mem[k_off + r * QK_STRIDE + cl] = kv[n];
             }
             barrier();
             const uint n = min(CQ, hq - c0);
@@ -221,13 +225,18 @@ void main() {
         // PV: the values VK keys at a time, read along whichever axis of the cache is contiguous (quads of
         // head dims in nhd, of tokens in vLLM's layout: a tile and its sub-tiles start on quads of tokens).
         for (uint sub = 0u; sub < tile_len; sub += VK) {
+            vec4 vv[4];   // as the keys: every load issued before any is stored
+            [[unroll]] for (uint n = 0u; n < 4u; n++) {
+                const uint k = sub + v_k[n];
+                const int phys = k < tile_len && tid + WG * n < VK * hq ? s_phys[k >> bs_log2] : -1;
+                const uint d = dims_contiguous ? 4u * v_c[n] : v_c[n];
+                vv[n] = phys >= 0 ? kv_quad(value_load(uint(phys), value_offset(kv_head, k & (bs - 1u), d) >> 2)) : vec4(0.0);
+            }
             for (uint n = 0u; n < 4u; n++) {
                 if (tid + WG * n >= VK * hq) break;
                 const uint k = sub + v_k[n];
-                const int phys = k < tile_len ? s_phys[k >> bs_log2] : -1;
                 const uint d = dims_contiguous ? 4u * v_c[n] : v_c[n];
-                const vec4 v = phys >= 0
-                    ? kv_quad(value_load(uint(phys), value_offset(kv_head, k & (bs - 1u), d) >> 2)) : vec4(0.0);
+                const vec4 v = vv[n];
                 if (dims_contiguous) {
                     s_mem[P_QUADS + tid + WG * n] = v;
                 } else {
