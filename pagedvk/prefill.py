@@ -52,6 +52,8 @@ def matrix_unavailable(info: DeviceInfo, features=None) -> str:
         return f"it lists no {MATRIX_SHAPE} cooperative-matrix multiply (VK_KHR_cooperative_matrix)"
     if info.subgroup_size != MATRIX_SUBGROUP:
         return f"its subgroup size is {info.subgroup_size}, not {MATRIX_SUBGROUP}"
+    if not info.subgroup_shuffle:   # a row's two lanes meet through subgroupShuffleXor
+        return "it has no subgroup shuffles in compute shaders (VK_SUBGROUP_FEATURE_SHUFFLE_BIT)"
     needs = VariantKey(PAGED_PREFILL.op, "glsl", matrix=MATRIX_KIND).requires()
     missing = [f for f in needs if f not in features] if features is not None else []
     return (f"pagedvk did not enable the Vulkan feature(s) {', '.join(missing)} on it (the device lacks them, or "

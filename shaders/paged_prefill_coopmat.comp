@@ -194,9 +194,15 @@ void main() {
         if (half_ == 0u) s_row[my_row] = alpha;
         subgroupMemoryBarrierShared();
         subgroupBarrier();
-        [[unroll]] for (int i = 0; i < o[0].length(); i++) {
-            const float a = s_row[ROWS_OF(i)];
-            [[unroll]] for (uint j = 0u; j < D / 16u; j++) o[j][i] *= a;
+        // Skipped where no row of the subgroup moved its running max (most steps, once the maxima settle):
+        // multiplying by 1 changes nothing.
+        float moved = alpha == 1.0 ? 0.0 : 1.0;
+        [[unroll]] for (uint mask = 16u; mask > 0u; mask >>= 1) moved = max(moved, subgroupShuffleXor(moved, mask));
+        if (moved != 0.0) {   // uniform in the subgroup
+            [[unroll]] for (int i = 0; i < o[0].length(); i++) {
+                const float a = s_row[ROWS_OF(i)];
+                [[unroll]] for (uint j = 0u; j < D / 16u; j++) o[j][i] *= a;
+            }
         }
         barrier();   // every subgroup is done with the keys
         [[unroll]] for (uint r = 0u; r < LOADS; r++) {

@@ -47,10 +47,13 @@ def test_the_device_listing_the_multiply_gets_the_matrix_kernel():
     ([MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32")], 32, NEEDS, "lists no"),
     ([dataclasses.replace(F16_SHAPE, scope="workgroup")], 32, NEEDS, "lists no"),
     ([F16_SHAPE], 64, NEEDS, "subgroup size is 64, not 32"),
+    ([F16_SHAPE], 32, NEEDS, "no subgroup shuffles in compute shaders"),
     ([F16_SHAPE], 32, NEEDS - {"vulkanMemoryModel"}, "did not enable the Vulkan feature(s) vulkanMemoryModel"),
 ])
 def test_other_devices_keep_the_scalar_kernel(shapes, subgroup, features, reason):
     info = with_shapes(shapes, subgroup)
+    if "shuffles" in reason:
+        info = dataclasses.replace(info, subgroup_shuffle=False)
     assert reason in prefill.matrix_unavailable(info, features)
     assert prefill.matrix_kernel(info, features, "glsl", "f16", "f16", 128) == ""
     with pytest.raises(ValueError, match=f"kernel=.coopmat. cannot run on .*{re.escape(reason)}"):
