@@ -163,15 +163,17 @@ def run_f16(case, kernel, caches=None, **variants):
 
 
 @needs_coopmat
+@pytest.mark.parametrize("direction", ("forward", "backward"))
 @pytest.mark.parametrize("layout", ("nhd", "vllm"))
 @pytest.mark.parametrize("causal", (True, False))
 @pytest.mark.parametrize("head_size", (64, 128))
 @pytest.mark.parametrize("q_len", (1, 7, 100))
-def test_matrix_kernel_matches_reference(rng, layout, causal, head_size, q_len):
+def test_matrix_kernels_match_reference(rng, direction, layout, causal, head_size, q_len):
+    # shared prefix blocks: in the backward their dK and dV add up over the sequences reading them
     case = PrefillCase(rng, q_len=q_len, layout=layout, causal=causal, head_size=head_size, num_heads=8,
                        num_kv_heads=2, shared_prefix_blocks=2)
-    out_err, lse_err = run_f16(case, "coopmat")
-    assert out_err <= TOL and lse_err <= TOL
+    errors = run_f16(case, "coopmat") if direction == "forward" else run_f16_backward(case, "coopmat", rng)
+    assert max(errors) <= TOL
 
 
 @needs_coopmat
@@ -184,14 +186,19 @@ def test_matrix_kernel_many_tiles_and_block_sizes(rng, block_size):
     assert out_err <= TOL and lse_err <= TOL
 
 
+def ragged_case(rng, layout):
+    """Prompts, chunks, decode tokens and empty sequences in one batch; GQA groups across 64-row tiles."""
+    return PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
+                       num_kv_heads=4)
+
+
 @needs_coopmat
 @pytest.mark.parametrize("variants", ("none", "all"))
 @pytest.mark.parametrize("layout", ("nhd", "vllm"))
 def test_matrix_kernel_ragged_batch(rng, layout, variants):
     # prompts, chunks, decode tokens and empty sequences in one batch; GQA groups across 64-row tiles; with
     # every variant at once (sinks on rows that see keys and on none) or none
-    case = PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
-                       num_kv_heads=4)
+    case = ragged_case(rng, layout)
     kw = variant_args(rng, 12, VARIANTS["all"]) if variants == "all" else {}
     out_err, lse_err = run_f16(case, "coopmat", **kw)
     assert out_err <= TOL and lse_err <= TOL
@@ -289,18 +296,6 @@ def run_f16_backward(case, kernel, rng):
 
 @needs_coopmat
 @pytest.mark.parametrize("layout", ("nhd", "vllm"))
-@pytest.mark.parametrize("causal", (True, False))
-@pytest.mark.parametrize("head_size", (64, 128))
-@pytest.mark.parametrize("q_len", (1, 7, 100))
-def test_matrix_backward_matches_reference(rng, layout, causal, head_size, q_len):
-    # shared prefix blocks: their dK and dV add up over the sequences reading them
-    case = PrefillCase(rng, q_len=q_len, layout=layout, causal=causal, head_size=head_size, num_heads=8,
-                       num_kv_heads=2, shared_prefix_blocks=2)
-    assert max(run_f16_backward(case, "coopmat", rng)) <= TOL
-
-
-@needs_coopmat
-@pytest.mark.parametrize("layout", ("nhd", "vllm"))
 @pytest.mark.parametrize("block_size", (8, 16, 32))
 def test_matrix_backward_many_tiles_and_block_sizes(rng, layout, block_size):
     # rows over several 64-row tiles and steps, contexts over several 32-key steps, an empty sequence, MQA;
@@ -316,8 +311,7 @@ def test_matrix_backward_many_tiles_and_block_sizes(rng, layout, block_size):
 def test_matrix_backward_ragged_batch(rng, layout, kernel):
     # prompts, chunks, decode tokens and empty sequences in one batch, GQA groups across 64-row tiles; "auto"
     # runs the short sequences' dq on the scalar kernel in the same launch
-    case = PrefillCase(rng, q_lens=[0, 1, 70, 5, 130, 1, 0, 33], layout=layout, head_size=128, num_heads=12,
-                       num_kv_heads=4)
+    case = ragged_case(rng, layout)
     assert max(run_f16_backward(case, kernel, rng)) <= TOL
 
 
