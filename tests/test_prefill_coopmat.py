@@ -332,3 +332,21 @@ def test_backward_matrix_modules_are_named_and_built():
         assert key.source == f"{abi_.op}_coopmat.comp" and set(key.requires()) == NEEDS
         assert {k for k in abi_.keys() if k.matrix} == {
             abi_.key("glsl", "f16", "f16", h, access, "coopmat") for h in (64, 128) for access in abi.CACHE_ACCESS}
+
+
+def test_backward_kernel_argument(rng):
+    """On any device: the backward takes the forward's kernel names. "auto" and "scalar" run (the scalar kernels
+    where the device has no matrices); an unknown name, float32 caches forced onto the matrix kernels and, on a
+    device without them, the matrix kernels forced are refused with the argument named."""
+    case = PrefillCase(rng, q_len=5, head_size=64)
+    for kernel in ("auto", "scalar"):
+        assert max(run_f16_backward(case, kernel, rng)) <= TOL
+    with pytest.raises(ValueError, match="kernel must be one of 'auto', 'scalar', 'coopmat', got 'fast'"):
+        run_f16_backward(case, "fast", rng)
+    out, lse = case.reference()
+    with pytest.raises(ValueError, match="kernel='coopmat' cannot run on"):   # float32: no matrix module
+        pagedvk.paged_attention_backward(case.query, *case.args()[:5], out.astype(np.float32),
+                                         lse.astype(np.float32), kernel="coopmat", **case.options())
+    if _why:
+        with pytest.raises(ValueError, match=f"kernel='coopmat' cannot run on .*{re.escape(_why)}"):
+            run_f16_backward(case, "coopmat", rng)
