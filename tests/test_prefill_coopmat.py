@@ -71,10 +71,11 @@ def test_arguments_without_a_matrix_module_keep_the_scalar_kernel(backend, kv, q
         prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="coopmat")
 
 
-def test_split_batches_bind_each_dispatch_its_own_tile_table(rng, monkeypatch):
+@pytest.mark.parametrize("direction", ("forward", "backward"))
+def test_split_batches_bind_each_dispatch_its_own_tile_table(rng, monkeypatch, direction):
     """The mechanics of kernel="auto"'s split on any device: the matrix kernel's part of a ragged batch is
-    played by the scalar module (its tiles built by the scalar rule), so both dispatches, each binding its own
-    tile table, run here and must together write every row."""
+    played by the scalar module (its tiles built by the scalar rule), so both dispatches (the forward's, or the
+    backward's dq), each binding its own tile table, run here and must together write every row."""
     scalar_key = prefill._Problem.key
     monkeypatch.setattr(prefill, "matrix_kernel", lambda *a: "coopmat")
     monkeypatch.setattr(prefill, "MATRIX_ROWS", lambda rows: prefill.forward_rows(64, rows))
@@ -84,14 +85,22 @@ def test_split_batches_bind_each_dispatch_its_own_tile_table(rng, monkeypatch):
     monkeypatch.setattr(prefill, "Launch", lambda device, steps, *a, **k: launches.append(steps) or launch(
         device, steps, *a, **k))
     case = PrefillCase(rng, q_lens=[1, 40, 0, 3, 17, 1], head_size=64, num_heads=4, num_kv_heads=2)
-    out, lse = pagedvk.paged_attention_prefill(*case.args(), **case.options())
-    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*case.args(), **case.options())
-    assert rel_error(out, ref_out) <= 1e-5 and rel_error(lse, ref_lse) <= 1e-5
+    ref = pagedvk.reference.paged_attention_prefill(*case.args(), **case.options())
+    if direction == "forward":
+        got = pagedvk.paged_attention_prefill(*case.args(), **case.options())
+    else:
+        dout = rng.standard_normal(case.query.shape).astype(np.float32)
+        got = pagedvk.paged_attention_backward(dout, *case.args()[:5], *(a.astype(np.float32) for a in ref),
+                                               **case.loc(), **case.options())
+        ref = pagedvk.reference.paged_attention_backward(dout, *case.args(), **case.options())
+    assert all(rel_error(g, r) <= 1e-5 for g, r in zip(got, ref))
     # rows 2 x q_len: 80 and 34 (3 tiles) on the "matrix" dispatch; 2, 6, 2 (3 tiles) on the scalar one; a
-    # workgroup per (tile, kv head) each, and each dispatch binds its own table (binding 6, `tiles`)
+    # workgroup per (tile, kv head) each, and each dispatch binds its own table (binding 6, `tiles`); the
+    # backward's dk/dv dispatch follows
     (steps,) = launches
-    assert [step[3] for step in steps] == [(6, 1, 1), (6, 1, 1)]
+    assert [step[3] for step in steps[:2]] == [(6, 1, 1), (6, 1, 1)]
     assert steps[0][1][6] is not steps[1][1][6]
+    assert len(steps) == (2 if direction == "forward" else 3)
 
 
 def test_kernel_argument_is_checked():
