@@ -8,7 +8,7 @@
 // block; KEYS = min(block size, 16)) walks the (sequence, block-table slot) pairs that read the block
 // (block_readers, built on the host) and, for each, the query rows that see its tokens, R = 512 / KEYS (32 or
 // 64) at a time. The rows' operands are staged in shared memory and serve all KEYS keys:
-//   D. the step's rows' D, WG / R threads summing each, and thread r < R reads row r's lse into s_rows;
+//   D. the step's rows' D, WG / R threads summing each, and thread r < R reads row r's lse into s_lse;
 //   S. logits and dP, as in paged_backward_dq.comp with the roles of rows and keys kept: the rows' queries and
 //      the keys staged CQ head quads at a time, thread (rg, kg) accumulating rows 4rg .. 4rg+3 of key kg, then
 //      dout and the values; each thread writes its rows' P and dS for its key (row-major, a vec4 per row and
@@ -41,19 +41,21 @@ layout(std430, set = 0, binding = 10) writeonly buffer DvCache { float dv_cache[
 const uint MAX_KEYS = 16u;          // block tokens per workgroup (pagedvk.prefill.DKDV_KEYS)
 const uint MAX_ROWS = 64u;          // R = 512 / KEYS
 // Shared memory, in vec4s: in S, [0, R * (CQ + 1)) a query (or dout) chunk, then KEYS * (CQ + 1) a key (or
-// value) chunk (at most 648); then [0, PD_QUADS) P and dS (R x KEYS / 4 quads each), and from PD_QUADS the
-// rows' sub-tile, VR rows of queries then VR rows of dout. With s_rows, 16128 bytes: under 16 KiB.
+// value) chunk (at most 648, in 8-token blocks); then [0, PD_QUADS) P and dS (R x KEYS / 4 quads each), and from
+// PD_QUADS the rows' sub-tile, VR rows of queries then VR rows of dout. With s_lse, 15872 bytes: under 16 KiB.
 const uint S_MEM = 976u;
 const uint PD_QUADS = 256u;
-const uint D_PART = 648u;           // s_mem's vec4s from here: the rows' D in partial sums (WG floats), from D to
-                                    // P and dS (S stays below, P and dS below PD_QUADS; C rewrites it after a barrier)
 const uint CQ = 8u;                 // head quads per staged chunk
 const uint QK_STRIDE = CQ + 1u;     // one vec4 of padding against bank conflicts
+// s_mem's vec4s from here hold the rows' D in partial sums (WG floats), from D to P and dS: past S's chunks at
+// their largest (R + KEYS rows with KEYS = MIN_BLOCK_SIZE), P and dS stay below PD_QUADS, and C rewrites it
+// after a barrier.
+const uint D_PART = (512u / MIN_BLOCK_SIZE + MIN_BLOCK_SIZE) * QK_STRIDE;
 const uint NO_ROW = 0xffffffffu;
-#define ABSENT uintBitsToFloat(0x7f800000u)   // s_rows' lse of a row past the sequence or a buffer (+inf)
+#define ABSENT uintBitsToFloat(0x7f800000u)   // s_lse of a row past the sequence or a buffer (+inf)
 
 shared vec4 s_mem[S_MEM];
-shared vec2 s_rows[MAX_ROWS];       // (lse, D) of the step's rows
+shared float s_lse[MAX_ROWS];       // the lse of the step's rows
 
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
 uint key_element(uint b, uint h, uint t, uint d) {
@@ -137,7 +139,7 @@ void main() {
                 if (tid < R) {
                     const uint gr = r0 + tid, q = row_base(q_start, kv_head, gr);
                     const bool there = gr < rows && q + hs <= row_floats && q / hs < uint(lse.length());
-                    s_rows[tid] = vec2(there ? lse[q / hs] : ABSENT, 0.0);
+                    s_lse[tid] = there ? lse[q / hs] : ABSENT;
                 }
                 uvec4 q_src;   // the query (dout) quad of staged row n at c0 = 0, or NO_ROW
                 for (uint n = 0u; n < 4u; n++) {
@@ -183,7 +185,7 @@ void main() {
                 // P and dS of rows 4rg .. 4rg+3 with key kg, 0 where the query does not see the token.
                 for (uint i = 0u; i < 4u; i++) {
                     const uint r = 4u * rg + i, gr = r0 + r;
-                    const float row_lse = s_rows[r].x;
+                    const float row_lse = s_lse[r];
                     float delta = 0.0;
                     for (uint j = r * D_PARTS; j < (r + 1u) * D_PARTS; j++) delta += s_mem[D_PART + j / 4u][j & 3u];
                     const bool seen = row_lse != ABSENT && p0 + kg < visible_keys(gr / group, q_len, seq_len);
@@ -222,7 +224,7 @@ void main() {
                         }
                     }
                 }
-                barrier();   // s_mem and s_rows are rewritten by the next step
+                barrier();   // s_mem and s_lse are rewritten by the next step
             }
         }
 
