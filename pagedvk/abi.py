@@ -175,7 +175,8 @@ class KernelABI:
     # (matrix kind, cache tag, query tag, head size): cooperative-matrix modules, GLSL, head size fixed, one per
     # cache access; each has the op's bindings and push constants (its grid may differ: the op says)
     matrix_variants: tuple = ()
-    # ((constant_id, SPIR-V type), ...): the op's own specialization constants, in its GLSL modules only
+    # ((constant_id, SPIR-V type), ...): the op's own specialization constants, in its GLSL modules only (not its
+    # matrix modules, whose head size is fixed at build time)
     spec_constants: tuple = ()
     # head sizes whose WGSL modules are also built with the layout and group width fixed (DECODE_FIXED)
     fixed_head_sizes: tuple = ()
@@ -188,7 +189,8 @@ class KernelABI:
         and the op's own in GLSL (naga emits none)."""
         if key.backend != "glsl":
             return {}
-        return {**({VARIANTS_SPEC_ID: "bool"} if self.specializes_variants(key) else {}), **dict(self.spec_constants)}
+        own = {} if key.matrix else dict(self.spec_constants)
+        return {**({VARIANTS_SPEC_ID: "bool"} if self.specializes_variants(key) else {}), **own}
 
     def specializes_variants(self, key: VariantKey) -> bool:
         """Whether the module declares VARIANTS_SPEC_ID: the GLSL modules of the attention kernels, which
@@ -352,6 +354,10 @@ VARIANTS_SPEC_ID = 0
 # both from the push constants.
 DECODE_VALUE_ORDER_SPEC_ID = 1   # 1: a head dim's tokens contiguous (vLLM's layout); 2: a token's dims (nhd)
 DECODE_GROUP_SPEC_ID = 2         # 4: groups of at most 4 query heads; 8: of 5 to 8
+# The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
+# (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
+# dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.
+PREFILL_HEAD_SIZE_SPEC_ID = 3
 
 # The per-head inputs of the attention variants, float32 [num_heads] each; a 16-byte placeholder when the
 # variant is off (its VARIANT_* flag clear): read only where the flag is set.
@@ -468,6 +474,7 @@ PAGED_PREFILL = KernelABI(
     kv_types=STORAGE_TYPES,
     q_types=QUERY_TYPES,
     matrix_variants=(("coopmat", "f16", "f16", 64), ("coopmat", "f16", "f16", 128)),
+    spec_constants=((PREFILL_HEAD_SIZE_SPEC_ID, "uint32"),),
 )
 
 # Backward, dq (float32, the query's layout). Workgroups and tiles as the forward's: forward_rows for the scalar
@@ -485,6 +492,7 @@ PAGED_BACKWARD_DQ = KernelABI(
     kv_types=GRADIENT_CACHE_TYPES,
     q_types=QUERY_TYPES,
     matrix_variants=PAGED_PREFILL.matrix_variants,
+    spec_constants=PAGED_PREFILL.spec_constants,
 )
 
 # Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 16 tokens of the
@@ -514,6 +522,7 @@ PAGED_BACKWARD_DKDV = KernelABI(
     kv_types=GRADIENT_CACHE_TYPES,
     q_types=QUERY_TYPES,
     matrix_variants=PAGED_PREFILL.matrix_variants,
+    spec_constants=PAGED_PREFILL.spec_constants,
 )
 
 # Writes new tokens' keys and values into the caches (vLLM's reshape_and_cache): one thread per (token,

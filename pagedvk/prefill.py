@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from . import checks, kernels
-from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, VariantKey
+from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, PREFILL_HEAD_SIZE_SPEC_ID, VariantKey
 from .array import Array, DeviceArray, asarray, empty
 from .decode import DecodePlan
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
@@ -307,7 +307,8 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
         extra = dict(zip([b.name for b in abi.bindings_for(key)[len(abi.bindings):]], caches.extra))
         buffers = [bound.get(b.name) or extra.get(b.name) or arrays[renamed.get(b.name, b.name)].buffer
                    for b in abi.bindings_for(key)]
-        pipeline = kernels.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields))
+        pipeline = kernels.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields),
+                                    {PREFILL_HEAD_SIZE_SPEC_ID: problem.head_size})
         steps.append((pipeline, buffers, problem.push(caches), grid))
     return steps
 

@@ -66,19 +66,23 @@ void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint kv_head = gl_WorkGroupID.y;
     const uint sub = gl_WorkGroupID.z;          // tokens sub * KEYS .. of the block
-    const uint hs = pc.head_size;
+    const uint hs = head_size();   // a constant where the plan specialized it (prefill_common.glsl)
     const uint hq = hs / 4u;
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
     const uint max_blocks = pc.max_blocks_per_seq;
     const uint KEYS = min(bs, MAX_KEYS);
-    if (hs > MAX_HEAD_SIZE || hq == 0u || KEYS < 4u || (sub + 1u) * KEYS > bs) return;
+    if (hs > MAX_HEAD_SIZE || hs != pc.head_size || hq == 0u || KEYS < 4u || (sub + 1u) * KEYS > bs) return;
     const uint R = 512u / KEYS;
     const uint D_PARTS = WG / R;        // threads summing one row's D: 2 (8-token blocks) or 4
     const uint kg = tid % KEYS, rg = tid / KEYS;            // S: key kg, rows 4rg .. 4rg+3
     const uint KQ = KEYS / 4u, CG = WG / KQ;
     const uint kq = tid / CG, cg = tid % CG;                  // C: keys 4kq .. 4kq+3, head quads cg, cg + CG
     const uint c0_ = min(cg, hq - 1u), c1_ = min(cg + CG, hq - 1u);
+    // C's second head quads (dk1, dv1): only past 4 * WG / (MAX_KEYS / 4) = 128 dims (CG is at least 32), a
+    // condition on the head size alone, which the driver folds where the plan specialized it. dk1 and dv1 then
+    // hold no registers and their products go: 23.5 -> 20.6 ms at issue 12's float32 shape on the H200.
+    const bool two_cols = hs > 4u * (WG / (MAX_KEYS / 4u)) && hq > CG;
     const uint VR = min(R, (S_MEM - PD_QUADS) / (2u * hq));   // rows per sub-tile of C
     const uint k_off = R * QK_STRIDE;
 
@@ -151,7 +155,11 @@ void main() {
                 vec4 st, dp;
                 for (uint phase = 0u; phase < 2u; phase++) {
                     vec4 acc = vec4(0.0);
-                    for (uint c0 = 0u; c0 < hq; c0 += CQ) {
+                    // The chunk count comes from the push constant, not the specialized head size: with a single
+                    // chunk known at compile time (head size 32) the H200's driver (580.159.04) built a kernel whose
+                    // dK and dV were wrong (relative error 2-4; right on lavapipe, and right with either bound or
+                    // the chunk's length read from the push constant, at the same speed; BENCHMARKS.md).
+                    for (uint c0 = 0u; c0 < pc.head_size / 4u; c0 += CQ) {
                         const bool in_head = c0 + cl < hq;
                         vec4 rv[4];   // every load issued before any is stored
                         [[unroll]] for (uint n = 0u; n < 4u; n++) {
@@ -217,7 +225,7 @@ void main() {
                         const vec4 q0 = s_mem[qr + c0_], g0 = s_mem[gr + c0_];
                         dv0 += outerProduct(g0, p);
                         dk0 += outerProduct(q0, ds);
-                        if (hq > CG) {   // uniform: only head sizes above 4 * CG
+                        if (two_cols) {
                             const vec4 q1 = s_mem[qr + c1_], g1 = s_mem[gr + c1_];
                             dv1 += outerProduct(g1, p);
                             dk1 += outerProduct(q1, ds);

@@ -51,12 +51,13 @@ shared int s_phys[MAX_TILE_BLOCKS];          // the tile's physical block ids, -
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint hs = pc.head_size;
+    const uint hs = head_size();   // a constant where the plan specialized it (prefill_common.glsl)
     const uint hq = hs / 4u;
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
     uint kv_head, seq, row0;
-    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u) return;
+    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u
+        || hs != pc.head_size) return;
     // query, dout and out share one shape: a row is in all three or the launch is malformed.
     const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 4u;
     const uvec2 queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));

@@ -83,12 +83,13 @@ vec4 weights(vec4 x, vec4 m) { return mix(exp(x - m), vec4(0.0), equal(x, vec4(N
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint hs = pc.head_size;
+    const uint hs = head_size();   // a constant where the plan specialized it (prefill_common.glsl)
     const uint hq = hs / 4u;                   // head quads
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
     uint kv_head, seq, row0;
-    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u) return;
+    if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u
+        || hs != pc.head_size) return;
     const uint query_elems = uint(query.length()) * 4u;
     const uvec2 queries = sequence_queries(seq, query_elems / (hs * pc.num_heads));
     const uint q_start = queries.x, q_len = queries.y;

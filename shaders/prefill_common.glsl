@@ -12,6 +12,17 @@ uvec2 sequence_queries(uint seq, uint max_tokens) {
     return uvec2(start, end - start);
 }
 
+#ifndef HEAD_SIZE
+// The head size, specialized per plan (abi.PREFILL_HEAD_SIZE_SPEC_ID, pagedvk/prefill.py), so the driver compiles
+// loops and branches on it as constants; 0 (a pipeline made without it) reads the push constant. The matrix
+// modules fix HEAD_SIZE at build time instead. Callers return early where the two differ, so a pipeline
+// specialized for another head size writes nothing.
+layout(constant_id = 3) const uint HEAD_SIZE_SPEC = 0u;
+uint head_size() {
+    return HEAD_SIZE_SPEC != 0u ? HEAD_SIZE_SPEC : pc.head_size;
+}
+#endif
+
 #ifdef PREFILL_TILES
 // Workgroup wg's work, kv heads fastest: (kv head, sequence, first row) from its tile's entry; false past the
 // table or for an entry naming no sequence.
