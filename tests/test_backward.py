@@ -8,6 +8,7 @@ import pagedvk
 from conftest import rel_error
 from test_prefill import (HEAD_SIZES, LAYOUTS, Q_LENS, RAGGED, PrefillCase, backend,  # noqa: F401 (fixtures)
                           poisoned_outputs)
+from test_prefill import check as prefill_check
 
 # float32 storage. The kernels sum dK and dV over rows in a fixed order; measured errors stay below 1e-6,
 # so the forward's tolerance holds and is not loosened.
@@ -94,6 +95,26 @@ def test_block_sizes_causal_or_not(rng, backend, block_size, layout, causal):
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (8, 1), (12, 3)])
 def test_mha_gqa_mqa(rng, backend, num_heads, num_kv_heads):
     check(PrefillCase(rng, q_len=5, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32), rng, backend)
+
+
+@pytest.mark.parametrize("head_size", [32, 80, 256])
+@pytest.mark.parametrize("specialized", [True, False], ids=["specialized", "push_constant"])
+def test_head_size_specialization(rng, monkeypatch, specialized, head_size):
+    # The scalar kernels' GLSL pipelines are specialized on the plan's head size (abi.PREFILL_HEAD_SIZE_SPEC_ID);
+    # a pipeline made without the constant reads the head size from the push constants. Both give the reference's
+    # forward and gradients. Head size 32: one S chunk in dk/dv, the case the H200's driver once miscompiled
+    # (BENCHMARKS.md); 80: a part chunk; 256: dk/dv's second head-quad column.
+    from pagedvk import prefill
+    from pagedvk.abi import PREFILL_HEAD_SIZE_SPEC_ID
+    if not specialized:   # an id no module declares: the pipelines are made without the constant
+        monkeypatch.setattr(prefill, "PREFILL_HEAD_SIZE_SPEC_ID", -1)
+    case = PrefillCase(rng, q_len=5, head_size=head_size, shared_prefix_blocks=1)
+    prefill_check(case, "glsl")
+    check(case, rng, "glsl")
+    constants = ((PREFILL_HEAD_SIZE_SPEC_ID, head_size),) if specialized else ()
+    made = {key.op for key, _, own in pagedvk.default_device()._pipelines
+            if not key.matrix and key.backend == "glsl" and own == constants}
+    assert {"paged_prefill", "paged_backward_dq", "paged_backward_dkdv"} <= made
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
