@@ -162,3 +162,18 @@ def test_prefill_benchmark_small_without_torch(tmp_path):
     for r in rows:
         assert r["ok"] and r["forward_us"] > 0 and r["backward_us"] > 0 and r["separate_us"] > 0
         assert r["GFLOP"] == 4 * 64 * 4 * (5 * 15 + 15 + 24) / 1e9   # (query head, visible key) pairs
+
+
+def test_coopmat_probe_builds_every_mode_and_times_what_the_device_runs(tmp_path):
+    # benchmarks/coopmat_probe.py: every mode's module compiles and passes spirv-val; the device times the modes it
+    # runs (lavapipe: the float32 one) and the record names them.
+    probe = Path(__file__).resolve().parent.parent / "benchmarks" / "coopmat_probe.py"
+    spec = importlib.util.spec_from_file_location("coopmat_probe", probe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for mode in module.MODES:
+        assert module.build(mode, tmp_path)[:4] == b"\x03\x02\x23\x07"   # the SPIR-V magic number
+    out = tmp_path / "probe.json"
+    assert module.main(["--iters", "8", "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert rows[0]["mode"] == "FMA" and rows[0]["ns"] > 0 and rows[0]["TFLOPs"] > 0

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""What the device's arithmetic costs through Vulkan: float32 multiply-adds, and 16x16x16 float16 cooperative-matrix
+products alone and with each product's operand loaded from shared memory as the prefill matrix kernels load them
+(benchmarks/coopmat_probe.comp explains the modes). The matrix forward runs at about 50 TFLOP/s on the H200 where
+its products alone could go several times faster; these figures say how much of that is the products, and how
+much the loads that feed them. Run from a source checkout (it compiles the probe with the build's glslang):
+
+    python benchmarks/coopmat_probe.py                  # every mode the device runs
+    python benchmarks/coopmat_probe.py --iters 512 --json probe.json
+
+Devices without a 16x16x16 float16 multiply (lavapipe) run the float32 mode only. Times are GPU timestamps, the
+median of --repeats submissions after the clocks are up (pagedvk.bench.warm_up). Written on 2026-12-01 when no
+device with cooperative matrices was lent: those modes compile and pass spirv-val (tests/test_bench.py), and have
+not run yet.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import build_shaders  # noqa: E402
+from pagedvk import bench, empty, get_device  # noqa: E402
+from pagedvk.abi import MATRIX_TARGET_ENV, TARGET_ENV, Binding, KernelABI, PushField  # noqa: E402
+from pagedvk.prefill import matrix_unavailable  # noqa: E402
+from pagedvk.runtime.pipeline import Launch, Pipeline  # noqa: E402
+
+SOURCE = Path(__file__).with_suffix(".comp")
+MODES = ("FMA", "MMA", "MMA_BCOL", "MMA_BROW", "MMA_AROW")
+PROBE = KernelABI(op="coopmat_probe", bindings=(Binding("out", readonly=False),),
+                  push=(PushField("iters", "u32"),), workgroup_size=(128, 1, 1), backends=("glsl",))
+MMA_FLOP = 2 * 16 * 16 * 16
+
+
+def build(mode: str, folder: Path) -> bytes:
+    """The probe's SPIR-V for one mode (the cooperative-matrix modes with the build's glslang 13 or newer)."""
+    glslang, spirv_val, env = build_shaders.matrix_tools() if mode != "FMA" else (
+        build_shaders.require_tool("glslangValidator", "glslang-tools"),
+        build_shaders.require_tool("spirv-val", "spirv-tools"), None)
+    target = TARGET_ENV if mode == "FMA" else MATRIX_TARGET_ENV
+    out = folder / f"coopmat_probe_{mode.lower()}.spv"
+    defines = [f"-DMODE_{m}={i}" for i, m in enumerate(MODES)] + [f"-DMODE=MODE_{mode}"]
+    build_shaders.run([glslang, "-V", "--target-env", target, *defines, "-o", str(out), str(SOURCE)],
+                      f"glslangValidator {SOURCE.name} ({mode})", env)
+    result = subprocess.run([spirv_val, "--target-env", target, str(out)], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise build_shaders.BuildError(f"spirv-val {out.name}:\n{result.stdout}{result.stderr}")
+    return out.read_bytes()
+
+
+def time_mode(device, mode: str, spirv: bytes, iters: int, repeats: int) -> dict:
+    """GPU time of one launch of the probe, and its rate: TFLOP/s (a multiply-add is two)."""
+    groups = 8 * device.info.compute_units or 1024   # several workgroups a compute unit, so that latency hides
+    floats = groups * 128 if mode == "FMA" else groups * 4 * 8 * 256
+    out = empty((floats,), np.float32, device)
+    pipeline = Pipeline(device, PROBE, spirv, f"coopmat_probe ({mode})")
+    launch = Launch(device, [(pipeline, (out.buffer,), PROBE.pack_push(iters=iters), (groups, 1, 1))], timestamps=True)
+    try:
+        bench.warm_up(launch)
+        ns = float(np.median([launch.submit() for _ in range(repeats)]))
+        result = out.numpy()
+    finally:
+        launch.close()
+        pipeline.close()
+        out.close()
+    if not np.all(np.isfinite(result)):
+        raise RuntimeError(f"{mode}: the probe wrote non-finite values")
+    flop = groups * 128 * iters * 32 * 2 if mode == "FMA" else groups * 4 * iters * 8 * MMA_FLOP
+    return {"mode": mode, "workgroups": groups, "iters": iters, "ns": ns, "TFLOPs": flop / ns / 1e3}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=1024, help="steps of eight products (default 1024)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    device = get_device()
+    why_not = matrix_unavailable(device.info, device.features)
+    modes = MODES if not why_not else ("FMA",)
+    print(f"{device.info.name}: {device.info.compute_units or 'unknown'} compute units" +
+          (f"; cooperative-matrix modes skipped: {why_not}" if why_not else ""))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            row = time_mode(device, mode, build(mode, Path(tmp)), args.iters, args.repeats)
+            rows.append(row)
+            print(f"{mode:9s} {row['ns'] / 1e3:10.1f} us  {row['TFLOPs']:8.3g} TFLOP/s", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": device.info.name, "results": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
