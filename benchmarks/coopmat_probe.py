@@ -16,7 +16,6 @@ not run yet.
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import build_shaders  # noqa: E402
 from pagedvk import bench, empty, get_device  # noqa: E402
-from pagedvk.abi import MATRIX_TARGET_ENV, TARGET_ENV, Binding, KernelABI, PushField  # noqa: E402
+from pagedvk.abi import Binding, KernelABI, PushField, VariantKey  # noqa: E402
 from pagedvk.prefill import matrix_unavailable  # noqa: E402
 from pagedvk.runtime.pipeline import Launch, Pipeline  # noqa: E402
 
@@ -40,18 +39,15 @@ MMA_FLOP = 2 * 16 * 16 * 16
 
 
 def build(mode: str, folder: Path) -> bytes:
-    """The probe's SPIR-V for one mode (the cooperative-matrix modes with the build's glslang 13 or newer)."""
-    glslang, spirv_val, env = build_shaders.matrix_tools() if mode != "FMA" else (
-        build_shaders.require_tool("glslangValidator", "glslang-tools"),
-        build_shaders.require_tool("spirv-val", "spirv-tools"), None)
-    target = TARGET_ENV if mode == "FMA" else MATRIX_TARGET_ENV
+    """The probe's SPIR-V for one mode, with the tools and target environment the build gives a module of its kind
+    (the cooperative-matrix modes: glslang 13 or newer), checked by spirv-val as the build checks its modules."""
+    key = VariantKey(PROBE.op, "glsl", matrix="" if mode == "FMA" else "coopmat")
+    glslang, _, env = build_shaders.glsl_tools(key)
     out = folder / f"coopmat_probe_{mode.lower()}.spv"
     defines = [f"-DMODE_{m}={i}" for i, m in enumerate(MODES)] + [f"-DMODE=MODE_{mode}"]
-    build_shaders.run([glslang, "-V", "--target-env", target, *defines, "-o", str(out), str(SOURCE)],
+    build_shaders.run([glslang, "-V", "--target-env", key.target_env, *defines, "-o", str(out), str(SOURCE)],
                       f"glslangValidator {SOURCE.name} ({mode})", env)
-    result = subprocess.run([spirv_val, "--target-env", target, str(out)], capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise build_shaders.BuildError(f"spirv-val {out.name}:\n{result.stdout}{result.stderr}")
+    build_shaders.validate(out, key)
     return out.read_bytes()
 
 
