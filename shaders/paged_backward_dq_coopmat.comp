@@ -137,9 +137,12 @@ void main() {
     [[unroll]] for (uint j = 0u; j < D / 16u; j++) dq_acc[j] = MAT_C(0.0);
     const bool values_by_dim = pc.v_dim_stride == 1u;   // nhd: a token's head dims are contiguous
     uvec4 keys[LOADS], values[LOADS];
-    [[unroll]] for (uint r = 0u; r < LOADS; r++) {
-        keys[r] = key_chunk(bt_row, kv_head, 0u, tid + r * WG, kv_end);
-        values[r] = value_chunk(bt_row, kv_head, 0u, tid + r * WG, kv_end, values_by_dim);
+    {
+        const int win = block_window(bt_row, 0u, kv_end);
+        [[unroll]] for (uint r = 0u; r < LOADS; r++) {
+            keys[r] = key_chunk(win, 0u, kv_head, 0u, tid + r * WG, kv_end);
+            values[r] = value_chunk(win, 0u, kv_head, 0u, tid + r * WG, kv_end, values_by_dim);
+        }
     }
 
     for (uint base = 0u; base < kv_end; base += BC) {
@@ -152,9 +155,13 @@ void main() {
             s_kv[vat + 1u] = half4(values[r].zw);
         }
         barrier();
-        [[unroll]] for (uint r = 0u; r < LOADS; r++) {
-            keys[r] = key_chunk(bt_row, kv_head, base + BC, tid + r * WG, kv_end);
-            values[r] = value_chunk(bt_row, kv_head, base + BC, tid + r * WG, kv_end, values_by_dim);
+        {
+            const uint w0 = (base + BC) >> block_shift();
+            const int win = block_window(bt_row, w0, kv_end);
+            [[unroll]] for (uint r = 0u; r < LOADS; r++) {
+                keys[r] = key_chunk(win, w0, kv_head, base + BC, tid + r * WG, kv_end);
+                values[r] = value_chunk(win, w0, kv_head, base + BC, tid + r * WG, kv_end, values_by_dim);
+            }
         }
 
         // 2. S = Q.K^T (K^T: the staged keys read column-major) and dP = dout.V^T.
@@ -214,7 +221,7 @@ void main() {
 
     // dq out through shared memory, BC head dims at a time: rows of a workgroup are not evenly spaced in dq.
     const bool write = me.valid && me.base + D <= 2u * uint(dq.length());
-    for (uint pass = 0u; pass < D / BC; pass++) {
+    [[unroll]] for (uint pass = 0u; pass < D / BC; pass++) {   // unrolled: dq_acc indexed by a variable goes to local memory
         [[unroll]] for (uint j = 0u; j < BC / 16u; j++) {
             coopMatStore(dq_acc[pass * (BC / 16u) + j], s_s, warp * 16u * TS + j * 4u, TS,
                          gl_CooperativeMatrixLayoutRowMajor);
