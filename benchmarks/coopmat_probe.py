@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """What the device's arithmetic costs through Vulkan: float32 multiply-adds, and 16x16x16 float16 cooperative-matrix
 products alone and with each product's operand loaded from shared memory as the prefill matrix kernels load them
-(benchmarks/coopmat_probe.comp explains the modes). The matrix forward runs at about 50 TFLOP/s on the H200 where
-its products alone could go several times faster; these figures say how much of that is the products, and how
-much the loads that feed them. Run from a source checkout (it compiles the probe with the build's glslang):
+(benchmarks/coopmat_probe.comp explains the modes): what a matrix kernel's products and the shared-memory loads
+that feed them can reach, to compare a kernel's rate with. On the H200 (driver 580.159.04, BENCHMARKS.md) the
+products run at 558 TFLOP/s and 450-500 with their loads, float32 multiply-adds at 52.5; the matrix forward ran at
+52 TFLOP/s then (its accumulators were in local memory), 98 now. Run from a source checkout (it compiles the probe
+with the build's glslang):
 
     python benchmarks/coopmat_probe.py                  # every mode the device runs
     python benchmarks/coopmat_probe.py --iters 512 --json probe.json
 
 Devices without a 16x16x16 float16 multiply (lavapipe) run the float32 mode only. Times are GPU timestamps, the
-median of --repeats submissions after the clocks are up (pagedvk.bench.warm_up). Written on 2026-12-01 when no
-device with cooperative matrices was lent: those modes compile and pass spirv-val (tests/test_bench.py), and have
-not run yet.
+median of --repeats submissions after the clocks are up (pagedvk.bench.warm_up). tests/test_bench.py builds every
+mode and runs the float32 one.
 """
 
 import argparse
