@@ -76,7 +76,8 @@ int token_block(uint bt_row, uint token, uint kv_end) {
 // w0 + l (token_block's -1 where there is none). A step's chunks find their blocks in it by a shuffle, where each
 // chunk reading block_tables itself put a dependent load and its address arithmetic before every chunk (the
 // forward on the H200: 1514 -> 1447 us). Called by every lane of a subgroup (the loops that stage keys and values
-// are uniform in the workgroup); a window spans 32 blocks, at least 256 tokens.
+// are uniform in the workgroup); a window spans 32 blocks (the matrix kernels run with 32-lane subgroups only), at
+// least 256 tokens.
 int block_window(uint bt_row, uint w0, uint kv_end) {
     return token_block(bt_row, (w0 + gl_SubgroupInvocationID) << block_shift(), kv_end);
 }
