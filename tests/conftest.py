@@ -152,6 +152,22 @@ def poison_unread_slots(case, block_size: int) -> None:
         case.value_cache[b] = np.nan
 
 
+def unchecked_tables(case):
+    """(block_tables, seq_lens, the reference's output) for tables no host check passed, on a Case of
+    seq_lens [0, 50, 0, 70, 33, 9, 100] with 16-token blocks: ids at and past num_blocks, negative ids, a length
+    past its row, sequences of length 0 between valid ones. Sequences 0, 2 and 5 see no key in range (zeros);
+    1, 3 and 6 their attention (6 its 7 blocks whole: 112 keys)."""
+    num_blocks = case.key_cache.shape[0]
+    bt, sl = case.block_tables.copy(), case.seq_lens.copy()
+    bt[4, 0], bt[4, 1] = num_blocks, -3            # sequence 4: its first block out of range, its second negative
+    bt[5, :] = 2**31 - 1                           # sequence 5: no block in range
+    sl[6] = bt.shape[1] * 16 + 5                   # sequence 6: a length past its row, whose padding ids are -1
+    seen = case.seq_lens.copy()
+    seen[6] = 112
+    return bt, sl, pagedvk.reference.paged_attention(case.query, case.key_cache, case.value_cache,
+                                                     case.block_tables, seen)
+
+
 @pytest.fixture
 def rng(request):
     # A fresh, reproducible stream per test: seeded from the test's name.

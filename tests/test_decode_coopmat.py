@@ -12,7 +12,7 @@ import pytest
 import pagedvk
 from pagedvk import abi, config, decode, reference
 from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable
-from conftest import Case, assert_untouched, fenced, poison_unread_slots, rel_error
+from conftest import Case, assert_untouched, fenced, poison_unread_slots, rel_error, unchecked_tables
 from test_variants import VARIANTS, variant_args
 
 TOL = 2e-3   # float16 storage, queries and weights
@@ -153,17 +153,10 @@ def test_a_max_that_keeps_rising_rescales_the_sums(rng):
 
 @needs_coopmat
 def test_bad_tables_read_nothing_outside_the_caches(device, rng):
-    # Unchecked tables (as tests/test_decode_cpu.py builds them): ids at and past num_blocks, negative ids, a length
-    # past its row; the sentinels around the caches keep their pattern.
+    # Unchecked tables (conftest.unchecked_tables); the sentinels around the caches keep their pattern.
     case = Case(rng, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
     num_blocks = case.key_cache.shape[0]
-    bt, sl = case.block_tables.copy(), case.seq_lens.copy()
-    bt[4, 0], bt[4, 1] = num_blocks, -3
-    bt[5, :] = 2**31 - 1
-    sl[6] = bt.shape[1] * 16 + 5
-    seen = case.seq_lens.copy()
-    seen[6] = 112
-    expect = reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, seen)
+    bt, sl, expect = unchecked_tables(case)
     (k, v), guards = fenced(device, case.key_cache, case.value_cache)
     for partition_size in (4096, 32):
         out = pagedvk.asarray(case.poisoned_out())
