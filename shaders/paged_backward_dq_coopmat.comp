@@ -29,6 +29,9 @@
 #if !defined(KV_F16) || !defined(Q_F16) || !defined(HEAD_SIZE)
 #error "paged_backward_dq_coopmat is built for float16 caches and queries with HEAD_SIZE fixed"
 #endif
+#if HEAD_SIZE != 64 && HEAD_SIZE != 128
+#error "paged_backward_dq_coopmat writes dq in passes for head sizes 64 and 128 only (dq_pass calls in main)"
+#endif
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
