@@ -173,11 +173,14 @@ class KernelABI:
     head_sizes: tuple = ()        # head sizes also built with HEAD_SIZE fixed
     writes_cache: bool = False    # the caches' bindings (segments included) are written, not read
     # (matrix kind, cache tag, query tag, head size): cooperative-matrix modules, GLSL, head size fixed, one per
-    # cache access; each has the op's bindings and push constants (its grid may differ: the op says)
+    # cache access in matrix_accesses; each has the op's bindings and push constants (its grid may differ: the op
+    # says)
     matrix_variants: tuple = ()
+    matrix_accesses: tuple = CACHE_ACCESS
     # ((constant_id, SPIR-V type), ...): the op's own specialization constants, in its GLSL modules only (not its
-    # matrix modules, whose head size is fixed at build time)
+    # matrix modules, whose head size is fixed at build time, unless it lists them in matrix_spec_constants)
     spec_constants: tuple = ()
+    matrix_spec_constants: tuple = ()
     # head sizes whose WGSL modules are also built with the layout and group width fixed (DECODE_FIXED)
     fixed_head_sizes: tuple = ()
     # TARGETS tags of the op's device-shaped GLSL sources, built as its generic modules are (storage, head sizes,
@@ -189,7 +192,7 @@ class KernelABI:
         and the op's own in GLSL (naga emits none)."""
         if key.backend != "glsl":
             return {}
-        own = {} if key.matrix else dict(self.spec_constants)
+        own = dict(self.matrix_spec_constants if key.matrix else self.spec_constants)
         return {**({VARIANTS_SPEC_ID: "bool"} if self.specializes_variants(key) else {}), **own}
 
     def specializes_variants(self, key: VariantKey) -> bool:
@@ -242,8 +245,8 @@ class KernelABI:
                 built = ", ".join(f"{m} kv {k} q {qq} head {h}" for m, k, qq, h in self.matrix_variants) or "none"
                 raise ValueError(f"{self.op} has no {matrix!r} module for {backend}, cache storage {kv!r}, query "
                                  f"storage {q!r}, head size {head_size} (built: {built})")
-            if access not in self.accesses(backend):
-                raise ValueError(f"{self.op} has no module reading caches by {access!r}")
+            if access not in self.matrix_accesses:
+                raise ValueError(f"{self.op} has no {matrix!r} module reading caches by {access!r}")
             return VariantKey(self.op, backend, kv, q, head_size, access, matrix)
         if backend not in self.backends:
             raise ValueError(f"{self.op} has no {backend} modules (backends: {', '.join(self.backends)})")
@@ -290,7 +293,7 @@ class KernelABI:
                         for access in self.accesses(backend)[1:]:
                             yield VariantKey(self.op, backend, kv, q, 0, access, target=target)
         for matrix, kv, q, hs in self.matrix_variants:
-            for access in self.accesses("glsl"):
+            for access in self.matrix_accesses:
                 yield VariantKey(self.op, "glsl", kv, q, hs, access, matrix)
 
 
@@ -388,6 +391,10 @@ PAGED_DECODE = KernelABI(
     spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32")),
     fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
     targets=TARGETS,
+    # float16 caches in vLLM's layout with 16-token blocks, read by binding (pagedvk.decode.decode_matrix)
+    matrix_variants=(("coopmat", "f16", "f16", 64), ("coopmat", "f16", "f16", 128)),
+    matrix_accesses=("",),
+    matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32")),
 )
 
 # Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.

@@ -10,9 +10,11 @@ import sys
 import numpy as np
 
 from . import bench, config, suite
-from .decode import decode_target, subgroup_reductions
+from .abi import PAGED_DECODE
+from .decode import MATRIX_BLOCK_SIZE, MATRIX_MIN_TOKENS, decode_target, subgroup_reductions
 from .dtypes import device_dtypes
 from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
+from .matrix import matrix_unavailable
 from .errors import PagedVKError
 from .prefill import describe_choice
 from .selection import devices, select
@@ -26,7 +28,12 @@ def describe_decode_kernel(info) -> str:
     """Which decode kernel a device's GLSL plans run (PAGEDVK_DECODE_KERNEL applied)."""
     if decode_target(info, "glsl") == "cpu":
         return "cpu (shaders/paged_decode_cpu.comp; WGSL plans run the gpu kernel)"
-    return "gpu (shaders/paged_decode.comp)"
+    if config.decode_kernel() == "gpu" or matrix_unavailable(info):
+        return "gpu (shaders/paged_decode.comp)"
+    sizes = " and ".join(str(h) for *_, h in PAGED_DECODE.matrix_variants)
+    return (f"coopmat (shaders/paged_decode_coopmat.comp) for float16 caches and queries in vLLM's layout with "
+            f"{MATRIX_BLOCK_SIZE}-token blocks, at head sizes {sizes}, where a workgroup takes at least "
+            f"{MATRIX_MIN_TOKENS} tokens; gpu (shaders/paged_decode.comp) otherwise")
 
 
 def cmd_devices(args) -> int:

@@ -22,6 +22,7 @@ from .array import Array, DeviceArray, asarray, empty
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
+from .matrix import MATRIX_KIND, matrix_unavailable
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.owned import Owned
 from .runtime.pipeline import Launch, Transfers, fold_grid
@@ -32,6 +33,12 @@ RECORDED_LAUNCHES = 32                       # per plan: enough for every layer 
 CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
 TILE = 128                                   # tokens the kernel takes at a time (TILE in the kernel)
+# The fewest tokens a workgroup must take (its partition's, or the whole context's) for plans to run the
+# cooperative-matrix decode: its subgroups walk a context 16 tokens a step each, a longer chain per token than the
+# scalar kernel's 128-token tiles, so on the H200 it was slower with 128-256-token partitions (1 x 4096: 25.1
+# against 18.8 us) and faster from 2048 on (32 x 16384: 577 against 695 us; BENCHMARKS.md).
+MATRIX_MIN_TOKENS = 1024
+MATRIX_BLOCK_SIZE = 16                       # the block size paged_decode_coopmat reads
 WORKGROUPS_PER_UNIT = 8                      # decode workgroups per compute unit the split aims at (BENCHMARKS.md)
 UNITS_ESTIMATE = {"discrete": 64, "integrated": 16, "virtual": 16, "other": 16}   # where the driver says nothing
 
@@ -67,6 +74,31 @@ def decode_target(info, backend: str, kernel: str | None = None) -> str:
     choice = config.decode_kernel(kernel)
     wanted = info.type == "cpu" if choice is None else choice == "cpu"
     return "cpu" if wanted and backend == "glsl" and subgroup_reductions(info) and info.subgroup_shuffle else ""
+
+
+def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int, layout: str, block_size: int,
+                  tokens: int, kernel: str | None = None) -> str:
+    """The decode's matrix kind: "coopmat" (shaders/paged_decode_coopmat.comp) where a module exists for these
+    arguments (GLSL; float16 caches and queries; head size 64 or 128; vLLM's layout with 16-token blocks), the
+    device runs it (pagedvk.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens (`tokens`: the
+    partition's, or the longest context's where unsplit); else "" (the scalar kernels). `kernel` (else
+    PAGEDVK_DECODE_KERNEL) "coopmat" forces it, raising ValueError where it cannot run; "cpu" or "gpu" rule it out."""
+    choice = config.decode_kernel(kernel)
+    if choice in ("cpu", "gpu"):
+        return ""
+    built = sorted((k, qq, h) for _, k, qq, h in PAGED_DECODE.matrix_variants)
+    why = matrix_unavailable(info, features)
+    if not why and (backend != "glsl" or (kv, q, head_size) not in built or layout != "vllm"
+                    or block_size != MATRIX_BLOCK_SIZE):
+        why = (f"the cooperative-matrix decode is built for backend 'glsl', float16 caches and queries at head sizes "
+               f"{', '.join(str(h) for *_, h in built)}, vLLM's layout and {MATRIX_BLOCK_SIZE}-token blocks, not "
+               f"backend {backend!r}, cache {kv}, query {q}, head size {head_size}, layout {layout!r}, block size "
+               f"{block_size}")
+    if choice == MATRIX_KIND:
+        if why:
+            raise ValueError(f"kernel (or PAGEDVK_DECODE_KERNEL) 'coopmat' cannot run on {info.name}: {why}")
+        return MATRIX_KIND
+    return "" if why or tokens < MATRIX_MIN_TOKENS else MATRIX_KIND
 
 
 def kernel_constants(layout: str, group: int) -> dict:
@@ -168,9 +200,11 @@ class DecodePlan(Owned):
     block_size.
     alibi_slopes, logits_soft_cap, sinks, window_left: the attention variants (pagedvk.variants), the same for
     every run of the plan. With a window, the partitions cover each sequence's window only.
-    kernel        "cpu" or "gpu": the decode kernel shaped for CPU devices or for GPUs, whatever the device
-                  (default: PAGEDVK_DECODE_KERNEL, else by the device's type; see ``decode_target``). WGSL plans
-                  run the GPU kernel either way.
+    kernel        "cpu" or "gpu": the decode kernel shaped for CPU devices or the scalar one for GPUs, whatever
+                  the device; "coopmat": the cooperative-matrix kernel (ValueError where it cannot run). Default:
+                  PAGEDVK_DECODE_KERNEL, else by the device's type, with the cooperative-matrix kernel where the
+                  device has it and the plan suits it (see ``decode_target`` and ``decode_matrix``). WGSL plans
+                  run the scalar GPU kernel either way.
     """
 
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
@@ -200,6 +234,9 @@ class DecodePlan(Owned):
         self.dtype, self.query_dtype = dtype, self.query_type.dtype
         self.scale = softmax_scale(scale, head_size)
         self.k_scale, self.v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
+        if config.decode_kernel(kernel) == MATRIX_KIND:   # refused before anything is made for the plan
+            decode_matrix(self.device.info, self.device.features, self.backend, self.spec.storage.tag,
+                          self.query_type.tag, self.head_size, layout, self.block_size, 0, kernel)
         self.block_tables = asarray(block_tables, device=self.device)
         self.seq_lens = asarray(seq_lens, device=self.device)
         self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
@@ -210,12 +247,8 @@ class DecodePlan(Owned):
         self._owned += [a for name, a in self.variant_arrays.items() if a is not self.variants.inputs[name]]
         self._no_lse = empty((4,), np.float32, self.device)   # the lse binding of runs that return none
         self._owned.append(self._no_lse)
-        # The module (unrolled for this head size). Its pipeline for the plan's variants is made now; a run that
-        # adds lse or sinks, or reads segmented caches, gets its own at first use (kernels.pipeline keeps them).
         self.group_size = group_size(num_heads, num_kv_heads)
         self.constants = kernel_constants(layout, self.group_size)
-        self.key = self._module()
-        kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
         max_seq_len = self.variants.span(min(int(lens.max(initial=0)), block_tables.shape[1] * block_size),
@@ -229,6 +262,14 @@ class DecodePlan(Owned):
             if partition_size % block_size:
                 raise ValueError(f"partition_size must be a multiple of block_size ({block_size}), got {partition_size}")
             self.partition_size, self.num_partitions = partition_size, max(1, -(-max_seq_len // partition_size))
+        # The module (unrolled for this head size; the matrix kernel where it is faster). Its pipeline for the
+        # plan's variants is made now; a run that adds lse or sinks, or reads segmented caches, gets its own at
+        # first use (kernels.pipeline keeps them).
+        self.matrix = decode_matrix(self.device.info, self.device.features, self.backend, self.spec.storage.tag,
+                                    self.query_type.tag, self.head_size, layout, self.block_size,
+                                    self.partition_size if self.num_partitions > 1 else max_seq_len, kernel)
+        self.key = self._module()
+        kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)
         limits = self.device.info.max_workgroup_count
         self.grid = fold_grid(workgroups_per_seq * self.num_seqs * self.num_partitions, limits)
         split = self.num_partitions > 1
@@ -462,7 +503,11 @@ class DecodePlan(Owned):
         return [decode, reduce]
 
     def _module(self, access: str = ""):
-        """The decode module for this plan and a cache access (abi.CACHE_ACCESS)."""
+        """The decode module for this plan and a cache access (abi.CACHE_ACCESS): the matrix kernel reads caches
+        by binding only, so segmented or addressed caches run the scalar one."""
+        if self.matrix and access in PAGED_DECODE.matrix_accesses:
+            return PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
+                                    matrix=self.matrix)
         return PAGED_DECODE.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
                                 subgroup_arithmetic=subgroup_reductions(self.device.info),
                                 fixed=fixed_name(self.constants), target=self.target)

@@ -19,13 +19,14 @@ import math
 import numpy as np
 
 from . import checks, kernels
-from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, PREFILL_HEAD_SIZE_SPEC_ID, VariantKey
+from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, PREFILL_HEAD_SIZE_SPEC_ID
 from .array import Array, DeviceArray, asarray, empty
 from .decode import DecodePlan
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
-from .runtime.instance import DeviceInfo, MatrixShape
+from .matrix import MATRIX_KIND, MATRIX_SHAPE, matrix_unavailable
+from .runtime.instance import DeviceInfo
 from .runtime.pipeline import Launch, fold_grid
 from .variants import Variants, in_use as variants_in_use, refuse
 
@@ -36,28 +37,7 @@ MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefi
 MATRIX_MIN_ROWS = MATRIX_ROWS // 2
 DKDV_KEYS = 16           # block tokens per workgroup of paged_backward_dkdv, at most (fewer in smaller blocks)
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
-# The multiply paged_prefill_coopmat is written with, and the subgroup size its softmax assumes (two lanes
-# for each of a subgroup's 16 rows).
-MATRIX_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
-MATRIX_SUBGROUP = 32
-MATRIX_KIND = "coopmat"
 PREFILL_KERNELS = ("auto", "scalar", "coopmat")
-
-
-def matrix_unavailable(info: DeviceInfo, features=None) -> str:
-    """Why the device cannot run the cooperative-matrix prefill, or "" if it can. `features`: the Vulkan
-    features a Device enabled (pagedvk.Device.features), where one is open."""
-    shape = lambda s: (s.m, s.n, s.k, s.a, s.b, s.c, s.result, s.scope)
-    if not any(shape(s) == shape(MATRIX_SHAPE) for s in info.matrix_shapes):
-        return f"it lists no {MATRIX_SHAPE} cooperative-matrix multiply (VK_KHR_cooperative_matrix)"
-    if info.subgroup_size != MATRIX_SUBGROUP:
-        return f"its subgroup size is {info.subgroup_size}, not {MATRIX_SUBGROUP}"
-    if not info.subgroup_shuffle:   # a row's two lanes meet through subgroupShuffleXor
-        return "it has no subgroup shuffles in compute shaders (VK_SUBGROUP_FEATURE_SHUFFLE_BIT)"
-    needs = VariantKey(PAGED_PREFILL.op, "glsl", matrix=MATRIX_KIND).requires()
-    missing = [f for f in needs if f not in features] if features is not None else []
-    return (f"pagedvk did not enable the Vulkan feature(s) {', '.join(missing)} on it (the device lacks them, or "
-            f"a validation layer older than Vulkan 1.3.255 is on)") if missing else ""
 
 
 def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, head_size: int,

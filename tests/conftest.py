@@ -152,6 +152,36 @@ def poison_unread_slots(case, block_size: int) -> None:
         case.value_cache[b] = np.nan
 
 
+def check_unchecked_tables(device, case, kernel: str, tol: float) -> list:
+    """Decode over tables no host check passed, on a Case of seq_lens [0, 50, 0, 70, 33, 9, 100], 8 / 2 heads,
+    head size 64, 16-token blocks: ids at and past num_blocks, negative ids, a length past its row, sequences of
+    length 0 between valid ones; unsplit and in 32-token partitions, `kernel` forced. The sentinels around the
+    caches keep their pattern, a sequence with no key in range gives zeros, the valid ones their attention.
+    The plans' module keys."""
+    num_blocks = case.key_cache.shape[0]
+    bt, sl = case.block_tables.copy(), case.seq_lens.copy()
+    bt[4, 0], bt[4, 1] = num_blocks, -3            # sequence 4: its first block out of range, its second negative
+    bt[5, :] = 2**31 - 1                           # sequence 5: no block in range
+    sl[6] = bt.shape[1] * 16 + 5                   # sequence 6: a length past its row, whose padding ids are -1
+    seen = case.seq_lens.copy()                    # so it sees its 7 blocks whole: 112 keys
+    seen[6] = 112
+    expect = pagedvk.reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, seen)
+    (k, v), guards = fenced(device, case.key_cache, case.value_cache)
+    keys = []
+    for partition_size in (4096, 32):
+        out = pagedvk.asarray(case.poisoned_out())
+        with pagedvk.DecodePlan(pagedvk.asarray(bt), pagedvk.asarray(sl), num_heads=8, num_kv_heads=2, head_size=64,
+                                block_size=16, num_blocks=num_blocks, dtype=case.key_cache.dtype,
+                                partition_size=partition_size, validate=False, kernel=kernel, backend="glsl") as plan:
+            keys.append(plan.key)
+            result = plan.run(pagedvk.asarray(case.query), k, v, out=out).numpy().astype(np.float32)
+        assert np.isfinite(result).all()
+        assert (result[[0, 2, 5]] == 0).all()
+        np.testing.assert_allclose(result[[1, 3, 6]], expect[[1, 3, 6]], rtol=tol, atol=tol)
+    assert_untouched(*guards)
+    return keys
+
+
 @pytest.fixture
 def rng(request):
     # A fresh, reproducible stream per test: seeded from the test's name.

@@ -11,7 +11,7 @@ import pytest
 import pagedvk
 from pagedvk import reference
 from pagedvk.decode import decode_target
-from conftest import Case, assert_untouched, fenced, in_layout, poison_unread_slots, rel_error
+from conftest import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 
@@ -96,25 +96,7 @@ def test_zero_lengths_and_blocks_out_of_range_stay_inside_their_buffers(rng, dev
     # sequences of length 0 between valid ones. The sentinels around the caches must keep their pattern; a
     # sequence with no key in range gives zeros, the valid ones their attention.
     case = Case(rng, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
-    num_blocks = case.key_cache.shape[0]
-    bt, sl = case.block_tables.copy(), case.seq_lens.copy()
-    bt[4, 0], bt[4, 1] = num_blocks, -3            # sequence 4: its first block out of range, its second negative
-    bt[5, :] = 2**31 - 1                           # sequence 5: no block in range
-    sl[6] = bt.shape[1] * 16 + 5                   # sequence 6: a length past its row, whose padding ids are -1
-    seen = case.seq_lens.copy()                    # so it sees its 7 blocks whole: 112 keys
-    seen[6] = 112
-    expect = reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, seen)
-    (k, v), guards = fenced(device, case.key_cache, case.value_cache)
-    for partition_size in (4096, 32):
-        out = pagedvk.asarray(case.poisoned_out())
-        with pagedvk.DecodePlan(pagedvk.asarray(bt), pagedvk.asarray(sl), num_heads=8, num_kv_heads=2, head_size=64,
-                                block_size=16, num_blocks=num_blocks, partition_size=partition_size, validate=False,
-                                kernel=kernel, backend="glsl") as plan:
-            result = plan.run(pagedvk.asarray(case.query), k, v, out=out).numpy()
-        assert np.isfinite(result).all()
-        assert (result[[0, 2, 5]] == 0).all()
-        np.testing.assert_allclose(result[[1, 3, 6]], expect[[1, 3, 6]], rtol=1e-5, atol=1e-5)
-    assert_untouched(*guards)
+    check_unchecked_tables(device, case, kernel, 1e-5)
 
 
 def test_the_device_type_picks_the_kernel(device, monkeypatch):

@@ -1,0 +1,307 @@
+#version 450
+// Paged-attention decode on cooperative matrices (VK_KHR_cooperative_matrix): the op of paged_decode.comp, with its
+// bindings, push constants, grid, specialization constants and results (PAGED_DECODE in pagedvk/abi.py), for
+// float16 caches in vLLM's layout with 16-token blocks, float16 queries and a head size fixed at build time.
+// The scalar kernel's arithmetic (four multiply-adds and a conversion per cache element, with the group's
+// queries and weights read from shared memory) kept it at 70% of the H200's read bandwidth: here the tensor cores
+// do the products, and the cache is read by the matrix loads themselves, straight from the buffers.
+//
+// Each of the workgroup's four subgroups walks its own blocks of the partition (every fourth), one 16-token block
+// a step, with an online softmax of its own; the subgroups' states meet at the end.
+//   S. vLLM's key layout holds a block's keys as 16 chunks of [16 tokens][8 head dims], so a 16 x 16 float16
+//      matrix read row-major from chunk 2j holds, in row m < 8, tokens 2m and 2m + 1 of chunk 2j, and in row
+//      m + 8 the same tokens of chunk 2j + 1. Multiplied by a B matrix whose column (s, p, h) holds head h's
+//      query dims of chunk 2j + s in rows 8p .. 8p + 7 (zeros elsewhere), and summed over the 8 pairs j, the
+//      product's element (m + 8s, (s, p, h)) is head h's dot over chunks of parity s of token 2m + p: the
+//      logit is the sum of the two. A quarter of the products is used; the tensor cores have that to spare.
+//   P. The lanes read the logits back through shared memory (token t = lane % 16; heads 0-3, and 4-7 in the
+//      upper 16 lanes), apply the logit hooks and the mask, and reduce each head's block max across 16 lanes.
+//      The running max m is raised only when a block's max exceeds it by more than RESCALE_MARGIN, so the
+//      output accumulators are rescaled (through shared memory, a tile at a time) a few times a context, not
+//      every block: weights exp(x - m) stay below exp(RESCALE_MARGIN), well inside float16's range.
+//   V. vLLM's value layout holds a head dim's 16 tokens contiguous, so a 16 x 16 matrix read row-major from dim
+//      16 i is V^T for 16 head dims: O^T += V^T P^T, O^T [dim][head] in float32 accumulators, P^T from shared
+//      memory as float16 (FlashAttention-2 rounds P the same way).
+// A block that is not whole (past the partition's end, or a block id outside the cache) masks its keys and
+// stages its values through shared memory with zeros for the missing tokens: slots past a sequence's end may
+// hold anything, NaN included, and 0 * NaN is NaN.
+//
+// Every index into a buffer is bounded here too: block ids outside the cache, lengths beyond the block-table
+// row and rows beyond the table are empty, never read; a launch whose cache strides are not the layout this
+// kernel reads writes nothing (pagedvk.decode runs it only where they are).
+#extension GL_GOOGLE_include_directive : require
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_control_flow_attributes : require
+#define KV_CHUNKS   // the caches' bindings hold 16-byte chunks: 8 float16 elements
+#include "kv_storage.glsl"
+
+#if !defined(KV_F16) || !defined(Q_F16) || !defined(HEAD_SIZE)
+#error "paged_decode_coopmat is built for float16 caches and queries with HEAD_SIZE fixed"
+#endif
+
+layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
+
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };           // [seqs, heads, head_size]
+#define KV_SEGMENT_BINDING 11  // the first of a segmented cache's extra bindings (pagedvk/abi.py)
+CACHE_BINDINGS
+layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
+layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
+layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, head_size]
+layout(std430, set = 0, binding = 6) writeonly buffer PartialOut { vec2 partial_out[]; }; // [seqs, heads, partitions, head_size]
+layout(std430, set = 0, binding = 7) writeonly buffer PartialStats { vec2 partial_stats[]; }; // [seqs, heads, partitions]: (max, sum)
+layout(std430, set = 0, binding = 8) readonly buffer AlibiSlopes { float alibi_slopes[]; }; // [heads] (VARIANT_ALIBI)
+layout(std430, set = 0, binding = 9) readonly buffer Sinks { float sinks[]; };             // [heads] (VARIANT_SINKS)
+layout(std430, set = 0, binding = 10) writeonly buffer Lse { float lse[]; };               // [seqs, heads] (VARIANT_LSE)
+
+#include "attention_common.glsl"
+#include "attention_variants.glsl"
+#include "decode_common.glsl"
+
+#define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
+#define MAT_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
+#define MAT_C coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+
+const uint D = HEAD_SIZE;          // a multiple of 16
+const uint DT = D / 16u;           // 16-dim tiles: key chunk pairs, and value tiles
+const uint BS = 16u;               // the block size this kernel reads
+const uint SUBGROUPS = WG / 32u;   // subgroups of 32 invocations (pagedvk.decode checks the device's size)
+const uint MAX_GROUP = 8u;         // query heads per workgroup: heads 0-3 and 4-7 of the S products' columns
+const float RESCALE_MARGIN = 8.0;  // see P. above: weights stay below exp(8) ~ 2981
+
+// The same specialization as paged_decode.comp (pagedvk/decode.py): VALUE_ORDER 1 is the only layout read here.
+layout(constant_id = 1) const uint VALUE_ORDER = 0u;
+layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
+
+shared float16_t s_qb[2u * DT * 256u];       // the S products' B matrices: [heads 0-3 / 4-7][pair j][k][column]
+shared vec4 s_scr[SUBGROUPS * 128u];          // each subgroup's two 16 x 16 float32 matrices (S), or one tile of O^T
+shared f16vec4 s_p[SUBGROUPS * 64u];          // each subgroup's P^T [token][head], 16 x 16 (heads 8-15 stay zero)
+shared uvec4 s_v[SUBGROUPS * 32u];            // each subgroup's masked V^T tile [dim][token] (blocks not whole)
+shared vec4 s_ml[SUBGROUPS * 4u];             // each subgroup's final (max, sum) of heads 0-3 and 4-7
+shared float s_o[MAX_GROUP * D];              // the workgroup's output sums [head][dim]
+
+// A 16 x 16 matrix of the value cache, V^T for head dims 16 i .. 16 i + 15 of kv head h in block b: rows are
+// dims, 16 tokens each (vLLM's layout), 16 halves = two 16-byte chunks a row.
+uint value_tile(uint b, uint h, uint i) {
+    return b * value_block_elems() + (value_offset(h, 0u, 16u * i) >> 3);
+}
+
+// Key chunks 2 j and 2 j + 1 of kv head h in block b: 256 halves, read as 16 rows of 16.
+uint key_tile(uint b, uint h, uint j) {
+    return b * key_block_elems() + (key_offset(h, 0u, 4u * j) >> 1);
+}
+
+void main() {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
+    const uint group = pc.group_size;
+    const bool wide = GROUP_LIMIT == 0u ? group > 4u : GROUP_LIMIT > 4u;   // heads 4-7 in use
+    const uint P = pc.partition_size;
+    const uint head_groups = pc.num_heads / max(group, 1u);
+    const uint wg = workgroup_index();
+    const uint seq = (wg / head_groups) % max(pc.num_seqs, 1u);
+    const uint part = wg / (head_groups * max(pc.num_seqs, 1u));
+    if (group == 0u || group > MAX_GROUP || P == 0u || part >= pc.num_partitions || gl_SubgroupSize != 32u) return;
+    if (GROUP_LIMIT != 0u && group > GROUP_LIMIT) return;
+    // The layout the matrix loads assume: 16-token blocks, a key token's 8-dim chunk after the previous token's,
+    // a chunk's 16 tokens before the next chunk's; values [dim][token].
+    if (pc.head_size != D || pc.block_size != BS || pc.k_token_stride != 2u || pc.k_chunk_stride != 2u * BS
+        || pc.v_token_stride != 1u || pc.v_dim_stride != BS) return;
+    const uint head0 = (wg % head_groups) * group;
+    const uint kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
+    const uint hq = D / 4u;
+    const uint q_quad0 = (seq * pc.num_heads + head0) * hq;
+    if (q_quad0 + group * hq > uint(query.length())) return;
+
+    const uint row = seq * pc.max_blocks_per_seq;
+    const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(row), 0)));
+    const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * BS) : 0u;
+    const uint last = seq_len - 1u;
+    const uint window0 = min(window_first_key(last), seq_len) & ~(BS - 1u);
+    const uint start = window0 + part * P;
+    const uint end = part + 1u == pc.num_partitions ? seq_len : min(seq_len, start + P);
+    const uint blocks = start < end ? (end - start + BS - 1u) / BS : 0u;
+
+    // The S products' B matrices: column n = 8 s + 4 p + h (head 4 half + h), row k: head dim 8 (2 j + s) + k % 8
+    // of the query where k / 8 == p, else 0.
+    for (uint i = tid; i < 2u * DT * 256u; i += WG) {
+        const uint half_ = i / (DT * 256u), j = (i / 256u) % DT, k = (i / 16u) % 16u, n = i % 16u;
+        const uint s = n / 8u, p = (n / 4u) % 2u, g = 4u * half_ + n % 4u;
+        const uint d = 8u * (2u * j + s) + k % 8u;
+        const float q = k / 8u == p && g < group ? q_quad(query[q_quad0 + g * hq + d / 4u])[d % 4u] : 0.0;
+        s_qb[i] = float16_t(q);
+    }
+    for (uint i = tid; i < SUBGROUPS * 64u; i += WG) s_p[i] = f16vec4(0.0);
+    barrier();
+    MAT_B qb[DT];   // one declaration each: glslang 13 drops the use of a second declarator
+    MAT_B qb_wide[DT];
+    [[unroll]] for (uint j = 0u; j < DT; j++) {
+        coopMatLoad(qb[j], s_qb, j * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
+        if (wide) coopMatLoad(qb_wide[j], s_qb, (DT + j) * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
+    }
+
+    // This lane's token of a block and its heads (4 hh .. 4 hh + 3; the upper lanes' heads are absent unless wide).
+    const uint t = lane % 16u, hh = lane / 16u;
+    const uvec4 heads = head0 + 4u * hh + uvec4(0u, 1u, 2u, 3u);
+    const uvec4 in_group = uvec4(lessThan(4u * hh + uvec4(0u, 1u, 2u, 3u), uvec4(wide || hh == 0u ? group : 0u)));
+    const uint scr = sg * 128u, pbase = sg * 64u;
+    vec4 m = vec4(NEG_INF), l = vec4(0.0);
+    MAT_C o[DT];
+    [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = MAT_C(0.0);
+
+    uint kb = sg;
+    int phys = kb < blocks ? physical_block(row + start / BS + kb) : -1;
+    for (; kb < blocks; kb += SUBGROUPS) {
+        const int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
+        const uint base = start + kb * BS;
+        const bool whole = phys >= 0 && base + BS <= end;
+        const uint b = uint(max(phys, 0));
+        MAT_A kt[DT];
+        MAT_A vt[DT];
+        if (phys >= 0) {
+            [[unroll]] for (uint j = 0u; j < DT; j++) {
+                coopMatLoad(kt[j], key_cache, key_tile(b, kv_head, j), 2u, gl_CooperativeMatrixLayoutRowMajor);
+            }
+        }
+        if (whole) {
+            [[unroll]] for (uint i = 0u; i < DT; i++) {
+                coopMatLoad(vt[i], value_cache, value_tile(b, kv_head, i), 2u, gl_CooperativeMatrixLayoutRowMajor);
+            }
+        }
+
+        // S: the block's logits, through shared memory to the lanes.
+        vec4 x = vec4(NEG_INF);
+        if (phys >= 0) {
+            MAT_C sa = MAT_C(0.0);
+            [[unroll]] for (uint j = 0u; j < DT; j++) sa = coopMatMulAdd(kt[j], qb[j], sa);
+            coopMatStore(sa, s_scr, scr, 4u, gl_CooperativeMatrixLayoutRowMajor);
+            if (wide) {
+                MAT_C sb = MAT_C(0.0);
+                [[unroll]] for (uint j = 0u; j < DT; j++) sb = coopMatMulAdd(kt[j], qb_wide[j], sb);
+                coopMatStore(sb, s_scr, scr + 64u, 4u, gl_CooperativeMatrixLayoutRowMajor);
+            }
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            // Token t = 2 r + p: row r (chunks 2j) column 4p + h, plus row r + 8 (chunks 2j + 1) column 8 + 4p + h.
+            const uint at = scr + 64u * hh + (t / 2u) * 4u + t % 2u;
+            const vec4 dot4 = s_scr[at] + s_scr[at + 32u + 2u];
+            const uint key = base + t;
+            const uvec4 keys = key < end ? in_group * seq_len : uvec4(0u);
+            x = logits4(dot4 * pc.scale, heads, key, uvec4(last), keys);
+            subgroupBarrier();   // read before the next block's products overwrite it
+        }
+
+        // P: each head's block max over the 16 lanes of its half, the lazy rescale, the weights.
+        vec4 bmax = x;
+        [[unroll]] for (uint s = 1u; s < 16u; s <<= 1) bmax = max(bmax, subgroupShuffleXor(bmax, s));
+        // Whether any lane's head needs a new max, made uniform by shuffles (the matrix kernels need only those).
+        float rescale = any(greaterThan(bmax, m + RESCALE_MARGIN)) ? 1.0 : 0.0;
+        [[unroll]] for (uint s = 1u; s < 32u; s <<= 1) rescale = max(rescale, subgroupShuffleXor(rescale, s));
+        if (rescale > 0.0) {
+            const vec4 n = max(m, bmax);
+            const vec4 alpha = mix(exp(m - n), vec4(1.0), equal(n, vec4(NEG_INF)));
+            m = n;
+            l *= alpha;
+            const vec4 alpha_a = subgroupShuffle(alpha, 0u), alpha_b = subgroupShuffle(alpha, 16u);
+            // O^T [dim][head] a tile at a time: lane l scales row l / 2, heads 8 (l % 2) .. (8-15 are zero).
+            [[unroll]] for (uint i = 0u; i < DT; i++) {
+                coopMatStore(o[i], s_scr, scr, 4u, gl_CooperativeMatrixLayoutRowMajor);
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                if (lane % 2u == 0u) {
+                    s_scr[scr + (lane / 2u) * 4u] *= alpha_a;
+                    s_scr[scr + (lane / 2u) * 4u + 1u] *= alpha_b;
+                }
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                coopMatLoad(o[i], s_scr, scr, 4u, gl_CooperativeMatrixLayoutRowMajor);
+                subgroupBarrier();
+            }
+        }
+        const vec4 p = mix(exp(x - m), vec4(0.0), equal(x, vec4(NEG_INF)));
+        l += p;
+        if (phys >= 0) {
+            s_p[pbase + t * 4u + hh] = f16vec4(p);
+            if (!whole) {   // V^T through shared memory, zeros for the tokens not there
+                const uint d = lane / 2u, t0 = 8u * (lane % 2u);
+                [[unroll]] for (uint i = 0u; i < DT; i++) {
+                    uvec4 w = value_load(b, value_tile(0u, kv_head, i) + lane);   // row d, tokens t0 .. t0 + 7
+                    [[unroll]] for (uint e = 0u; e < 4u; e++) {
+                        const uint k0 = base + t0 + 2u * e;
+                        const uint lo = k0 < end ? 0xffffu : 0u, hi = k0 + 1u < end ? 0xffff0000u : 0u;
+                        w[e] &= lo | hi;
+                    }
+                    s_v[sg * 32u + lane] = w;
+                    subgroupMemoryBarrierShared();
+                    subgroupBarrier();
+                    coopMatLoad(vt[i], s_v, sg * 32u, 2u, gl_CooperativeMatrixLayoutRowMajor);
+                    subgroupBarrier();
+                }
+            }
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            MAT_B pt;
+            coopMatLoad(pt, s_p, pbase, 4u, gl_CooperativeMatrixLayoutRowMajor);
+            [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = coopMatMulAdd(vt[i], pt, o[i]);
+            subgroupBarrier();   // P^T read before the next block's weights overwrite it
+        }
+        phys = next_phys;
+    }
+
+    // The subgroups' states meet: each head's max M over the subgroups, each subgroup's sums scaled to it.
+    [[unroll]] for (uint s = 1u; s < 16u; s <<= 1) l += subgroupShuffleXor(l, s);
+    if (lane % 16u == 0u) { s_ml[sg * 4u + hh] = m; s_ml[sg * 4u + 2u + hh] = l; }
+    for (uint i = tid; i < MAX_GROUP * D; i += WG) s_o[i] = 0.0;
+    barrier();
+    vec4 mm_a = vec4(NEG_INF), mm_b = vec4(NEG_INF);
+    for (uint s = 0u; s < SUBGROUPS; s++) { mm_a = max(mm_a, s_ml[s * 4u]); mm_b = max(mm_b, s_ml[s * 4u + 1u]); }
+    vec4 l_a = vec4(0.0), l_b = vec4(0.0);
+    for (uint s = 0u; s < SUBGROUPS; s++) {
+        l_a += s_ml[s * 4u + 2u] * mix(exp(s_ml[s * 4u] - mm_a), vec4(0.0), equal(mm_a, vec4(NEG_INF)));
+        l_b += s_ml[s * 4u + 3u] * mix(exp(s_ml[s * 4u + 1u] - mm_b), vec4(0.0), equal(mm_b, vec4(NEG_INF)));
+    }
+    const vec4 f_a = mix(exp(s_ml[sg * 4u] - mm_a), vec4(0.0), equal(mm_a, vec4(NEG_INF)));
+    const vec4 f_b = mix(exp(s_ml[sg * 4u + 1u] - mm_b), vec4(0.0), equal(mm_b, vec4(NEG_INF)));
+    for (uint s = 0u; s < SUBGROUPS; s++) {   // one subgroup at a time adds its scaled sums into s_o
+        if (s == sg) {
+            [[unroll]] for (uint i = 0u; i < DT; i++) {
+                coopMatStore(o[i], s_scr, scr, 4u, gl_CooperativeMatrixLayoutRowMajor);
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                const uint d = 16u * i + lane / 2u;
+                const vec4 v = s_scr[scr + (lane / 2u) * 4u + (lane % 2u)];
+                const vec4 f = lane % 2u == 0u ? f_a : f_b;
+                [[unroll]] for (uint h = 0u; h < 4u; h++) s_o[(4u * (lane % 2u) + h) * D + d] += v[h] * f[h];
+                subgroupBarrier();
+            }
+        }
+        barrier();
+    }
+
+    // Normalized and written two dims at a time, as paged_decode.comp writes them.
+    const uint half_hs = D / 2u;
+    for (uint i = tid; i < group * half_hs; i += WG) {
+        const uint g = i / half_hs, d0 = 2u * (i % half_hs);
+        vec2 o2 = vec2(s_o[g * D + d0], s_o[g * D + d0 + 1u]);
+        const float lg = g < 4u ? l_a[g] : l_b[g - 4u];
+        const float mg = g < 4u ? mm_a[g] : mm_b[g - 4u];
+        const uint head = head0 + g;
+        if (pc.num_partitions == 1u) {
+            const vec2 fin = softmax_finish(mg, lg, sink_logit(head));
+            o2 *= fin.x;
+            const uint pair = ((seq * pc.num_heads + head) * D + d0) >> 1;
+            if (pair < uint(out_.length())) out_[pair] = out_pair(o2 * pc.v_scale);
+            const uint lse_row = seq * pc.num_heads + head;
+            if (d0 == 0u && variant_on(VARIANT_LSE) && lse_row < uint(lse.length())) lse[lse_row] = fin.y;
+        } else {
+            o2 *= lg > 0.0 ? 1.0 / lg : 0.0;
+            const uint slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
+            if (slot >= uint(partial_stats.length()) || (slot + 1u) * D > 2u * uint(partial_out.length())) continue;
+            partial_out[(slot * D + d0) >> 1] = o2;
+            if (d0 == 0u) partial_stats[slot] = vec2(mg, lg);
+        }
+    }
+}

@@ -1,0 +1,169 @@
+"""The cooperative-matrix decode (shaders/paged_decode_coopmat.comp) and the rule that picks it: the rule and its
+refusals on made-up devices, everywhere; the kernel, forced, against the float64 reference on random data with
+NaN-poisoned outputs and unread slots, on devices with cooperative matrices (`needs_coopmat`, skipped elsewhere
+with the reason: lavapipe has none)."""
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+import pagedvk
+from pagedvk import abi, config, decode, reference
+from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable
+from conftest import Case, check_unchecked_tables, poison_unread_slots, rel_error
+from test_variants import VARIANTS, variant_args
+
+TOL = 2e-3   # float16 storage, queries and weights
+F16 = ("glsl", "f16", "f16")
+NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
+
+_info = pagedvk.select()[0]
+_why = matrix_unavailable(_info, pagedvk.default_device().features)   # what the device turned on
+needs_coopmat = pytest.mark.skipif(bool(_why), reason=f"needs VK_KHR_cooperative_matrix: {_info.name}: {_why}")
+CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True,
+                              matrix_shapes=(MATRIX_SHAPE,))
+
+
+# -- the rule, on made-up devices --
+
+def test_long_partitions_of_float16_vllm_caches_get_the_matrix_kernel(monkeypatch):
+    monkeypatch.delenv("PAGEDVK_DECODE_KERNEL", raising=False)
+    tokens = decode.MATRIX_MIN_TOKENS
+    for head_size in (64, 128):
+        assert decode.decode_matrix(CAPABLE, NEEDS, *F16, head_size, "vllm", 16, tokens) == "coopmat"
+    assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, tokens - 1) == ""   # short: the scalar kernel
+    others = [("wgsl", "f16", "f16", 128, "vllm", 16), ("glsl", "bf16", "f16", 128, "vllm", 16),
+              ("glsl", "f16", "f32", 128, "vllm", 16), ("glsl", "f16", "f16", 96, "vllm", 16),
+              ("glsl", "f16", "f16", 128, "nhd", 16), ("glsl", "f16", "f16", 128, "vllm", 32)]
+    for args in others:
+        assert decode.decode_matrix(CAPABLE, NEEDS, *args, 1 << 20) == ""
+    for kernel in ("gpu", "CPU"):   # the scalar kernels, forced
+        assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 1 << 20, kernel) == ""
+    assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16, "coopmat") == "coopmat"
+    monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", "coopmat")
+    assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16) == "coopmat"
+    monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", "gpu")
+    assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 1 << 20) == ""
+
+
+@pytest.mark.parametrize("info,features,args,reason", [
+    (dataclasses.replace(CAPABLE, matrix_shapes=()), NEEDS, F16 + (128, "vllm", 16), "lists no 16x16x16"),
+    (dataclasses.replace(CAPABLE, subgroup_size=64), NEEDS, F16 + (128, "vllm", 16), "subgroup size is 64"),
+    (CAPABLE, {"shaderFloat16"}, F16 + (128, "vllm", 16), "did not enable the Vulkan feature(s) cooperativeMatrix"),
+    (CAPABLE, NEEDS, ("glsl", "bf16", "f16", 128, "vllm", 16), "not backend 'glsl', cache bf16"),
+    (CAPABLE, NEEDS, ("wgsl", "f16", "f16", 128, "vllm", 16), "not backend 'wgsl'"),
+    (CAPABLE, NEEDS, F16 + (128, "nhd", 16), "layout 'nhd'"),
+    (CAPABLE, NEEDS, F16 + (128, "vllm", 8), "block size 8"),
+    (CAPABLE, NEEDS, F16 + (256, "vllm", 16), "head size 256"),
+], ids=["no-shape", "subgroup-64", "features", "bf16", "wgsl", "nhd", "block-8", "head-256"])
+def test_forcing_the_matrix_kernel_where_it_cannot_run_is_refused(info, features, args, reason):
+    with pytest.raises(ValueError, match=r"kernel \(or PAGEDVK_DECODE_KERNEL\) 'coopmat' cannot run on .*"
+                                         + re.escape(reason)):
+        decode.decode_matrix(info, features, *args, 1 << 20, "coopmat")
+
+
+def test_a_plan_forced_onto_the_matrix_kernel_it_cannot_run_is_refused(rng):
+    case = Case(rng, seq_lens=[40], dtype=np.float16)
+    kw = dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=16, num_blocks=case.key_cache.shape[0],
+              dtype=np.float16, kernel="coopmat", backend="glsl")
+    with pytest.raises(ValueError, match="kernel .or PAGEDVK_DECODE_KERNEL. 'coopmat' cannot run"):
+        pagedvk.DecodePlan(case.block_tables, case.seq_lens, **{**kw, **({} if _why else {"layout": "nhd"})})
+    with pytest.raises(ValueError, match="kernel must be one of cpu, gpu, coopmat"):
+        config.decode_kernel("tensor")
+
+
+def test_the_matrix_module_is_declared_for_binding_access_with_the_decode_constants():
+    key = abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, matrix="coopmat")
+    assert key.name == "paged_decode.coopmat.kv_f16.q_f16.h128.glsl"
+    assert key.source == "paged_decode_coopmat.comp" and key.target_env == "vulkan1.2"
+    assert abi.PAGED_DECODE.specialization_constants(key) == {
+        abi.VARIANTS_SPEC_ID: "bool", abi.DECODE_VALUE_ORDER_SPEC_ID: "uint32", abi.DECODE_GROUP_SPEC_ID: "uint32"}
+    with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module reading caches by 'seg'"):
+        abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, "seg", "coopmat")
+    built = [k for k in abi.PAGED_DECODE.keys() if k.matrix]
+    assert sorted(k.name for k in built) == ["paged_decode.coopmat.kv_f16.q_f16.h128.glsl",
+                                             "paged_decode.coopmat.kv_f16.q_f16.h64.glsl"]
+
+
+# -- the kernel, on devices that have cooperative matrices --
+
+def run_coopmat(case, query, partition_size=None, kernel="coopmat", **variants):
+    """(out, lse, plan key, partitions) of a DecodePlan run into NaN-poisoned outputs."""
+    out = np.full(query.shape, np.nan, np.float16)
+    lse = np.full(query.shape[:2], np.nan, np.float32)
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=query.shape[1],
+                            num_kv_heads=case.num_kv_heads, head_size=query.shape[2], block_size=16,
+                            num_blocks=case.key_cache.shape[0], dtype=np.float16, query_dtype=np.float16,
+                            partition_size=partition_size, kernel=kernel, backend="glsl", **variants) as plan:
+        plan.run(query, case.key_cache, case.value_cache, out=out, lse=lse)
+        return out, lse, plan.key, plan.num_partitions
+
+
+def check_split_and_unsplit(case, query, **variants):
+    """One partition and 32-token partitions (two blocks: two of the four subgroups idle), each against float64
+    (out and lse), and the two alike."""
+    ref_out, ref_lse = reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
+    outs = []
+    for partition_size, split in ((4096, False), (32, True)):
+        out, lse, key, parts = run_coopmat(case, query, partition_size, **variants)
+        assert key.matrix == "coopmat" and (parts > 1) == split
+        assert rel_error(out, ref_out) <= TOL
+        assert rel_error(lse, ref_lse) <= 1e-5
+        outs.append(out.astype(np.float32))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=TOL)
+
+
+@needs_coopmat
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (16, 2), (12, 2), (6, 2)],
+                         ids=["g1", "g4", "g8", "g6", "g3"])
+@pytest.mark.parametrize("head_size", (64, 128))
+def test_matches_float64_for_every_group_and_head_size(rng, head_size, num_heads, num_kv_heads):
+    # Empty sequences, lengths that end mid-block and at a partition's edge, a long one; unread slots hold NaN.
+    case = Case(rng, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                head_size=head_size, dtype=np.float16)
+    poison_unread_slots(case, 16)
+    check_split_and_unsplit(case, case.query)
+
+
+@needs_coopmat
+@pytest.mark.parametrize("name", VARIANTS)
+def test_attention_variants(rng, name):
+    case = Case(rng, seq_lens=[5, 77, 200, 513], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
+    poison_unread_slots(case, 16)
+    check_split_and_unsplit(case, case.query, **variant_args(rng, 8, VARIANTS[name]))
+
+
+@needs_coopmat
+def test_a_max_that_keeps_rising_rescales_the_sums(rng):
+    # Each block's keys point further along head 0's query and away from head 1's (of each kv head's group) than
+    # the last block's: head 0's max rises past the kernel's margin every few blocks, so the sums are rescaled
+    # many times, while head 1's max stays at the first keys (its rescale factor 1 in the same rescales).
+    case = Case(rng, seq_lens=[1000, 333], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
+    q = case.query.astype(np.float32)
+    direction = q[:, 0::4] - q[:, 1::4]   # [seq, kv head, dim]
+    for s, n in enumerate(case.seq_lens):
+        for t in range(n):
+            block, slot = case.block_tables[s, t // 16], t % 16
+            k = direction[s] * (t / 8.0) + 0.3 * rng.standard_normal((2, 128))
+            case.key_cache[block, :, :, slot, :] = k.reshape(2, 16, 8).astype(np.float16)
+    check_split_and_unsplit(case, case.query)
+
+
+@needs_coopmat
+def test_bad_tables_read_nothing_outside_the_caches(device, rng):
+    # Unchecked tables (conftest.check_unchecked_tables): nothing read or written outside the buffers.
+    case = Case(rng, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
+    assert all(key.matrix == "coopmat" for key in check_unchecked_tables(device, case, "coopmat", TOL))
+
+
+@needs_coopmat
+def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch):
+    monkeypatch.delenv("PAGEDVK_DECODE_KERNEL", raising=False)
+    case = Case(rng, seq_lens=[2048, 1500], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
+    expect = case.reference()
+    for partition_size, matrix in ((decode.MATRIX_MIN_TOKENS, "coopmat"), (decode.MATRIX_MIN_TOKENS // 2, "")):
+        out, _, key, _ = run_coopmat(case, case.query, partition_size, kernel=None)
+        assert key.matrix == matrix
+        assert rel_error(out, expect) <= TOL
