@@ -88,6 +88,8 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
         return ""
     built = sorted((k, qq, h) for _, k, qq, h in PAGED_DECODE.matrix_variants)
     why = matrix_unavailable(info, features)
+    if not why and not info.subgroup_vote:   # the rescale test is a subgroupAny (uniform, as the matrix ops need)
+        why = "it has no subgroup vote in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT)"
     if not why and (backend != "glsl" or (kv, q, head_size) not in built or layout != "vllm"
                     or block_size != MATRIX_BLOCK_SIZE):
         why = (f"the cooperative-matrix decode is built for backend 'glsl', float16 caches and queries at head sizes "

@@ -22,7 +22,7 @@ NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
 _info = pagedvk.select()[0]
 _why = matrix_unavailable(_info, pagedvk.default_device().features)   # what the device turned on
 needs_coopmat = pytest.mark.skipif(bool(_why), reason=f"needs VK_KHR_cooperative_matrix: {_info.name}: {_why}")
-CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True,
+CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True,
                               matrix_shapes=(MATRIX_SHAPE,))
 
 
@@ -52,12 +52,13 @@ def test_long_partitions_of_float16_vllm_caches_get_the_matrix_kernel(monkeypatc
     (dataclasses.replace(CAPABLE, matrix_shapes=()), NEEDS, F16 + (128, "vllm", 16), "lists no 16x16x16"),
     (dataclasses.replace(CAPABLE, subgroup_size=64), NEEDS, F16 + (128, "vllm", 16), "subgroup size is 64"),
     (CAPABLE, {"shaderFloat16"}, F16 + (128, "vllm", 16), "did not enable the Vulkan feature(s) cooperativeMatrix"),
+    (dataclasses.replace(CAPABLE, subgroup_vote=False), NEEDS, F16 + (128, "vllm", 16), "no subgroup vote"),
     (CAPABLE, NEEDS, ("glsl", "bf16", "f16", 128, "vllm", 16), "not backend 'glsl', cache bf16"),
     (CAPABLE, NEEDS, ("wgsl", "f16", "f16", 128, "vllm", 16), "not backend 'wgsl'"),
     (CAPABLE, NEEDS, F16 + (128, "nhd", 16), "layout 'nhd'"),
     (CAPABLE, NEEDS, F16 + (128, "vllm", 8), "block size 8"),
     (CAPABLE, NEEDS, F16 + (256, "vllm", 16), "head size 256"),
-], ids=["no-shape", "subgroup-64", "features", "bf16", "wgsl", "nhd", "block-8", "head-256"])
+], ids=["no-shape", "subgroup-64", "features", "vote", "bf16", "wgsl", "nhd", "block-8", "head-256"])
 def test_forcing_the_matrix_kernel_where_it_cannot_run_is_refused(info, features, args, reason):
     with pytest.raises(ValueError, match=r"kernel \(or PAGEDVK_DECODE_KERNEL\) 'coopmat' cannot run on .*"
                                          + re.escape(reason)):

@@ -134,6 +134,8 @@ class DeviceInfo:
     subgroup_arithmetic: bool = True
     # subgroupShuffle in compute shaders (VK_SUBGROUP_FEATURE_SHUFFLE_BIT): the CPU decode kernel needs it
     subgroup_shuffle: bool = True
+    # subgroupAny in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT): the cooperative-matrix decode needs it
+    subgroup_vote: bool = True
     # VK_KHR_cooperative_matrix's multiplies (MatrixShape), () without it
     matrix_shapes: tuple = field(default=(), repr=False)
     handle: object = field(default=None, repr=False, compare=False)  # VkPhysicalDevice
@@ -274,6 +276,8 @@ def describe(index: int, pd, instance) -> DeviceInfo:
                                  and subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
         subgroup_shuffle=bool(subgroup.supportedOperations & vk.VK_SUBGROUP_FEATURE_SHUFFLE_BIT
                               and subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
+        subgroup_vote=bool(subgroup.supportedOperations & vk.VK_SUBGROUP_FEATURE_VOTE_BIT
+                           and subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
         fp16=bool(f12.shaderFloat16), storage16=bool(f11.storageBuffer16BitAccess),
         storage8=bool(f12.storageBuffer8BitAccess), bf16="VK_KHR_shader_bfloat16" in extensions,
         cooperative_matrix="VK_KHR_cooperative_matrix" in extensions,
