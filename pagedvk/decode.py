@@ -22,8 +22,9 @@ from .array import Array, DeviceArray, asarray, empty
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
-from .matrix import MATRIX_KIND, matrix_unavailable
+from .matrix import MATRIX_KIND, matrix_unavailable, offers
 from .opargs import backend_name, device_of, softmax_scale
+from .runtime.instance import MatrixShape
 from .runtime.owned import Owned
 from .runtime.pipeline import Launch, Transfers, fold_grid
 from .selection import get_device
@@ -39,6 +40,7 @@ TILE = 128                                   # tokens the kernel takes at a time
 # against 18.8 us) and faster from 2048 on (32 x 16384: 577 against 695 us; BENCHMARKS.md).
 MATRIX_MIN_TOKENS = 1024
 MATRIX_BLOCK_SIZE = 16                       # the block size paged_decode_coopmat reads
+MATRIX_PV_SHAPE = MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32", "subgroup")   # its P.V multiply
 WORKGROUPS_PER_UNIT = 8                      # decode workgroups per compute unit the split aims at (BENCHMARKS.md)
 UNITS_ESTIMATE = {"discrete": 64, "integrated": 16, "virtual": 16, "other": 16}   # where the driver says nothing
 
@@ -90,6 +92,8 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
     why = matrix_unavailable(info, features)
     if not why and not info.subgroup_vote:   # the rescale test is a subgroupAny (uniform, as the matrix ops need)
         why = "it has no subgroup vote in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT)"
+    if not why and not offers(info, MATRIX_PV_SHAPE):
+        why = f"it lists no {MATRIX_PV_SHAPE} cooperative-matrix multiply (the output sums' 16 x 8 matrices)"
     if not why and (backend != "glsl" or (kv, q, head_size) not in built or layout != "vllm"
                     or block_size != MATRIX_BLOCK_SIZE):
         why = (f"the cooperative-matrix decode is built for backend 'glsl', float16 caches and queries at head sizes "

@@ -14,11 +14,16 @@ MATRIX_SUBGROUP = 32
 MATRIX_KIND = "coopmat"
 
 
+def offers(info: DeviceInfo, shape: MatrixShape) -> bool:
+    """Whether the device lists this multiply (saturation aside: it concerns integer types only)."""
+    key = lambda s: (s.m, s.n, s.k, s.a, s.b, s.c, s.result, s.scope)
+    return any(key(s) == key(shape) for s in info.matrix_shapes)
+
+
 def matrix_unavailable(info: DeviceInfo, features=None) -> str:
     """Why the device cannot run the cooperative-matrix kernels, or "" if it can. `features`: the Vulkan
     features a Device enabled (pagedvk.Device.features), where one is open."""
-    shape = lambda s: (s.m, s.n, s.k, s.a, s.b, s.c, s.result, s.scope)
-    if not any(shape(s) == shape(MATRIX_SHAPE) for s in info.matrix_shapes):
+    if not offers(info, MATRIX_SHAPE):
         return f"it lists no {MATRIX_SHAPE} cooperative-matrix multiply (VK_KHR_cooperative_matrix)"
     if info.subgroup_size != MATRIX_SUBGROUP:
         return f"its subgroup size is {info.subgroup_size}, not {MATRIX_SUBGROUP}"

@@ -20,7 +20,8 @@
 //      output accumulators are rescaled (through shared memory, a tile at a time) a few times a context, not
 //      every block: weights exp(x - m) stay below exp(RESCALE_MARGIN), well inside float16's range.
 //   V. vLLM's value layout holds a head dim's 16 tokens contiguous, so a 16 x 16 matrix read row-major from dim
-//      16 i is V^T for 16 head dims: O^T += V^T P^T, O^T [dim][head] in float32 accumulators, P^T from shared
+//      16 i is V^T for 16 head dims: O^T += V^T P^T, O^T [dim][head] in 16 x 8 float32 accumulators (heads 0-7;
+//      a 16 x 8 x 16 multiply, which the device must list too), P^T from shared
 //      memory as float16 (FlashAttention-2 rounds P the same way).
 // A block that is not whole (past the partition's end) stages its keys and values through shared memory with
 // zeros for the missing tokens, and masks their logits: slots past a sequence's end may hold anything, NaN
@@ -66,6 +67,8 @@ layout(std430, set = 0, binding = 10) writeonly buffer Lse { float lse[]; };    
 #define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
 #define MAT_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
 #define MAT_C coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define MAT_B8 coopmat<float16_t, gl_ScopeSubgroup, 16, 8, gl_MatrixUseB>
+#define MAT_C8 coopmat<float, gl_ScopeSubgroup, 16, 8, gl_MatrixUseAccumulator>
 
 const uint D = HEAD_SIZE;          // a multiple of 16
 const uint DT = D / 16u;           // 16-dim tiles: key chunk pairs, and value tiles
@@ -78,12 +81,12 @@ const float RESCALE_MARGIN = 8.0;  // see P. above: weights stay below exp(8) ~ 
 layout(constant_id = 1) const uint VALUE_ORDER = 0u;
 layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
 
-shared float16_t s_qb[2u * DT * 256u];       // the S products' B matrices: [heads 0-3 / 4-7][pair j][k][column]
+shared uvec4 s_qb[2u * DT * 32u];            // the S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k]
 shared vec4 s_scr[SUBGROUPS * 128u];          // each subgroup's two 16 x 16 float32 matrices (S), or one tile of O^T
-shared f16vec4 s_p[SUBGROUPS * 64u];          // each subgroup's P^T [token][head], 16 x 16 (heads 8-15 stay zero)
+shared f16vec4 s_p[SUBGROUPS * 32u];          // each subgroup's P^T [token][head], 16 x 8
 shared uvec4 s_v[SUBGROUPS * 32u];            // each subgroup's masked key or V^T tile (blocks not whole)
 shared vec4 s_ml[SUBGROUPS * 4u];             // each subgroup's final (max, sum) of heads 0-3 and 4-7
-shared float s_o[MAX_GROUP * D];              // the workgroup's output sums [head][dim]
+shared float s_o[SUBGROUPS * MAX_GROUP * D];  // each subgroup's scaled output sums [head][dim]
 
 // A 16 x 16 matrix of the value cache, V^T for head dims 16 i .. 16 i + 15 of kv head h in block b: rows are
 // dims, 16 tokens each (vLLM's layout), 16 halves = two 16-byte chunks a row.
@@ -127,32 +130,25 @@ void main() {
     const uint end = part + 1u == pc.num_partitions ? seq_len : min(seq_len, start + P);
     const uint blocks = start < end ? (end - start + BS - 1u) / BS : 0u;
 
-    // The S products' B matrices: column n = 8 s + 4 p + h (head 4 half + h), row k: head dim 8 (2 j + s) + k % 8
-    // of the query where k / 8 == p, else 0.
-    for (uint i = tid; i < 2u * DT * 256u; i += WG) {
-        const uint half_ = i / (DT * 256u), j = (i / 256u) % DT, k = (i / 16u) % 16u, n = i % 16u;
+    // The S products' B matrices, column-major: column n = 8 s + 4 p + h (head 4 half + h) holds, in rows
+    // 8 p .. 8 p + 7, head dims 8 (2 j + s) .. of the query (one 16-byte chunk), and zeros in the other 8 rows.
+    // Each block loads them from here (holding them took 32-64 registers a thread).
+    for (uint i = tid; i < 2u * DT * 32u; i += WG) {
+        const uint half_ = i / (DT * 32u), n = (i / 2u) % 16u, k8 = i % 2u, j = (i / 32u) % DT;
         const uint s = n / 8u, p = (n / 4u) % 2u, g = 4u * half_ + n % 4u;
-        const uint d = 8u * (2u * j + s) + k % 8u;
-        const float q = k / 8u == p && g < group ? q_quad(query[q_quad0 + g * hq + d / 4u])[d % 4u] : 0.0;
-        s_qb[i] = float16_t(q);
+        const uint c = q_quad0 + g * hq + 2u * (2u * j + s);   // the chunk's first quad
+        s_qb[i] = k8 == p && g < group ? uvec4(query[c], query[c + 1u]) : uvec4(0u);
     }
-    for (uint i = tid; i < SUBGROUPS * 64u; i += WG) s_p[i] = f16vec4(0.0);
     barrier();
-    MAT_B qb[DT];   // one declaration each: glslang 13 drops the use of a second declarator
-    MAT_B qb_wide[DT];
-    [[unroll]] for (uint j = 0u; j < DT; j++) {
-        coopMatLoad(qb[j], s_qb, j * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
-        if (wide) coopMatLoad(qb_wide[j], s_qb, (DT + j) * 256u, 16u, gl_CooperativeMatrixLayoutRowMajor);
-    }
 
     // This lane's token of a block and its heads (4 hh .. 4 hh + 3; the upper lanes' heads are absent unless wide).
     const uint t = lane % 16u, hh = lane / 16u;
     const uvec4 heads = head0 + 4u * hh + uvec4(0u, 1u, 2u, 3u);
     const uvec4 in_group = uvec4(lessThan(4u * hh + uvec4(0u, 1u, 2u, 3u), uvec4(wide || hh == 0u ? group : 0u)));
-    const uint scr = sg * 128u, pbase = sg * 64u;
+    const uint scr = sg * 128u, pbase = sg * 32u;
     vec4 m = vec4(NEG_INF), l = vec4(0.0);
-    MAT_C o[DT];
-    [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = MAT_C(0.0);
+    MAT_C8 o[DT];   // O^T [dim][head]: heads 0-7 (16 x 8 accumulators: half the registers of 16 x 16)
+    [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = MAT_C8(0.0);
 
     uint kb = sg;
     int phys = kb < blocks ? physical_block(row + start / BS + kb) : -1;
@@ -189,11 +185,19 @@ void main() {
         vec4 x = vec4(NEG_INF);
         if (phys >= 0) {
             MAT_C sa = MAT_C(0.0);
-            [[unroll]] for (uint j = 0u; j < DT; j++) sa = coopMatMulAdd(kt[j], qb[j], sa);
+            [[unroll]] for (uint j = 0u; j < DT; j++) {
+                MAT_B qb;
+                coopMatLoad(qb, s_qb, j * 32u, 2u, gl_CooperativeMatrixLayoutColumnMajor);
+                sa = coopMatMulAdd(kt[j], qb, sa);
+            }
             coopMatStore(sa, s_scr, scr, 4u, gl_CooperativeMatrixLayoutRowMajor);
             if (wide) {
                 MAT_C sb = MAT_C(0.0);
-                [[unroll]] for (uint j = 0u; j < DT; j++) sb = coopMatMulAdd(kt[j], qb_wide[j], sb);
+                [[unroll]] for (uint j = 0u; j < DT; j++) {
+                    MAT_B qb;
+                    coopMatLoad(qb, s_qb, (DT + j) * 32u, 2u, gl_CooperativeMatrixLayoutColumnMajor);
+                    sb = coopMatMulAdd(kt[j], qb, sb);
+                }
                 coopMatStore(sb, s_scr, scr + 64u, 4u, gl_CooperativeMatrixLayoutRowMajor);
             }
             subgroupMemoryBarrierShared();
@@ -218,25 +222,22 @@ void main() {
             m = n;
             l *= alpha;
             const vec4 alpha_a = subgroupShuffle(alpha, 0u), alpha_b = subgroupShuffle(alpha, 16u);
-            // O^T [dim][head] a tile at a time: lane l scales row l / 2, heads 8 (l % 2) .. (8-15 are zero).
+            // O^T [dim][head] a tile at a time: lane l scales row l / 2, heads 4 (l % 2) .. 4 (l % 2) + 3.
             [[unroll]] for (uint i = 0u; i < DT; i++) {
-                coopMatStore(o[i], s_scr, scr, 4u, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(o[i], s_scr, scr, 2u, gl_CooperativeMatrixLayoutRowMajor);
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
-                if (lane % 2u == 0u) {
-                    s_scr[scr + (lane / 2u) * 4u] *= alpha_a;
-                    s_scr[scr + (lane / 2u) * 4u + 1u] *= alpha_b;
-                }
+                s_scr[scr + lane] *= lane % 2u == 0u ? alpha_a : alpha_b;
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
-                coopMatLoad(o[i], s_scr, scr, 4u, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatLoad(o[i], s_scr, scr, 2u, gl_CooperativeMatrixLayoutRowMajor);
                 subgroupBarrier();
             }
         }
         const vec4 p = mix(exp(x - m), vec4(0.0), equal(x, vec4(NEG_INF)));
         l += p;
         if (phys >= 0) {
-            s_p[pbase + t * 4u + hh] = f16vec4(p);
+            s_p[pbase + t * 2u + hh] = f16vec4(p);
             if (!whole) {   // V^T through shared memory, zeros for the tokens not there
                 const uint d = lane / 2u, t0 = 8u * (lane % 2u);
                 [[unroll]] for (uint i = 0u; i < DT; i++) {
@@ -255,8 +256,8 @@ void main() {
             }
             subgroupMemoryBarrierShared();
             subgroupBarrier();
-            MAT_B pt;
-            coopMatLoad(pt, s_p, pbase, 4u, gl_CooperativeMatrixLayoutRowMajor);
+            MAT_B8 pt;
+            coopMatLoad(pt, s_p, pbase, 2u, gl_CooperativeMatrixLayoutRowMajor);
             [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = coopMatMulAdd(vt[i], pt, o[i]);
             subgroupBarrier();   // P^T read before the next block's weights overwrite it
         }
@@ -266,7 +267,6 @@ void main() {
     // The subgroups' states meet: each head's max M over the subgroups, each subgroup's sums scaled to it.
     [[unroll]] for (uint s = 1u; s < 16u; s <<= 1) l += subgroupShuffleXor(l, s);
     if (lane % 16u == 0u) { s_ml[sg * 4u + hh] = m; s_ml[sg * 4u + 2u + hh] = l; }
-    for (uint i = tid; i < MAX_GROUP * D; i += WG) s_o[i] = 0.0;
     barrier();
     vec4 mm_a = vec4(NEG_INF), mm_b = vec4(NEG_INF);
     for (uint s = 0u; s < SUBGROUPS; s++) { mm_a = max(mm_a, s_ml[s * 4u]); mm_b = max(mm_b, s_ml[s * 4u + 1u]); }
@@ -275,29 +275,30 @@ void main() {
         l_a += s_ml[s * 4u + 2u] * mix(exp(s_ml[s * 4u] - mm_a), vec4(0.0), equal(mm_a, vec4(NEG_INF)));
         l_b += s_ml[s * 4u + 3u] * mix(exp(s_ml[s * 4u + 1u] - mm_b), vec4(0.0), equal(mm_b, vec4(NEG_INF)));
     }
-    const vec4 f_a = mix(exp(s_ml[sg * 4u] - mm_a), vec4(0.0), equal(mm_a, vec4(NEG_INF)));
-    const vec4 f_b = mix(exp(s_ml[sg * 4u + 1u] - mm_b), vec4(0.0), equal(mm_b, vec4(NEG_INF)));
-    for (uint s = 0u; s < SUBGROUPS; s++) {   // one subgroup at a time adds its scaled sums into s_o
-        if (s == sg) {
-            [[unroll]] for (uint i = 0u; i < DT; i++) {
-                coopMatStore(o[i], s_scr, scr, 4u, gl_CooperativeMatrixLayoutRowMajor);
-                subgroupMemoryBarrierShared();
-                subgroupBarrier();
-                const uint d = 16u * i + lane / 2u;
-                const vec4 v = s_scr[scr + (lane / 2u) * 4u + (lane % 2u)];
-                const vec4 f = lane % 2u == 0u ? f_a : f_b;
-                [[unroll]] for (uint h = 0u; h < 4u; h++) s_o[(4u * (lane % 2u) + h) * D + d] += v[h] * f[h];
-                subgroupBarrier();
-            }
+    // Each subgroup's sums, scaled to the workgroup's max, into its own part of s_o (one barrier, not one a
+    // subgroup): lane l takes row l / 2 (a head dim) and heads 4 (l % 2) .. 4 (l % 2) + 3 of each tile.
+    const vec4 f = lane % 2u == 0u ? mix(exp(s_ml[sg * 4u] - mm_a), vec4(0.0), equal(mm_a, vec4(NEG_INF)))
+                                   : mix(exp(s_ml[sg * 4u + 1u] - mm_b), vec4(0.0), equal(mm_b, vec4(NEG_INF)));
+    [[unroll]] for (uint i = 0u; i < DT; i++) {
+        coopMatStore(o[i], s_scr, scr, 2u, gl_CooperativeMatrixLayoutRowMajor);
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        const vec4 v = s_scr[scr + lane] * f;
+        [[unroll]] for (uint h = 0u; h < 4u; h++) {
+            s_o[(sg * MAX_GROUP + 4u * (lane % 2u) + h) * D + 16u * i + lane / 2u] = v[h];
         }
-        barrier();
+        subgroupBarrier();
     }
+    barrier();
 
     // Normalized and written two dims at a time, as paged_decode.comp writes them.
     const uint half_hs = D / 2u;
     for (uint i = tid; i < group * half_hs; i += WG) {
         const uint g = i / half_hs, d0 = 2u * (i % half_hs);
-        vec2 o2 = vec2(s_o[g * D + d0], s_o[g * D + d0 + 1u]);
+        vec2 o2 = vec2(0.0);
+        for (uint s = 0u; s < SUBGROUPS; s++) {
+            o2 += vec2(s_o[(s * MAX_GROUP + g) * D + d0], s_o[(s * MAX_GROUP + g) * D + d0 + 1u]);
+        }
         const float lg = g < 4u ? l_a[g] : l_b[g - 4u];
         const float mg = g < 4u ? mm_a[g] : mm_b[g - 4u];
         const uint head = head0 + g;

@@ -11,6 +11,7 @@ import pytest
 
 import pagedvk
 from pagedvk import abi, config, decode, reference
+from pagedvk.decode import MATRIX_PV_SHAPE
 from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable
 from conftest import Case, check_unchecked_tables, poison_unread_slots, rel_error
 from test_variants import VARIANTS, variant_args
@@ -23,7 +24,7 @@ _info = pagedvk.select()[0]
 _why = matrix_unavailable(_info, pagedvk.default_device().features)   # what the device turned on
 needs_coopmat = pytest.mark.skipif(bool(_why), reason=f"needs VK_KHR_cooperative_matrix: {_info.name}: {_why}")
 CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True,
-                              matrix_shapes=(MATRIX_SHAPE,))
+                              matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE))
 
 
 # -- the rule, on made-up devices --
@@ -53,12 +54,13 @@ def test_long_partitions_of_float16_vllm_caches_get_the_matrix_kernel(monkeypatc
     (dataclasses.replace(CAPABLE, subgroup_size=64), NEEDS, F16 + (128, "vllm", 16), "subgroup size is 64"),
     (CAPABLE, {"shaderFloat16"}, F16 + (128, "vllm", 16), "did not enable the Vulkan feature(s) cooperativeMatrix"),
     (dataclasses.replace(CAPABLE, subgroup_vote=False), NEEDS, F16 + (128, "vllm", 16), "no subgroup vote"),
+    (dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE,)), NEEDS, F16 + (128, "vllm", 16), "lists no 16x8x16"),
     (CAPABLE, NEEDS, ("glsl", "bf16", "f16", 128, "vllm", 16), "not backend 'glsl', cache bf16"),
     (CAPABLE, NEEDS, ("wgsl", "f16", "f16", 128, "vllm", 16), "not backend 'wgsl'"),
     (CAPABLE, NEEDS, F16 + (128, "nhd", 16), "layout 'nhd'"),
     (CAPABLE, NEEDS, F16 + (128, "vllm", 8), "block size 8"),
     (CAPABLE, NEEDS, F16 + (256, "vllm", 16), "head size 256"),
-], ids=["no-shape", "subgroup-64", "features", "vote", "bf16", "wgsl", "nhd", "block-8", "head-256"])
+], ids=["no-shape", "subgroup-64", "features", "vote", "no-16x8", "bf16", "wgsl", "nhd", "block-8", "head-256"])
 def test_forcing_the_matrix_kernel_where_it_cannot_run_is_refused(info, features, args, reason):
     with pytest.raises(ValueError, match=r"kernel \(or PAGEDVK_DECODE_KERNEL\) 'coopmat' cannot run on .*"
                                          + re.escape(reason)):
