@@ -214,17 +214,19 @@ class DecodeInputs:
 
 
 def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 50, warmup: int = 1,
-                repeats: int = 3, progress: bool = False, partition_size: int | None = None) -> dict:
+                repeats: int = 3, progress: bool = False, partition_size: int | None = None,
+                kernel: str | None = None) -> dict:
     """Check one plan's result against float64, then time it: `iters` runs back to back in one submission,
     rotating over the inputs' caches, warmed up (`warm_up`: at least `warmup` submissions) and then submitted
-    `repeats` times; the figures are over the repeats' runs."""
+    `repeats` times; the figures are over the repeats' runs. `kernel`: DecodePlan's (None: the plan's choice)."""
     shape, device = inputs.shape, inputs.device
     query, out = inputs.query, inputs.out
     bar = Progress(repeats, "decode", progress)
     plan = DecodePlan(inputs.block_tables, inputs.seq_lens, num_heads=shape.num_heads,
                       num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=shape.block_size,
                       num_blocks=inputs.num_blocks, dtype=inputs.dtype, query_dtype=inputs.query_dtype,
-                      device=device, backend=backend, partition_size=partition_size, window_left=shape.window_left)
+                      device=device, backend=backend, partition_size=partition_size, window_left=shape.window_left,
+                      kernel=kernel)
     try:
         dk, dv = inputs.caches[0]
         # poisoned: a plan that writes nothing must not pass on the previous plan's output
@@ -254,7 +256,7 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
     finally:
         plan.close()
     stats = percentiles(times)
-    return {**asdict(shape), "backend": plan.backend, "kernel": plan.target or "gpu", "device": device.info.name,
+    return {**asdict(shape), "backend": plan.backend, "kernel": plan.matrix or plan.target or "gpu", "device": device.info.name,
             "layers": inputs.layers,
             "iters": iters * repeats, "partitions": plan.num_partitions, "partition_size": plan.partition_size,
             "rel_error": error, "checked_seqs": n, "ok": error <= TOLERANCE[shape.dtype], "kv_bytes": shape.kv_bytes,
