@@ -36,9 +36,13 @@ MAX_GROUP = 8                                # query heads per workgroup (MAX_GR
 TILE = 128                                   # tokens the kernel takes at a time (TILE in the kernel)
 # The fewest tokens a workgroup must take (its partition's, or the whole context's) for plans to run the
 # cooperative-matrix decode: its subgroups walk a context 16 tokens a step each, a longer chain per token than the
-# scalar kernel's 128-token tiles, so on the H200 it was slower with 128-256-token partitions (1 x 4096: 25.1
-# against 18.8 us) and faster from 2048 on (32 x 16384: 577 against 695 us; BENCHMARKS.md).
-MATRIX_MIN_TOKENS = 1024
+# scalar kernel's 128-token tiles. On the H200, with the split of matrix_partitioning: even at 128-256-token
+# partitions (1 x 4096: 20.0 against 19.9 us), faster from 512 on (8 x 4096: 54.0 against 61.7 us; BENCHMARKS.md).
+MATRIX_MIN_TOKENS = 512
+# Matrix-decode workgroups resident on a compute unit at once: 216 registers a thread hold two workgroups of 128
+# on the H200. Its split fills one such wave and no more: a workgroup streams at the full rate only once its
+# partition is long (8 x 32768: 90.8% of read with 256 workgroups, 87.1% with 1024; BENCHMARKS.md).
+MATRIX_WORKGROUPS_PER_UNIT = 2
 MATRIX_BLOCK_SIZE = 16                       # the block size paged_decode_coopmat reads
 MATRIX_PV_SHAPE = MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32", "subgroup")   # its P.V multiply
 WORKGROUPS_PER_UNIT = 8                      # decode workgroups per compute unit the split aims at (BENCHMARKS.md)
@@ -120,19 +124,26 @@ def fixed_name(constants: dict) -> str:
     return next(name for name, values in DECODE_FIXED.items() if values == fixed)
 
 
-def partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units: int) -> tuple:
+def partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units: int,
+                 per_unit: int = WORKGROUPS_PER_UNIT, whole_wave: bool = False) -> tuple:
     """(partition_size, num_partitions): the one rule for splitting contexts (split-K).
 
     A split costs a second pass and the partial results' traffic, so contexts are split only when the
     unsplit grid (a workgroup per sequence and head group) would leave compute units idle: into as many
-    partitions as fill `units` x WORKGROUPS_PER_UNIT workgroups, each at least one TILE of tokens, their
-    size rounded up to whole tiles.
+    partitions as fill `units` x `per_unit` workgroups (whole_wave: as fit in them, rounded down), each at least
+    one TILE of tokens, their size rounded up to whole tiles.
     """
     base = max(1, num_seqs * workgroups_per_seq)
     tiles = max(1, -(-max_seq_len // TILE))
-    parts = min(tiles, max(1, -(-units * WORKGROUPS_PER_UNIT // base)))
+    slots = units * per_unit
+    parts = min(tiles, max(1, slots // base if whole_wave else -(-slots // base)))
     size = -(-tiles // parts) * TILE
     return size, max(1, -(-max_seq_len // size))
+
+
+def matrix_partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units: int) -> tuple:
+    """The cooperative-matrix decode's split: one wave of its workgroups (MATRIX_WORKGROUPS_PER_UNIT a unit)."""
+    return partitioning(num_seqs, workgroups_per_seq, max_seq_len, units, MATRIX_WORKGROUPS_PER_UNIT, True)
 
 
 def _signature(arrays) -> tuple | None:
@@ -202,8 +213,8 @@ class DecodePlan(Owned):
     tables back to the host. The kernel bounds every index itself, so bad values then give wrong
     attention for the sequences that hold them, never a read outside the caches. Lengths may grow after
     the plan is made (the last partition takes every token past its start), up to the block-table row.
-    partition_size (tokens) overrides the split-K rule of ``partitioning``; it must be a multiple of
-    block_size.
+    partition_size (tokens) overrides the split-K rule (``partitioning``; ``matrix_partitioning`` for the
+    cooperative-matrix kernel); it must be a multiple of block_size.
     alibi_slopes, logits_soft_cap, sinks, window_left: the attention variants (pagedvk.variants), the same for
     every run of the plan. With a window, the partitions cover each sequence's window only.
     kernel        "cpu" or "gpu": the decode kernel shaped for CPU devices or the scalar one for GPUs, whatever
@@ -260,20 +271,23 @@ class DecodePlan(Owned):
         max_seq_len = self.variants.span(min(int(lens.max(initial=0)), block_tables.shape[1] * block_size),
                                          block_size)
         workgroups_per_seq = num_heads // self.group_size
-        if partition_size is None:
-            self.partition_size, self.num_partitions = partitioning(
-                self.num_seqs, workgroups_per_seq, max_seq_len, compute_units(self.device.info))
+        if partition_size is None:   # each kernel's own split; the matrix kernel where its partitions are long
+            units = compute_units(self.device.info)
+            splits = [matrix_partitioning(self.num_seqs, workgroups_per_seq, max_seq_len, units),
+                      partitioning(self.num_seqs, workgroups_per_seq, max_seq_len, units)]
         else:
             _integer("partition_size", partition_size, 1)
             if partition_size % block_size:
                 raise ValueError(f"partition_size must be a multiple of block_size ({block_size}), got {partition_size}")
-            self.partition_size, self.num_partitions = partition_size, max(1, -(-max_seq_len // partition_size))
+            splits = [(partition_size, max(1, -(-max_seq_len // partition_size)))] * 2
         # The module (unrolled for this head size; the matrix kernel where it is faster). Its pipeline for the
         # plan's variants is made now; a run that adds lse or sinks, or reads segmented caches, gets its own at
         # first use (kernels.pipeline keeps them).
+        size, parts = splits[0]
         self.matrix = decode_matrix(self.device.info, self.device.features, self.backend, self.spec.storage.tag,
                                     self.query_type.tag, self.head_size, layout, self.block_size,
-                                    self.partition_size if self.num_partitions > 1 else max_seq_len, kernel)
+                                    size if parts > 1 else max_seq_len, kernel)
+        self.partition_size, self.num_partitions = splits[0 if self.matrix else 1]
         self.key = self._module()
         kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)
         limits = self.device.info.max_workgroup_count

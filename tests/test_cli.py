@@ -6,6 +6,7 @@ import json
 import pytest
 
 import pagedvk
+from pagedvk.matrix import matrix_unavailable
 
 from conftest import run_python
 
@@ -25,7 +26,9 @@ def test_devices_lists_the_selected_device():
         assert f"prefill kernels on [{info.index}]: {pagedvk.prefill.describe_choice(info)}" in result.stdout
         way = "subgroup arithmetic" if pagedvk.decode.subgroup_reductions(info) else "shared memory"
         assert f"decode reductions on [{info.index}]: {way}" in result.stdout
-        kernel = "cpu (" if info.type == "cpu" else "gpu ("   # lavapipe has the subgroup operations it needs
+        # lavapipe has the subgroup operations the cpu kernel needs; devices with matrices get the matrix kernel
+        kernel = ("cpu (" if info.type == "cpu" else "gpu (" if matrix_unavailable(info)
+                  else "coopmat (")
         assert f"decode kernel on [{info.index}]: {kernel}" in result.stdout
 
 

@@ -49,6 +49,16 @@ def test_long_partitions_of_float16_vllm_caches_get_the_matrix_kernel(monkeypatc
     assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 1 << 20) == ""
 
 
+def test_the_matrix_split_fills_one_wave_of_its_workgroups():
+    # H200-like: 132 units, two matrix workgroups each (264 slots); 8 workgroups a sequence (32 heads, GQA 4).
+    assert decode.matrix_partitioning(64, 8, 4096, 132) == (4096, 1)       # 512 workgroups: not split
+    assert decode.matrix_partitioning(32, 8, 16384, 132) == (16384, 1)     # 256 fill the wave
+    assert decode.matrix_partitioning(8, 8, 32768, 132) == (8192, 4)       # 64 x 4 = 256, not 64 x 5 = 320
+    assert decode.matrix_partitioning(1, 8, 32768, 132) == (1024, 32)
+    assert decode.matrix_partitioning(1, 8, 4096, 132) == (128, 32)        # one tile at least
+    assert decode.matrix_partitioning(8, 8, 0, 132) == (128, 1)
+
+
 @pytest.mark.parametrize("info,features,args,reason", [
     (dataclasses.replace(CAPABLE, matrix_shapes=()), NEEDS, F16 + (128, "vllm", 16), "lists no 16x16x16"),
     (dataclasses.replace(CAPABLE, subgroup_size=64), NEEDS, F16 + (128, "vllm", 16), "subgroup size is 64"),
@@ -172,3 +182,12 @@ def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch):
         out, _, key, _ = run_coopmat(case, case.query, partition_size, kernel=None)
         assert key.matrix == matrix
         assert rel_error(out, expect) <= TOL
+    # Unforced and unsplit by hand: the matrix kernel's own split (one wave of its workgroups), or the scalar's
+    # where that leaves partitions too short.
+    units = decode.compute_units(pagedvk.default_device().info)
+    size, parts = decode.matrix_partitioning(2, 4, 2048, units)
+    matrix = "coopmat" if (size if parts > 1 else 2048) >= decode.MATRIX_MIN_TOKENS else ""
+    out, _, key, got_parts = run_coopmat(case, case.query, None, kernel=None)
+    assert key.matrix == matrix
+    assert got_parts == (parts if matrix else decode.partitioning(2, 4, 2048, units)[1])
+    assert rel_error(out, expect) <= TOL
