@@ -39,9 +39,9 @@ TILE = 128                                   # tokens the kernel takes at a time
 # scalar kernel's 128-token tiles. On the H200, with the split of matrix_partitioning: even at 128-256-token
 # partitions (1 x 4096: 20.0 against 19.9 us), faster from 512 on (8 x 4096: 54.0 against 61.7 us; BENCHMARKS.md).
 MATRIX_MIN_TOKENS = 512
-# Matrix-decode workgroups resident on a compute unit at once: 216 registers a thread hold two workgroups of 128
-# on the H200. Its split fills one such wave and no more: a workgroup streams at the full rate only once its
-# partition is long (8 x 32768: 90.8% of read with 256 workgroups, 87.1% with 1024; BENCHMARKS.md).
+# Matrix-decode workgroups a compute unit takes, for its split to aim at: measured, not derived. On the H200 (158
+# registers a thread: three of its workgroups fit a unit) one wave of two a unit was best: 8 x 32768 91.1% of read
+# with 256 workgroups, 89.6% with 512, 87.1% with 1024, and 74.8% with 384 (BENCHMARKS.md).
 MATRIX_WORKGROUPS_PER_UNIT = 2
 MATRIX_BLOCK_SIZE = 16                       # the block size paged_decode_coopmat reads
 MATRIX_PV_SHAPE = MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32", "subgroup")   # its P.V multiply
