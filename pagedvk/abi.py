@@ -391,8 +391,9 @@ PAGED_DECODE = KernelABI(
     spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32")),
     fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
     targets=TARGETS,
-    # float16 caches in vLLM's layout with 16-token blocks, read by binding (pagedvk.decode.decode_matrix)
-    matrix_variants=(("coopmat", "f16", "f16", 64), ("coopmat", "f16", "f16", 128)),
+    # float16 and fp8 caches (float16 queries) in vLLM's layout with 16-token blocks, read by binding
+    # (pagedvk.decode.decode_matrix)
+    matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128)),
     matrix_accesses=("",),
     matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32")),
 )

@@ -30,9 +30,9 @@ def describe_decode_kernel(info) -> str:
         return "cpu (shaders/paged_decode_cpu.comp; WGSL plans run the gpu kernel)"
     if config.decode_kernel() == "gpu" or matrix_unavailable(info):
         return "gpu (shaders/paged_decode.comp)"
-    sizes = " and ".join(str(h) for *_, h in PAGED_DECODE.matrix_variants)
-    return (f"coopmat (shaders/paged_decode_coopmat.comp) for float16 caches and queries in vLLM's layout with "
-            f"{MATRIX_BLOCK_SIZE}-token blocks, at head sizes {sizes}, where a workgroup takes at least "
+    sizes = " and ".join(str(h) for h in sorted({h for *_, h in PAGED_DECODE.matrix_variants}))
+    return (f"coopmat (shaders/paged_decode_coopmat.comp) for float16 and fp8 caches with float16 queries in vLLM's "
+            f"layout with {MATRIX_BLOCK_SIZE}-token blocks, at head sizes {sizes}, where a workgroup takes at least "
             f"{MATRIX_MIN_TOKENS} tokens; gpu (shaders/paged_decode.comp) otherwise")
 
 

@@ -85,9 +85,9 @@ def decode_target(info, backend: str, kernel: str | None = None) -> str:
 def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int, layout: str, block_size: int,
                   tokens: int, kernel: str | None = None) -> str:
     """The decode's matrix kind: "coopmat" (shaders/paged_decode_coopmat.comp) where a module exists for these
-    arguments (GLSL; float16 caches and queries; head size 64 or 128; vLLM's layout with 16-token blocks), the
-    device runs it (pagedvk.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens (`tokens`: the
-    partition's, or the longest context's where unsplit); else "" (the scalar kernels). `kernel` (else
+    arguments (GLSL; float16 or fp8 caches, float16 queries; head size 64 or 128; vLLM's layout with 16-token
+    blocks), the device runs it (pagedvk.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens
+    (`tokens`: the partition's, or the longest context's where unsplit); else "" (the scalar kernels). `kernel` (else
     PAGEDVK_DECODE_KERNEL) "coopmat" forces it, raising ValueError where it cannot run; "cpu" or "gpu" rule it out."""
     choice = config.decode_kernel(kernel)
     if choice in ("cpu", "gpu"):
@@ -100,10 +100,10 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
         why = f"it lists no {MATRIX_PV_SHAPE} cooperative-matrix multiply (the output sums' 16 x 8 matrices)"
     if not why and (backend != "glsl" or (kv, q, head_size) not in built or layout != "vllm"
                     or block_size != MATRIX_BLOCK_SIZE):
-        why = (f"the cooperative-matrix decode is built for backend 'glsl', float16 caches and queries at head sizes "
-               f"{', '.join(str(h) for *_, h in built)}, vLLM's layout and {MATRIX_BLOCK_SIZE}-token blocks, not "
-               f"backend {backend!r}, cache {kv}, query {q}, head size {head_size}, layout {layout!r}, block size "
-               f"{block_size}")
+        kinds = lambda i: "/".join(str(x) for x in sorted({b[i] for b in built}))
+        why = (f"the cooperative-matrix decode is built for backend 'glsl', {kinds(0)} caches, {kinds(1)} queries, "
+               f"head sizes {kinds(2)}, vLLM's layout and {MATRIX_BLOCK_SIZE}-token blocks, not backend {backend!r}, "
+               f"cache {kv}, query {q}, head size {head_size}, layout {layout!r}, block size {block_size}")
     if choice == MATRIX_KIND:
         if why:
             raise ValueError(f"kernel (or PAGEDVK_DECODE_KERNEL) 'coopmat' cannot run on {info.name}: {why}")

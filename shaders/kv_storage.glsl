@@ -50,17 +50,25 @@ uint e4m3_as_f16x2(uint pair) {   // two bytes at e5m2's places (bits 8-15, 24-3
     const uint nan_exponents = (((pair & 0x7f007f00u) + 0x01000100u) & 0x80008000u) >> 5;   // bits 10, 26
     return (pair & 0x80008000u) | ((pair >> 1) & 0x3f803f80u) | nan_exponents * 0x1fu;
 }
-vec4 kv_quad(uint w) {
-    return vec4(unpackHalf2x16(e4m3_as_f16x2(((w & 0xffu) << 8) | ((w & 0xff00u) << 16))),
-                unpackHalf2x16(e4m3_as_f16x2(((w >> 8) & 0xff00u) | (w & 0xff000000u)))) * 256.0;
+// fp8_as_f16(w): a word's four elements as float16 bits (two words of two), at 1 / FP8_F16_SCALE of their value.
+const float FP8_F16_SCALE = 256.0;
+uvec2 fp8_as_f16(uint w) {
+    return uvec2(e4m3_as_f16x2(((w & 0xffu) << 8) | ((w & 0xff00u) << 16)),
+                 e4m3_as_f16x2(((w >> 8) & 0xff00u) | (w & 0xff000000u)));
 }
 #elif defined(KV_E5M2)
 // fp8 e5m2: the top byte of a float16.
 #define KV_QUAD uint
 #define KV_CHUNK_QUADS 4u
+const float FP8_F16_SCALE = 1.0;
+uvec2 fp8_as_f16(uint w) {
+    return uvec2(((w & 0xffu) << 8) | ((w & 0xff00u) << 16), ((w >> 8) & 0xff00u) | (w & 0xff000000u));
+}
+#endif
+#if defined(KV_E4M3) || defined(KV_E5M2)
 vec4 kv_quad(uint w) {
-    return vec4(unpackHalf2x16(((w & 0xffu) << 8) | ((w & 0xff00u) << 16)),
-                unpackHalf2x16(((w >> 8) & 0xff00u) | (w & 0xff000000u)));
+    const uvec2 h = fp8_as_f16(w);
+    return vec4(unpackHalf2x16(h.x), unpackHalf2x16(h.y)) * FP8_F16_SCALE;
 }
 #endif
 

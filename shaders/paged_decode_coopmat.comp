@@ -1,10 +1,11 @@
 #version 450
 // Paged-attention decode on cooperative matrices (VK_KHR_cooperative_matrix): the op of paged_decode.comp, with its
 // bindings, push constants, grid, specialization constants and results (PAGED_DECODE in pagedvk/abi.py), for
-// float16 caches in vLLM's layout with 16-token blocks, float16 queries and a head size fixed at build time.
-// The scalar kernel's arithmetic (four multiply-adds and a conversion per cache element, with the group's
+// float16 or fp8 caches in vLLM's layout with 16-token blocks, float16 queries and a head size fixed at build
+// time. The scalar kernel's arithmetic (four multiply-adds and a conversion per cache element, with the group's
 // queries and weights read from shared memory) kept it at 70% of the H200's read bandwidth: here the tensor cores
-// do the products, and the cache is read by the matrix loads themselves, straight from the buffers.
+// do the products, and a float16 cache is read by the matrix loads themselves, straight from the buffers (an fp8
+// one is turned into float16 matrices through shared memory: FP8 below).
 //
 // Each of the workgroup's four subgroups walks its own blocks of the partition (every fourth), one 16-token block
 // a step, with an online softmax of its own; the subgroups' states meet at the end.
@@ -42,8 +43,14 @@
 #define KV_CHUNKS   // the caches' bindings hold 16-byte chunks: 8 float16 elements
 #include "kv_storage.glsl"
 
-#if !defined(KV_F16) || !defined(Q_F16) || !defined(HEAD_SIZE)
-#error "paged_decode_coopmat is built for float16 caches and queries with HEAD_SIZE fixed"
+#if !(defined(KV_F16) || defined(KV_E4M3) || defined(KV_E5M2)) || !defined(Q_F16) || !defined(HEAD_SIZE)
+#error "paged_decode_coopmat is built for float16 or fp8 caches, float16 queries and HEAD_SIZE fixed"
+#endif
+#if defined(KV_F16)
+#define KV_FP8 0
+const float FP8_F16_SCALE = 1.0;
+#else
+#define KV_FP8 1   // fp8 caches: each block staged as float16 matrices (FP8 below)
 #endif
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
@@ -84,7 +91,12 @@ layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
 shared uvec4 s_qb[2u * DT * 32u];            // the S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k]
 shared vec4 s_scr[SUBGROUPS * 128u];          // each subgroup's two 16 x 16 float32 matrices (S), or one tile of O^T
 shared f16vec4 s_p[SUBGROUPS * 32u];          // each subgroup's P^T [token][head], 16 x 8
+#if !KV_FP8
 shared uvec4 s_v[SUBGROUPS * 32u];            // each subgroup's masked key or V^T tile (blocks not whole)
+#else
+const uint HT = DT / 2u;                     // tiles staged at a time: half a block's keys or values
+shared uvec4 s_stage[SUBGROUPS * HT * 32u];   // each subgroup's tiles as float16 (FP8 below; 48 KiB is the limit)
+#endif
 shared vec4 s_ml[SUBGROUPS * 4u];             // each subgroup's final (max, sum) of heads 0-3 and 4-7
 shared float s_o[SUBGROUPS * MAX_GROUP * D];  // each subgroup's scaled output sums [head][dim]
 
@@ -98,6 +110,36 @@ uint value_tile(uint b, uint h, uint i) {
 uint key_tile(uint b, uint h, uint j) {
     return b * key_block_elems() + (key_offset(h, 0u, 4u * j) >> 1);
 }
+
+#if KV_FP8
+// FP8. An fp8 chunk holds 16 head dims of a token (vLLM's x = 16), and a head dim's 16 tokens are one 16-byte value
+// row. Each block's chunks are loaded 16 bytes a lane, turned into float16 (fp8_as_f16: exact, at
+// 1 / FP8_F16_SCALE of the value, scaled back in the logits and the output) and laid out in s_stage as the float16
+// kernel reads its tiles: key tile j is chunk j with row m < 8 holding tokens 2m, 2m + 1 of its dims 0-7 and row
+// m + 8 of its dims 8-15; V^T tile i is value rows 16 i .. 16 i + 15. Lane l takes tiles 2 r + l / 16, token (key)
+// or row (value) l % 16, for r < DT / 2; s_stage holds half the tiles at a time. Tokens from `end` on are zeros,
+// as in blocks not whole.
+uvec4 fp8_as_f16_lo(uvec4 w) { return uvec4(fp8_as_f16(w.x), fp8_as_f16(w.y)); }
+uvec4 fp8_as_f16_hi(uvec4 w) { return uvec4(fp8_as_f16(w.z), fp8_as_f16(w.w)); }
+
+// Key chunk j of token t, kv head h, block b; value row d.
+uint key_chunk(uint b, uint h, uint t, uint j) {
+    return b * key_block_elems() + key_offset(h, t, KV_CHUNK_QUADS * j) / KV_CHUNK_QUADS;
+}
+uint value_row(uint b, uint h, uint d) {
+    return b * value_block_elems() + value_offset(h, 0u, d) / (4u * KV_CHUNK_QUADS);
+}
+
+// Byte k of a 16-byte value row kept where token base + k is before end.
+uvec4 tokens_before(uvec4 w, uint base, uint end) {
+    const uint n = end - min(base, end);
+    [[unroll]] for (uint e = 0u; e < 4u; e++) {
+        const uint have = uint(clamp(int(n) - int(4u * e), 0, 4));
+        w[e] &= have >= 4u ? 0xffffffffu : (1u << (8u * have)) - 1u;
+    }
+    return w;
+}
+#endif
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -113,7 +155,8 @@ void main() {
     if (GROUP_LIMIT != 0u && group > GROUP_LIMIT) return;
     // The layout the matrix loads assume: 16-token blocks, a key token's 8-dim chunk after the previous token's,
     // a chunk's 16 tokens before the next chunk's; values [dim][token].
-    if (pc.head_size != D || pc.block_size != BS || pc.k_token_stride != 2u || pc.k_chunk_stride != 2u * BS
+    if (pc.head_size != D || pc.block_size != BS || pc.k_token_stride != KV_CHUNK_QUADS
+        || pc.k_chunk_stride != KV_CHUNK_QUADS * BS
         || pc.v_token_stride != 1u || pc.v_dim_stride != BS) return;
     const uint head0 = (wg % head_groups) * group;
     const uint kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
@@ -159,6 +202,29 @@ void main() {
         const uint b = uint(max(phys, 0));
         MAT_A kt[DT];
         MAT_A vt[DT];
+#if KV_FP8
+        uvec4 v_rows[HT];   // this lane's value rows, loaded with the keys and staged after S
+        if (phys >= 0) {
+            uvec4 k_chunks[HT];
+            [[unroll]] for (uint r = 0u; r < HT; r++) {
+                k_chunks[r] = base + t < end ? key_load(b, key_chunk(0u, kv_head, t, 2u * r + hh)) : uvec4(0u);
+                v_rows[r] = value_load(b, value_row(0u, kv_head, 16u * (2u * r + hh) + t));
+            }
+            [[unroll]] for (uint h2 = 0u; h2 < 2u; h2++) {
+                [[unroll]] for (uint r = h2 * HT / 2u; r < (h2 + 1u) * HT / 2u; r++) {
+                    const uint slot = (sg * HT + 2u * r + hh - h2 * HT) * 32u;
+                    s_stage[slot + t] = fp8_as_f16_lo(k_chunks[r]);
+                    s_stage[slot + 16u + t] = fp8_as_f16_hi(k_chunks[r]);
+                }
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                [[unroll]] for (uint j = 0u; j < HT; j++) {
+                    coopMatLoad(kt[h2 * HT + j], s_stage, (sg * HT + j) * 32u, 2u, gl_CooperativeMatrixLayoutRowMajor);
+                }
+                subgroupBarrier();   // read before the next tiles overwrite them
+            }
+        }
+#else
         if (whole) {
             [[unroll]] for (uint j = 0u; j < DT; j++) {
                 coopMatLoad(kt[j], key_cache, key_tile(b, kv_head, j), 2u, gl_CooperativeMatrixLayoutRowMajor);
@@ -180,6 +246,7 @@ void main() {
                 coopMatLoad(vt[i], value_cache, value_tile(b, kv_head, i), 2u, gl_CooperativeMatrixLayoutRowMajor);
             }
         }
+#endif
 
         // S: the block's logits, through shared memory to the lanes.
         vec4 x = vec4(NEG_INF);
@@ -207,7 +274,7 @@ void main() {
             const vec4 dot4 = s_scr[at] + s_scr[at + 32u + 2u];
             const uint key = base + t;
             const uvec4 keys = key < end ? in_group * seq_len : uvec4(0u);
-            x = logits4(dot4 * pc.scale, heads, key, uvec4(last), keys);
+            x = logits4(dot4 * (pc.scale * FP8_F16_SCALE), heads, key, uvec4(last), keys);
             subgroupBarrier();   // read before the next block's products overwrite it
         }
 
@@ -238,6 +305,22 @@ void main() {
         l += p;
         if (phys >= 0) {
             s_p[pbase + t * 2u + hh] = f16vec4(p);
+#if KV_FP8
+            [[unroll]] for (uint h2 = 0u; h2 < 2u; h2++) {
+                [[unroll]] for (uint r = h2 * HT / 2u; r < (h2 + 1u) * HT / 2u; r++) {
+                    const uint slot = (sg * HT + 2u * r + hh - h2 * HT) * 32u;
+                    const uvec4 w = tokens_before(v_rows[r], base, end);
+                    s_stage[slot + 2u * t] = fp8_as_f16_lo(w);
+                    s_stage[slot + 2u * t + 1u] = fp8_as_f16_hi(w);
+                }
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                [[unroll]] for (uint i = 0u; i < HT; i++) {
+                    coopMatLoad(vt[h2 * HT + i], s_stage, (sg * HT + i) * 32u, 2u, gl_CooperativeMatrixLayoutRowMajor);
+                }
+                subgroupBarrier();
+            }
+#else
             if (!whole) {   // V^T through shared memory, zeros for the tokens not there
                 const uint d = lane / 2u, t0 = 8u * (lane % 2u);
                 [[unroll]] for (uint i = 0u; i < DT; i++) {
@@ -254,6 +337,7 @@ void main() {
                     subgroupBarrier();
                 }
             }
+#endif
             subgroupMemoryBarrierShared();
             subgroupBarrier();
             MAT_B8 pt;
@@ -299,6 +383,7 @@ void main() {
         for (uint s = 0u; s < SUBGROUPS; s++) {
             o2 += vec2(s_o[(s * MAX_GROUP + g) * D + d0], s_o[(s * MAX_GROUP + g) * D + d0 + 1u]);
         }
+        o2 *= FP8_F16_SCALE;   // the values' scale (fp8: staged at 1 / FP8_F16_SCALE)
         const float lg = g < 4u ? l_a[g] : l_b[g - 4u];
         const float mg = g < 4u ? mm_a[g] : mm_b[g - 4u];
         const uint head = head0 + g;

@@ -6,6 +6,7 @@ with the reason: lavapipe has none)."""
 import dataclasses
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ from test_variants import VARIANTS, variant_args
 
 TOL = 2e-3   # float16 storage, queries and weights
 F16 = ("glsl", "f16", "f16")
+CACHE_DTYPES = (np.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)   # the ones with matrix modules
 NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
 
 _info = pagedvk.select()[0]
@@ -29,14 +31,16 @@ CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, su
 
 # -- the rule, on made-up devices --
 
-def test_long_partitions_of_float16_vllm_caches_get_the_matrix_kernel(monkeypatch):
+def test_long_partitions_of_float16_and_fp8_vllm_caches_get_the_matrix_kernel(monkeypatch):
     monkeypatch.delenv("PAGEDVK_DECODE_KERNEL", raising=False)
     tokens = decode.MATRIX_MIN_TOKENS
-    for head_size in (64, 128):
-        assert decode.decode_matrix(CAPABLE, NEEDS, *F16, head_size, "vllm", 16, tokens) == "coopmat"
+    for kv in ("f16", "e4m3", "e5m2"):
+        for head_size in (64, 128):
+            assert decode.decode_matrix(CAPABLE, NEEDS, "glsl", kv, "f16", head_size, "vllm", 16, tokens) == "coopmat"
     assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, tokens - 1) == ""   # short: the scalar kernel
     others = [("wgsl", "f16", "f16", 128, "vllm", 16), ("glsl", "bf16", "f16", 128, "vllm", 16),
               ("glsl", "f16", "f32", 128, "vllm", 16), ("glsl", "f16", "f16", 96, "vllm", 16),
+              ("glsl", "e5m2", "bf16", 128, "vllm", 16), ("glsl", "f32", "f32", 128, "vllm", 16),
               ("glsl", "f16", "f16", 128, "nhd", 16), ("glsl", "f16", "f16", 128, "vllm", 32)]
     for args in others:
         assert decode.decode_matrix(CAPABLE, NEEDS, *args, 1 << 20) == ""
@@ -96,21 +100,31 @@ def test_the_matrix_module_is_declared_for_binding_access_with_the_decode_consta
     with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module reading caches by 'seg'"):
         abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, "seg", "coopmat")
     built = [k for k in abi.PAGED_DECODE.keys() if k.matrix]
-    assert sorted(k.name for k in built) == ["paged_decode.coopmat.kv_f16.q_f16.h128.glsl",
-                                             "paged_decode.coopmat.kv_f16.q_f16.h64.glsl"]
+    assert sorted(k.name for k in built) == [f"paged_decode.coopmat.kv_{kv}.q_f16.h{h}.glsl"
+                                             for kv in ("e4m3", "e5m2", "f16") for h in (128, 64)]
 
 
 # -- the kernel, on devices that have cooperative matrices --
 
-def run_coopmat(case, query, partition_size=None, kernel="coopmat", **variants):
-    """(out, lse, plan key, partitions) of a DecodePlan run into NaN-poisoned outputs."""
+def matrix_case(rng, dtype=np.float16, **kw) -> Case:
+    """A Case with caches of `dtype` and float16 queries (the matrix kernel's)."""
+    case = Case(rng, dtype=dtype, **kw)
+    case.query = case.query.astype(np.float16)
+    return case
+
+
+def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=None, value_cache=None, **options):
+    """(out, lse, plan key, partitions) of a DecodePlan for the case's caches, run on them (or on `key_cache` and
+    `value_cache`) into NaN-poisoned outputs; `options`: the plan's (attention variants, k_scale and v_scale)."""
     out = np.full(query.shape, np.nan, np.float16)
     lse = np.full(query.shape[:2], np.nan, np.float32)
+    key_cache = case.key_cache if key_cache is None else key_cache
+    value_cache = case.value_cache if value_cache is None else value_cache
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=query.shape[1],
                             num_kv_heads=case.num_kv_heads, head_size=query.shape[2], block_size=16,
-                            num_blocks=case.key_cache.shape[0], dtype=np.float16, query_dtype=np.float16,
-                            partition_size=partition_size, kernel=kernel, backend="glsl", **variants) as plan:
-        plan.run(query, case.key_cache, case.value_cache, out=out, lse=lse)
+                            num_blocks=case.key_cache.shape[0], dtype=case.key_cache.dtype, query_dtype=np.float16,
+                            partition_size=partition_size, kernel=kernel, backend="glsl", **options) as plan:
+        plan.run(query, key_cache, value_cache, out=out, lse=lse)
         return out, lse, plan.key, plan.num_partitions
 
 
@@ -134,10 +148,11 @@ def check_split_and_unsplit(case, query, **variants):
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (16, 2), (12, 2), (6, 2)],
                          ids=["g1", "g4", "g8", "g6", "g3"])
 @pytest.mark.parametrize("head_size", (64, 128))
-def test_matches_float64_for_every_group_and_head_size(rng, head_size, num_heads, num_kv_heads):
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_matches_float64_for_every_group_and_head_size(rng, cache_dtype, head_size, num_heads, num_kv_heads):
     # Empty sequences, lengths that end mid-block and at a partition's edge, a long one; unread slots hold NaN.
-    case = Case(rng, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads, num_kv_heads=num_kv_heads,
-                head_size=head_size, dtype=np.float16)
+    case = matrix_case(rng, cache_dtype, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_size=head_size)
     poison_unread_slots(case, 16)
     check_split_and_unsplit(case, case.query)
 
@@ -167,10 +182,55 @@ def test_a_max_that_keeps_rising_rescales_the_sums(rng):
 
 
 @needs_coopmat
-def test_bad_tables_read_nothing_outside_the_caches(device, rng):
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_bad_tables_read_nothing_outside_the_caches(device, rng, cache_dtype):
     # Unchecked tables (conftest.check_unchecked_tables): nothing read or written outside the buffers.
-    case = Case(rng, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
+    case = matrix_case(rng, cache_dtype, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2,
+                       head_size=64)
     assert all(key.matrix == "coopmat" for key in check_unchecked_tables(device, case, "coopmat", TOL))
+
+
+@needs_coopmat
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES[1:], ids=lambda d: np.dtype(d).name)
+def test_every_fp8_byte_is_read_exactly(rng, cache_dtype):
+    # One-token sequences put their value rows in the output as they are: the 256 bytes of the type (NaNs,
+    # subnormals, zeros of both signs, the largest finite values; all of them float16 values) come out as
+    # ml_dtypes decodes them.
+    case = matrix_case(rng, cache_dtype, seq_lens=[1, 1], num_heads=4, num_kv_heads=2, head_size=128)
+    every_byte = np.arange(256, dtype=np.uint8).reshape(2, 128)
+    for seq in range(2):
+        case.value_cache[case.block_tables[seq, 0], :, :, 0] = every_byte[seq].view(cache_dtype)
+    out, lse, key, _ = run_coopmat(case, case.query, 4096)
+    assert key.matrix == "coopmat"
+    expected = np.repeat(every_byte.view(cache_dtype).astype(np.float16)[:, None, :], 4, axis=1)
+    np.testing.assert_array_equal(out, expected)
+    # Keys: 256 one-token sequences, sequence i's key holding byte i in dim 0 and zeros elsewhere, queries (1, 0, ...)
+    # and scale 1: each lse is its one logit, the byte's value, exactly. Every finite byte; NaN and e5m2's
+    # infinities are left out (zeros there): a softmax over them is NaN, however a kernel orders its maxima.
+    values = np.arange(256, dtype=np.uint8).view(cache_dtype)
+    case = matrix_case(rng, cache_dtype, seq_lens=[1] * 256, num_heads=2, num_kv_heads=2, head_size=64)
+    case.key_cache[:] = 0
+    case.query[:] = 0
+    case.query[:, :, 0] = 1
+    wanted = np.where(np.isfinite(values.astype(np.float32)), values.astype(np.float32), 0)
+    case.key_cache[case.block_tables[:, 0], :, 0, 0, 0] = wanted.astype(cache_dtype)[:, None]
+    _, lse, _, _ = run_coopmat(case, case.query, 4096, scale=1.0)
+    np.testing.assert_array_equal(lse, np.repeat(wanted[:, None], 2, axis=1))
+
+
+@needs_coopmat
+@pytest.mark.parametrize("kv_cache_dtype,dtype", [("fp8_e4m3", ml_dtypes.float8_e4m3fn),
+                                                  ("fp8_e5m2", ml_dtypes.float8_e5m2)])
+def test_vllm_fp8_caches_as_uint8_with_scales(rng, kv_cache_dtype, dtype):
+    # vLLM's fp8 caches: uint8 holding k / k_scale and v / v_scale, read as the plan's type; it multiplies back.
+    case = matrix_case(rng, dtype, seq_lens=[700, 33], num_heads=8, num_kv_heads=2, head_size=128)
+    k_scale, v_scale = 0.37, 2.5
+    out, _, key, _ = run_coopmat(case, case.query, 4096, key_cache=case.key_cache.view(np.uint8),
+                                 value_cache=case.value_cache.view(np.uint8), k_scale=k_scale, v_scale=v_scale)
+    assert key.matrix == "coopmat" and key.kv == kv_cache_dtype[4:]
+    ref = reference.paged_attention(case.query, case.key_cache.astype(np.float64) * k_scale,
+                                    case.value_cache.astype(np.float64) * v_scale, case.block_tables, case.seq_lens)
+    assert rel_error(out, ref) <= TOL
 
 
 @needs_coopmat
