@@ -25,6 +25,14 @@ def rel_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
 
 
+def lse_error(lse, ref) -> float:
+    """lse's relative error against the reference's over the rows that see keys; rows that see none (-inf in the
+    reference) must be -inf too."""
+    empty = np.isneginf(ref)
+    assert np.array_equal(np.isneginf(lse), empty), "lse is not -inf exactly where the reference's is"
+    return rel_error(lse[~empty], ref[~empty])
+
+
 def run_python(code: str, argv=(), **env) -> subprocess.CompletedProcess:
     # `import pagedvk` there must find the package these tests import (installed, or a checkout on the path).
     package_root = str(Path(pagedvk.__file__).resolve().parent.parent)
