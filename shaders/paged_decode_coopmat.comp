@@ -166,6 +166,10 @@ void main() {
 
     const uint row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(row), 0)));
+    // Each subgroup's first block id is fetched beside the sequence's length and the queries, as in paged_decode.comp
+    // (unless a sliding window moves the partition's start, the start does not depend on the length).
+    const uint early_block = part * P / BS + sg;
+    const int early_phys = early_block < row_blocks ? physical_block(row + early_block) : -1;
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * BS) : 0u;
     const uint last = seq_len - 1u;
     const uint window0 = min(window_first_key(last), seq_len) & ~(BS - 1u);
@@ -194,7 +198,7 @@ void main() {
     [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = MAT_C8(0.0);
 
     uint kb = sg;
-    int phys = kb < blocks ? physical_block(row + start / BS + kb) : -1;
+    int phys = kb < blocks ? (window0 == 0u ? early_phys : physical_block(row + start / BS + kb)) : -1;
     for (; kb < blocks; kb += SUBGROUPS) {
         const int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
         const uint base = start + kb * BS;

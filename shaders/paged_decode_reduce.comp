@@ -4,15 +4,16 @@
 //     v_scale * sum_i w_i o_i / (sum_i w_i + exp(sink - max_j m_j)),   w_i = l_i exp(m_i - max_j m_j),
 // the sink (attention sinks, VARIANT_SINKS) added here once, not per partition; lse is written where
 // VARIANT_LSE is set.
-// One workgroup per (query head, sequence). Only the partitions that hold tokens of the sequence are read (the
+// One workgroup per (query head, sequence). Only the partitions that hold tokens of the sequence are used (the
 // last partition takes every token past its start; with a sliding window the first starts at the window's
-// first block, as in the decode). Every step is spread over the partitions, not walked one partition after
-// another: a loop with one load in flight per step took 0.45 us a partition on the H200 (114 us for 256
-// partitions, more than the decode it merged; BENCHMARKS.md, "Small decode shapes"):
-//   1. the max, each thread over every WG-th partition, then across the workgroup;
-//   2. per CHUNK partitions, their weights into shared memory (and the threads' shares of their sum);
-//   3. threads own a pair of head dims and a lane of partitions (WG / (head_size / 2) lanes), and load
-//      UNROLL partitions' outputs before they use any; the lanes' sums meet in shared memory at the end.
+// first block, as in the decode). Threads own a pair of head dims and a lane of partitions (WG / (head_size / 2)
+// lanes). Each thread loads UNROLL of its partitions' (max, sum) and outputs before it uses any, and keeps a
+// running max of its own (an online softmax over its partitions); the lanes meet once, through shared memory.
+// A merge is a chain of round trips, not of arithmetic: a loop with one load in flight per step took 0.45 us a
+// partition on the H200 (BENCHMARKS.md, "Small decode shapes"), and a max over the workgroup before the weights
+// and the outputs were loaded cost two round trips and 18 barriers more than this. The first loads do not wait
+// for the sequence's length: they take any partition of the launch, and those past the sequence's are dropped
+// after.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
 #include "kv_storage.glsl"
@@ -31,24 +32,9 @@ layout(std430, set = 0, binding = 5) writeonly buffer Lse { float lse[]; };     
 #endif
 #include "attention_common.glsl"
 
-const uint CHUNK = 512u;    // partitions whose weights shared memory holds at a time
-const uint UNROLL = 8u;     // partial outputs a thread loads before it uses any
-shared float s_w[CHUNK];
-shared float s_red[WG];
-shared vec2 s_acc[WG];
-
-// Max (is_max) or sum of every thread's x; every thread gets the result. Barriers on both sides.
-float workgroup_reduce(float x, bool is_max) {
-    const uint tid = gl_LocalInvocationID.x;
-    barrier();
-    s_red[tid] = x;
-    barrier();
-    for (uint half_ = WG / 2u; half_ > 0u; half_ >>= 1) {
-        if (tid < half_) s_red[tid] = is_max ? max(s_red[tid], s_red[tid + half_]) : s_red[tid] + s_red[tid + half_];
-        barrier();
-    }
-    return s_red[0];
-}
+const uint UNROLL = 16u;    // partitions a thread loads before it uses any
+shared vec2 s_ml[WG];       // each thread's (max, sum)
+shared vec2 s_acc[WG];      // and its weighted sum of outputs, scaled to its max
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -67,43 +53,58 @@ void main() {
     const uint first = min(window_first_key(seq_keys - 1u), seq_keys) & ~(pc.block_size - 1u);
     const uint parts = min(pc.num_partitions, (seq_keys - first + pc.partition_size - 1u) / pc.partition_size);
 
-    float m = NEG_INF;
-    for (uint i = tid; i < parts; i += WG) m = max(m, partial_stats[slot0 + i].x);
-    m = workgroup_reduce(m, true);
-
+    const float sink = variant_on(VARIANT_SINKS) && head < uint(sinks.length()) ? sinks[head] : NEG_INF;
     const uint pairs = hs / 2u, lanes = WG / pairs;
     const uint pair = tid % pairs, lane = tid / pairs;
+    float m = NEG_INF, total = 0.0;   // this thread's max, and its sum of weights scaled to it
     vec2 acc = vec2(0.0);
-    float total = 0.0;
-    for (uint c0 = 0u; c0 < parts; c0 += CHUNK) {
-        const uint n = min(CHUNK, parts - c0);
-        barrier();   // the previous chunk's weights are read
-        for (uint j = tid; j < n; j += WG) {
-            const vec2 ml = partial_stats[slot0 + c0 + j];
-            const float w = ml.y > 0.0 ? ml.y * exp(ml.x - m) : 0.0;   // a partition with no valid token: none
-            s_w[j] = w;
-            total += w;
+    uint j = lane;
+    do {
+        vec2 ml[UNROLL], x[UNROLL];
+        [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
+            const uint k = j + u * lanes;
+            const bool load = lane < lanes && k < pc.num_partitions;
+            ml[u] = load ? partial_stats[slot0 + k] : vec2(NEG_INF, 0.0);
+            x[u] = load ? partial_out[(slot0 + k) * pairs + pair] : vec2(0.0);
         }
-        barrier();
-        for (uint j = lane; lane < lanes && j < n; j += UNROLL * lanes) {
-            vec2 x[UNROLL];
-            [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
-                const uint k = j + u * lanes;
-                // an empty partition's output was never written: not read
-                x[u] = k < n && s_w[k] > 0.0 ? partial_out[(slot0 + c0 + k) * pairs + pair] : vec2(0.0);
-            }
-            [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
-                const uint k = j + u * lanes;
-                if (k < n) acc += s_w[k] * x[u];
+        // A partition past the sequence's, or with no valid token (sum 0: its output was never written), is none.
+        float top = m;
+        [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
+            if (j + u * lanes >= parts || !(ml[u].y > 0.0)) ml[u] = vec2(NEG_INF, 0.0);
+            top = max(top, ml[u].x);
+        }
+        if (top > m) {
+            const float alpha = m == NEG_INF ? 0.0 : exp(m - top);
+            total *= alpha;
+            acc *= alpha;
+            m = top;
+        }
+        [[unroll]] for (uint u = 0u; u < UNROLL; u++) {
+            if (ml[u].y > 0.0) {
+                const float w = ml[u].y * exp(ml[u].x - m);
+                total += w;
+                acc += w * x[u];
             }
         }
-    }
-    total = workgroup_reduce(total, false);
+        j += UNROLL * lanes;
+    } while (lane < lanes && j < parts);
+
+    // The lanes meet: each pair's lane 0 sums the others', scaled to their common max.
+    s_ml[tid] = vec2(m, total);
     s_acc[tid] = acc;
     barrier();
-    if (lane == 0u) for (uint l = 1u; l < lanes; l++) acc += s_acc[l * pairs + pair];
+    if (lane == 0u) {
+        for (uint l = 1u; l < lanes; l++) {
+            const vec2 ml = s_ml[l * pairs + pair];
+            const float top = max(m, ml.x);
+            if (top == NEG_INF) continue;
+            const float a = m == NEG_INF ? 0.0 : exp(m - top), b = ml.x == NEG_INF ? 0.0 : exp(ml.x - top);
+            total = total * a + ml.y * b;
+            acc = acc * a + s_acc[l * pairs + pair] * b;
+            m = top;
+        }
+    }
 
-    const float sink = variant_on(VARIANT_SINKS) && head < uint(sinks.length()) ? sinks[head] : NEG_INF;
     const vec2 fin = softmax_finish(m, total, sink);
     if (lane == 0u) out_[(o >> 1) + pair] = out_pair(acc * (fin.x * pc.v_scale));
     const uint row = seq * pc.num_heads + head;

@@ -15,25 +15,9 @@ var<immediate> pc: Params;
 
 const KV_CHUNK_QUADS: u32 = 1u;   // no cache here: attention_common.wgsl's key addressing goes unused
 
-const CHUNK: u32 = 512u;    // partitions whose weights shared memory holds at a time
-const UNROLL: u32 = 8u;     // partial outputs a thread loads before it uses any
-var<workgroup> s_w: array<f32, CHUNK>;
-var<workgroup> s_red: array<f32, WG>;
-var<workgroup> s_acc: array<vec2<f32>, WG>;
-
-// Max (is_max) or sum of every thread's x; every thread gets the result. Barriers on both sides.
-fn workgroup_reduce(tid: u32, x: f32, is_max: bool) -> f32 {
-    workgroupBarrier();
-    s_red[tid] = x;
-    workgroupBarrier();
-    for (var half_ = WG / 2u; half_ > 0u; half_ >>= 1u) {
-        if (tid < half_) {
-            s_red[tid] = select(s_red[tid] + s_red[tid + half_], max(s_red[tid], s_red[tid + half_]), is_max);
-        }
-        workgroupBarrier();
-    }
-    return workgroupUniformLoad(&s_red[0]);
-}
+const UNROLL: u32 = 16u;    // partitions a thread loads before it uses any
+var<workgroup> s_ml: array<vec2<f32>, WG>;     // each thread's (max, sum)
+var<workgroup> s_acc: array<vec2<f32>, WG>;    // and its weighted sum of outputs, scaled to its max
 
 @compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
@@ -60,59 +44,74 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let first = min(window_first_key(seq_keys - 1u), seq_keys) & ~(pc.block_size - 1u);
     let parts = min(pc.num_partitions, (seq_keys - first + pc.partition_size - 1u) / pc.partition_size);
 
-    var m = neg_inf();
-    for (var i = tid; i < parts; i += WG) {
-        m = max(m, partial_stats[slot0 + i].x);
+    var sink = neg_inf();
+    if ((pc.variants & VARIANT_SINKS) != 0u && head < arrayLength(&sinks)) {
+        sink = sinks[head];
     }
-    m = workgroup_reduce(tid, m, true);
-
     let pairs = hs / 2u;
     let lanes = WG / pairs;
     let pair = tid % pairs;
     let lane = tid / pairs;
-    var acc = vec2<f32>(0.0);
+    var m = neg_inf();        // this thread's max, and its sum of weights scaled to it
     var total = 0.0;
-    for (var c0 = 0u; c0 < parts; c0 += CHUNK) {
-        let n = min(CHUNK, parts - c0);
-        workgroupBarrier();   // the previous chunk's weights are read
-        for (var j = tid; j < n; j += WG) {
-            let ml = partial_stats[slot0 + c0 + j];
-            var w = 0.0;      // a partition with no valid token: none
-            if (ml.y > 0.0) {
-                w = ml.y * exp(ml.x - m);
+    var acc = vec2<f32>(0.0);
+    var j = lane;
+    loop {
+        var ml: array<vec2<f32>, UNROLL>;
+        var x: array<vec2<f32>, UNROLL>;
+        for (var u = 0u; u < UNROLL; u++) {
+            let k = j + u * lanes;
+            ml[u] = vec2<f32>(neg_inf(), 0.0);
+            x[u] = vec2<f32>(0.0);
+            if (lane < lanes && k < pc.num_partitions) {
+                ml[u] = partial_stats[slot0 + k];
+                x[u] = partial_out[(slot0 + k) * pairs + pair];
             }
-            s_w[j] = w;
-            total += w;
         }
-        workgroupBarrier();
-        for (var j = lane; lane < lanes && j < n; j += UNROLL * lanes) {
-            var x: array<vec2<f32>, UNROLL>;
-            for (var u = 0u; u < UNROLL; u++) {
-                let k = j + u * lanes;
-                x[u] = vec2<f32>(0.0);
-                if (k < n && s_w[k] > 0.0) {   // an empty partition's output was never written: not read
-                    x[u] = partial_out[(slot0 + c0 + k) * pairs + pair];
-                }
+        // A partition past the sequence's, or with no valid token (sum 0: its output was never written), is none.
+        var top = m;
+        for (var u = 0u; u < UNROLL; u++) {
+            if (j + u * lanes >= parts || !(ml[u].y > 0.0)) {
+                ml[u] = vec2<f32>(neg_inf(), 0.0);
             }
-            for (var u = 0u; u < UNROLL; u++) {
-                let k = j + u * lanes;
-                if (k < n) {
-                    acc += s_w[k] * x[u];
-                }
+            top = max(top, ml[u].x);
+        }
+        if (top > m) {
+            let alpha = select(exp(m - top), 0.0, m == neg_inf());
+            total *= alpha;
+            acc *= alpha;
+            m = top;
+        }
+        for (var u = 0u; u < UNROLL; u++) {
+            if (ml[u].y > 0.0) {
+                let w = ml[u].y * exp(ml[u].x - m);
+                total += w;
+                acc += w * x[u];
             }
+        }
+        j += UNROLL * lanes;
+        continuing {
+            break if !(lane < lanes && j < parts);
         }
     }
-    total = workgroup_reduce(tid, total, false);
+
+    // The lanes meet: each pair's lane 0 sums the others', scaled to their common max.
+    s_ml[tid] = vec2<f32>(m, total);
     s_acc[tid] = acc;
     workgroupBarrier();
     if (lane == 0u) {
         for (var l = 1u; l < lanes; l++) {
-            acc += s_acc[l * pairs + pair];
+            let other = s_ml[l * pairs + pair];
+            let top = max(m, other.x);
+            if (top == neg_inf()) {
+                continue;
+            }
+            let a = select(exp(m - top), 0.0, m == neg_inf());
+            let b = select(exp(other.x - top), 0.0, other.x == neg_inf());
+            total = total * a + other.y * b;
+            acc = acc * a + s_acc[l * pairs + pair] * b;
+            m = top;
         }
-    }
-    var sink = neg_inf();
-    if ((pc.variants & VARIANT_SINKS) != 0u && head < arrayLength(&sinks)) {
-        sink = sinks[head];
     }
     let fin = softmax_finish(m, total, sink);
     if (lane == 0u) {

@@ -164,13 +164,30 @@ def test_split_contexts(rng, partition_size, num_heads, num_kv_heads):
 @pytest.mark.parametrize("backend", ["glsl", "wgsl"])
 @pytest.mark.parametrize("head_size", [80, 256])
 def test_many_partitions(rng, backend, head_size):
-    # More partitions than the reduce pass holds weights for at a time (CHUNK, 512), with every number of
+    # More partitions than a thread of the reduce pass loads in one round (UNROLL), with every number of
     # partition lanes its threads split into (head 80: three lanes of 40 dim pairs; head 256: one).
     case = Case(rng, seq_lens=[9000, 0, 100], num_heads=4, num_kv_heads=2, head_size=head_size, block_size=16)
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=4, num_kv_heads=2, head_size=head_size,
                             block_size=16, num_blocks=case.key_cache.shape[0], partition_size=16,
                             backend=backend) as plan:
         assert plan.num_partitions == 563
+        out = plan.run(case.query, case.key_cache, case.value_cache, out=case.poisoned_out())
+    assert rel_error(out, case.reference()) <= TOL
+
+
+@pytest.mark.parametrize("backend", ["glsl", "wgsl"])
+def test_reduce_ignores_stale_partitions(rng, backend):
+    # The reduce loads partitions before it knows the sequence's length and drops those past its end after. The
+    # split scratch is poisoned before the run (a huge max and sum, NaN outputs in every slot): nothing of it may
+    # reach the result, whether the decode overwrites a slot (it writes a partition with no token as max -inf,
+    # sum 0) or the reduce leaves it out.
+    case = Case(rng, seq_lens=[1000, 40, 0, 333], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                            block_size=16, num_blocks=case.key_cache.shape[0], partition_size=32,
+                            backend=backend) as plan:
+        assert plan.num_partitions == 32
+        plan.partial_out.write(np.full(plan.partial_out.shape, np.nan, np.float32))
+        plan.partial_stats.write(np.full(plan.partial_stats.shape, 1e30, np.float32))
         out = plan.run(case.query, case.key_cache, case.value_cache, out=case.poisoned_out())
     assert rel_error(out, case.reference()) <= TOL
 
