@@ -139,6 +139,17 @@ uvec4 tokens_before(uvec4 w, uint base, uint end) {
     }
     return w;
 }
+
+// This lane's key chunks and value rows of block `phys` at token `base` (none where phys < 0; key tokens from `end`
+// on read as zeros).
+void fp8_block_load(int phys, uint base, uint end, uint kv_head, uint t, uint hh, out uvec4 k_chunks[HT],
+                    out uvec4 v_rows[HT]) {
+    const uint b = uint(max(phys, 0));
+    [[unroll]] for (uint r = 0u; r < HT; r++) {
+        k_chunks[r] = phys >= 0 && base + t < end ? key_load(b, key_chunk(0u, kv_head, t, 2u * r + hh)) : uvec4(0u);
+        v_rows[r] = phys >= 0 ? value_load(b, value_row(0u, kv_head, 16u * (2u * r + hh) + t)) : uvec4(0u);
+    }
+}
 #endif
 
 void main() {
@@ -199,21 +210,29 @@ void main() {
 
     uint kb = sg;
     int phys = kb < blocks ? (window0 == 0u ? early_phys : physical_block(row + start / BS + kb)) : -1;
+#if KV_FP8
+    // An fp8 block is a quarter of the bytes a float16 step had in flight, behind a longer chain (staging): each
+    // subgroup loads its next block's bytes before it works on this one (32 registers more), and the block ids
+    // two steps ahead.
+    uvec4 k_chunks[HT], v_rows[HT];
+    fp8_block_load(phys, start + kb * BS, end, kv_head, t, hh, k_chunks, v_rows);
+    int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
+#endif
     for (; kb < blocks; kb += SUBGROUPS) {
+#if KV_FP8
+        const int later_phys = kb + 2u * SUBGROUPS < blocks ? physical_block(row + start / BS + kb + 2u * SUBGROUPS) : -1;
+        uvec4 next_k_chunks[HT], next_v_rows[HT];
+        fp8_block_load(next_phys, start + (kb + SUBGROUPS) * BS, end, kv_head, t, hh, next_k_chunks, next_v_rows);
+#else
         const int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
+#endif
         const uint base = start + kb * BS;
         const bool whole = phys >= 0 && base + BS <= end;
         const uint b = uint(max(phys, 0));
         MAT_A kt[DT];
         MAT_A vt[DT];
 #if KV_FP8
-        uvec4 v_rows[HT];   // this lane's value rows, loaded with the keys and staged after S
-        if (phys >= 0) {
-            uvec4 k_chunks[HT];
-            [[unroll]] for (uint r = 0u; r < HT; r++) {
-                k_chunks[r] = base + t < end ? key_load(b, key_chunk(0u, kv_head, t, 2u * r + hh)) : uvec4(0u);
-                v_rows[r] = value_load(b, value_row(0u, kv_head, 16u * (2u * r + hh) + t));
-            }
+        if (phys >= 0) {   // the value rows are staged after S
             [[unroll]] for (uint h2 = 0u; h2 < 2u; h2++) {
                 [[unroll]] for (uint r = h2 * HT / 2u; r < (h2 + 1u) * HT / 2u; r++) {
                     const uint slot = (sg * HT + 2u * r + hh - h2 * HT) * 32u;
@@ -349,7 +368,14 @@ void main() {
             [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = coopMatMulAdd(vt[i], pt, o[i]);
             subgroupBarrier();   // P^T read before the next block's weights overwrite it
         }
+#if KV_FP8
+        k_chunks = next_k_chunks;
+        v_rows = next_v_rows;
         phys = next_phys;
+        next_phys = later_phys;
+#else
+        phys = next_phys;
+#endif
     }
 
     // The subgroups' states meet: each head's max M over the subgroups, each subgroup's sums scaled to it.
