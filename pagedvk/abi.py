@@ -357,6 +357,10 @@ VARIANTS_SPEC_ID = 0
 # both from the push constants.
 DECODE_VALUE_ORDER_SPEC_ID = 1   # 1: a head dim's tokens contiguous (vLLM's layout); 2: a token's dims (nhd)
 DECODE_GROUP_SPEC_ID = 2         # 4: groups of at most 4 query heads; 8: of 5 to 8
+# The cooperative-matrix decode's: 1 where a split of at most DECODE_MERGE_PARTITIONS partitions is merged in the
+# decode dispatch (shaders/paged_decode_coopmat.comp); 0, its default, leaves the merge to PAGED_DECODE_REDUCE.
+DECODE_MERGE_SPEC_ID = 3
+DECODE_MERGE_PARTITIONS = 4
 # The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
 # (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
 # dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.
@@ -372,8 +376,11 @@ ATTENTION_VARIANT_INPUTS = (
 # Decode attention, one query token per sequence. Workgroups: num_heads / group_size x num_seqs x
 # num_partitions, numbered linearly over a grid folded to the device's limits (pagedvk.runtime.commands.
 # fold_grid). With one partition the result goes to `out`; with more, to the partial buffers, and
-# PAGED_DECODE_REDUCE merges them into `out`. lse (float32 [num_seqs, num_heads]) is written where
-# VARIANT_LSE is set, by the reduce when split.
+# PAGED_DECODE_REDUCE merges them into `out`, or (the matrix kernel with DECODE_MERGE_SPEC_ID set) the last
+# workgroup of each (sequence, head group) to finish does, counting on a uint32 after partial_stats' pairs: one
+# (counter, unused) pair per (sequence, head group) at [num_seqs * num_heads * num_partitions + unit], zeroed when
+# allocated and left at zero by every run. lse (float32 [num_seqs, num_heads]) is written where VARIANT_LSE is
+# set, by whichever merges when split.
 PAGED_DECODE = KernelABI(
     op="paged_decode",
     bindings=ATTENTION_INPUTS + (
@@ -395,7 +402,8 @@ PAGED_DECODE = KernelABI(
     # (pagedvk.decode.decode_matrix)
     matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128)),
     matrix_accesses=("",),
-    matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32")),
+    matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
+                           (DECODE_MERGE_SPEC_ID, "uint32")),
 )
 
 # Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.

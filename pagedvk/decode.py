@@ -17,8 +17,9 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checks, config, kernels
-from .abi import DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE
-from .array import Array, DeviceArray, asarray, empty
+from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, DECODE_MERGE_SPEC_ID,
+                  DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE)
+from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
@@ -288,17 +289,29 @@ class DecodePlan(Owned):
                                     self.query_type.tag, self.head_size, layout, self.block_size,
                                     size if parts > 1 else max_seq_len, kernel)
         self.partition_size, self.num_partitions = splits[0 if self.matrix else 1]
+        split = self.num_partitions > 1
+        # A matrix plan split into a few partitions merges them in the decode dispatch: the last workgroup of each
+        # (sequence, head group) to finish does, so the split costs no second dispatch and no barrier (3.6 us at
+        # least on the H200). Its loads grow with the partitions, where the reduce spreads them over a workgroup a
+        # head: more partitions go to the reduce (BENCHMARKS.md, ninth session).
+        self.merge_in_decode = bool(self.matrix) and 1 < self.num_partitions <= DECODE_MERGE_PARTITIONS
+        if self.merge_in_decode:
+            self.constants[DECODE_MERGE_SPEC_ID] = 1
         self.key = self._module()
         kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)
         limits = self.device.info.max_workgroup_count
         self.grid = fold_grid(workgroups_per_seq * self.num_seqs * self.num_partitions, limits)
-        split = self.num_partitions > 1
-        # Scratch for split contexts; 16-byte placeholders keep the bindings valid when there is no split.
+        # Scratch for split contexts; 16-byte placeholders keep the bindings valid when there is no split. A merge
+        # in the decode counts on the uint32 pairs after partial_stats' (abi.PAGED_DECODE), zeroed here once.
         self.partial_out = empty((self.num_seqs, num_heads, self.num_partitions, head_size) if split else (4,),
                                  np.float32, self.device)
-        self.partial_stats = empty((self.num_seqs, num_heads, self.num_partitions, 2) if split else (4,),
-                                   np.float32, self.device)
-        self._owned += [self.partial_out, self.partial_stats]
+        stats_shape = (self.num_seqs, num_heads, self.num_partitions, 2) if split else (4,)
+        units = self.num_seqs * workgroups_per_seq if self.merge_in_decode else 0
+        self._stats_and_counters = zeros((math.prod(stats_shape) // 2 + units, 2), np.float32, self.device)
+        self.partial_stats = DeviceArray._over(self._stats_and_counters.buffer, 0, stats_shape, np.float32)
+        self.merge_counters = (DeviceArray._over(self._stats_and_counters.buffer, self.partial_stats.nbytes,
+                                                 (units, 2), np.uint32) if units else None)
+        self._owned += [self.partial_out, self._stats_and_counters]
         self.reduce_key = PAGED_DECODE_REDUCE.key(self.backend, q=self.query_type.tag) if split else None
         self.reduce_grid = fold_grid(num_heads * self.num_seqs, limits)
         self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
@@ -496,7 +509,7 @@ class DecodePlan(Owned):
         """The dispatches of one run: decode, and the reduce of its partitions when split. Both take the same
         push constants; lse, when given, is written; sinks, when given, stand in for the plan's."""
         tables = (self.block_tables.buffer, self.seq_lens.buffer)
-        partials = (self.partial_out.buffer, self.partial_stats.buffer)
+        partials = (self.partial_out.buffer, self._stats_and_counters.buffer)
         spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,
                          self.block_size)
         caches = bind_caches(k, v, self.backend)
@@ -515,7 +528,7 @@ class DecodePlan(Owned):
         decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants, self.constants),
                   (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *self._variant_buffers(sinks),
                    lse_buffer, *caches.extra), push, self.grid)
-        if self.reduce_key is None:
+        if self.reduce_key is None or (self.merge_in_decode and key.matrix):
             return [decode]
         reduce = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, self.reduce_key, variants),
                   (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1], lse_buffer), push,

@@ -96,7 +96,8 @@ def test_the_matrix_module_is_declared_for_binding_access_with_the_decode_consta
     assert key.name == "paged_decode.coopmat.kv_f16.q_f16.h128.glsl"
     assert key.source == "paged_decode_coopmat.comp" and key.target_env == "vulkan1.2"
     assert abi.PAGED_DECODE.specialization_constants(key) == {
-        abi.VARIANTS_SPEC_ID: "bool", abi.DECODE_VALUE_ORDER_SPEC_ID: "uint32", abi.DECODE_GROUP_SPEC_ID: "uint32"}
+        abi.VARIANTS_SPEC_ID: "bool", abi.DECODE_VALUE_ORDER_SPEC_ID: "uint32", abi.DECODE_GROUP_SPEC_ID: "uint32",
+        abi.DECODE_MERGE_SPEC_ID: "uint32"}
     with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module reading caches by 'seg'"):
         abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, "seg", "coopmat")
     built = [k for k in abi.PAGED_DECODE.keys() if k.matrix]
@@ -114,8 +115,9 @@ def matrix_case(rng, dtype=np.float16, **kw) -> Case:
 
 
 def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=None, value_cache=None, **options):
-    """(out, lse, plan key, partitions) of a DecodePlan for the case's caches, run on them (or on `key_cache` and
-    `value_cache`) into NaN-poisoned outputs; `options`: the plan's (attention variants, k_scale and v_scale)."""
+    """(out, lse, plan key, partitions, whether the split is merged in the decode dispatch) of a DecodePlan for the
+    case's caches, run on them (or on `key_cache` and `value_cache`) into NaN-poisoned outputs; `options`: the
+    plan's (attention variants, k_scale and v_scale)."""
     out = np.full(query.shape, np.nan, np.float16)
     lse = np.full(query.shape[:2], np.nan, np.float32)
     key_cache = case.key_cache if key_cache is None else key_cache
@@ -125,17 +127,21 @@ def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=No
                             num_blocks=case.key_cache.shape[0], dtype=case.key_cache.dtype, query_dtype=np.float16,
                             partition_size=partition_size, kernel=kernel, backend="glsl", **options) as plan:
         plan.run(query, key_cache, value_cache, out=out, lse=lse)
-        return out, lse, plan.key, plan.num_partitions
+        return out, lse, plan.key, plan.num_partitions, plan.merge_in_decode
 
 
 def check_split_and_unsplit(case, query, **variants):
-    """One partition and 32-token partitions (two blocks: two of the four subgroups idle), each against float64
-    (out and lse), and the two alike."""
+    """One partition; 32-token partitions (two blocks: two of the four subgroups idle), merged by the reduce
+    dispatch where there are more than four; and at most four partitions (of the longest sequence; a sliding window
+    may leave one), merged in the decode dispatch: each against float64 (out and lse), and all alike."""
     ref_out, ref_lse = reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
+    longest = int(case.seq_lens.max())
+    few = -(-longest // (16 * abi.DECODE_MERGE_PARTITIONS)) * 16   # tokens a partition: at most four of them
     outs = []
-    for partition_size, split in ((4096, False), (32, True)):
-        out, lse, key, parts = run_coopmat(case, query, partition_size, **variants)
-        assert key.matrix == "coopmat" and (parts > 1) == split
+    for partition_size, most in ((4096, 1), (32, None), (few, abi.DECODE_MERGE_PARTITIONS)):
+        out, lse, key, parts, merged = run_coopmat(case, query, partition_size, **variants)
+        assert key.matrix == "coopmat" and (parts > 1 if most is None else parts <= most)
+        assert merged == (1 < parts <= abi.DECODE_MERGE_PARTITIONS)
         assert rel_error(out, ref_out) <= TOL
         assert (out[np.isneginf(ref_lse)] == 0).all()   # an empty sequence: zeros out and lse -inf
         assert lse_error(lse, ref_lse) <= 1e-5
@@ -154,6 +160,31 @@ def test_matches_float64_for_every_group_and_head_size(rng, cache_dtype, head_si
                        num_kv_heads=num_kv_heads, head_size=head_size)
     poison_unread_slots(case, 16)
     check_split_and_unsplit(case, case.query)
+
+
+@needs_coopmat
+@pytest.mark.parametrize("head_size", (64, 128))
+def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, head_size):
+    # Many (sequence, head group) counters, every count of partitions the merge in the decode takes, and sequences
+    # shorter than the split (empty, one partition, two): run after run on one plan, with new queries each time, the
+    # result matches float64 and every counter is back at zero. Five partitions go to the reduce dispatch.
+    lens = [0, 1, 16, 100, 257, 511, 512, 513, 700, 1024] * 4
+    case = matrix_case(rng, seq_lens=lens, num_heads=16, num_kv_heads=4, head_size=head_size)
+    kw = dict(num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16, num_blocks=case.key_cache.shape[0],
+              dtype=np.float16, query_dtype=np.float16, kernel="coopmat", backend="glsl")
+    for parts in range(2, abi.DECODE_MERGE_PARTITIONS + 2):
+        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, partition_size=-(-1024 // parts // 16) * 16,
+                                **kw) as plan:
+            assert plan.num_partitions == parts
+            assert plan.merge_in_decode == (parts <= abi.DECODE_MERGE_PARTITIONS)
+            for _ in range(3):
+                query = rng.standard_normal(case.query.shape).astype(np.float16)
+                out = plan.run(query, case.key_cache, case.value_cache, out=np.full(query.shape, np.nan, np.float16))
+                expect = reference.paged_attention(query, *case.args()[1:])
+                assert rel_error(out, expect) <= TOL
+                if plan.merge_in_decode:
+                    assert plan.merge_counters.shape == (len(lens) * 4, 2)
+                    assert not plan.merge_counters.numpy().any()
 
 
 @needs_coopmat
@@ -199,7 +230,7 @@ def test_every_fp8_byte_is_read_exactly(rng, cache_dtype):
     every_byte = np.arange(256, dtype=np.uint8).reshape(2, 128)
     for seq in range(2):
         case.value_cache[case.block_tables[seq, 0], :, :, 0] = every_byte[seq].view(cache_dtype)
-    out, lse, key, _ = run_coopmat(case, case.query, 4096)
+    out, lse, key, _, _ = run_coopmat(case, case.query, 4096)
     assert key.matrix == "coopmat"
     expected = np.repeat(every_byte.view(cache_dtype).astype(np.float16)[:, None, :], 4, axis=1)
     np.testing.assert_array_equal(out, expected)
@@ -213,7 +244,7 @@ def test_every_fp8_byte_is_read_exactly(rng, cache_dtype):
     case.query[:, :, 0] = 1
     wanted = np.where(np.isfinite(values.astype(np.float32)), values.astype(np.float32), 0)
     case.key_cache[case.block_tables[:, 0], :, 0, 0, 0] = wanted.astype(cache_dtype)[:, None]
-    _, lse, _, _ = run_coopmat(case, case.query, 4096, scale=1.0)
+    _, lse, _, _, _ = run_coopmat(case, case.query, 4096, scale=1.0)
     np.testing.assert_array_equal(lse, np.repeat(wanted[:, None], 2, axis=1))
 
 
@@ -224,7 +255,7 @@ def test_vllm_fp8_caches_as_uint8_with_scales(rng, kv_cache_dtype, dtype):
     # vLLM's fp8 caches: uint8 holding k / k_scale and v / v_scale, read as the plan's type; it multiplies back.
     case = matrix_case(rng, dtype, seq_lens=[700, 33], num_heads=8, num_kv_heads=2, head_size=128)
     k_scale, v_scale = 0.37, 2.5
-    out, _, key, _ = run_coopmat(case, case.query, 4096, key_cache=case.key_cache.view(np.uint8),
+    out, _, key, _, _ = run_coopmat(case, case.query, 4096, key_cache=case.key_cache.view(np.uint8),
                                  value_cache=case.value_cache.view(np.uint8), k_scale=k_scale, v_scale=v_scale)
     assert key.matrix == "coopmat" and key.kv == kv_cache_dtype[4:]
     ref = reference.paged_attention(case.query, case.key_cache.astype(np.float64) * k_scale,
@@ -238,7 +269,7 @@ def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch):
     case = Case(rng, seq_lens=[2048, 1500], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
     expect = case.reference()
     for partition_size, matrix in ((decode.MATRIX_MIN_TOKENS, "coopmat"), (decode.MATRIX_MIN_TOKENS // 2, "")):
-        out, _, key, _ = run_coopmat(case, case.query, partition_size, kernel=None)
+        out, _, key, _, _ = run_coopmat(case, case.query, partition_size, kernel=None)
         assert key.matrix == matrix
         assert rel_error(out, expect) <= TOL
     # Unforced and unsplit by hand: the matrix kernel's own split (one wave of its workgroups), or the scalar's
@@ -246,7 +277,7 @@ def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch):
     units = decode.compute_units(pagedvk.default_device().info)
     size, parts = decode.matrix_partitioning(2, 4, 2048, units)
     matrix = "coopmat" if (size if parts > 1 else 2048) >= decode.MATRIX_MIN_TOKENS else ""
-    out, _, key, got_parts = run_coopmat(case, case.query, None, kernel=None)
+    out, _, key, got_parts, _ = run_coopmat(case, case.query, None, kernel=None)
     assert key.matrix == matrix
     assert got_parts == (parts if matrix else decode.partitioning(2, 4, 2048, units)[1])
     assert rel_error(out, expect) <= TOL
