@@ -70,8 +70,9 @@ class DeviceArray(Owned):
     @classmethod
     def _over(cls, buffer, offset: int, shape, dtype) -> "DeviceArray":
         """An array over bytes [offset, offset + nbytes) of an existing runtime Buffer (a BufferRange of it),
-        allocating nothing; it binds only its own range. Tests use it to put sentinels right beside the
-        arrays they guard."""
+        allocating nothing; it binds only its own range, and does not own the buffer. The decode plan keeps its
+        split's counters after partial_stats this way; tests use it to put sentinels right beside the arrays
+        they guard."""
         self = cls.__new__(cls)
         self.shape, self.dtype, self.device = _shape(shape), _dtype(dtype), buffer.device
         self.segment_rows = self.shape[0] if self.shape else 1

@@ -12,7 +12,7 @@ import numpy as np
 from . import bench, config, suite
 from .abi import PAGED_DECODE
 from .decode import MATRIX_BLOCK_SIZE, MATRIX_MIN_TOKENS, decode_target, subgroup_reductions
-from .dtypes import device_dtypes
+from .dtypes import CACHE_TYPES, device_dtypes
 from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
 from .matrix import matrix_unavailable
 from .errors import PagedVKError
@@ -30,10 +30,14 @@ def describe_decode_kernel(info) -> str:
         return "cpu (shaders/paged_decode_cpu.comp; WGSL plans run the gpu kernel)"
     if config.decode_kernel() == "gpu" or matrix_unavailable(info):
         return "gpu (shaders/paged_decode.comp)"
-    sizes = " and ".join(str(h) for h in sorted({h for *_, h in PAGED_DECODE.matrix_variants}))
-    return (f"coopmat (shaders/paged_decode_coopmat.comp) for float16 and fp8 caches with float16 queries in vLLM's "
-            f"layout with {MATRIX_BLOCK_SIZE}-token blocks, at head sizes {sizes}, where a workgroup takes at least "
-            f"{MATRIX_MIN_TOKENS} tokens; gpu (shaders/paged_decode.comp) otherwise")
+    variants = PAGED_DECODE.matrix_variants
+    names = {t.tag: str(t) for t in CACHE_TYPES.values()}
+    listed = lambda tags: ", ".join(names[tag] for tag in sorted(set(tags), key=list(names).index))
+    sizes = " and ".join(str(h) for h in sorted({h for *_, h in variants}))
+    return (f"coopmat (shaders/paged_decode_coopmat.comp) for {listed(kv for _, kv, _, _ in variants)} caches with "
+            f"{listed(q for _, _, q, _ in variants)} queries in vLLM's layout with {MATRIX_BLOCK_SIZE}-token blocks, "
+            f"at head sizes {sizes}, where a workgroup takes at least {MATRIX_MIN_TOKENS} tokens; gpu "
+            "(shaders/paged_decode.comp) otherwise")
 
 
 def cmd_devices(args) -> int:

@@ -506,8 +506,9 @@ class DecodePlan(Owned):
 
     def _steps(self, q, k, v, o, num_blocks: int, lse: DeviceArray | None = None,
                sinks: DeviceArray | None = None) -> list:
-        """The dispatches of one run: decode, and the reduce of its partitions when split. Both take the same
-        push constants; lse, when given, is written; sinks, when given, stand in for the plan's."""
+        """The dispatches of one run: decode, and the reduce of its partitions when split (unless the matrix
+        kernel merges them in the decode dispatch: merge_in_decode). Both take the same push constants; lse, when
+        given, is written; sinks, when given, stand in for the plan's."""
         tables = (self.block_tables.buffer, self.seq_lens.buffer)
         partials = (self.partial_out.buffer, self._stats_and_counters.buffer)
         spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,

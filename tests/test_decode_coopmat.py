@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import abi, config, decode, reference
+from pagedvk import abi, cli, config, decode, reference
 from pagedvk.decode import MATRIX_PV_SHAPE
 from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable
 from conftest import Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error
@@ -51,6 +51,14 @@ def test_long_partitions_of_float16_and_fp8_vllm_caches_get_the_matrix_kernel(mo
     assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16) == "coopmat"
     monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", "gpu")
     assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 1 << 20) == ""
+
+
+def test_pagedvk_devices_names_every_cache_type_the_matrix_decode_takes(monkeypatch):
+    monkeypatch.delenv("PAGEDVK_DECODE_KERNEL", raising=False)
+    line = cli.describe_decode_kernel(dataclasses.replace(CAPABLE, type="discrete"))
+    assert line.startswith("coopmat (shaders/paged_decode_coopmat.comp) for float16, float8_e4m3fn, float8_e5m2 "
+                           "caches with float16 queries"), line
+    assert "at head sizes 64 and 128" in line
 
 
 def test_the_matrix_split_fills_one_wave_of_its_workgroups():
