@@ -5,7 +5,12 @@
 //   MODE_MMA       16x16x16 float16 products accumulated in float32, A and B held in registers;
 //   MODE_MMA_BCOL  each product's B loaded from shared memory column-major (K^T, as the forward reads its keys);
 //   MODE_MMA_BROW  each product's B loaded row-major (values staged [key][dim], the nhd layout);
-//   MODE_MMA_AROW  each product's A loaded row-major (P, as the forward's P.V reads it).
+//   MODE_MMA_AROW  each product's A loaded row-major (P, as the forward's P.V reads it);
+//   MODE_LAYOUT    not timed: which matrix element each invocation holds. Matrices of their own element indices are
+//                  loaded from shared memory (a 16x16 float16 A, a 16x8 float16 B and a 16x8 float32 accumulator,
+//                  row-major), and each invocation writes its elements' values: out[(m * 32 + lane) * 16 + e] for
+//                  matrix m, element e (-1 past the invocation's count). A kernel that builds a matrix in registers
+//                  (fp8 bytes turned into float16 elements, say) needs this map.
 // Eight accumulators a subgroup, four subgroups a workgroup, ITERS steps of eight products; the results are
 // stored so that nothing is dead code. Shared memory is laid out as paged_prefill_coopmat.comp's key tile: 64 rows
 // of 128 float16 head dims, a row stride of KS quads.
@@ -33,6 +38,29 @@ void main() {
     vec4 s = vec4(0.0);
     [[unroll]] for (uint j = 0u; j < 8u; j++) s += a[j];
     out_[tid] = dot(s, vec4(1.0));
+}
+#elif MODE == MODE_LAYOUT
+shared float16_t s_a[256];
+shared float16_t s_b[128];
+shared float s_c[128];
+
+void main() {
+    const uint lane = gl_SubgroupInvocationID, tid = gl_LocalInvocationID.x;
+    for (uint i = tid; i < 256u; i += 128u) s_a[i] = float16_t(float(i));   // exact: integers below 2048
+    for (uint i = tid; i < 128u; i += 128u) { s_b[i] = float16_t(float(i)); s_c[i] = float(i); }
+    barrier();
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> a;
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 8, gl_MatrixUseB> b;
+    coopmat<float, gl_ScopeSubgroup, 16, 8, gl_MatrixUseAccumulator> c;
+    coopMatLoad(a, s_a, 0u, 16u, gl_CooperativeMatrixLayoutRowMajor);
+    coopMatLoad(b, s_b, 0u, 8u, gl_CooperativeMatrixLayoutRowMajor);
+    coopMatLoad(c, s_c, 0u, 8u, gl_CooperativeMatrixLayoutRowMajor);
+    if (gl_WorkGroupID.x != 0u || gl_SubgroupID != 0u || lane >= 32u) return;
+    [[unroll]] for (uint e = 0u; e < 16u; e++) {
+        out_[lane * 16u + e] = e < uint(a.length()) ? float(a[e]) : -1.0;
+        out_[(32u + lane) * 16u + e] = e < uint(b.length()) ? float(b[e]) : -1.0;
+        out_[(64u + lane) * 16u + e] = e < uint(c.length()) ? c[e] : -1.0;
+    }
 }
 #else
 #define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>

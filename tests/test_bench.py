@@ -177,3 +177,8 @@ def test_coopmat_probe_builds_every_mode_and_times_what_the_device_runs(tmp_path
     assert module.main(["--iters", "8", "--repeats", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     assert rows[0]["mode"] == "FMA" and rows[0]["ns"] > 0 and rows[0]["TFLOPs"] > 0
+    # The LAYOUT mode's reference, PTX's mma.m16n8k16 fragments: the 32 invocations hold every element once.
+    for name, (cols, fragment) in module.MMA_FRAGMENTS.items():
+        count = 16 * cols // 32
+        held = sorted(fragment(lane, e) for lane in range(32) for e in range(count))
+        assert held == [(r, c) for r in range(16) for c in range(cols)], name
