@@ -181,6 +181,7 @@ class KernelABI:
     # matrix modules, whose head size is fixed at build time, unless it lists them in matrix_spec_constants)
     spec_constants: tuple = ()
     matrix_spec_constants: tuple = ()
+    target_spec_constants: tuple = ()   # ((TARGETS tag, its source's), ...) where they differ
     # head sizes whose WGSL modules are also built with the layout and group width fixed (DECODE_FIXED)
     fixed_head_sizes: tuple = ()
     # TARGETS tags of the op's device-shaped GLSL sources, built as its generic modules are (storage, head sizes,
@@ -192,7 +193,8 @@ class KernelABI:
         and the op's own in GLSL (naga emits none)."""
         if key.backend != "glsl":
             return {}
-        own = dict(self.matrix_spec_constants if key.matrix else self.spec_constants)
+        own = dict(self.matrix_spec_constants if key.matrix else
+                   dict(self.target_spec_constants).get(key.target, self.spec_constants))
         return {**({VARIANTS_SPEC_ID: "bool"} if self.specializes_variants(key) else {}), **own}
 
     def specializes_variants(self, key: VariantKey) -> bool:
@@ -357,8 +359,9 @@ VARIANTS_SPEC_ID = 0
 # both from the push constants.
 DECODE_VALUE_ORDER_SPEC_ID = 1   # 1: a head dim's tokens contiguous (vLLM's layout); 2: a token's dims (nhd)
 DECODE_GROUP_SPEC_ID = 2         # 4: groups of at most 4 query heads; 8: of 5 to 8
-# The cooperative-matrix decode's: 1 where a split of at most DECODE_MERGE_PARTITIONS partitions is merged in the
-# decode dispatch (shaders/paged_decode_coopmat.comp); 0, its default, leaves the merge to PAGED_DECODE_REDUCE.
+# The GPU decode kernels' (shaders/paged_decode.comp and paged_decode_coopmat.comp, not the CPU one): 1 where a split
+# of at most DECODE_MERGE_PARTITIONS partitions is merged in the decode dispatch (shaders/decode_merge.glsl); 0, its
+# default, leaves the merge to PAGED_DECODE_REDUCE.
 DECODE_MERGE_SPEC_ID = 3
 DECODE_MERGE_PARTITIONS = 4
 # The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
@@ -376,7 +379,7 @@ ATTENTION_VARIANT_INPUTS = (
 # Decode attention, one query token per sequence. Workgroups: num_heads / group_size x num_seqs x
 # num_partitions, numbered linearly over a grid folded to the device's limits (pagedvk.runtime.commands.
 # fold_grid). With one partition the result goes to `out`; with more, to the partial buffers, and
-# PAGED_DECODE_REDUCE merges them into `out`, or (the matrix kernel with DECODE_MERGE_SPEC_ID set) the last
+# PAGED_DECODE_REDUCE merges them into `out`, or (a GLSL GPU kernel with DECODE_MERGE_SPEC_ID set) the last
 # workgroup of each (sequence, head group) to finish does, counting on a uint32 after partial_stats' pairs: one
 # (counter, unused) pair per (sequence, head group) at [num_seqs * num_heads * num_partitions + unit], zeroed when
 # allocated and left at zero by every run. lse (float32 [num_seqs, num_heads]) is written where VARIANT_LSE is
@@ -395,7 +398,10 @@ PAGED_DECODE = KernelABI(
     kv_types=STORAGE_TYPES,
     q_types=QUERY_TYPES,
     head_sizes=UNROLLED_HEAD_SIZES,
-    spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32")),
+    spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
+                    (DECODE_MERGE_SPEC_ID, "uint32")),
+    # the CPU kernel (one subgroup a workgroup, no barriers) leaves every split to the reduce
+    target_spec_constants=(("cpu", ((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"))),),
     fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
     targets=TARGETS,
     # float16 and fp8 caches (float16 queries) in vLLM's layout with 16-token blocks, read by binding

@@ -290,11 +290,17 @@ class DecodePlan(Owned):
                                     size if parts > 1 else max_seq_len, kernel)
         self.partition_size, self.num_partitions = splits[0 if self.matrix else 1]
         split = self.num_partitions > 1
-        # A matrix plan split into a few partitions merges them in the decode dispatch: the last workgroup of each
-        # (sequence, head group) to finish does, so the split costs no second dispatch and no barrier (3.6 us at
-        # least on the H200). Its loads grow with the partitions, where the reduce spreads them over a workgroup a
-        # head: more partitions go to the reduce (BENCHMARKS.md, ninth session).
-        self.merge_in_decode = bool(self.matrix) and 1 < self.num_partitions <= DECODE_MERGE_PARTITIONS
+        # A split of a few partitions is merged in the decode dispatch: the last workgroup of each (sequence, head
+        # group) to finish does (shaders/decode_merge.glsl), so the split costs no second dispatch and no barrier
+        # (3.6 us at least on the H200). Measured there (BENCHMARKS.md, tenth session): the merging workgroup's
+        # reads of the coherent partials cost about 0.3 us a partition, so past four partitions the reduce dispatch
+        # is faster (32: 26.3 against 18.9 us at 1 x 4096); the scalar kernel gains with float32 caches (64 x 4096:
+        # 527-533 against 552 us) and loses with float16 (400 against 343 us), so it merges float32 splits only.
+        # WGSL keeps the reduce (its memory model orders nothing between workgroups), and so does the CPU kernel
+        # (one subgroup a workgroup, no barriers).
+        self.merge_in_decode = (self.backend == "glsl" and self.target != "cpu"
+                                and (bool(self.matrix) or self.spec.storage.tag == "f32")
+                                and 1 < self.num_partitions <= DECODE_MERGE_PARTITIONS)
         if self.merge_in_decode:
             self.constants[DECODE_MERGE_SPEC_ID] = 1
         self.key = self._module()
@@ -506,8 +512,8 @@ class DecodePlan(Owned):
 
     def _steps(self, q, k, v, o, num_blocks: int, lse: DeviceArray | None = None,
                sinks: DeviceArray | None = None) -> list:
-        """The dispatches of one run: decode, and the reduce of its partitions when split (unless the matrix
-        kernel merges them in the decode dispatch: merge_in_decode). Both take the same push constants; lse, when
+        """The dispatches of one run: decode, and the reduce of its partitions when split (unless the decode
+        kernel merges them in its own dispatch: merge_in_decode). Both take the same push constants; lse, when
         given, is written; sinks, when given, stand in for the plan's."""
         tables = (self.block_tables.buffer, self.seq_lens.buffer)
         partials = (self.partial_out.buffer, self._stats_and_counters.buffer)
@@ -529,7 +535,7 @@ class DecodePlan(Owned):
         decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants, self.constants),
                   (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *self._variant_buffers(sinks),
                    lse_buffer, *caches.extra), push, self.grid)
-        if self.reduce_key is None or (self.merge_in_decode and key.matrix):
+        if self.reduce_key is None or self.merge_in_decode:
             return [decode]
         reduce = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, self.reduce_key, variants),
                   (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1], lse_buffer), push,

@@ -44,8 +44,10 @@ CACHE_BINDINGS                                                                  
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, head_size]
-layout(std430, set = 0, binding = 6) writeonly buffer PartialOut { vec2 partial_out[]; }; // [seqs, heads, partitions, head_size]
-layout(std430, set = 0, binding = 7) writeonly buffer PartialStats { vec2 partial_stats[]; }; // [seqs, heads, partitions]: (max, sum)
+// Coherent: the last workgroup of a split merged here reads what the others wrote (decode_merge.glsl).
+layout(std430, set = 0, binding = 6) coherent buffer PartialOut { vec2 partial_out[]; };  // [seqs, heads, partitions, head_size]
+// [seqs, heads, partitions]: (max, sum) as float bits; then MERGE_IN_DECODE's counters, one a (sequence, head group) in .x
+layout(std430, set = 0, binding = 7) coherent buffer PartialStats { uvec2 partial_stats[]; };
 layout(std430, set = 0, binding = 8) readonly buffer AlibiSlopes { float alibi_slopes[]; }; // [heads] (VARIANT_ALIBI)
 layout(std430, set = 0, binding = 9) readonly buffer Sinks { float sinks[]; };             // [heads] (VARIANT_SINKS)
 layout(std430, set = 0, binding = 10) writeonly buffer Lse { float lse[]; };               // [seqs, heads] (VARIANT_LSE)
@@ -93,6 +95,10 @@ shared vec4 s_q[MAX_QUADS * MAX_GROUP];         // queries * scale: [quad][head]
 shared vec4 s_w[TILE / 4u * MAX_GROUP];         // logits, then weights: [token quad][head], 4 tokens a vec4
 shared int s_phys[2u * TILE_BLOCKS];            // physical blocks of this tile and the next, -1 where invalid
 shared float s_o[4u * MAX_HEAD_SIZE * MAX_GROUP / 2u]; // sums at the end: [lane][head][dim]; SHARED_REDUCE's scratch
+
+#define DECODE_MERGE_IN_DISPATCH
+#define MERGE_SCRATCH s_o   // s_o, done with when the split is merged
+#include "decode_merge.glsl"
 
 // Max (is_max) or sum of (a, b; b only where `wide`) over the workgroup. The callers' barriers separate one
 // call's reads of the scratch from the next call's writes.
@@ -418,7 +424,9 @@ void main() {
             const uint slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
             if (slot >= uint(partial_stats.length()) || (slot + 1u) * hs > 2u * uint(partial_out.length())) continue;
             partial_out[(slot * hs + d0) >> 1] = o;
-            if (d0 == 0u) partial_stats[slot] = vec2(m, l);
+            if (d0 == 0u) partial_stats[slot] = floatBitsToUint(vec2(m, l));
         }
     }
+    // A split merged here (MERGE_IN_DECODE): the partitions holding tokens of the sequence, as the reduce counts them.
+    merge_if_last(seq, head0, group, min(pc.num_partitions, (seq_len - window0 + P - 1u) / P));
 }

@@ -61,9 +61,9 @@ CACHE_BINDINGS
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, head_size]
-// Coherent: the last workgroup of a split merged here reads what the others wrote (MERGE below).
+// Coherent: the last workgroup of a split merged here reads what the others wrote (decode_merge.glsl).
 layout(std430, set = 0, binding = 6) coherent buffer PartialOut { vec2 partial_out[]; };  // [seqs, heads, partitions, head_size]
-// [seqs, heads, partitions]: (max, sum) as float bits; then MERGE's counters, one a (sequence, head group) in .x
+// [seqs, heads, partitions]: (max, sum) as float bits; then MERGE_IN_DECODE's counters, one a (sequence, head group) in .x
 layout(std430, set = 0, binding = 7) coherent buffer PartialStats { uvec2 partial_stats[]; };
 layout(std430, set = 0, binding = 8) readonly buffer AlibiSlopes { float alibi_slopes[]; }; // [heads] (VARIANT_ALIBI)
 layout(std430, set = 0, binding = 9) readonly buffer Sinks { float sinks[]; };             // [heads] (VARIANT_SINKS)
@@ -89,10 +89,6 @@ const float RESCALE_MARGIN = 8.0;  // see P. above: weights stay below exp(8) ~ 
 // The same specialization as paged_decode.comp (pagedvk/decode.py): VALUE_ORDER 1 is the only layout read here.
 layout(constant_id = 1) const uint VALUE_ORDER = 0u;
 layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
-// 1: a split of at most MERGE_PARTITIONS partitions is merged by its last workgroups (MERGE below); 0 (and longer
-// splits): by paged_decode_reduce.comp, dispatched after this. abi.DECODE_MERGE_SPEC_ID, set per plan.
-layout(constant_id = 3) const uint MERGE_IN_DECODE = 0u;
-const uint MERGE_PARTITIONS = 4u;   // abi.DECODE_MERGE_PARTITIONS
 
 shared uvec4 s_qb[2u * DT * 32u];            // the S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k]
 shared vec4 s_scr[SUBGROUPS * 128u];          // each subgroup's two 16 x 16 float32 matrices (S), or one tile of O^T
@@ -105,7 +101,10 @@ shared uvec4 s_stage[SUBGROUPS * HT * 32u];   // each subgroup's tiles as float1
 #endif
 shared vec4 s_ml[SUBGROUPS * 4u];             // each subgroup's final (max, sum) of heads 0-3 and 4-7
 shared float s_o[SUBGROUPS * MAX_GROUP * D];  // each subgroup's scaled output sums [head][dim]
-shared uint s_last;                           // MERGE: whether this workgroup merges
+
+#define DECODE_MERGE_IN_DISPATCH
+#define MERGE_SCRATCH s_o   // s_o, done with when the split is merged
+#include "decode_merge.glsl"
 
 // A 16 x 16 matrix of the value cache, V^T for head dims 16 i .. 16 i + 15 of kv head h in block b: rows are
 // dims, 16 tokens each (vLLM's layout), 16 halves = two 16-byte chunks a row.
@@ -158,69 +157,6 @@ void fp8_block_load(int phys, uint base, uint end, uint kv_head, uint t, uint hh
     }
 }
 #endif
-
-// MERGE. A split's partitions merged in this dispatch: each workgroup, its partials written, counts itself in on its
-// (sequence, head group)'s counter, and the one that finds itself last merges the group's partitions into out (the
-// "last block" reduction of CUDA's threadFenceReduction sample), so no second dispatch and no barrier before it (a
-// dispatch costs the H200 3.6 us at least; BENCHMARKS.md, ninth session). The last also takes the counter back
-// down by num_partitions, so that, zeroed at allocation, it is zero again after every run. Ordering, in GLSL's
-// memory model with coherent buffers: each invocation's partial writes are made visible by memoryBarrierBuffer()
-// before the barrier and the workgroup's atomic; the last workgroup reads the partials after the atomic, a barrier
-// and memoryBarrierBuffer(). Each thread takes up to four (head, pair of head dims) items of the group and loads
-// all their partitions' stats and outputs before it uses any (one round trip): hence the few partitions.
-void merge_if_last(uint seq, uint head0, uint group, uint parts) {
-    const uint tid = gl_LocalInvocationID.x;
-    const uint NP = pc.num_partitions;
-    const uint counter = pc.num_seqs * pc.num_heads * NP + seq * (pc.num_heads / group) + head0 / group;
-    memoryBarrierBuffer();
-    barrier();
-    if (tid == 0u) {
-        bool last = false;
-        if (counter < uint(partial_stats.length())) {
-            last = atomicAdd(partial_stats[counter].x, 1u) % NP == NP - 1u;
-            if (last) atomicAdd(partial_stats[counter].x, 0u - NP);
-        }
-        s_last = last ? 1u : 0u;
-    }
-    barrier();
-    if (s_last == 0u) return;
-    memoryBarrierBuffer();
-
-    const uint pairs = D / 2u;
-    const uint ITEMS = MAX_GROUP * pairs / WG;   // a thread's items at most
-    vec2 ml[ITEMS][MERGE_PARTITIONS], x[ITEMS][MERGE_PARTITIONS];
-    [[unroll]] for (uint r = 0u; r < ITEMS; r++) {
-        const uint item = tid + r * WG, g = item / pairs, slot0 = (seq * pc.num_heads + head0 + g) * NP;
-        const bool mine = g < group && (slot0 + NP) * pairs <= uint(partial_out.length());
-        [[unroll]] for (uint p = 0u; p < MERGE_PARTITIONS; p++) {
-            const bool load = mine && p < NP;
-            ml[r][p] = load ? uintBitsToFloat(partial_stats[slot0 + p]) : vec2(NEG_INF, 0.0);
-            x[r][p] = load ? partial_out[(slot0 + p) * pairs + item % pairs] : vec2(0.0);
-        }
-    }
-    [[unroll]] for (uint r = 0u; r < ITEMS; r++) {
-        const uint item = tid + r * WG, g = item / pairs, pair = item % pairs, head = head0 + g;
-        if (g >= group) continue;
-        // As paged_decode_reduce.comp: a partition past the sequence's, or with no valid token, is none.
-        float m = NEG_INF, total = 0.0;
-        vec2 acc = vec2(0.0);
-        [[unroll]] for (uint p = 0u; p < MERGE_PARTITIONS; p++) {
-            if (p >= parts || !(ml[r][p].y > 0.0)) ml[r][p] = vec2(NEG_INF, 0.0);
-            m = max(m, ml[r][p].x);
-        }
-        [[unroll]] for (uint p = 0u; p < MERGE_PARTITIONS; p++) {
-            if (ml[r][p].y > 0.0) {
-                const float w = ml[r][p].y * exp(ml[r][p].x - m);
-                total += w;
-                acc += w * x[r][p];
-            }
-        }
-        const vec2 fin = softmax_finish(m, total, sink_logit(head));
-        const uint row = seq * pc.num_heads + head;
-        if (((row * D) >> 1) + pair < uint(out_.length())) out_[((row * D) >> 1) + pair] = out_pair(acc * (fin.x * pc.v_scale));
-        if (pair == 0u && variant_on(VARIANT_LSE) && row < uint(lse.length())) lse[row] = fin.y;
-    }
-}
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -502,8 +438,6 @@ void main() {
             if (d0 == 0u) partial_stats[slot] = floatBitsToUint(vec2(mg, lg));
         }
     }
-    if (MERGE_IN_DECODE != 0u && pc.num_partitions > 1u && pc.num_partitions <= MERGE_PARTITIONS) {
-        // The partitions holding tokens of the sequence, as paged_decode_reduce.comp counts them.
-        merge_if_last(seq, head0, group, min(pc.num_partitions, (seq_len - window0 + P - 1u) / P));
-    }
+    // A split merged here (MERGE_IN_DECODE): the partitions holding tokens of the sequence, as the reduce counts them.
+    merge_if_last(seq, head0, group, min(pc.num_partitions, (seq_len - window0 + P - 1u) / P));
 }

@@ -1,6 +1,6 @@
-// Merges the partitions of a split decode, WGSL: shaders/paged_decode_reduce.comp translated statement for
-// statement (its loops left to the driver to unroll), with the same interface (PAGED_DECODE_REDUCE in
-// pagedvk/abi.py); the GLSL source explains it.
+// Merges the partitions of a split decode, WGSL, with the interface of shaders/paged_decode_reduce.comp
+// (PAGED_DECODE_REDUCE in pagedvk/abi.py) and the algorithm of shaders/decode_merge.glsl, which explains it, with a
+// pair of head dims a thread where the GLSL merge takes a quad (its loops left to the driver to unroll).
 
 //!include q_storage.wgsl
 //!include attention_common.wgsl

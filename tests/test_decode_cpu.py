@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import reference
+from pagedvk import abi, reference
 from pagedvk.decode import decode_target
 from conftest import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error
 
@@ -89,6 +89,35 @@ def test_attention_variants(rng, kernel, layout, variant):
                  sinks=rng.standard_normal(12).astype(np.float32), window_left=40)
     variants = every if variant == "all" else {variant: every[variant]}
     check_split_and_unsplit(case, case.query, 1e-5, kernel, layout, **variants)
+
+
+@pytest.mark.parametrize("head_size", (80, 128))
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (16, 2)], ids=["g1", "g4", "g8"])
+def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, num_heads, num_kv_heads, head_size):
+    # The GPU kernel merges a split of at most abi.DECODE_MERGE_PARTITIONS partitions in its own dispatch (the last
+    # workgroup of each (sequence, head group) to finish), a longer one in the reduce dispatch; the CPU kernel leaves
+    # every split to the reduce. Many counters, sequences shorter than the split (empty, one partition, two), the
+    # split scratch poisoned before the first run (a huge max and sum, NaN outputs): run after run on one plan, with
+    # new queries each time, the result matches float64 and every counter is back at zero. Head 80 with one head a
+    # group has more threads than items: the merge's lanes meet in shared memory.
+    lens = [0, 1, 16, 100, 257, 511, 512, 513, 700, 1024] * 2
+    case = Case(rng, seq_lens=lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                block_size=16)
+    for partition_size, parts in ((512, 2), (256, abi.DECODE_MERGE_PARTITIONS), (208, abi.DECODE_MERGE_PARTITIONS + 1), (16, 64)):
+        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                head_size=head_size, block_size=16, num_blocks=case.key_cache.shape[0],
+                                partition_size=partition_size, kernel=kernel, backend="glsl") as plan:
+            assert plan.num_partitions == parts
+            assert plan.merge_in_decode == (kernel == "gpu" and parts <= abi.DECODE_MERGE_PARTITIONS)
+            plan.partial_out.write(np.full(plan.partial_out.shape, np.nan, np.float32))
+            plan.partial_stats.write(np.full(plan.partial_stats.shape, 1e30, np.float32))
+            for _ in range(2):
+                query = rng.standard_normal(case.query.shape).astype(np.float32)
+                out = plan.run(query, case.key_cache, case.value_cache, out=np.full(query.shape, np.nan, np.float32))
+                assert rel_error(out, reference.paged_attention(query, *case.args()[1:])) <= 1e-5
+                if plan.merge_in_decode:
+                    assert plan.merge_counters.shape == (len(lens) * num_heads // (num_heads // num_kv_heads), 2)
+                    assert not plan.merge_counters.numpy().any()
 
 
 def test_zero_lengths_and_blocks_out_of_range_stay_inside_their_buffers(rng, device, kernel):
