@@ -109,7 +109,7 @@ fn k_load(phys: i32, k_tok: u32, c: u32, in_head: bool) -> KvQuad {
 
 // Value element i (< V_QUADS) of the sub-tile of keys sub .. sub + t.vk - 1 of the tile at base: quad of head dims
 // of one key (nhd), or of 4 keys' one head dim (vLLM's layout: values are read along the contiguous axis, and a
-// tile and its sub-tiles start on quads of tokens). Returns (the load, or zeros) and stores go through v_store.
+// tile and its sub-tiles start on quads of tokens). v_load loads it (zeros where there is none), v_store stages it.
 fn v_key(t: Tile, i: u32, dims_contiguous: bool) -> u32 {
     return select(4u * (i / (4u * t.hq)), i / t.hq, dims_contiguous);
 }
@@ -118,9 +118,10 @@ fn v_dim(t: Tile, i: u32, dims_contiguous: bool) -> u32 {
     return select(i % (4u * t.hq), 4u * (i % t.hq), dims_contiguous);
 }
 
-fn v_load(t: Tile, i: u32, sub: u32, base: u32, tile_len: u32) -> KvQuad {
-    let dc = pc.v_dim_stride == 1u;
-    let k = sub + v_key(t, i, dc);
+// Element i's key in the sub-tile (vkey, v_key()) and head dim (d, v_dim()) are worked out once per thread: divisions
+// by the run-time head size would otherwise cost as much as a tile's staging.
+fn v_load(t: Tile, i: u32, vkey: u32, d: u32, sub: u32, base: u32, tile_len: u32) -> KvQuad {
+    let k = sub + vkey;
     if (i >= t.vk * t.hq || k >= tile_len) {
         return KvQuad();
     }
@@ -128,10 +129,10 @@ fn v_load(t: Tile, i: u32, sub: u32, base: u32, tile_len: u32) -> KvQuad {
     if (phys < 0) {
         return KvQuad();
     }
-    return value_load(u32(phys), value_offset(t.kv_head, k & ((1u << t.bs_log2) - 1u), v_dim(t, i, dc)) >> 2u);
+    return value_load(u32(phys), value_offset(t.kv_head, k & ((1u << t.bs_log2) - 1u), d) >> 2u);
 }
 
-fn v_store(t: Tile, i: u32, sub: u32, tile_len: u32, w: KvQuad) {
+fn v_store(t: Tile, i: u32, vkey: u32, d: u32, sub: u32, tile_len: u32, w: KvQuad) {
     if (i >= t.vk * t.hq) {
         return;
     }
@@ -141,8 +142,6 @@ fn v_store(t: Tile, i: u32, sub: u32, tile_len: u32, w: KvQuad) {
         return;
     }
     // Four keys of one head dim: tokens past the tile may hold anything (NaN too) and get weight 0, so zeros.
-    let vkey = v_key(t, i, false);
-    let d = v_dim(t, i, false);
     let k = sub + vkey;
     let at = V_OFF + vkey * t.hq + (d >> 2u);
     let e = d & 3u;
@@ -309,6 +308,14 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let k_tok = vec4<u32>(key_offset(kv_head, k_row.x & (bs - 1u), 0u), key_offset(kv_head, k_row.y & (bs - 1u), 0u),
                           key_offset(kv_head, k_row.z & (bs - 1u), 0u), key_offset(kv_head, k_row.w & (bs - 1u), 0u));
     let q_in = k_row < vec4<u32>(n_rows);   // the rows staged are numbered as the keys
+    // The value elements this thread stages, tid + WG * n (n < 8): their keys in the sub-tile and head dims.
+    let dc = pc.v_dim_stride == 1u;
+    let vi_a = tid + WG * vec4<u32>(0u, 1u, 2u, 3u);
+    let vi_b = vi_a + 4u * WG;
+    let vkey_a = vec4<u32>(v_key(t, vi_a.x, dc), v_key(t, vi_a.y, dc), v_key(t, vi_a.z, dc), v_key(t, vi_a.w, dc));
+    let vkey_b = vec4<u32>(v_key(t, vi_b.x, dc), v_key(t, vi_b.y, dc), v_key(t, vi_b.z, dc), v_key(t, vi_b.w, dc));
+    let vdim_a = vec4<u32>(v_dim(t, vi_a.x, dc), v_dim(t, vi_a.y, dc), v_dim(t, vi_a.z, dc), v_dim(t, vi_a.w, dc));
+    let vdim_b = vec4<u32>(v_dim(t, vi_b.x, dc), v_dim(t, vi_b.y, dc), v_dim(t, vi_b.z, dc), v_dim(t, vi_b.w, dc));
 
     var m = ninf4;
     var l = vec4<f32>(0.0);
@@ -394,14 +401,14 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                 kc = k_load(k_phys.z, k_tok.z, c1 + cl, in_head);
                 kd = k_load(k_phys.w, k_tok.w, c1 + cl, in_head);
             } else {
-                v0 = v_load(t, tid, 0u, base, tile_len);
-                v1 = v_load(t, tid + WG, 0u, base, tile_len);
-                v2 = v_load(t, tid + 2u * WG, 0u, base, tile_len);
-                v3 = v_load(t, tid + 3u * WG, 0u, base, tile_len);
-                v4 = v_load(t, tid + 4u * WG, 0u, base, tile_len);
-                v5 = v_load(t, tid + 5u * WG, 0u, base, tile_len);
-                v6 = v_load(t, tid + 6u * WG, 0u, base, tile_len);
-                v7 = v_load(t, tid + 7u * WG, 0u, base, tile_len);
+                v0 = v_load(t, tid, vkey_a.x, vdim_a.x, 0u, base, tile_len);
+                v1 = v_load(t, tid + WG, vkey_a.y, vdim_a.y, 0u, base, tile_len);
+                v2 = v_load(t, tid + 2u * WG, vkey_a.z, vdim_a.z, 0u, base, tile_len);
+                v3 = v_load(t, tid + 3u * WG, vkey_a.w, vdim_a.w, 0u, base, tile_len);
+                v4 = v_load(t, tid + 4u * WG, vkey_b.x, vdim_b.x, 0u, base, tile_len);
+                v5 = v_load(t, tid + 5u * WG, vkey_b.y, vdim_b.y, 0u, base, tile_len);
+                v6 = v_load(t, tid + 6u * WG, vkey_b.z, vdim_b.z, 0u, base, tile_len);
+                v7 = v_load(t, tid + 7u * WG, vkey_b.w, vdim_b.w, 0u, base, tile_len);
             }
             let n = min(cq, hq - c0);
             let qr = buf + q_first;
@@ -448,14 +455,14 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         s_mem[P_OFF + cols.y * row_groups + rg] = p1;
         s_mem[P_OFF + cols.z * row_groups + rg] = p2;
         s_mem[P_OFF + cols.w * row_groups + rg] = p3;
-        v_store(t, tid, 0u, tile_len, v0);
-        v_store(t, tid + WG, 0u, tile_len, v1);
-        v_store(t, tid + 2u * WG, 0u, tile_len, v2);
-        v_store(t, tid + 3u * WG, 0u, tile_len, v3);
-        v_store(t, tid + 4u * WG, 0u, tile_len, v4);
-        v_store(t, tid + 5u * WG, 0u, tile_len, v5);
-        v_store(t, tid + 6u * WG, 0u, tile_len, v6);
-        v_store(t, tid + 7u * WG, 0u, tile_len, v7);
+        v_store(t, tid, vkey_a.x, vdim_a.x, 0u, tile_len, v0);
+        v_store(t, tid + WG, vkey_a.y, vdim_a.y, 0u, tile_len, v1);
+        v_store(t, tid + 2u * WG, vkey_a.z, vdim_a.z, 0u, tile_len, v2);
+        v_store(t, tid + 3u * WG, vkey_a.w, vdim_a.w, 0u, tile_len, v3);
+        v_store(t, tid + 4u * WG, vkey_b.x, vdim_b.x, 0u, tile_len, v4);
+        v_store(t, tid + 5u * WG, vkey_b.y, vdim_b.y, 0u, tile_len, v5);
+        v_store(t, tid + 6u * WG, vkey_b.z, vdim_b.z, 0u, tile_len, v6);
+        v_store(t, tid + 7u * WG, vkey_b.w, vdim_b.w, 0u, tile_len, v7);
 
         // The next tile's first chunk, in flight during P.V.
         let next = base + kt;
@@ -478,23 +485,23 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         // PV: the values vk keys at a time (the whole tile at head sizes up to 128 and 64 rows).
         for (var sub = 0u; sub < tile_len; sub += t.vk) {
             if (sub > 0u) {
-                v0 = v_load(t, tid, sub, base, tile_len);
-                v1 = v_load(t, tid + WG, sub, base, tile_len);
-                v2 = v_load(t, tid + 2u * WG, sub, base, tile_len);
-                v3 = v_load(t, tid + 3u * WG, sub, base, tile_len);
-                v4 = v_load(t, tid + 4u * WG, sub, base, tile_len);
-                v5 = v_load(t, tid + 5u * WG, sub, base, tile_len);
-                v6 = v_load(t, tid + 6u * WG, sub, base, tile_len);
-                v7 = v_load(t, tid + 7u * WG, sub, base, tile_len);
+                v0 = v_load(t, tid, vkey_a.x, vdim_a.x, sub, base, tile_len);
+                v1 = v_load(t, tid + WG, vkey_a.y, vdim_a.y, sub, base, tile_len);
+                v2 = v_load(t, tid + 2u * WG, vkey_a.z, vdim_a.z, sub, base, tile_len);
+                v3 = v_load(t, tid + 3u * WG, vkey_a.w, vdim_a.w, sub, base, tile_len);
+                v4 = v_load(t, tid + 4u * WG, vkey_b.x, vdim_b.x, sub, base, tile_len);
+                v5 = v_load(t, tid + 5u * WG, vkey_b.y, vdim_b.y, sub, base, tile_len);
+                v6 = v_load(t, tid + 6u * WG, vkey_b.z, vdim_b.z, sub, base, tile_len);
+                v7 = v_load(t, tid + 7u * WG, vkey_b.w, vdim_b.w, sub, base, tile_len);
                 workgroupBarrier();   // every thread is done with the previous sub-tile
-                v_store(t, tid, sub, tile_len, v0);
-                v_store(t, tid + WG, sub, tile_len, v1);
-                v_store(t, tid + 2u * WG, sub, tile_len, v2);
-                v_store(t, tid + 3u * WG, sub, tile_len, v3);
-                v_store(t, tid + 4u * WG, sub, tile_len, v4);
-                v_store(t, tid + 5u * WG, sub, tile_len, v5);
-                v_store(t, tid + 6u * WG, sub, tile_len, v6);
-                v_store(t, tid + 7u * WG, sub, tile_len, v7);
+                v_store(t, tid, vkey_a.x, vdim_a.x, sub, tile_len, v0);
+                v_store(t, tid + WG, vkey_a.y, vdim_a.y, sub, tile_len, v1);
+                v_store(t, tid + 2u * WG, vkey_a.z, vdim_a.z, sub, tile_len, v2);
+                v_store(t, tid + 3u * WG, vkey_a.w, vdim_a.w, sub, tile_len, v3);
+                v_store(t, tid + 4u * WG, vkey_b.x, vdim_b.x, sub, tile_len, v4);
+                v_store(t, tid + 5u * WG, vkey_b.y, vdim_b.y, sub, tile_len, v5);
+                v_store(t, tid + 6u * WG, vkey_b.z, vdim_b.z, sub, tile_len, v6);
+                v_store(t, tid + 7u * WG, vkey_b.w, vdim_b.w, sub, tile_len, v7);
                 workgroupBarrier();
             }
             let n = min(t.vk, tile_len - sub);
