@@ -7,8 +7,8 @@
 //     global memory into registers while the previous chunk is multiplied from shared memory, and stored after;
 //     two chunk buffers alternate, so one barrier per chunk;
 //   - the values of a tile are loaded during its last key chunk and staged whole (at head sizes up to 128 and 64
-//     rows), and the next tile's first chunk is loaded during P.V: five barriers a tile besides one a chunk
-//     (18 before at the issue's shape, head size 128), the row maxes' reduction included;
+//     rows), and the next tile's first chunk is loaded during P.V (PREFETCH_NEXT): three barriers a tile besides
+//     one a chunk, the row maxes' reduction included (7 a tile at the issue's shape, head size 128; 18 before);
 //   - a thread's 4 rows are rg, rg + RG, rg + 2 RG, rg + 3 RG (not 4rg .. 4rg + 3), so that the row groups of a
 //     subgroup read their query quads from different banks (ROWS_SPREAD);
 //   - whole chunks and value tiles are multiplied in loops of constant trip counts (FIXED_TRIPS);
@@ -58,6 +58,9 @@ const V_OFF: u32 = RED + 512u;
 const V_QUADS: u32 = 1024u;          // V_LOADS per thread
 const S_MEM: u32 = RED + 2u * CHUNK_QUADS;   // 1856 vec4s: 29,696 bytes
 const NO_ROW: u32 = 0xffffffffu;
+// The next tile's first chunk is loaded during P.V (true), or at the top of its tile (false: fewer registers live
+// during P.V).
+const PREFETCH_NEXT: bool = true;
 // A thread's rows: rg, rg + RG, rg + 2 RG, rg + 3 RG (true), or 4 rg .. 4 rg + 3 (false, paged_prefill.comp's).
 const ROWS_SPREAD: bool = true;
 // Whole chunks (CQ_MAX head quads) and whole value sub-tiles multiplied by loops of a constant trip count, which
@@ -105,6 +108,34 @@ fn k_load(phys: i32, k_tok: u32, c: u32, in_head: bool) -> KvQuad {
         return key_load(u32(phys), k_tok + key_offset(0u, 0u, c));
     }
     return KvQuad();
+}
+
+// A chunk's staged elements as loaded, in flight: 4 rows' query quads and 4 keys' key quads.
+struct Staged {
+    qa: QQuad,
+    qb: QQuad,
+    qc: QQuad,
+    qd: QQuad,
+    ka: KvQuad,
+    kb: KvQuad,
+    kc: KvQuad,
+    kd: KvQuad,
+}
+
+// The chunk at head quad c0 of the rows at q_src and the keys in blocks k_phys (quad 0 at k_tok).
+fn chunk_loads(q_src: vec4<u32>, k_phys: vec4<i32>, k_tok: vec4<u32>, c0: u32, cl: u32, hq: u32) -> Staged {
+    let in_head = c0 + cl < hq;
+    return Staged(q_load(q_src.x, c0, in_head), q_load(q_src.y, c0, in_head), q_load(q_src.z, c0, in_head),
+                  q_load(q_src.w, c0, in_head), k_load(k_phys.x, k_tok.x, c0 + cl, in_head),
+                  k_load(k_phys.y, k_tok.y, c0 + cl, in_head), k_load(k_phys.z, k_tok.z, c0 + cl, in_head),
+                  k_load(k_phys.w, k_tok.w, c0 + cl, in_head));
+}
+
+// The blocks of keys base + k_row of the tile at base (-1 past kv_end).
+fn staged_blocks(t: Tile, base: u32, kv_end: u32, k_row: vec4<u32>) -> vec4<i32> {
+    let end = min(base + t.kt, kv_end);
+    return vec4<i32>(key_block(t, base + k_row.x, end), key_block(t, base + k_row.y, end),
+                     key_block(t, base + k_row.z, end), key_block(t, base + k_row.w, end));
 }
 
 // Value element i (< V_QUADS) of the sub-tile of keys sub .. sub + t.vk - 1 of the tile at base: quad of head dims
@@ -329,14 +360,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let kv_start = min(window_first_key(query_position(row0 / group, q_len, seq_len)), kv_end) & ~(bs - 1u);
 
     // The staged loads in flight: a chunk's rows and keys, or a value sub-tile.
-    var qa = QQuad();
-    var qb = QQuad();
-    var qc = QQuad();
-    var qd = QQuad();
-    var ka = KvQuad();
-    var kb = KvQuad();
-    var kc = KvQuad();
-    var kd = KvQuad();
+    var ld = Staged();
     var v0 = KvQuad();
     var v1 = KvQuad();
     var v2 = KvQuad();
@@ -346,24 +370,12 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     var v6 = KvQuad();
     var v7 = KvQuad();
 
-    // The first tile's first chunk.
-    var k_phys = vec4<i32>(-1);
-    if (kv_start < kv_end) {
-        let end = min(kv_start + kt, kv_end);
-        k_phys = vec4<i32>(key_block(t, kv_start + k_row.x, end), key_block(t, kv_start + k_row.y, end),
-                           key_block(t, kv_start + k_row.z, end), key_block(t, kv_start + k_row.w, end));
-        let in_head = cl < hq;
-        qa = q_load(q_src.x, 0u, in_head);
-        qb = q_load(q_src.y, 0u, in_head);
-        qc = q_load(q_src.z, 0u, in_head);
-        qd = q_load(q_src.w, 0u, in_head);
-        ka = k_load(k_phys.x, k_tok.x, cl, in_head);
-        kb = k_load(k_phys.y, k_tok.y, cl, in_head);
-        kc = k_load(k_phys.z, k_tok.z, cl, in_head);
-        kd = k_load(k_phys.w, k_tok.w, cl, in_head);
-    }
-
+    var k_phys = vec4<i32>(-1);   // the blocks of the keys this thread stages
     for (var base = kv_start; base < kv_end; base += kt) {
+        if (base == kv_start || !PREFETCH_NEXT) {   // else loaded during the last tile's P.V
+            k_phys = staged_blocks(t, base, kv_end, k_row);
+            ld = chunk_loads(q_src, k_phys, k_tok, 0u, cl, hq);
+        }
         let tile_len = min(kt, kv_end - base);
         let tile_end = base + tile_len;
         // The blocks of the keys whose logits this thread computes.
@@ -377,29 +389,21 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             // Keys outside the cache or past the tile are staged as zeros: slots past a sequence's length may hold
             // anything, NaN included.
             let rs = buf + cl;
-            if (q_in.x) { s_mem[rs + k_row.x * qk_stride] = q_quad(qa); }
-            if (q_in.y) { s_mem[rs + k_row.y * qk_stride] = q_quad(qb); }
-            if (q_in.z) { s_mem[rs + k_row.z * qk_stride] = q_quad(qc); }
-            if (q_in.w) { s_mem[rs + k_row.w * qk_stride] = q_quad(qd); }
+            if (q_in.x) { s_mem[rs + k_row.x * qk_stride] = q_quad(ld.qa); }
+            if (q_in.y) { s_mem[rs + k_row.y * qk_stride] = q_quad(ld.qb); }
+            if (q_in.z) { s_mem[rs + k_row.z * qk_stride] = q_quad(ld.qc); }
+            if (q_in.w) { s_mem[rs + k_row.w * qk_stride] = q_quad(ld.qd); }
             let ks = rs + k_off;
-            if (k_in.x) { s_mem[ks + k_row.x * qk_stride] = kv_quad(ka); }
-            if (k_in.y) { s_mem[ks + k_row.y * qk_stride] = kv_quad(kb); }
-            if (k_in.z) { s_mem[ks + k_row.z * qk_stride] = kv_quad(kc); }
-            if (k_in.w) { s_mem[ks + k_row.w * qk_stride] = kv_quad(kd); }
+            if (k_in.x) { s_mem[ks + k_row.x * qk_stride] = kv_quad(ld.ka); }
+            if (k_in.y) { s_mem[ks + k_row.y * qk_stride] = kv_quad(ld.kb); }
+            if (k_in.z) { s_mem[ks + k_row.z * qk_stride] = kv_quad(ld.kc); }
+            if (k_in.w) { s_mem[ks + k_row.w * qk_stride] = kv_quad(ld.kd); }
             workgroupBarrier();
             // The next chunk's loads, or after the last the values of the tile's first sub-tile, fly while this
             // chunk is multiplied.
             let c1 = c0 + cq;
             if (c1 < hq) {
-                let in_head = c1 + cl < hq;
-                qa = q_load(q_src.x, c1, in_head);
-                qb = q_load(q_src.y, c1, in_head);
-                qc = q_load(q_src.z, c1, in_head);
-                qd = q_load(q_src.w, c1, in_head);
-                ka = k_load(k_phys.x, k_tok.x, c1 + cl, in_head);
-                kb = k_load(k_phys.y, k_tok.y, c1 + cl, in_head);
-                kc = k_load(k_phys.z, k_tok.z, c1 + cl, in_head);
-                kd = k_load(k_phys.w, k_tok.w, c1 + cl, in_head);
+                ld = chunk_loads(q_src, k_phys, k_tok, c1, cl, hq);
             } else {
                 v0 = v_load(t, tid, vkey_a.x, vdim_a.x, 0u, base, tile_len);
                 v1 = v_load(t, tid + WG, vkey_a.y, vdim_a.y, 0u, base, tile_len);
@@ -465,20 +469,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         v_store(t, tid + 7u * WG, vkey_b.w, vdim_b.w, 0u, tile_len, v7);
 
         // The next tile's first chunk, in flight during P.V.
-        let next = base + kt;
-        if (next < kv_end) {
-            let end = min(next + kt, kv_end);
-            k_phys = vec4<i32>(key_block(t, next + k_row.x, end), key_block(t, next + k_row.y, end),
-                               key_block(t, next + k_row.z, end), key_block(t, next + k_row.w, end));
-            let in_head = cl < hq;
-            qa = q_load(q_src.x, 0u, in_head);
-            qb = q_load(q_src.y, 0u, in_head);
-            qc = q_load(q_src.z, 0u, in_head);
-            qd = q_load(q_src.w, 0u, in_head);
-            ka = k_load(k_phys.x, k_tok.x, cl, in_head);
-            kb = k_load(k_phys.y, k_tok.y, cl, in_head);
-            kc = k_load(k_phys.z, k_tok.z, cl, in_head);
-            kd = k_load(k_phys.w, k_tok.w, cl, in_head);
+        if (PREFETCH_NEXT && base + kt < kv_end) {
+            k_phys = staged_blocks(t, base + kt, kv_end, k_row);
+            ld = chunk_loads(q_src, k_phys, k_tok, 0u, cl, hq);
         }
         workgroupBarrier();
 
