@@ -55,7 +55,7 @@ const CHUNK_QUADS: u32 = 864u;
 const CQ_MAX: u32 = 8u;              // head quads per chunk, at most
 const P_OFF: u32 = RED;
 const V_OFF: u32 = RED + 512u;
-const V_QUADS: u32 = 1024u;          // V_LOADS per thread
+const V_QUADS: u32 = 1024u;          // 8 a thread (v0 .. v7)
 const S_MEM: u32 = RED + 2u * CHUNK_QUADS;   // 1856 vec4s: 29,696 bytes
 const NO_ROW: u32 = 0xffffffffu;
 // The next tile's first chunk is loaded during P.V (true), or at the top of its tile (false: fewer registers live
