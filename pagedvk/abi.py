@@ -499,6 +499,11 @@ PAGED_PREFILL = KernelABI(
     spec_constants=((PREFILL_HEAD_SIZE_SPEC_ID, "uint32"),),
 )
 
+# Workgroup memory of the WGSL scalar forward (shaders/paged_prefill.wgsl's S_MEM vec4s): above the 16 KiB every
+# Vulkan device offers (lavapipe offers 32 KiB, NVIDIA 48), for chunk buffers that alternate and values staged a whole
+# key tile at a time; pagedvk.prefill refuses the WGSL forward on a device offering less.
+PREFILL_WGSL_SHARED_BYTES = 1856 * 16
+
 # Backward, dq (float32, the query's layout). Workgroups and tiles as the forward's: forward_rows for the scalar
 # modules, 64 rows for the cooperative-matrix ones (built as the forward's are).
 PAGED_BACKWARD_DQ = KernelABI(

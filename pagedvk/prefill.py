@@ -19,10 +19,12 @@ import math
 import numpy as np
 
 from . import checks, kernels
-from .abi import PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, PREFILL_HEAD_SIZE_SPEC_ID
+from .abi import (PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, PREFILL_HEAD_SIZE_SPEC_ID,
+                  PREFILL_WGSL_SHARED_BYTES)
 from .array import Array, DeviceArray, asarray, empty
 from .decode import DecodePlan
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
+from .errors import UnsupportedFeatureError
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
 from .matrix import MATRIX_KIND, MATRIX_SHAPE, matrix_unavailable
@@ -414,6 +416,11 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
              logits_soft_cap=None, sinks=None, window_left=-1, **options) -> tuple:
     """The checked forward: (problem, dispatches, inputs, outputs) for _run or launch()."""
     p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **options)
+    info = p.device.info
+    if p.backend == "wgsl" and info.max_shared_memory < PREFILL_WGSL_SHARED_BYTES:
+        raise UnsupportedFeatureError(
+            f"the WGSL prefill forward needs {PREFILL_WGSL_SHARED_BYTES} bytes of workgroup memory; {info.name} offers "
+            f"{info.max_shared_memory} (maxComputeSharedMemorySize): use backend='glsl'")
     if out is not None:
         p.check_like("out", out, tuple(query.shape), "(the query's shape)", query.dtype)
     variants = Variants(p.num_heads, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sinks=sinks,

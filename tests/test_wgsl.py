@@ -2,6 +2,7 @@
 and backend="wgsl" running them (the numbers are checked per op in test_decode, test_prefill and
 test_backward, on both backends)."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -95,3 +96,21 @@ def test_backend_argument_picks_the_wgsl_modules(rng, monkeypatch):
     # The same algorithm through two compilers: equal to float32 rounding.
     for a, b in zip(results["glsl"], results["wgsl"]):
         assert rel_error(b, a) <= 1e-6
+
+
+def test_prefill_workgroup_memory_is_the_declared_one():
+    # The forward's one workgroup array, S_MEM vec4s, is what pagedvk.prefill checks a device for.
+    text = (SHADERS / "paged_prefill.wgsl").read_text()
+    consts = {name: int(value) for name, value in re.findall(r"^const (\w+): u32 = (\d+)u;", text, re.M)}
+    assert re.findall(r"^var<workgroup> (\w+): array<vec4<f32>, (\w+)>;", text, re.M) == [("s_mem", "S_MEM")]
+    assert len(re.findall(r"^var<workgroup>", text, re.M)) == 1
+    assert re.search(r"^const S_MEM: u32 = RED \+ 2u \* CHUNK_QUADS;", text, re.M)
+    assert 16 * (consts["RED"] + 2 * consts["CHUNK_QUADS"]) == abi.PREFILL_WGSL_SHARED_BYTES
+
+
+def test_prefill_refuses_a_device_with_too_little_workgroup_memory(rng, device, monkeypatch):
+    monkeypatch.setattr(device, "info", dataclasses.replace(device.info, max_shared_memory=16384))
+    case = PrefillCase(rng, q_len=3)
+    with pytest.raises(pagedvk.errors.UnsupportedFeatureError, match="maxComputeSharedMemorySize"):
+        pagedvk.paged_attention_prefill(*case.args(), backend="wgsl", **case.options())
+    pagedvk.paged_attention_prefill(*case.args(), backend="glsl", **case.options())

@@ -136,6 +136,9 @@ class DeviceInfo:
     subgroup_shuffle: bool = True
     # subgroupAny in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT): the cooperative-matrix decode needs it
     subgroup_vote: bool = True
+    # maxComputeSharedMemorySize: bytes of workgroup memory a compute shader may declare (Vulkan guarantees 16 KiB;
+    # the WGSL prefill forward needs more: abi.PREFILL_WGSL_SHARED_BYTES)
+    max_shared_memory: int = 16384
     # VK_KHR_cooperative_matrix's multiplies (MatrixShape), () without it
     matrix_shapes: tuple = field(default=(), repr=False)
     handle: object = field(default=None, repr=False, compare=False)  # VkPhysicalDevice
@@ -285,6 +288,7 @@ def describe(index: int, pd, instance) -> DeviceInfo:
         max_allocation_bytes=maint3.maxMemoryAllocationSize,
         min_storage_buffer_offset_alignment=props.limits.minStorageBufferOffsetAlignment,
         max_workgroup_count=tuple(props.limits.maxComputeWorkGroupCount), compute_units=int(compute_units),
+        max_shared_memory=int(props.limits.maxComputeSharedMemorySize),
         extensions=extensions, matrix_shapes=matrix_shapes(instance, pd, extensions), handle=pd)
 
 
