@@ -7,11 +7,12 @@
 //     global memory into registers while the previous chunk is multiplied from shared memory, and stored after;
 //     two chunk buffers alternate, so one barrier per chunk;
 //   - the values of a tile are loaded during its last key chunk and staged whole (at head sizes up to 128 and 64
-//     rows), and the next tile's first chunk is loaded during P.V (PREFETCH_NEXT): three barriers a tile besides
+//     rows), and the next tile's first chunk is loaded during P.V: three barriers a tile besides
 //     one a chunk, the row maxes' reduction included (7 a tile at the issue's shape, head size 128; 18 before);
 //   - a thread's 4 rows are rg, rg + RG, rg + 2 RG, rg + 3 RG (not 4rg .. 4rg + 3), so that the row groups of a
-//     subgroup read their query quads from different banks (ROWS_SPREAD);
-//   - whole chunks and value tiles are multiplied in loops of constant trip counts (FIXED_TRIPS);
+//     subgroup read their query quads from different banks;
+//   - whole chunks and value tiles are multiplied in loops of constant trip counts, which the driver can unroll
+//     (the head size is a run-time value in WGSL);
 //   - the blocks of the keys a thread stages or tests are read from the block table by that thread (no shared
 //     table, no barrier for it);
 //   - values a thread holds per element (rows, keys) are vectors indexed by constants and its loads separate
@@ -58,14 +59,6 @@ const V_OFF: u32 = RED + 512u;
 const V_QUADS: u32 = 1024u;          // 8 a thread (v0 .. v7)
 const S_MEM: u32 = RED + 2u * CHUNK_QUADS;   // 1856 vec4s: 29,696 bytes
 const NO_ROW: u32 = 0xffffffffu;
-// The next tile's first chunk is loaded during P.V (true), or at the top of its tile (false: fewer registers live
-// during P.V).
-const PREFETCH_NEXT: bool = true;
-// A thread's rows: rg, rg + RG, rg + 2 RG, rg + 3 RG (true), or 4 rg .. 4 rg + 3 (false, paged_prefill.comp's).
-const ROWS_SPREAD: bool = true;
-// Whole chunks (CQ_MAX head quads) and whole value sub-tiles multiplied by loops of a constant trip count, which
-// the driver can unroll (the head size is a run-time value in WGSL).
-const FIXED_TRIPS: bool = true;
 
 var<workgroup> s_mem: array<vec4<f32>, S_MEM>;
 
@@ -306,14 +299,14 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                  n_rows, kt, min(kt, (V_QUADS / hq) & ~3u));
     let qk_stride = t.qk_stride;
     let k_off = n_rows * qk_stride;      // the keys in a chunk buffer
-    let row_next = select(1u, row_groups, ROWS_SPREAD);   // from one of a thread's rows to the next
-    let q_first = select(4u * rg, rg, ROWS_SPREAD) * qk_stride;   // its first row in a chunk buffer
+    let row_next = row_groups;   // from one of a thread's rows to the next
+    let q_first = rg * qk_stride;   // its first row in a chunk buffer
     let rstep = row_next * qk_stride;
     let kstep = g_count * qk_stride;     // and from one of its keys to the next
 
-    // This thread's rows (ROWS_SPREAD): keys seen (0 for rows past the end or the query buffer), query head and
+    // This thread's rows: keys seen (0 for rows past the end or the query buffer), query head and
     // sequence position, for the logit hooks.
-    let gr = row0 + select(4u * rg, rg, ROWS_SPREAD) + row_next * vec4<u32>(0u, 1u, 2u, 3u);
+    let gr = row0 + rg + row_next * vec4<u32>(0u, 1u, 2u, 3u);
     let valid = vec4<bool>(row_valid(q_start, kv_head, gr.x, row_end), row_valid(q_start, kv_head, gr.y, row_end),
                            row_valid(q_start, kv_head, gr.z, row_end), row_valid(q_start, kv_head, gr.w, row_end));
     let qi = gr / group;
@@ -372,7 +365,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
 
     var k_phys = vec4<i32>(-1);   // the blocks of the keys this thread stages
     for (var base = kv_start; base < kv_end; base += kt) {
-        if (base == kv_start || !PREFETCH_NEXT) {   // else loaded during the last tile's P.V
+        if (base == kv_start) {   // else loaded during the last tile's P.V
             k_phys = staged_blocks(t, base, kv_end, k_row);
             ld = chunk_loads(q_src, k_phys, k_tok, 0u, cl, hq);
         }
@@ -417,7 +410,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             let n = min(cq, hq - c0);
             let qr = buf + q_first;
             let kr = buf + k_off + cg * qk_stride;
-            if (FIXED_TRIPS && n == CQ_MAX) {
+            if (n == CQ_MAX) {
                 for (var c = 0u; c < CQ_MAX; c++) {
                     s_step(&st, qr + c, kr + c, rstep, kstep);
                 }
@@ -469,7 +462,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         v_store(t, tid + 7u * WG, vkey_b.w, vdim_b.w, 0u, tile_len, v7);
 
         // The next tile's first chunk, in flight during P.V.
-        if (PREFETCH_NEXT && base + kt < kv_end) {
+        if (base + kt < kv_end) {
             k_phys = staged_blocks(t, base + kt, kv_end, k_row);
             ld = chunk_loads(q_src, k_phys, k_tok, 0u, cl, hq);
         }
@@ -499,7 +492,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             }
             let n = min(t.vk, tile_len - sub);
             let pr = P_OFF + sub * row_groups + rg;
-            if (FIXED_TRIPS && n == 32u) {   // a whole tile of 64 rows
+            if (n == 32u) {   // a whole tile of 64 rows
                 for (var k = 0u; k < 32u; k++) {
                     pv_step(&o0, &o1, &o2, &o3, pr + k * row_groups, V_OFF + k * hq, vcols);
                 }
