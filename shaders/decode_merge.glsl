@@ -33,6 +33,12 @@ shared float s_merge[6u * WG];
 #define MERGE_SCRATCH s_merge
 #endif
 
+// How many partitions hold keys of a sequence whose keys run from `first` (the first block of a sliding window, else
+// 0) to `keys`: the last partition takes every key past its start. Each caller passes what it bounds the keys by.
+uint partitions_holding(uint first, uint keys) {
+    return min(pc.num_partitions, (keys - first + pc.partition_size - 1u) / pc.partition_size);
+}
+
 // (m, total, acc) and (m2, total2, acc2), two online-softmax states, as one.
 void merge_states(inout float m, inout float total, inout vec4 acc, float m2, float total2, vec4 acc2) {
     const float top = max(m, m2);

@@ -427,6 +427,6 @@ void main() {
             if (d0 == 0u) partial_stats[slot] = floatBitsToUint(vec2(m, l));
         }
     }
-    // A split merged here (MERGE_IN_DECODE): the partitions holding tokens of the sequence, as the reduce counts them.
-    merge_if_last(seq, head0, group, min(pc.num_partitions, (seq_len - window0 + P - 1u) / P));
+    // A split merged here (MERGE_IN_DECODE), over the partitions that hold keys of the sequence.
+    merge_if_last(seq, head0, group, partitions_holding(window0, seq_len));
 }

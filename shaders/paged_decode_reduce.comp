@@ -32,5 +32,5 @@ void main() {
     const uint seq_len = seq < uint(seq_lens.length()) ? uint(max(seq_lens[seq], 0)) : 0u;
     const uint seq_keys = min(seq_len, pc.max_blocks_per_seq * pc.block_size);   // as the decode bounds it
     const uint first = min(window_first_key(seq_keys - 1u), seq_keys) & ~(pc.block_size - 1u);
-    merge_partitions(seq, head, 1u, min(pc.num_partitions, (seq_keys - first + pc.partition_size - 1u) / pc.partition_size));
+    merge_partitions(seq, head, 1u, partitions_holding(first, seq_keys));
 }
