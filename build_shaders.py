@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -310,6 +311,58 @@ def drop_unlaid_layouts(spirv: bytes) -> bytes:
     return b"".join(kept)
 
 
+OP_EXTENSION, OP_CAPABILITY, OP_TYPE_FLOAT, OP_SPEC_CONSTANT = 10, 17, 22, 50
+CAPABILITY_FLOAT16, CAPABILITY_BFLOAT16_TYPE, CAPABILITY_BFLOAT16_MATRIX = 9, 5116, 5118
+FP_ENCODING_BFLOAT16 = 0
+
+
+def spirv_string(text: str) -> list:
+    """A SPIR-V literal string: UTF-8, NUL-terminated, in little-endian words."""
+    data = text.encode() + b"\0"
+    data += b"\0" * (-len(data) % 4)
+    return list(array.array("I", data))
+
+
+def bfloat16_matrices(spirv: bytes) -> bytes:
+    """A float16 module made a bfloat16 one (SPV_KHR_bfloat16), for the cooperative-matrix kernels' bfloat16
+    modules: glslang 13.1.1, the newest pip and Debian offer, has no GL_EXT_bfloat16, so those modules are
+    written and compiled with float16_t for their matrices and the float16 type is then given the bfloat16
+    encoding. The sources allow it by doing nothing in float16 but loads, stores, conversions from float32
+    and matrix products, all of which SPV_KHR_bfloat16 allows for bfloat16 (spirv-val checks the result);
+    the bits they load are the caches' and queries' bfloat16 bits. A float16 constant becomes the bfloat16
+    constant of the same value; one that bfloat16 cannot hold exactly is refused."""
+    words = list(array.array("I", spirv))
+    out, half = words[:5], set()
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        ins = words[i:i + count]
+        if op == OP_CAPABILITY and ins[1] == CAPABILITY_FLOAT16:
+            ins = [2 << 16 | OP_CAPABILITY, CAPABILITY_BFLOAT16_TYPE, 2 << 16 | OP_CAPABILITY,
+                   CAPABILITY_BFLOAT16_MATRIX]
+        elif op == OP_TYPE_FLOAT and ins[2] == 16:
+            half.add(ins[1])
+            ins = [4 << 16 | OP_TYPE_FLOAT, ins[1], 16, FP_ENCODING_BFLOAT16]
+        elif op in (OP_CONSTANT, OP_SPEC_CONSTANT) and ins[1] in half:
+            value = struct.unpack("<e", (ins[3] & 0xFFFF).to_bytes(2, "little"))[0]
+            bits = struct.unpack("<I", struct.pack("<f", value))[0]
+            if bits & 0xFFFF:
+                raise BuildError(f"a float16 constant ({value!r}) has no exact bfloat16 value: the bfloat16 "
+                                 "module would compute something else than its float16 source says")
+            ins = ins[:3] + [bits >> 16]
+        out += ins
+        i += count
+    if not half:
+        raise BuildError("a bfloat16 matrix module must declare its matrices' element type as float16_t")
+    # The extension goes after the capabilities, before the module's other extensions.
+    first = 5
+    while out[first] & 0xFFFF == OP_CAPABILITY:
+        first += out[first] >> 16
+    ext = spirv_string("SPV_KHR_bfloat16")
+    out[first:first] = [(1 + len(ext)) << 16 | OP_EXTENSION, *ext]
+    return array.array("I", out).tobytes()
+
+
 def validate(spv: Path, key) -> None:
     if key.backend == "glsl":
         _, spirv_val, env = glsl_tools(key)
@@ -328,6 +381,8 @@ def build_module(key, out_dir: Path) -> tuple:
         tmp_spv = Path(tmp) / target.name
         if key.backend == "glsl":
             compile_glsl(source, tmp_spv, key)
+            if key.matrix and key.kv == "bf16":
+                tmp_spv.write_bytes(bfloat16_matrices(tmp_spv.read_bytes()))
         else:
             compile_wgsl(source, tmp_spv, key.constants(), key)
         validate(tmp_spv, key)

@@ -53,6 +53,10 @@ CHUNK_READ_OPS = ("paged_decode",)
 # decode_reduce_shared.wgsl), for devices without it: the generic head size, every cache storage and access
 # (KernelABI.key picks them).
 SUBGROUP_REDUCE_OPS = ("paged_decode",)
+# The Vulkan features (VK_KHR_shader_bfloat16) a bfloat16 cooperative-matrix module needs: build_shaders.py makes it
+# from the float16 source by giving float16 the bfloat16 encoding (bfloat16_matrices).
+BFLOAT16_MATRIX_FEATURES = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatrix")
+
 # Cooperative-matrix modules (VK_KHR_cooperative_matrix; GLSL only: naga has no matrix type) are named by
 # their source's suffix, shaders/<op>_<matrix>.comp ("coopmat"). They need glslang 13 or newer and SPIR-V 1.5
 # (Vulkan 1.2: the Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a
@@ -151,8 +155,9 @@ class VariantKey:
         """The device features (Vulkan feature names) the module needs enabled. Storage types need none: the
         kernels read every type through 32-bit words."""
         need = ("bufferDeviceAddress", "shaderInt64") if self.access == "bda" else ()
-        if self.matrix:   # float16 matrices; GL_KHR_cooperative_matrix brings the Vulkan memory model
-            need += ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel")
+        if self.matrix:   # float16 or bfloat16 matrices; GL_KHR_cooperative_matrix brings the Vulkan memory model
+            need += ("cooperativeMatrix", "vulkanMemoryModel")
+            need += BFLOAT16_MATRIX_FEATURES if self.kv == "bf16" else ("shaderFloat16",)
         return need
 
     def constants(self) -> dict:
@@ -404,9 +409,10 @@ PAGED_DECODE = KernelABI(
     target_spec_constants=(("cpu", ((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"))),),
     fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
     targets=TARGETS,
-    # float16 and fp8 caches (float16 queries) in vLLM's layout with 16-token blocks, read by binding
-    # (pagedvk.decode.decode_matrix)
-    matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128)),
+    # float16 and fp8 caches (float16 queries), bfloat16 caches and queries, in vLLM's layout with 16-token blocks,
+    # read by binding (pagedvk.decode.decode_matrix)
+    matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128))
+    + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
     matrix_accesses=("",),
     matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
                            (DECODE_MERGE_SPEC_ID, "uint32")),
@@ -495,7 +501,7 @@ PAGED_PREFILL = KernelABI(
     workgroup_size=(128, 1, 1),
     kv_types=STORAGE_TYPES,
     q_types=QUERY_TYPES,
-    matrix_variants=(("coopmat", "f16", "f16", 64), ("coopmat", "f16", "f16", 128)),
+    matrix_variants=tuple(("coopmat", t, t, h) for t in ("f16", "bf16") for h in (64, 128)),
     spec_constants=((PREFILL_HEAD_SIZE_SPEC_ID, "uint32"),),
 )
 

@@ -34,9 +34,12 @@ def describe_decode_kernel(info) -> str:
     names = {t.tag: str(t) for t in CACHE_TYPES.values()}
     listed = lambda tags: ", ".join(names[tag] for tag in sorted(set(tags), key=list(names).index))
     sizes = " and ".join(str(h) for h in sorted({h for *_, h in variants}))
-    return (f"coopmat (shaders/paged_decode_coopmat.comp) for {listed(kv for _, kv, _, _ in variants)} caches with "
-            f"{listed(q for _, _, q, _ in variants)} queries in vLLM's layout with {MATRIX_BLOCK_SIZE}-token blocks, "
-            f"at head sizes {sizes}, where a workgroup takes at least {MATRIX_MIN_TOKENS} tokens; gpu "
+    # float16 queries, then bfloat16 ones where the device has bfloat16 matrices
+    queries = [q for q in ("f16", "bf16") if not matrix_unavailable(info, operand=q)]
+    kinds = "; ".join(f"{listed(kv for _, kv, qq, _ in variants if qq == q)} caches with {names[q]} queries"
+                      for q in queries)
+    return (f"coopmat (shaders/paged_decode_coopmat.comp) for {kinds} in vLLM's layout with {MATRIX_BLOCK_SIZE}-token "
+            f"blocks, at head sizes {sizes}, where a workgroup takes at least {MATRIX_MIN_TOKENS} tokens; gpu "
             "(shaders/paged_decode.comp) otherwise")
 
 

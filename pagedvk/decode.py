@@ -23,7 +23,7 @@ from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
-from .matrix import MATRIX_KIND, matrix_unavailable, offers
+from .matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.instance import MatrixShape
 from .runtime.owned import Owned
@@ -46,6 +46,9 @@ MATRIX_MIN_TOKENS = 512
 MATRIX_WORKGROUPS_PER_UNIT = 2
 MATRIX_BLOCK_SIZE = 16                       # the block size paged_decode_coopmat reads
 MATRIX_PV_SHAPE = MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32", "subgroup")   # its P.V multiply
+# The P.V multiply of each operand type's module (PV_N in the kernel): bfloat16's is 16 x 16 (heads 8-15 zero), as
+# the H200 lists no 16 x 8 bfloat16 multiply; 16 x 8 holds half the accumulators.
+MATRIX_PV_SHAPES = {"f16": MATRIX_PV_SHAPE, "bf16": MatrixShape(16, 16, 16, "bf16", "bf16", "f32", "f32", "subgroup")}
 WORKGROUPS_PER_UNIT = 8                      # decode workgroups per compute unit the split aims at (BENCHMARKS.md)
 UNITS_ESTIMATE = {"discrete": 64, "integrated": 16, "virtual": 16, "other": 16}   # where the driver says nothing
 
@@ -86,7 +89,8 @@ def decode_target(info, backend: str, kernel: str | None = None) -> str:
 def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int, layout: str, block_size: int,
                   tokens: int, kernel: str | None = None) -> str:
     """The decode's matrix kind: "coopmat" (shaders/paged_decode_coopmat.comp) where a module exists for these
-    arguments (GLSL; float16 or fp8 caches, float16 queries; head size 64 or 128; vLLM's layout with 16-token
+    arguments (GLSL; float16 or fp8 caches with float16 queries, or bfloat16 caches and queries on devices with
+    bfloat16 matrices; head size 64 or 128; vLLM's layout with 16-token
     blocks), the device runs it (pagedvk.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens
     (`tokens`: the partition's, or the longest context's where unsplit); else "" (the scalar kernels). `kernel` (else
     PAGEDVK_DECODE_KERNEL) "coopmat" forces it, raising ValueError where it cannot run; "cpu" or "gpu" rule it out."""
@@ -94,16 +98,20 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
     if choice in ("cpu", "gpu"):
         return ""
     built = sorted((k, qq, h) for _, k, qq, h in PAGED_DECODE.matrix_variants)
-    why = matrix_unavailable(info, features)
+    operand = operand_type(kv, q)
+    why = matrix_unavailable(info, features, operand)
     if not why and not info.subgroup_vote:   # the rescale test is a subgroupAny (uniform, as the matrix ops need)
         why = "it has no subgroup vote in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT)"
-    if not why and not offers(info, MATRIX_PV_SHAPE):
-        why = f"it lists no {MATRIX_PV_SHAPE} cooperative-matrix multiply (the output sums' 16 x 8 matrices)"
+    pv_shape = MATRIX_PV_SHAPES[operand]
+    if not why and not offers(info, pv_shape):
+        why = f"it lists no {pv_shape} cooperative-matrix multiply (the output sums' 16 x 8 matrices)"
     if not why and (backend != "glsl" or (kv, q, head_size) not in built or layout != "vllm"
                     or block_size != MATRIX_BLOCK_SIZE):
-        kinds = lambda i: "/".join(str(x) for x in sorted({b[i] for b in built}))
-        why = (f"the cooperative-matrix decode is built for backend 'glsl', {kinds(0)} caches, {kinds(1)} queries, "
-               f"head sizes {kinds(2)}, vLLM's layout and {MATRIX_BLOCK_SIZE}-token blocks, not backend {backend!r}, "
+        pairs = "; ".join(f"{'/'.join(sorted({k for k, qq, _ in built if qq == q_}))} caches with {q_} queries"
+                          for q_ in sorted({qq for _, qq, _ in built}))
+        sizes = "/".join(str(h) for h in sorted({h for *_, h in built}))
+        why = (f"the cooperative-matrix decode is built for backend 'glsl' ({pairs}), head sizes {sizes}, "
+               f"vLLM's layout and {MATRIX_BLOCK_SIZE}-token blocks, not backend {backend!r}, "
                f"cache {kv}, query {q}, head size {head_size}, layout {layout!r}, block size {block_size}")
     if choice == MATRIX_KIND:
         if why:

@@ -7,7 +7,8 @@ the push constants) and both query forms, ragged [num_tokens, ...] with query_st
 
 Each kernel (forward, dq, dk/dv) has a second module for devices with cooperative matrices
 (VK_KHR_cooperative_matrix): shaders/<kernel>_coopmat.comp, same bindings and push constants (the forward's
-attention variants included), for float16 queries and caches at head sizes 64 and 128. `matrix_kernel` is the
+attention variants included), for float16 queries and caches, and bfloat16 ones on devices with bfloat16
+matrices (VK_KHR_shader_bfloat16), at head sizes 64 and 128. `matrix_kernel` is the
 rule that picks them, from the device's listed multiplies; every variant runs on either forward kernel, so the
 variants do not enter the choice.
 """
@@ -27,7 +28,7 @@ from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, s
 from .errors import UnsupportedFeatureError
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
-from .matrix import MATRIX_KIND, MATRIX_SHAPE, matrix_unavailable
+from .matrix import MATRIX_KIND, MATRIX_SHAPE, matrix_unavailable, operand_type
 from .runtime.instance import DeviceInfo
 from .runtime.pipeline import Launch, fold_grid
 from .variants import Variants, in_use as variants_in_use, refuse
@@ -45,18 +46,19 @@ PREFILL_KERNELS = ("auto", "scalar", "coopmat")
 def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, head_size: int,
                   kernel: str = "auto") -> str:
     """The forward's matrix kind for these arguments: "coopmat" where a module exists for them (GLSL,
-    float16 caches and queries, head size 64 or 128) and the device runs it, else "" (the scalar kernel).
+    float16 or bfloat16 caches and queries of one type, head size 64 or 128) and the device runs it (bfloat16:
+    bfloat16 matrices too), else "" (the scalar kernel).
     kernel="scalar" or "coopmat" forces the choice; "coopmat" raises ValueError where it cannot run."""
     if kernel not in PREFILL_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, PREFILL_KERNELS))}, got {kernel!r}")
     if kernel == "scalar":
         return ""
     built = {(k, qq, h) for _, k, qq, h in PAGED_PREFILL.matrix_variants}
-    why = matrix_unavailable(info, features)
+    why = matrix_unavailable(info, features, operand_type(kv, q))
     if not why and (backend != "glsl" or (kv, q, head_size) not in built):
-        why = (f"the cooperative-matrix prefill is built for backend 'glsl' with float16 caches and queries at "
-               f"head sizes {', '.join(str(h) for _, _, h in sorted(built))}, not backend {backend!r}, cache {kv}, "
-               f"query {q}, head size {head_size}")
+        why = (f"the cooperative-matrix prefill is built for backend 'glsl' with float16 or bfloat16 caches and "
+               f"queries (the same type) at head sizes {', '.join(str(h) for h in sorted({h for *_, h in built}))}, "
+               f"not backend {backend!r}, cache {kv}, query {q}, head size {head_size}")
     if why and kernel == "coopmat":
         raise ValueError(f"kernel='coopmat' cannot run on {info.name}: {why}")
     return "" if why else MATRIX_KIND
@@ -67,8 +69,9 @@ def describe_choice(info: DeviceInfo) -> str:
     why = matrix_unavailable(info)
     if why:
         return f"scalar (no cooperative matrices: {why})"
-    sizes = ", ".join(str(h) for *_, h in PAGED_PREFILL.matrix_variants)
-    return (f"coopmat ({MATRIX_SHAPE}) for float16 caches and queries at head sizes {sizes}, forward and backward; "
+    sizes = ", ".join(str(h) for h in sorted({h for *_, h in PAGED_PREFILL.matrix_variants}))
+    types = "float16 or bfloat16" if not matrix_unavailable(info, operand="bf16") else "float16"
+    return (f"coopmat ({MATRIX_SHAPE}) for {types} caches and queries at head sizes {sizes}, forward and backward; "
             f"scalar otherwise")
 
 
@@ -379,7 +382,8 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                  place, a numpy array filled), as vLLM's ops take it
     kernel       "auto": the cooperative-matrix kernel where the device has one for these arguments
                  (matrix_kernel), else the scalar one; "scalar" or "coopmat" to force it (ValueError where
-                 "coopmat" cannot run). The matrix kernel multiplies in float16, accumulating in float32.
+                 "coopmat" cannot run). The matrix kernel multiplies in float16 (bfloat16 for bfloat16 caches
+                 and queries), accumulating in float32.
 
     >>> out, lse = pagedvk.paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     """
@@ -514,7 +518,8 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
     Where several sequences read one physical block their gradients add up (in a fixed order, so results
     are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a DeviceArray query
     gives DeviceArrays. validate and kernel as for paged_attention_prefill: the cooperative-matrix dq and dk/dv
-    kernels multiply in float16 (P and dS rounded to it), accumulating in float32.
+    kernels multiply in float16 (bfloat16 for bfloat16 caches and queries; P and dS rounded to it),
+    accumulating in float32.
     The attention variants are not supported here yet: alibi_slopes, logits_soft_cap, sinks and window_left
     are accepted, so a forward's arguments can be passed on, and refused unless off.
 

@@ -43,10 +43,14 @@
 #define KV_CHUNKS   // the caches' bindings hold 16-byte chunks: 8 float16 elements
 #include "kv_storage.glsl"
 
-#if !(defined(KV_F16) || defined(KV_E4M3) || defined(KV_E5M2)) || !defined(Q_F16) || !defined(HEAD_SIZE)
-#error "paged_decode_coopmat is built for float16 or fp8 caches, float16 queries and HEAD_SIZE fixed"
+// bfloat16 modules (KV_BF16, Q_BF16) are this source compiled with float16_t matrices, given the bfloat16
+// encoding by build_shaders.py (bfloat16_matrices; glslang 13 has no GL_EXT_bfloat16): nothing here computes in
+// float16, it only loads, stores, converts from float32 and multiplies matrices.
+#if !((defined(KV_F16) || defined(KV_E4M3) || defined(KV_E5M2)) && defined(Q_F16) || defined(KV_BF16) && defined(Q_BF16)) \
+    || !defined(HEAD_SIZE)
+#error "paged_decode_coopmat is built for float16 or fp8 caches with float16 queries, or bfloat16 caches and queries, and HEAD_SIZE fixed"
 #endif
-#if defined(KV_F16)
+#if defined(KV_F16) || defined(KV_BF16)
 #define KV_FP8 0
 const float FP8_F16_SCALE = 1.0;
 #else
@@ -76,8 +80,16 @@ layout(std430, set = 0, binding = 10) writeonly buffer Lse { float lse[]; };    
 #define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
 #define MAT_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
 #define MAT_C coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
-#define MAT_B8 coopmat<float16_t, gl_ScopeSubgroup, 16, 8, gl_MatrixUseB>
-#define MAT_C8 coopmat<float, gl_ScopeSubgroup, 16, 8, gl_MatrixUseAccumulator>
+// The P.V product's width PV_N: 16 x 8 matrices (heads 0-7) where the device lists the 16 x 8 x 16 multiply for
+// the operand type (float16 on the H200), 16 x 16 with heads 8-15 zero for bfloat16 (the H200 lists no 16 x 8
+// bfloat16 multiply; pagedvk.decode.MATRIX_PV_SHAPES says which module takes which).
+#if defined(KV_BF16)
+#define PV_N 16u
+#else
+#define PV_N 8u
+#endif
+#define MAT_BP coopmat<float16_t, gl_ScopeSubgroup, 16, PV_N, gl_MatrixUseB>
+#define MAT_CP coopmat<float, gl_ScopeSubgroup, 16, PV_N, gl_MatrixUseAccumulator>
 
 const uint D = HEAD_SIZE;          // a multiple of 16
 const uint DT = D / 16u;           // 16-dim tiles: key chunk pairs, and value tiles
@@ -92,7 +104,8 @@ layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
 
 shared uvec4 s_qb[2u * DT * 32u];            // the S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k]
 shared vec4 s_scr[SUBGROUPS * 128u];          // each subgroup's two 16 x 16 float32 matrices (S), or one tile of O^T
-shared f16vec4 s_p[SUBGROUPS * 32u];          // each subgroup's P^T [token][head], 16 x 8
+const uint PV_ROW = PV_N / 4u;                // vec4s a row of P^T or of an O^T tile
+shared f16vec4 s_p[SUBGROUPS * 16u * PV_ROW]; // each subgroup's P^T [token][head], 16 x PV_N (heads past 7 zero)
 #if !KV_FP8
 shared uvec4 s_v[SUBGROUPS * 32u];            // each subgroup's masked key or V^T tile (blocks not whole)
 #else
@@ -209,10 +222,14 @@ void main() {
     const uint t = lane % 16u, hh = lane / 16u;
     const uvec4 heads = head0 + 4u * hh + uvec4(0u, 1u, 2u, 3u);
     const uvec4 in_group = uvec4(lessThan(4u * hh + uvec4(0u, 1u, 2u, 3u), uvec4(wide || hh == 0u ? group : 0u)));
-    const uint scr = sg * 128u, pbase = sg * 32u;
+    const uint scr = sg * 128u, pbase = sg * 16u * PV_ROW;
     vec4 m = vec4(NEG_INF), l = vec4(0.0);
-    MAT_C8 o[DT];   // O^T [dim][head]: heads 0-7 (16 x 8 accumulators: half the registers of 16 x 16)
-    [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = MAT_C8(0.0);
+    MAT_CP o[DT];   // O^T [dim][head]: heads 0-7 (16 x 8 accumulators: half the registers of 16 x 16; PV_N above)
+    [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = MAT_CP(0.0);
+    const uint o_at = scr + PV_ROW * (lane / 2u) + lane % 2u;   // lane l's heads 4 (l % 2) .. + 3 of row l / 2
+    if (PV_N > 8u) {   // P^T's columns past head 7 stay zero (read first after the block's subgroup barriers)
+        s_p[pbase + t * PV_ROW + 2u + hh] = f16vec4(0.0);
+    }
 
     uint kb = sg;
     int phys = kb < blocks ? (window0 == 0u ? early_phys : physical_block(row + start / BS + kb)) : -1;
@@ -320,20 +337,20 @@ void main() {
             const vec4 alpha_a = subgroupShuffle(alpha, 0u), alpha_b = subgroupShuffle(alpha, 16u);
             // O^T [dim][head] a tile at a time: lane l scales row l / 2, heads 4 (l % 2) .. 4 (l % 2) + 3.
             [[unroll]] for (uint i = 0u; i < DT; i++) {
-                coopMatStore(o[i], s_scr, scr, 2u, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(o[i], s_scr, scr, PV_ROW, gl_CooperativeMatrixLayoutRowMajor);
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
-                s_scr[scr + lane] *= lane % 2u == 0u ? alpha_a : alpha_b;
+                s_scr[o_at] *= lane % 2u == 0u ? alpha_a : alpha_b;
                 subgroupMemoryBarrierShared();
                 subgroupBarrier();
-                coopMatLoad(o[i], s_scr, scr, 2u, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatLoad(o[i], s_scr, scr, PV_ROW, gl_CooperativeMatrixLayoutRowMajor);
                 subgroupBarrier();
             }
         }
         const vec4 p = mix(exp(x - m), vec4(0.0), equal(x, vec4(NEG_INF)));
         l += p;
         if (phys >= 0) {
-            s_p[pbase + t * 2u + hh] = f16vec4(p);
+            s_p[pbase + t * PV_ROW + hh] = f16vec4(p);
 #if KV_FP8
             [[unroll]] for (uint h2 = 0u; h2 < 2u; h2++) {
                 [[unroll]] for (uint r = h2 * HT / 2u; r < (h2 + 1u) * HT / 2u; r++) {
@@ -369,8 +386,8 @@ void main() {
 #endif
             subgroupMemoryBarrierShared();
             subgroupBarrier();
-            MAT_B8 pt;
-            coopMatLoad(pt, s_p, pbase, 2u, gl_CooperativeMatrixLayoutRowMajor);
+            MAT_BP pt;
+            coopMatLoad(pt, s_p, pbase, PV_ROW, gl_CooperativeMatrixLayoutRowMajor);
             [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = coopMatMulAdd(vt[i], pt, o[i]);
             subgroupBarrier();   // P^T read before the next block's weights overwrite it
         }
@@ -400,10 +417,10 @@ void main() {
     const vec4 f = lane % 2u == 0u ? mix(exp(s_ml[sg * 4u] - mm_a), vec4(0.0), equal(mm_a, vec4(NEG_INF)))
                                    : mix(exp(s_ml[sg * 4u + 1u] - mm_b), vec4(0.0), equal(mm_b, vec4(NEG_INF)));
     [[unroll]] for (uint i = 0u; i < DT; i++) {
-        coopMatStore(o[i], s_scr, scr, 2u, gl_CooperativeMatrixLayoutRowMajor);
+        coopMatStore(o[i], s_scr, scr, PV_ROW, gl_CooperativeMatrixLayoutRowMajor);
         subgroupMemoryBarrierShared();
         subgroupBarrier();
-        const vec4 v = s_scr[scr + lane] * f;
+        const vec4 v = s_scr[o_at] * f;
         [[unroll]] for (uint h = 0u; h < 4u; h++) {
             s_o[(sg * MAX_GROUP + 4u * (lane % 2u) + h) * D + 16u * i + lane / 2u] = v[h];
         }

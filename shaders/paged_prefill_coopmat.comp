@@ -47,8 +47,11 @@
 #define KV_CHUNKS   // the caches' bindings hold 16-byte chunks: 8 float16 elements a load
 #include "kv_storage.glsl"
 
-#if !defined(KV_F16) || !defined(Q_F16) || !defined(HEAD_SIZE)
-#error "paged_prefill_coopmat is built for float16 caches and queries with HEAD_SIZE fixed"
+// bfloat16 modules (KV_BF16, Q_BF16) are this source compiled with float16_t matrices, given the bfloat16
+// encoding by build_shaders.py (bfloat16_matrices; glslang 13 has no GL_EXT_bfloat16): nothing here computes in
+// float16, it only loads, stores, converts from float32 and multiplies matrices.
+#if !(defined(KV_F16) && defined(Q_F16) || defined(KV_BF16) && defined(Q_BF16)) || !defined(HEAD_SIZE)
+#error "paged_prefill_coopmat is built for float16 or bfloat16 caches and queries with HEAD_SIZE fixed"
 #endif
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;

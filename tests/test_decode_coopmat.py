@@ -13,20 +13,26 @@ import pytest
 import pagedvk
 from pagedvk import abi, cli, config, decode, reference
 from pagedvk.decode import MATRIX_PV_SHAPE
-from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable
+from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
 from conftest import Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error
 from test_variants import VARIANTS, variant_args
 
-TOL = 2e-3   # float16 storage, queries and weights
+TOL = 2e-3   # float16 storage, queries and weights: about 4 units of float16's last place (2^-11)
+BF16_TOL = 1.6e-2   # the same for bfloat16 (2^-8), whose matrices round queries, keys, values and weights to it
 F16 = ("glsl", "f16", "f16")
-CACHE_DTYPES = (np.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)   # the ones with matrix modules
+BF16 = ml_dtypes.bfloat16
+CACHE_DTYPES = (np.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)   # the ones with float16 queries
 NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
+BF16_NEEDS = {"cooperativeMatrix", "vulkanMemoryModel", *abi.BFLOAT16_MATRIX_FEATURES}
 
 _info = pagedvk.select()[0]
 _why = matrix_unavailable(_info, pagedvk.default_device().features)   # what the device turned on
 needs_coopmat = pytest.mark.skipif(bool(_why), reason=f"needs VK_KHR_cooperative_matrix: {_info.name}: {_why}")
+_why_bf16 = matrix_unavailable(_info, pagedvk.default_device().features, "bf16")
+needs_bf16_coopmat = pytest.mark.skipif(bool(_why_bf16), reason=f"needs bfloat16 matrices: {_info.name}: {_why_bf16}")
+BF16_SHAPES = (with_operands(MATRIX_SHAPE, "bf16"),)   # its P.V multiply too (16 x 16: decode.MATRIX_PV_SHAPES)
 CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True,
-                              matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE))
+                              matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE) + BF16_SHAPES)
 
 
 # -- the rule, on made-up devices --
@@ -46,6 +52,12 @@ def test_long_partitions_of_float16_and_fp8_vllm_caches_get_the_matrix_kernel(mo
         assert decode.decode_matrix(CAPABLE, NEEDS, *args, 1 << 20) == ""
     for kernel in ("gpu", "CPU"):   # the scalar kernels, forced
         assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 1 << 20, kernel) == ""
+    # bfloat16 caches and queries: with bfloat16 matrices listed and their features on
+    for head_size in (64, 128):
+        assert decode.decode_matrix(CAPABLE, BF16_NEEDS, "glsl", "bf16", "bf16", head_size, "vllm", 16, tokens) == "coopmat"
+    assert decode.decode_matrix(CAPABLE, NEEDS, "glsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
+    f16_only = dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE))
+    assert decode.decode_matrix(f16_only, BF16_NEEDS | NEEDS, "glsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
     assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16, "coopmat") == "coopmat"
     monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", "coopmat")
     assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16) == "coopmat"
@@ -57,8 +69,10 @@ def test_pagedvk_devices_names_every_cache_type_the_matrix_decode_takes(monkeypa
     monkeypatch.delenv("PAGEDVK_DECODE_KERNEL", raising=False)
     line = cli.describe_decode_kernel(dataclasses.replace(CAPABLE, type="discrete"))
     assert line.startswith("coopmat (shaders/paged_decode_coopmat.comp) for float16, float8_e4m3fn, float8_e5m2 "
-                           "caches with float16 queries"), line
+                           "caches with float16 queries; bfloat16 caches with bfloat16 queries in vLLM's"), line
     assert "at head sizes 64 and 128" in line
+    f16_only = dataclasses.replace(CAPABLE, type="discrete", matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE))
+    assert "bfloat16" not in cli.describe_decode_kernel(f16_only)
 
 
 def test_the_matrix_split_fills_one_wave_of_its_workgroups():
@@ -78,11 +92,17 @@ def test_the_matrix_split_fills_one_wave_of_its_workgroups():
     (dataclasses.replace(CAPABLE, subgroup_vote=False), NEEDS, F16 + (128, "vllm", 16), "no subgroup vote"),
     (dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE,)), NEEDS, F16 + (128, "vllm", 16), "lists no 16x8x16"),
     (CAPABLE, NEEDS, ("glsl", "bf16", "f16", 128, "vllm", 16), "not backend 'glsl', cache bf16"),
+    (CAPABLE, NEEDS, ("glsl", "bf16", "bf16", 128, "vllm", 16), "did not enable the Vulkan feature(s) shaderBFloat16Type"),
+    (dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE)), BF16_NEEDS,
+     ("glsl", "bf16", "bf16", 128, "vllm", 16), "lists no 16x16x16 bf16*bf16+f32->f32"),
+    (dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE, with_operands(MATRIX_PV_SHAPE, "bf16"))),
+     BF16_NEEDS, ("glsl", "bf16", "bf16", 128, "vllm", 16), "lists no 16x16x16 bf16*bf16+f32->f32"),
     (CAPABLE, NEEDS, ("wgsl", "f16", "f16", 128, "vllm", 16), "not backend 'wgsl'"),
     (CAPABLE, NEEDS, F16 + (128, "nhd", 16), "layout 'nhd'"),
     (CAPABLE, NEEDS, F16 + (128, "vllm", 8), "block size 8"),
     (CAPABLE, NEEDS, F16 + (256, "vllm", 16), "head size 256"),
-], ids=["no-shape", "subgroup-64", "features", "vote", "no-16x8", "bf16", "wgsl", "nhd", "block-8", "head-256"])
+], ids=["no-shape", "subgroup-64", "features", "vote", "no-16x8", "bf16", "bf16-features", "bf16-no-shape",
+        "bf16-16x8-only", "wgsl", "nhd", "block-8", "head-256"])
 def test_forcing_the_matrix_kernel_where_it_cannot_run_is_refused(info, features, args, reason):
     with pytest.raises(ValueError, match=r"kernel \(or PAGEDVK_DECODE_KERNEL\) 'coopmat' cannot run on .*"
                                          + re.escape(reason)):
@@ -109,16 +129,19 @@ def test_the_matrix_module_is_declared_for_binding_access_with_the_decode_consta
     with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module reading caches by 'seg'"):
         abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, "seg", "coopmat")
     built = [k for k in abi.PAGED_DECODE.keys() if k.matrix]
-    assert sorted(k.name for k in built) == [f"paged_decode.coopmat.kv_{kv}.q_f16.h{h}.glsl"
-                                             for kv in ("e4m3", "e5m2", "f16") for h in (128, 64)]
+    assert sorted(k.name for k in built) == sorted(
+        [f"paged_decode.coopmat.kv_{kv}.q_f16.h{h}.glsl" for kv in ("e4m3", "e5m2", "f16") for h in (128, 64)]
+        + [f"paged_decode.coopmat.kv_bf16.q_bf16.h{h}.glsl" for h in (128, 64)])
+    bf16 = abi.PAGED_DECODE.key("glsl", "bf16", "bf16", 128, matrix="coopmat")
+    assert set(bf16.requires()) == BF16_NEEDS and "shaderFloat16" not in bf16.requires()
 
 
 # -- the kernel, on devices that have cooperative matrices --
 
 def matrix_case(rng, dtype=np.float16, **kw) -> Case:
-    """A Case with caches of `dtype` and float16 queries (the matrix kernel's)."""
+    """A Case with caches of `dtype` and the matrix kernel's queries: bfloat16 with bfloat16 caches, else float16."""
     case = Case(rng, dtype=dtype, **kw)
-    case.query = case.query.astype(np.float16)
+    case.query = case.query.astype(BF16 if np.dtype(dtype) == BF16 else np.float16)
     return case
 
 
@@ -126,19 +149,19 @@ def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=No
     """(out, lse, plan key, partitions, whether the split is merged in the decode dispatch) of a DecodePlan for the
     case's caches, run on them (or on `key_cache` and `value_cache`) into NaN-poisoned outputs; `options`: the
     plan's (attention variants, k_scale and v_scale)."""
-    out = np.full(query.shape, np.nan, np.float16)
+    out = np.full(query.shape, np.nan, query.dtype)
     lse = np.full(query.shape[:2], np.nan, np.float32)
     key_cache = case.key_cache if key_cache is None else key_cache
     value_cache = case.value_cache if value_cache is None else value_cache
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=query.shape[1],
                             num_kv_heads=case.num_kv_heads, head_size=query.shape[2], block_size=16,
-                            num_blocks=case.key_cache.shape[0], dtype=case.key_cache.dtype, query_dtype=np.float16,
+                            num_blocks=case.key_cache.shape[0], dtype=case.key_cache.dtype, query_dtype=query.dtype,
                             partition_size=partition_size, kernel=kernel, backend="glsl", **options) as plan:
         plan.run(query, key_cache, value_cache, out=out, lse=lse)
         return out, lse, plan.key, plan.num_partitions, plan.merge_in_decode
 
 
-def check_split_and_unsplit(case, query, **variants):
+def check_split_and_unsplit(case, query, tol=TOL, **variants):
     """One partition; 32-token partitions (two blocks: two of the four subgroups idle), merged by the reduce
     dispatch where there are more than four; and at most four partitions (of the longest sequence; a sliding window
     may leave one), merged in the decode dispatch: each against float64 (out and lse), and all alike."""
@@ -150,11 +173,11 @@ def check_split_and_unsplit(case, query, **variants):
         out, lse, key, parts, merged = run_coopmat(case, query, partition_size, **variants)
         assert key.matrix == "coopmat" and (parts > 1 if most is None else parts <= most)
         assert merged == (1 < parts <= abi.DECODE_MERGE_PARTITIONS)
-        assert rel_error(out, ref_out) <= TOL
+        assert rel_error(out, ref_out) <= tol
         assert (out[np.isneginf(ref_lse)] == 0).all()   # an empty sequence: zeros out and lse -inf
-        assert lse_error(lse, ref_lse) <= 1e-5
+        assert lse_error(lse, ref_lse) <= (1e-5 if tol == TOL else 1e-4)
         outs.append(out.astype(np.float32))
-    np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=TOL)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=tol)
 
 
 @needs_coopmat
@@ -168,6 +191,32 @@ def test_matches_float64_for_every_group_and_head_size(rng, cache_dtype, head_si
                        num_kv_heads=num_kv_heads, head_size=head_size)
     poison_unread_slots(case, 16)
     check_split_and_unsplit(case, case.query)
+
+
+@needs_bf16_coopmat
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (16, 2), (6, 2)], ids=["g1", "g4", "g8", "g3"])
+@pytest.mark.parametrize("head_size", (64, 128))
+def test_bfloat16_matches_float64_for_every_group_and_head_size(rng, head_size, num_heads, num_kv_heads):
+    # The bfloat16 module (build_shaders.bfloat16_matrices): bfloat16 caches and queries, matrices of bfloat16.
+    case = matrix_case(rng, BF16, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_size=head_size)
+    poison_unread_slots(case, 16)
+    assert run_coopmat(case, case.query, 4096)[2].kv == "bf16"
+    check_split_and_unsplit(case, case.query, tol=BF16_TOL)
+
+
+@needs_bf16_coopmat
+def test_bfloat16_keeps_values_float16_cannot_hold(rng):
+    # Values near 3e5 and 1e-6 (float16 tops out at 65504, and is subnormal below 6e-5) and keys of 1e3 in a few
+    # dims: read as bfloat16 (or as float16 by mistake) they would give inf, zeros or wrong weights.
+    case = matrix_case(rng, BF16, seq_lens=[40, 333], num_heads=8, num_kv_heads=2, head_size=128)
+    scale = np.where(rng.random(case.value_cache.shape) < 0.5, 3e5, 1e-6)
+    case.value_cache[:] = (case.value_cache.astype(np.float32) * scale).astype(BF16)
+    case.key_cache[:] = (case.key_cache.astype(np.float32) * 1e-3).astype(BF16)
+    case.query[:] = (case.query.astype(np.float32) * 1e3).astype(BF16)
+    out, _, key, _, _ = run_coopmat(case, case.query, 4096)
+    assert key.kv == "bf16" and np.abs(out.astype(np.float32)).max() > 65504
+    assert rel_error(out, reference.paged_attention(case.query, *case.args()[1:])) <= BF16_TOL
 
 
 @needs_coopmat

@@ -6,7 +6,9 @@ none (lavapipe). The kernel itself runs only where the device lists its multiply
 
 import dataclasses
 import re
+import struct
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -17,14 +19,20 @@ from conftest import lse_error, rel_error
 from test_prefill import PrefillCase, poisoned_outputs  # noqa: F401 - the fixture poisons this module's outputs
 from test_variants import VARIANTS, variant_args
 
-TOL = 2e-3   # float16 storage and operands
+TOL = 2e-3   # float16 storage and operands: about 4 units of float16's last place (2^-11)
+BF16_TOL = 1.6e-2   # the same for bfloat16's (2^-8)
+BF16 = ml_dtypes.bfloat16
 
 F16_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
+BF16_SHAPE = MatrixShape(16, 16, 16, "bf16", "bf16", "f32", "f32", "subgroup")
 NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
+BF16_NEEDS = {"cooperativeMatrix", "vulkanMemoryModel", *abi.BFLOAT16_MATRIX_FEATURES}
 
 _info = pagedvk.select()[0]
 _why = prefill.matrix_unavailable(_info, pagedvk.default_device().features)   # what the device turned on
 needs_coopmat = pytest.mark.skipif(bool(_why), reason=f"needs VK_KHR_cooperative_matrix: {_info.name}: {_why}")
+_why_bf16 = prefill.matrix_unavailable(_info, pagedvk.default_device().features, "bf16")
+needs_bf16_coopmat = pytest.mark.skipif(bool(_why_bf16), reason=f"needs bfloat16 matrices: {_info.name}: {_why_bf16}")
 
 
 def with_shapes(shapes, subgroup_size=32):
@@ -38,7 +46,16 @@ def test_the_device_listing_the_multiply_gets_the_matrix_kernel():
     assert prefill.matrix_unavailable(info, NEEDS) == ""
     assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 128) == "coopmat"
     assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 64) == "coopmat"
-    assert prefill.describe_choice(info).startswith("coopmat (16x16x16 f16*f16+f32->f32 (subgroup))")
+    assert prefill.describe_choice(info).startswith("coopmat (16x16x16 f16*f16+f32->f32 (subgroup)) for float16 caches")
+    # bfloat16 caches and queries: where the device lists the bfloat16 multiply and its features are on
+    assert prefill.matrix_kernel(info, NEEDS, "glsl", "bf16", "bf16", 128) == ""
+    info = with_shapes([F16_SHAPE, BF16_SHAPE])
+    for head_size in (64, 128):
+        assert prefill.matrix_kernel(info, BF16_NEEDS, "glsl", "bf16", "bf16", head_size) == "coopmat"
+    assert "for float16 or bfloat16 caches and queries" in prefill.describe_choice(info)
+    with pytest.raises(ValueError, match=r"did not enable the Vulkan feature\(s\) shaderBFloat16Type, "
+                                         "shaderBFloat16CooperativeMatrix"):
+        prefill.matrix_kernel(info, NEEDS, "glsl", "bf16", "bf16", 128, kernel="coopmat")
 
 
 @pytest.mark.parametrize("shapes,subgroup,features,reason", [
@@ -62,12 +79,13 @@ def test_other_devices_keep_the_scalar_kernel(shapes, subgroup, features, reason
 
 @pytest.mark.parametrize("backend,kv,q,head_size", [
     ("wgsl", "f16", "f16", 128), ("glsl", "f32", "f16", 128), ("glsl", "f16", "f32", 128),
-    ("glsl", "bf16", "bf16", 128), ("glsl", "f16", "f16", 80), ("glsl", "f16", "f16", 256)])
+    ("glsl", "bf16", "f16", 128), ("glsl", "f16", "f16", 80), ("glsl", "f16", "f16", 256)])
 def test_arguments_without_a_matrix_module_keep_the_scalar_kernel(backend, kv, q, head_size):
     info = with_shapes([F16_SHAPE])
     assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size) == ""
     assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="scalar") == ""
-    with pytest.raises(ValueError, match="built for backend 'glsl' with float16 caches and queries at head sizes 64, 128"):
+    with pytest.raises(ValueError, match="built for backend 'glsl' with float16 or bfloat16 caches and queries "
+                                         r"\(the same type\) at head sizes 64, 128"):
         prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="coopmat")
 
 
@@ -116,7 +134,7 @@ def test_matrix_modules_are_named_built_and_required():
     assert set(key.requires()) == NEEDS
     assert abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, "seg", "coopmat").defines()["KV_SEGMENTED"] == 1
     built = {k for k in abi.PAGED_PREFILL.keys() if k.matrix}
-    assert key in built and len(built) == 2 * len(abi.CACHE_ACCESS)
+    assert key in built and len(built) == 4 * len(abi.CACHE_ACCESS)   # float16 and bfloat16, head sizes 64 and 128
     with pytest.raises(ValueError, match="no 'coopmat' module for glsl, cache storage 'f16', query storage 'f16', "
                                          "head size 96"):
         abi.PAGED_PREFILL.key("glsl", "f16", "f16", 96, matrix="coopmat")
@@ -140,6 +158,11 @@ def test_matrix_feature_is_enabled_only_with_the_extension(rng):
     # the memory model comes only with the matrices: with it on, the cache writers' Device-scope atomics would
     # need vulkanMemoryModelDeviceScope too (the validation layer says so)
     assert ("vulkanMemoryModel" in device.features) == ("cooperativeMatrix" in device.features)
+    # bfloat16 matrices: only with the matrices and VK_KHR_shader_bfloat16, both features together
+    bf16_on = {f for f in abi.BFLOAT16_MATRIX_FEATURES if f in device.features}
+    assert bf16_on in (set(), set(abi.BFLOAT16_MATRIX_FEATURES))
+    if bf16_on:
+        assert "cooperativeMatrix" in device.features and "VK_KHR_shader_bfloat16" in device.info.extensions
     if _why:   # the automatic choice runs the scalar kernel, and asking for the matrix one says why not
         case = PrefillCase(rng, q_len=3, head_size=128)
         assert max(run_f16(case, "auto")) <= TOL
@@ -147,25 +170,38 @@ def test_matrix_feature_is_enabled_only_with_the_extension(rng):
             run_f16(case, "coopmat")
 
 
+def test_bfloat16_feature_struct_is_laid_out_as_vulkan_declares_it():
+    # VkPhysicalDeviceShaderBfloat16FeaturesKHR by hand (the `vulkan` package predates it): sType, pNext at 8,
+    # then shaderBFloat16Type, shaderBFloat16DotProduct, shaderBFloat16CooperativeMatrix at 16, 20, 24.
+    import vulkan as vk
+    from pagedvk.runtime.instance import Bfloat16Features
+    tail = Bfloat16Features()
+    head = Bfloat16Features(p_next=tail.pointer, type_=True, matrix=True)
+    raw = bytes(vk.ffi.buffer(head.words))
+    assert struct.unpack_from("<I", raw, 0)[0] == 1000141000
+    assert struct.unpack_from("<Q", raw, 8)[0] == int(vk.ffi.cast("uintptr_t", tail.pointer))
+    assert struct.unpack_from("<3I", raw, 16) == (1, 0, 1) and head.type and head.matrix
+    assert not tail.type and not tail.matrix and struct.unpack_from("<Q", bytes(vk.ffi.buffer(tail.words)), 8)[0] == 0
+
+
 # -- the kernel, where it runs --
 
-def f16_caches(case):
-    """The case's caches in float16, in its layout (vLLM's packs x = 8 float16 key elements, not 4)."""
-    k, v = (a.astype(np.float16) for a in pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache,
-                                                                            case.layout))
+def f16_caches(case, dtype=np.float16):
+    """The case's caches in float16 (or bfloat16), in its layout (vLLM's packs x = 8 16-bit key elements, not 4)."""
+    k, v = (a.astype(dtype) for a in pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, case.layout))
     num_blocks, block_size, num_kv_heads, head_size = k.shape
     key_shape = (num_blocks, num_kv_heads, head_size // 8, block_size, 8)
     return tuple(np.ascontiguousarray(a) for a in pagedvk.reference.nhd_as_cache(k, v, case.layout, key_shape))
 
 
-def run_f16(case, kernel, caches=None, **variants):
-    """(out's, lse's) relative error against float64 on the same float16 inputs (the case's caches, or
-    `caches` in its layout), with the attention variants given; rows that see no key must give lse -inf (and
-    zeros), as the reference."""
-    args = (case.query.astype(np.float16), *(caches or f16_caches(case)), *case.args()[3:])
+def run_f16(case, kernel, caches=None, dtype=np.float16, **variants):
+    """(out's, lse's) relative error against float64 on the same float16 (or `dtype`: bfloat16) inputs (the
+    case's caches, or `caches` in its layout), with the attention variants given; rows that see no key must give
+    lse -inf (and zeros), as the reference."""
+    args = (case.query.astype(dtype), *(caches or f16_caches(case, dtype)), *case.args()[3:])
     out, lse = pagedvk.paged_attention_prefill(*args, kernel=kernel, **case.options(**variants))
     ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options(**variants))
-    assert out.dtype == np.float16 and lse.dtype == np.float32
+    assert out.dtype == dtype and lse.dtype == np.float32
     return rel_error(out, ref_out), lse_error(lse, ref_lse)
 
 
@@ -181,6 +217,33 @@ def test_matrix_kernels_match_reference(rng, direction, layout, causal, head_siz
                        num_kv_heads=2, shared_prefix_blocks=2)
     errors = run_f16(case, "coopmat") if direction == "forward" else run_f16_backward(case, "coopmat", rng)
     assert max(errors) <= TOL
+
+
+@needs_bf16_coopmat
+@pytest.mark.parametrize("direction", ("forward", "backward"))
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+@pytest.mark.parametrize("head_size", (64, 128))
+@pytest.mark.parametrize("q_len", (1, 100))
+def test_bfloat16_matrix_kernels_match_reference(rng, direction, layout, head_size, q_len, monkeypatch):
+    # The bfloat16 modules (build_shaders.bfloat16_matrices), forward, dq and dk/dv, on bfloat16 caches and queries.
+    modules, pipeline = [], pagedvk.kernels.pipeline
+    monkeypatch.setattr(pagedvk.kernels, "pipeline",
+                        lambda device, kernel, key, *a: modules.append(key.name) or pipeline(device, kernel, key, *a))
+    case = PrefillCase(rng, q_len=q_len, layout=layout, head_size=head_size, num_heads=8, num_kv_heads=2,
+                       shared_prefix_blocks=2, seq_lens=[q_len, 0, q_len + 300])
+    errors = (run_f16(case, "coopmat", dtype=BF16) if direction == "forward"
+              else run_f16_backward(case, "coopmat", rng, BF16))
+    assert max(errors) <= BF16_TOL
+    assert modules and all(".coopmat.kv_bf16." in name for name in modules)
+
+
+@needs_bf16_coopmat
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_bfloat16_matrix_kernels_ragged_batch_with_every_variant(rng, layout):
+    case = ragged_case(rng, layout)
+    out_err, lse_err = run_f16(case, "auto", dtype=BF16, **variant_args(rng, 12, VARIANTS["all"]))
+    assert out_err <= BF16_TOL and lse_err <= 1e-4
+    assert max(run_f16_backward(case, "auto", rng, BF16)) <= BF16_TOL
 
 
 @needs_coopmat
@@ -287,13 +350,13 @@ def test_matrix_kernel_window_does_not_read_blocks_before_it(rng, layout):
 
 # -- the backward's matrix kernels (dq, dk/dv), where they run --
 
-def run_f16_backward(case, kernel, rng):
-    """(dq's, dk's, dv's) relative error against float64 on the same float16 inputs, with the forward's out
-    (rounded to float16) and lse from the reference, and a float16 dout."""
-    args = (case.query.astype(np.float16), *f16_caches(case), *case.args()[3:5])
+def run_f16_backward(case, kernel, rng, dtype=np.float16):
+    """(dq's, dk's, dv's) relative error against float64 on the same float16 (or `dtype`: bfloat16) inputs, with
+    the forward's out (rounded to that type) and lse from the reference, and a dout of that type."""
+    args = (case.query.astype(dtype), *f16_caches(case, dtype), *case.args()[3:5])
     ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, *case.args()[5:], **case.options())
-    dout = rng.standard_normal(case.query.shape).astype(np.float16)
-    grads = pagedvk.paged_attention_backward(dout, *args, ref_out.astype(np.float16), ref_lse.astype(np.float32),
+    dout = rng.standard_normal(case.query.shape).astype(dtype)
+    grads = pagedvk.paged_attention_backward(dout, *args, ref_out.astype(dtype), ref_lse.astype(np.float32),
                                              kernel=kernel, **case.loc(), **case.options())
     refs = pagedvk.reference.paged_attention_backward(dout, *args, *case.args()[5:], **case.options())
     for g, like in zip(grads, args):
@@ -337,8 +400,10 @@ def test_backward_matrix_modules_are_named_and_built():
     for abi_ in (abi.PAGED_BACKWARD_DQ, abi.PAGED_BACKWARD_DKDV):
         key = abi_.key("glsl", "f16", "f16", 64, matrix="coopmat")
         assert key.source == f"{abi_.op}_coopmat.comp" and set(key.requires()) == NEEDS
+        assert set(abi_.key("glsl", "bf16", "bf16", 64, matrix="coopmat").requires()) == BF16_NEEDS
         assert {k for k in abi_.keys() if k.matrix} == {
-            abi_.key("glsl", "f16", "f16", h, access, "coopmat") for h in (64, 128) for access in abi.CACHE_ACCESS}
+            abi_.key("glsl", t, t, h, access, "coopmat") for t in ("f16", "bf16") for h in (64, 128)
+            for access in abi.CACHE_ACCESS}
 
 
 def test_backward_kernel_argument(rng):

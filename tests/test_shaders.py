@@ -345,3 +345,52 @@ def test_wgsl_build_drops_loop_bounding(tmp_path):
     assert loop_bound_exits(raw) == 2
     assert loop_bound_exits(built) == 0
     assert all(loop_bound_exits(m) == 0 for m in installed_wgsl_modules())
+
+
+def words_of(path) -> list:
+    """A module's instructions as (opcode, operand words)."""
+    data = Path(path).read_bytes()
+    words = struct.unpack(f"<{len(data) // 4}I", data)
+    out, i = [], 5
+    while i < len(words):
+        out.append((words[i] & 0xFFFF, words[i + 1:i + (words[i] >> 16)]))
+        i += words[i] >> 16
+    return out
+
+
+@pytest.mark.parametrize("key", [key for _, key in MODULES if key.matrix and key.kv == "bf16"], ids=lambda k: k.name)
+def test_bfloat16_matrix_modules_declare_bfloat16_not_float16(key):
+    # build_shaders.bfloat16_matrices: the float16 type carries the bfloat16 encoding, the module asks for
+    # bfloat16 (VK_KHR_shader_bfloat16's capabilities) and no longer for float16 arithmetic.
+    ins = words_of(kernels.module_path(key.name))
+    capabilities = {ops[0] for op, ops in ins if op == 17}
+    assert {5116, 5118} <= capabilities and 9 not in capabilities
+    assert [tuple(ops[1:]) for op, ops in ins if op == 22 and ops[1] == 16] == [(16, 0)]
+    extensions = [struct.pack(f"<{len(ops)}I", *ops).rstrip(b"\0").decode() for op, ops in ins if op == 10]
+    assert "SPV_KHR_bfloat16" in extensions
+
+
+def test_bfloat16_pass_keeps_constants_exact_or_refuses(tmp_path):
+    # A float16 constant becomes the bfloat16 one of the same value (1.5: 0x3fc0); one that bfloat16 cannot hold
+    # (1 + 2^-10) stops the build, naming its value.
+    build = build_script()
+    glslang = shutil.which("glslangValidator")
+    for value, expect in (("1.5", 0x3FC0), ("1.0009765625", None)):
+        src = tmp_path / "k.comp"
+        src.write_text("#version 450\n#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require\n"
+                       "layout(local_size_x = 1) in;\nlayout(std430, binding = 0) buffer B { float x[]; };\n"
+                       "shared float16_t s;\n"
+                       f"void main() {{ s = float16_t({value}); barrier(); x[0] = float(s); }}\n")
+        spv = tmp_path / "k.spv"
+        build.run([glslang, "-V", "--target-env", "vulkan1.2", "-o", str(spv), str(src)], "glslang")
+        if expect is None:
+            with pytest.raises(build.BuildError, match=r"float16 constant \(1.0009765625\) has no exact bfloat16"):
+                build.bfloat16_matrices(spv.read_bytes())
+            continue
+        spv.write_bytes(build.bfloat16_matrices(spv.read_bytes()))
+        ins = words_of(spv)
+        half = next(ops[0] for op, ops in ins if op == 22 and ops[1] == 16)
+        assert [ops[2] for op, ops in ins if op == 43 and ops[0] == half] == [expect]
+        tool, env = build.matrix_tools()[1:]
+        result = subprocess.run([tool, "--target-env", "vulkan1.2", str(spv)], capture_output=True, text=True, env=env)
+        assert result.returncode == 0, result.stdout + result.stderr

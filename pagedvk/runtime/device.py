@@ -15,8 +15,8 @@ import vulkan as vk
 from ..config import timeout_ns
 from ..errors import ClosedError, DeviceLostError, GPUTimeoutError, VulkanError
 from .commands import DeviceCommands
-from .instance import (COOPERATIVE_MATRIX_EXTENSION, DeviceInfo, get_instance, layer_knows_cooperative_matrix,
-                       query_features, register_closer)
+from .instance import (BFLOAT16_EXTENSION, COOPERATIVE_MATRIX_EXTENSION, Bfloat16Features, DeviceInfo, get_instance,
+                       layer_knows_bfloat16, layer_knows_cooperative_matrix, query_features, register_closer)
 from .memory import MEMORY_BUDGET_EXTENSION, DeviceMemory, raise_vk
 from .owned import Owned, count_close
 
@@ -61,9 +61,14 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         # Cooperative matrices only where the device lists multiplies (the extension is there), and not under a
         # validation layer that predates the extension (instance.MATRIX_AWARE_LAYER).
         layer_allows = not self.instance.validation or layer_knows_cooperative_matrix(self.instance.layer_version)
+        bf16 = None   # VK_KHR_shader_bfloat16's features, asked for beside the matrices' (the layer permitting)
         if info.matrix_shapes and layer_allows:
+            if BFLOAT16_EXTENSION in info.extensions and (
+                    not self.instance.validation or layer_knows_bfloat16(self.instance.layer_version)):
+                bf16 = Bfloat16Features()
             coop = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
-                sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
+                sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR,
+                pNext=bf16.pointer if bf16 else vk.ffi.NULL)
         have11, have12 = query_features(pd, chain=coop)
         base = vk.vkGetPhysicalDeviceFeatures(pd)
         # Buffer device addresses (with 64-bit integers) let GLSL kernels read caches larger than one binding.
@@ -73,8 +78,12 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         # Device-scope atomics need vulkanMemoryModelDeviceScope too (VUID-RuntimeSpirv-vulkanMemoryModel-06265).
         self.cooperative_matrix = bool(coop is not None and coop.cooperativeMatrix and have12.vulkanMemoryModel
                                        and have12.vulkanMemoryModelDeviceScope)
+        # bfloat16 matrices (the bfloat16 matrix modules, abi.BFLOAT16_MATRIX_FEATURES): with the matrices only
+        self.bfloat16_matrix = bool(self.cooperative_matrix and bf16 is not None and bf16.type and bf16.matrix)
+        self._bf16_features = Bfloat16Features(type_=True, matrix=True) if self.bfloat16_matrix else None
         self._coop_features = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR,
+            pNext=self._bf16_features.pointer if self._bf16_features else vk.ffi.NULL,
             cooperativeMatrix=True) if self.cooperative_matrix else None
         memory_model = self.cooperative_matrix
         f12 = vk.VkPhysicalDeviceVulkan12Features(
@@ -94,10 +103,12 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             ("storageBuffer8BitAccess", have12.storageBuffer8BitAccess),
             ("storageBuffer16BitAccess", have11.storageBuffer16BitAccess),
             ("bufferDeviceAddress", self.buffer_device_address), ("vulkanMemoryModel", memory_model),
-            ("cooperativeMatrix", self.cooperative_matrix)) if on}
+            ("cooperativeMatrix", self.cooperative_matrix), ("shaderBFloat16Type", self.bfloat16_matrix),
+            ("shaderBFloat16CooperativeMatrix", self.bfloat16_matrix)) if on}
         # VK_EXT_memory_budget: what each heap can still give, for out-of-memory errors (memory_budget()).
         extensions = [e for e in ("VK_KHR_portability_subset", MEMORY_BUDGET_EXTENSION) if e in info.extensions]
         extensions += [COOPERATIVE_MATRIX_EXTENSION] if self.cooperative_matrix else []
+        extensions += [BFLOAT16_EXTENSION] if self.bfloat16_matrix else []
         self.has_memory_budget = MEMORY_BUDGET_EXTENSION in extensions
         queue_info = vk.VkDeviceQueueCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO, queueFamilyIndex=self.queue_family,

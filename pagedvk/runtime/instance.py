@@ -20,6 +20,44 @@ VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 MATRIX_AWARE_LAYER = vk.VK_MAKE_VERSION(1, 3, 255)
 
 
+# VK_KHR_shader_bfloat16 (the bfloat16 cooperative-matrix modules): a layer from before its release (1.4.311), or
+# before the layer reported bfloat16 matrix types (1.4.321), would refuse or misreport them; under such a layer the
+# bfloat16 kernels stay on their scalar modules.
+BFLOAT16_EXTENSION = "VK_KHR_shader_bfloat16"
+BFLOAT16_AWARE_LAYER = vk.VK_MAKE_VERSION(1, 4, 321)
+
+
+class Bfloat16Features:
+    """VkPhysicalDeviceShaderBfloat16FeaturesKHR, laid out by hand: the `vulkan` package's headers (1.3.275)
+    predate VK_KHR_shader_bfloat16. sType (4 bytes, then padding), pNext (8), then the VkBool32s
+    shaderBFloat16Type, shaderBFloat16DotProduct and shaderBFloat16CooperativeMatrix."""
+
+    STRUCTURE_TYPE = 1000141000   # VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_BFLOAT16_FEATURES_KHR
+
+    def __init__(self, p_next=None, type_: bool = False, matrix: bool = False):
+        self.words = vk.ffi.new("uint32_t[8]")
+        self.words[0] = self.STRUCTURE_TYPE
+        vk.ffi.cast("void **", self.words + 2)[0] = vk.ffi.NULL if p_next is None else p_next
+        self.words[4], self.words[6] = int(type_), int(matrix)
+
+    @property
+    def pointer(self):
+        """For a pNext chain (this object must outlive the call that reads it)."""
+        return vk.ffi.cast("void *", self.words)
+
+    @property
+    def type(self) -> bool:
+        return bool(self.words[4])
+
+    @property
+    def matrix(self) -> bool:
+        return bool(self.words[6])
+
+
+def layer_knows_bfloat16(spec_version: int) -> bool:
+    return spec_version >= BFLOAT16_AWARE_LAYER
+
+
 def layer_knows_cooperative_matrix(spec_version: int) -> bool:
     """Whether a layer of this specVersion (VkLayerProperties) was built with VK_KHR_cooperative_matrix's
     structures (the patch number is the header version)."""
