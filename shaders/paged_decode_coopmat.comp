@@ -99,6 +99,10 @@ layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
 // shared memory always; 2 in registers, and a workgroup with a subgroup whose layout is not known writes NaN
 // outputs (a test's way to tell that the register path ran).
 layout(constant_id = 4) const uint FP8_BUILD = 0u;
+// fp8 blocks each subgroup has loaded ahead of the one it works on (abi.DECODE_FP8_AHEAD_SPEC_ID): 1 or 2. An fp8
+// block is a quarter of the bytes a float16 step has in flight; 2 keeps twice fp8's bytes in flight for 32 registers
+// a thread more.
+layout(constant_id = 5) const uint FP8_AHEAD = 1u;
 
 #if !KV_FP8
 shared uvec4 s_qb[2u * DT * 32u];            // the S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k]
@@ -319,19 +323,23 @@ void main() {
     if (FP8_BUILD == 2u && !in_registers && lane == 0u) s_refused = 1u;
     const uint qq = lane % 4u;                   // the value word this lane loads of each row (FP8 above)
     const uint stage = sg * DT * 128u;           // this subgroup's tiles in s_stage (layouts not known)
-    // An fp8 block is a quarter of the bytes a float16 step had in flight: each subgroup loads its next block's
-    // bytes before it works on this one (32 registers more), and the block ids two steps ahead.
-    uvec4 kw[2u * KC];
-    uint vw[2u * DT];
+    // Each subgroup loads the bytes of the block FP8_AHEAD steps on before it works on this one (32 registers a
+    // block), and the block ids a step further: kw, vw hold this block's words, kw1, vw1 the next block's
+    // (FP8_AHEAD 2); phys1, phys2 are the ids of the next two blocks.
+    uvec4 kw[2u * KC], kw1[2u * KC];
+    uint vw[2u * DT], vw1[2u * DT];
+    int phys1 = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
+    int phys2 = FP8_AHEAD >= 2u && kb + 2u * SUBGROUPS < blocks ? physical_block(row + start / BS + kb + 2u * SUBGROUPS) : -1;
     fp8_block_load(phys, start + kb * BS, end, kv_head, lane, kw, vw);
-    int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
+    if (FP8_AHEAD >= 2u) fp8_block_load(phys1, start + (kb + SUBGROUPS) * BS, end, kv_head, lane, kw1, vw1);
 #endif
     for (; kb < blocks; kb += SUBGROUPS) {
 #if KV_FP8
-        const int later_phys = kb + 2u * SUBGROUPS < blocks ? physical_block(row + start / BS + kb + 2u * SUBGROUPS) : -1;
-        uvec4 next_kw[2u * KC];
-        uint next_vw[2u * DT];
-        fp8_block_load(next_phys, start + (kb + SUBGROUPS) * BS, end, kv_head, lane, next_kw, next_vw);
+        const uint ahead = kb + FP8_AHEAD * SUBGROUPS, later = ahead + SUBGROUPS;   // bytes loaded; id fetched
+        const int later_phys = later < blocks ? physical_block(row + start / BS + later) : -1;
+        uvec4 ahead_kw[2u * KC];
+        uint ahead_vw[2u * DT];
+        fp8_block_load(FP8_AHEAD >= 2u ? phys2 : phys1, start + ahead * BS, end, kv_head, lane, ahead_kw, ahead_vw);
 #else
         const int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
 #endif
@@ -506,10 +514,19 @@ void main() {
 #endif
         }
 #if KV_FP8
-        kw = next_kw;
-        vw = next_vw;
-        phys = next_phys;
-        next_phys = later_phys;
+        phys = phys1;
+        if (FP8_AHEAD >= 2u) {
+            kw = kw1;
+            vw = vw1;
+            kw1 = ahead_kw;
+            vw1 = ahead_vw;
+            phys1 = phys2;
+            phys2 = later_phys;
+        } else {
+            kw = ahead_kw;
+            vw = ahead_vw;
+            phys1 = later_phys;
+        }
 #else
         phys = next_phys;
 #endif
