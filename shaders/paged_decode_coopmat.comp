@@ -100,8 +100,8 @@ layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
 // outputs (a test's way to tell that the register path ran).
 layout(constant_id = 4) const uint FP8_BUILD = 0u;
 // fp8 blocks each subgroup has loaded ahead of the one it works on (abi.DECODE_FP8_AHEAD_SPEC_ID): 1 or 2. An fp8
-// block is a quarter of the bytes a float16 step has in flight; 2 keeps twice fp8's bytes in flight for 32 registers
-// a thread more.
+// block is half the bytes of a float16 one (4 KiB at head size 128); 2 keeps twice fp8's bytes in flight for 32
+// registers a thread more.
 layout(constant_id = 5) const uint FP8_AHEAD = 1u;
 
 #if !KV_FP8
