@@ -5,7 +5,7 @@
 // time. The scalar kernel's arithmetic (four multiply-adds and a conversion per cache element, with the group's
 // queries and weights read from shared memory) kept it at 70% of the H200's read bandwidth: here the tensor cores
 // do the products, and a float16 cache is read by the matrix loads themselves, straight from the buffers (an fp8
-// one is turned into float16 matrices through shared memory: FP8 below).
+// one is turned into float16 matrices in registers, or through shared memory: FP8 below).
 //
 // Each of the workgroup's four subgroups walks its own blocks of the partition (every fourth), one 16-token block
 // a step, with an online softmax of its own; the subgroups' states meet at the end.
@@ -24,7 +24,9 @@
 //      16 i is V^T for 16 head dims: O^T += V^T P^T, O^T [dim][head] in 16 x 8 float32 accumulators (heads 0-7;
 //      a 16 x 8 x 16 multiply, which the device must list too), P^T from shared
 //      memory as float16 (FlashAttention-2 rounds P the same way).
-// A block that is not whole (past the partition's end) stages its keys and values through shared memory with
+// fp8 caches take other products (FP8 below): S = K Q^T into [token][head], with head dims and tokens permuted so
+// that each lane's matrix elements are bytes it loads whole.
+// A float16 block that is not whole (past the partition's end) stages its keys and values through shared memory with
 // zeros for the missing tokens, and masks their logits: slots past a sequence's end may hold anything, NaN
 // included, and 0 * NaN is NaN (a key row's zeros in B do not keep a NaN token from its row partner's logit).
 // A block id outside the cache is not read: its tokens are masked.
@@ -50,11 +52,14 @@
     || !defined(HEAD_SIZE)
 #error "paged_decode_coopmat is built for float16 or fp8 caches with float16 queries, or bfloat16 caches and queries, and HEAD_SIZE fixed"
 #endif
+#if defined(KV_ADDRESSED) || defined(KV_SEGMENTED)
+#error "paged_decode_coopmat reads its caches by binding"
+#endif
 #if defined(KV_F16) || defined(KV_BF16)
 #define KV_FP8 0
 const float FP8_F16_SCALE = 1.0;
 #else
-#define KV_FP8 1   // fp8 caches: each block staged as float16 matrices (FP8 below)
+#define KV_FP8 1   // fp8 caches: each block's matrices built in registers or staged (FP8 below)
 #endif
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
@@ -88,6 +93,8 @@ layout(std430, set = 0, binding = 10) writeonly buffer Lse { float lse[]; };    
 #else
 #define PV_N 8u
 #endif
+#define MAT_B8 coopmat<float16_t, gl_ScopeSubgroup, 16, 8, gl_MatrixUseB>
+#define MAT_C8 coopmat<float, gl_ScopeSubgroup, 16, 8, gl_MatrixUseAccumulator>
 #define MAT_BP coopmat<float16_t, gl_ScopeSubgroup, 16, PV_N, gl_MatrixUseB>
 #define MAT_CP coopmat<float, gl_ScopeSubgroup, 16, PV_N, gl_MatrixUseAccumulator>
 
@@ -101,17 +108,32 @@ const float RESCALE_MARGIN = 8.0;  // see P. above: weights stay below exp(8) ~ 
 // The same specialization as paged_decode.comp (pagedvk/decode.py): VALUE_ORDER 1 is the only layout read here.
 layout(constant_id = 1) const uint VALUE_ORDER = 0u;
 layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
+// How fp8 modules build their matrices (abi.DECODE_FP8_BUILD_SPEC_ID; float16 modules ignore it): 0, the default,
+// in registers where the subgroup finds its device's element layout known, else through shared memory; 1 through
+// shared memory always; 2 in registers, and a workgroup with a subgroup whose layout is not known writes NaN
+// outputs (a test's way to tell that the register path ran).
+layout(constant_id = 4) const uint FP8_BUILD = 0u;
+// fp8 blocks each subgroup has loaded ahead of the one it works on (abi.DECODE_FP8_AHEAD_SPEC_ID): 1 or 2. An fp8
+// block is half the bytes of a float16 one (4 KiB at head size 128); 2 keeps twice fp8's bytes in flight for 32
+// registers a thread more.
+layout(constant_id = 5) const uint FP8_AHEAD = 1u;
 
+#if !KV_FP8
 shared uvec4 s_qb[2u * DT * 32u];            // the S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k]
 shared vec4 s_scr[SUBGROUPS * 128u];          // each subgroup's two 16 x 16 float32 matrices (S), or one tile of O^T
-const uint PV_ROW = PV_N / 4u;                // vec4s a row of P^T or of an O^T tile
-shared f16vec4 s_p[SUBGROUPS * 16u * PV_ROW]; // each subgroup's P^T [token][head], 16 x PV_N (heads past 7 zero)
-#if !KV_FP8
+const uint SCR = 128u;
 shared uvec4 s_v[SUBGROUPS * 32u];            // each subgroup's masked key or V^T tile (blocks not whole)
 #else
-const uint HT = DT / 2u;                     // tiles staged at a time: half a block's keys or values
-shared uvec4 s_stage[SUBGROUPS * HT * 32u];   // each subgroup's tiles as float16 (FP8 below; 48 KiB is the limit)
+shared uvec4 s_qb[DT * 16u];                  // the S products' B matrices Q^T, 16 x 8, column-major: [tile j][head][k]
+shared vec4 s_scr[SUBGROUPS * 32u];           // each subgroup's 16 x 8 float32 S [token][head], or one tile of O^T
+const uint SCR = 32u;
+shared uint s_stage[SUBGROUPS * DT * 128u];   // each subgroup's key or V^T tiles as float16 (layouts not known)
+shared uvec4 s_index[32u];                    // a 16 x 16 float16 matrix of its element indices (the layout check)
+shared uint s_refused;                        // FP8_BUILD 2: a subgroup did not know its layout
 #endif
+const uint PV_ROW = PV_N / 4u;                // vec4s a row of P^T or of an O^T tile
+shared f16vec4 s_p[SUBGROUPS * 16u * PV_ROW]; // each subgroup's P^T [token][head], 16 x PV_N (heads past 7 zero;
+                                              // fp8: tokens permuted)
 shared vec4 s_ml[SUBGROUPS * 4u];             // each subgroup's final (max, sum) of heads 0-3 and 4-7
 shared float s_o[SUBGROUPS * MAX_GROUP * D];  // each subgroup's scaled output sums [head][dim]
 
@@ -131,42 +153,107 @@ uint key_tile(uint b, uint h, uint j) {
 }
 
 #if KV_FP8
-// FP8. An fp8 chunk holds 16 head dims of a token (vLLM's x = 16), and a head dim's 16 tokens are one 16-byte value
-// row. Each block's chunks are loaded 16 bytes a lane, turned into float16 (fp8_as_f16: exact, at
-// 1 / FP8_F16_SCALE of the value, scaled back in the logits and the output) and laid out in s_stage as the float16
-// kernel reads its tiles: key tile j is chunk j with row m < 8 holding tokens 2m, 2m + 1 of its dims 0-7 and row
-// m + 8 of its dims 8-15; V^T tile i is value rows 16 i .. 16 i + 15. Lane l takes tiles 2 r + l / 16, token (key)
-// or row (value) l % 16, for r < DT / 2; s_stage holds half the tiles at a time. Tokens from `end` on are zeros,
-// as in blocks not whole.
-uvec4 fp8_as_f16_lo(uvec4 w) { return uvec4(fp8_as_f16(w.x), fp8_as_f16(w.y)); }
-uvec4 fp8_as_f16_hi(uvec4 w) { return uvec4(fp8_as_f16(w.z), fp8_as_f16(w.w)); }
+// FP8. The products are taken so that every lane owns bytes it loads whole. A dot product does not change when the
+// same permutation is applied to both of its operands, so the head dims (of S) and the tokens (of O^T += V^T P^T)
+// are put in whatever order makes a lane's matrix elements its own contiguous cache bytes:
+//   S = K Q^T, 16 x 8 x 16 products: A is a key tile, 16 tokens x 16 dim slots (row = the block's token); B is Q^T,
+//      16 dim slots x 8 heads, from s_qb with its rows permuted to match; C is S [token][head], heads 0-7 at once.
+//      Tile j's column slot c is head dim fp8_key_dim(j, c): byte e = c % 2 + 2 (c / 8) of word j % 4 of the
+//      key's 16-byte chunk (c % 8) / 2 + 4 (j / 4).
+//   O^T += V^T P^T: A is a V^T tile, 16 dims (16 i + row) x 16 token slots; token slot c is token
+//      4 ((c % 8) / 2) + c % 2 + 2 (c / 8), byte e of word (c % 8) / 2 of the dim's 16-byte value row; B is P^T,
+//      written to s_p with its rows in that order (fp8_token_slot).
+// Where a 16 x 16 float16 A matrix holds, in lane L (r = L / 4, q = L % 4), elements (rows r and r + 8) x (columns
+// 2q, 2q + 1, 2q + 8, 2q + 9) - mma.m16n8k16's elements; the H200 orders them differently from mma (both known
+// here) - the lane's elements are then the 4 bytes of one word of token r and of token r + 8 (keys: lane q takes
+// chunks q and q + 4 of its tokens, 16 bytes each; tile j word j % 4), and of dim rows 16 i + r and 16 i + r + 8
+// (values: word q). Each lane loads those words (a block ahead), turns them into float16 (fp8_as_f16: exact, at
+// 1 / FP8_F16_SCALE of the value, scaled back in the logits and the output) and assigns them to the matrices'
+// elements: no shared memory and no barrier between the bytes and the products. The element order is the
+// implementation's: each subgroup checks it at the start (fp8_known_layout) and, where it is neither known order,
+// stores the same converted words to s_stage in the tiles' row-major layout and loads the matrices from there.
+// Tokens from `end` on are zeros in both matrices (0 * NaN is NaN), and their logits masked.
+const uint KC = DT / 4u;   // 16-byte key chunks a lane loads of each of its two tokens (head size 64: 1, 128: 2)
 
-// Key chunk j of token t, kv head h, block b; value row d.
+// The query dim that key tile j's column slot c holds (s_qb is written by it; the kernel's loads follow it).
+uint fp8_key_dim(uint j, uint c) { return 16u * ((c % 8u) / 2u + 4u * (j / 4u)) + 4u * (j % 4u) + c % 2u + 2u * (c / 8u); }
+// The row of P^T (token slot) that holds token t of a block: token 4 q + e in slot 2 q + e % 2 + 8 (e / 2).
+uint fp8_token_slot(uint t) { return 2u * (t / 4u) + t % 2u + 8u * ((t % 4u) / 2u); }
+
+// Which known order, if any, the device gives a 16 x 16 float16 A matrix's elements in this lane: loaded from
+// s_index (element (row, col) holds row * 16 + col, exact in float16) and compared with each order. x: the H200's
+// (r, 2q), (r, 2q + 1), (r, 2q + 8), (r, 2q + 9), then the same columns of row r + 8; y: mma.m16n8k16's (r, 2q),
+// (r, 2q + 1), (r + 8, 2q), (r + 8, 2q + 1), then columns 2q + 8, 2q + 9 of rows r and r + 8. Uniform over the
+// subgroup (subgroupAll).
+bvec2 fp8_known_layout(uint lane) {
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> probe;
+    coopMatLoad(probe, s_index, 0u, 2u, gl_CooperativeMatrixLayoutRowMajor);
+    bool h200 = probe.length() == 8, mma = probe.length() == 8;
+    if (h200) {
+        const uint r = lane / 4u, q = lane % 4u;
+        [[unroll]] for (uint i = 0u; i < 8u; i++) {
+            const uint col = 2u * q + i % 2u;
+            const float got = float(probe[i]);
+            h200 = h200 && got == float((r + 8u * (i / 4u)) * 16u + col + 8u * ((i / 2u) % 2u));
+            mma = mma && got == float((r + 8u * ((i / 2u) % 2u)) * 16u + col + 8u * (i / 4u));
+        }
+    }
+    return bvec2(subgroupAll(h200), subgroupAll(mma));
+}
+
+// An A tile from this lane's words: `lo` (row r) and `hi` (row r + 8), bytes e = 0-3 in the columns 2q, 2q + 1,
+// 2q + 8, 2q + 9 (above), in the H200's element order or (mma) mma.m16n8k16's. The two orders differ by elements 2-3
+// and 4-5, two selects.
+MAT_A fp8_tile(uint lo, uint hi, bool mma) {
+    const uvec2 a = fp8_as_f16(lo), b = fp8_as_f16(hi);   // .x: bytes 0, 1 (columns 2q, 2q + 1); .y: bytes 2, 3
+    const f16vec2 e01 = unpackFloat2x16(a.x), e23 = unpackFloat2x16(mma ? b.x : a.y);
+    const f16vec2 e45 = unpackFloat2x16(mma ? a.y : b.x), e67 = unpackFloat2x16(b.y);
+    MAT_A m;
+    m[0] = e01.x; m[1] = e01.y; m[2] = e23.x; m[3] = e23.y;
+    m[4] = e45.x; m[5] = e45.y; m[6] = e67.x; m[7] = e67.y;
+    return m;
+}
+
+// The same tile through shared memory (layouts not known): stored row-major (16 halves, 8 words, a row) at `at`,
+// to be loaded once the subgroup's stores are visible.
+void fp8_stage(uint at, uint lane, uint lo, uint hi) {
+    const uint r = lane / 4u, q = lane % 4u;
+    const uvec2 a = fp8_as_f16(lo), b = fp8_as_f16(hi);
+    s_stage[at + 8u * r + q] = a.x;
+    s_stage[at + 8u * r + 4u + q] = a.y;
+    s_stage[at + 8u * (r + 8u) + q] = b.x;
+    s_stage[at + 8u * (r + 8u) + 4u + q] = b.y;
+}
+
+// Key chunk j of token t, kv head h, block b (16 bytes); word w of value row d (4 bytes: tokens 4 w .. 4 w + 3).
 uint key_chunk(uint b, uint h, uint t, uint j) {
     return b * key_block_elems() + key_offset(h, t, KV_CHUNK_QUADS * j) / KV_CHUNK_QUADS;
 }
-uint value_row(uint b, uint h, uint d) {
-    return b * value_block_elems() + value_offset(h, 0u, d) / (4u * KV_CHUNK_QUADS);
+uint value_word(uint b, uint h, uint d, uint w) {
+    return value_cache[b * value_block_elems() + value_offset(h, 0u, d) / (4u * KV_CHUNK_QUADS)][w];
 }
 
-// Byte k of a 16-byte value row kept where token base + k is before end.
-uvec4 tokens_before(uvec4 w, uint base, uint end) {
-    const uint n = end - min(base, end);
-    [[unroll]] for (uint e = 0u; e < 4u; e++) {
-        const uint have = uint(clamp(int(n) - int(4u * e), 0, 4));
-        w[e] &= have >= 4u ? 0xffffffffu : (1u << (8u * have)) - 1u;
+// The bytes of a value word (tokens first .. first + 3) kept where their token is before end.
+uint fp8_tokens_before(uint first, uint end) {
+    const uint have = end - min(first, end);
+    return have >= 4u ? 0xffffffffu : (1u << (8u * have)) - 1u;
+}
+
+// This lane's key chunks (kw[s KC + c]: token r + 8 s, chunk q + 4 c) and value words (vw[2 i + s]: word q of dim
+// 16 i + r + 8 s) of block `phys` at token `base`; none where phys < 0, key tokens from `end` on read as zeros (the
+// values' are masked where they are used).
+void fp8_block_load(int phys, uint base, uint end, uint kv_head, uint lane, out uvec4 kw[2u * KC], out uint vw[2u * DT]) {
+    const uint b = uint(max(phys, 0)), r = lane / 4u, q = lane % 4u;
+    [[unroll]] for (uint s = 0u; s < 2u; s++) {
+        [[unroll]] for (uint c = 0u; c < KC; c++) {
+            kw[s * KC + c] = phys >= 0 && base + r + 8u * s < end
+                           ? key_load(b, key_chunk(0u, kv_head, r + 8u * s, q + 4u * c)) : uvec4(0u);
+        }
     }
-    return w;
-}
-
-// This lane's key chunks and value rows of block `phys` at token `base` (none where phys < 0; key tokens from `end`
-// on read as zeros).
-void fp8_block_load(int phys, uint base, uint end, uint kv_head, uint t, uint hh, out uvec4 k_chunks[HT],
-                    out uvec4 v_rows[HT]) {
-    const uint b = uint(max(phys, 0));
-    [[unroll]] for (uint r = 0u; r < HT; r++) {
-        k_chunks[r] = phys >= 0 && base + t < end ? key_load(b, key_chunk(0u, kv_head, t, 2u * r + hh)) : uvec4(0u);
-        v_rows[r] = phys >= 0 ? value_load(b, value_row(0u, kv_head, 16u * (2u * r + hh) + t)) : uvec4(0u);
+    [[unroll]] for (uint i = 0u; i < DT; i++) {
+        [[unroll]] for (uint s = 0u; s < 2u; s++) {
+            vw[2u * i + s] = phys >= 0 ? value_word(b, kv_head, 16u * i + r + 8u * s, q) : 0u;
+        }
     }
 }
 #endif
@@ -207,6 +294,7 @@ void main() {
     const uint end = part + 1u == pc.num_partitions ? seq_len : min(seq_len, start + P);
     const uint blocks = start < end ? (end - start + BS - 1u) / BS : 0u;
 
+#if !KV_FP8
     // The S products' B matrices, column-major: column n = 8 s + 4 p + h (head 4 half + h) holds, in rows
     // 8 p .. 8 p + 7, head dims 8 (2 j + s) .. of the query (one 16-byte chunk), and zeros in the other 8 rows.
     // Each block loads them from here (holding them took 32-64 registers a thread).
@@ -216,13 +304,28 @@ void main() {
         const uint c = q_quad0 + g * hq + 2u * (2u * j + s);   // the chunk's first quad
         s_qb[i] = k8 == p && g < group ? uvec4(query[c], query[c + 1u]) : uvec4(0u);
     }
+#else
+    // Q^T for each key tile j, column-major: column n (head n) holds, in row k, the query's dim fp8_key_dim(j, k);
+    // rows 2 kp and 2 kp + 1 are two consecutive dims, one word of the query. Zeros for heads past the group.
+    for (uint i = tid; i < DT * 64u; i += WG) {
+        const uint j = i / 64u, n = (i / 8u) % 8u, kp = i % 8u;
+        const uint d = fp8_key_dim(j, 2u * kp);
+        s_qb[i / 4u][i % 4u] = n < group ? query[q_quad0 + n * hq + d / 4u][(d % 4u) / 2u] : 0u;
+    }
+    if (tid < 32u) {   // element (row, col) of a 16 x 16 matrix: row * 16 + col, as float16
+        const uint e = 8u * tid;
+        s_index[tid] = uvec4(packHalf2x16(vec2(e, e + 1u)), packHalf2x16(vec2(e + 2u, e + 3u)),
+                             packHalf2x16(vec2(e + 4u, e + 5u)), packHalf2x16(vec2(e + 6u, e + 7u)));
+    }
+    if (tid == 0u) s_refused = 0u;
+#endif
     barrier();
 
     // This lane's token of a block and its heads (4 hh .. 4 hh + 3; the upper lanes' heads are absent unless wide).
     const uint t = lane % 16u, hh = lane / 16u;
     const uvec4 heads = head0 + 4u * hh + uvec4(0u, 1u, 2u, 3u);
     const uvec4 in_group = uvec4(lessThan(4u * hh + uvec4(0u, 1u, 2u, 3u), uvec4(wide || hh == 0u ? group : 0u)));
-    const uint scr = sg * 128u, pbase = sg * 16u * PV_ROW;
+    const uint scr = sg * SCR, pbase = sg * 16u * PV_ROW;
     vec4 m = vec4(NEG_INF), l = vec4(0.0);
     MAT_CP o[DT];   // O^T [dim][head]: heads 0-7 (16 x 8 accumulators: half the registers of 16 x 16; PV_N above)
     [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = MAT_CP(0.0);
@@ -234,43 +337,72 @@ void main() {
     uint kb = sg;
     int phys = kb < blocks ? (window0 == 0u ? early_phys : physical_block(row + start / BS + kb)) : -1;
 #if KV_FP8
-    // An fp8 block is a quarter of the bytes a float16 step had in flight, behind a longer chain (staging): each
-    // subgroup loads its next block's bytes before it works on this one (32 registers more), and the block ids
-    // two steps ahead.
-    uvec4 k_chunks[HT], v_rows[HT];
-    fp8_block_load(phys, start + kb * BS, end, kv_head, t, hh, k_chunks, v_rows);
-    int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
+    // The element layout (uniform over the subgroup): matrices built in registers where it is a known one.
+    const bvec2 known = fp8_known_layout(lane);
+    const bool in_registers = FP8_BUILD != 1u && (known.x || known.y), mma_order = !known.x;
+    if (FP8_BUILD == 2u && !in_registers && lane == 0u) s_refused = 1u;
+    const uint qq = lane % 4u;                   // the value word this lane loads of each row (FP8 above)
+    const uint stage = sg * DT * 128u;           // this subgroup's tiles in s_stage (layouts not known)
+    // Each subgroup loads the bytes of the block FP8_AHEAD steps on before it works on this one (32 registers a
+    // block), and the block ids a step further: kw, vw hold this block's words, kw1, vw1 the next block's
+    // (FP8_AHEAD 2); phys1, phys2 are the ids of the next two blocks.
+    uvec4 kw[2u * KC], kw1[2u * KC];
+    uint vw[2u * DT], vw1[2u * DT];
+    int phys1 = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
+    int phys2 = FP8_AHEAD >= 2u && kb + 2u * SUBGROUPS < blocks ? physical_block(row + start / BS + kb + 2u * SUBGROUPS) : -1;
+    fp8_block_load(phys, start + kb * BS, end, kv_head, lane, kw, vw);
+    if (FP8_AHEAD >= 2u) fp8_block_load(phys1, start + (kb + SUBGROUPS) * BS, end, kv_head, lane, kw1, vw1);
 #endif
     for (; kb < blocks; kb += SUBGROUPS) {
 #if KV_FP8
-        const int later_phys = kb + 2u * SUBGROUPS < blocks ? physical_block(row + start / BS + kb + 2u * SUBGROUPS) : -1;
-        uvec4 next_k_chunks[HT], next_v_rows[HT];
-        fp8_block_load(next_phys, start + (kb + SUBGROUPS) * BS, end, kv_head, t, hh, next_k_chunks, next_v_rows);
+        const uint ahead = kb + FP8_AHEAD * SUBGROUPS, later = ahead + SUBGROUPS;   // bytes loaded; id fetched
+        const int later_phys = later < blocks ? physical_block(row + start / BS + later) : -1;
+        uvec4 ahead_kw[2u * KC];
+        uint ahead_vw[2u * DT];
+        fp8_block_load(FP8_AHEAD >= 2u ? phys2 : phys1, start + ahead * BS, end, kv_head, lane, ahead_kw, ahead_vw);
 #else
         const int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
 #endif
         const uint base = start + kb * BS;
+#if KV_FP8
+        // S: the block's logits [token][head], through shared memory to the lanes.
+        vec4 x = vec4(NEG_INF);
+        if (phys >= 0) {
+            MAT_C8 sa = MAT_C8(0.0);
+            if (in_registers) {
+                [[unroll]] for (uint j = 0u; j < DT; j++) {
+                    MAT_B8 qb;
+                    coopMatLoad(qb, s_qb, j * 16u, 2u, gl_CooperativeMatrixLayoutColumnMajor);
+                    sa = coopMatMulAdd(fp8_tile(kw[j / 4u][j % 4u], kw[KC + j / 4u][j % 4u], mma_order), qb, sa);
+                }
+            } else {
+                [[unroll]] for (uint j = 0u; j < DT; j++) {
+                    fp8_stage(stage + 128u * j, lane, kw[j / 4u][j % 4u], kw[KC + j / 4u][j % 4u]);
+                }
+                subgroupMemoryBarrierShared();
+                subgroupBarrier();
+                [[unroll]] for (uint j = 0u; j < DT; j++) {
+                    MAT_A kt;
+                    coopMatLoad(kt, s_stage, stage + 128u * j, 8u, gl_CooperativeMatrixLayoutRowMajor);
+                    MAT_B8 qb;
+                    coopMatLoad(qb, s_qb, j * 16u, 2u, gl_CooperativeMatrixLayoutColumnMajor);
+                    sa = coopMatMulAdd(kt, qb, sa);
+                }
+            }
+            coopMatStore(sa, s_scr, scr, 2u, gl_CooperativeMatrixLayoutRowMajor);
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            const vec4 dot4 = s_scr[scr + 2u * t + hh];   // token t, heads 4 hh .. 4 hh + 3
+            const uint key = base + t;
+            const uvec4 keys = key < end ? in_group * seq_len : uvec4(0u);
+            x = logits4(dot4 * (pc.scale * FP8_F16_SCALE), heads, key, uvec4(last), keys);
+            subgroupBarrier();   // read (and the staged keys loaded) before the next products overwrite them
+        }
+#else
         const bool whole = phys >= 0 && base + BS <= end;
         const uint b = uint(max(phys, 0));
         MAT_A kt[DT];
         MAT_A vt[DT];
-#if KV_FP8
-        if (phys >= 0) {   // the value rows are staged after S
-            [[unroll]] for (uint h2 = 0u; h2 < 2u; h2++) {
-                [[unroll]] for (uint r = h2 * HT / 2u; r < (h2 + 1u) * HT / 2u; r++) {
-                    const uint slot = (sg * HT + 2u * r + hh - h2 * HT) * 32u;
-                    s_stage[slot + t] = fp8_as_f16_lo(k_chunks[r]);
-                    s_stage[slot + 16u + t] = fp8_as_f16_hi(k_chunks[r]);
-                }
-                subgroupMemoryBarrierShared();
-                subgroupBarrier();
-                [[unroll]] for (uint j = 0u; j < HT; j++) {
-                    coopMatLoad(kt[h2 * HT + j], s_stage, (sg * HT + j) * 32u, 2u, gl_CooperativeMatrixLayoutRowMajor);
-                }
-                subgroupBarrier();   // read before the next tiles overwrite them
-            }
-        }
-#else
         if (whole) {
             [[unroll]] for (uint j = 0u; j < DT; j++) {
                 coopMatLoad(kt[j], key_cache, key_tile(b, kv_head, j), 2u, gl_CooperativeMatrixLayoutRowMajor);
@@ -292,7 +424,6 @@ void main() {
                 coopMatLoad(vt[i], value_cache, value_tile(b, kv_head, i), 2u, gl_CooperativeMatrixLayoutRowMajor);
             }
         }
-#endif
 
         // S: the block's logits, through shared memory to the lanes.
         vec4 x = vec4(NEG_INF);
@@ -323,6 +454,7 @@ void main() {
             x = logits4(dot4 * (pc.scale * FP8_F16_SCALE), heads, key, uvec4(last), keys);
             subgroupBarrier();   // read before the next block's products overwrite it
         }
+#endif
 
         // P: each head's block max over the 16 lanes of its half, the lazy rescale, the weights.
         vec4 bmax = x;
@@ -350,23 +482,33 @@ void main() {
         const vec4 p = mix(exp(x - m), vec4(0.0), equal(x, vec4(NEG_INF)));
         l += p;
         if (phys >= 0) {
-            s_p[pbase + t * PV_ROW + hh] = f16vec4(p);
 #if KV_FP8
-            [[unroll]] for (uint h2 = 0u; h2 < 2u; h2++) {
-                [[unroll]] for (uint r = h2 * HT / 2u; r < (h2 + 1u) * HT / 2u; r++) {
-                    const uint slot = (sg * HT + 2u * r + hh - h2 * HT) * 32u;
-                    const uvec4 w = tokens_before(v_rows[r], base, end);
-                    s_stage[slot + 2u * t] = fp8_as_f16_lo(w);
-                    s_stage[slot + 2u * t + 1u] = fp8_as_f16_hi(w);
+            s_p[pbase + fp8_token_slot(t) * PV_ROW + hh] = f16vec4(p);
+            // V^T's words, the tokens from `end` on zeroed (one mask: every word of the lane holds tokens 4 qq ..).
+            const uint keep = fp8_tokens_before(base + 4u * qq, end);
+            if (!in_registers) {
+                [[unroll]] for (uint i = 0u; i < DT; i++) {
+                    fp8_stage(stage + 128u * i, lane, vw[2u * i] & keep, vw[2u * i + 1u] & keep);
                 }
-                subgroupMemoryBarrierShared();
-                subgroupBarrier();
-                [[unroll]] for (uint i = 0u; i < HT; i++) {
-                    coopMatLoad(vt[h2 * HT + i], s_stage, (sg * HT + i) * 32u, 2u, gl_CooperativeMatrixLayoutRowMajor);
-                }
-                subgroupBarrier();
             }
+            subgroupMemoryBarrierShared();
+            subgroupBarrier();
+            MAT_BP pt;
+            coopMatLoad(pt, s_p, pbase, PV_ROW, gl_CooperativeMatrixLayoutRowMajor);
+            if (in_registers) {
+                [[unroll]] for (uint i = 0u; i < DT; i++) {
+                    o[i] = coopMatMulAdd(fp8_tile(vw[2u * i] & keep, vw[2u * i + 1u] & keep, mma_order), pt, o[i]);
+                }
+            } else {
+                [[unroll]] for (uint i = 0u; i < DT; i++) {
+                    MAT_A vt;
+                    coopMatLoad(vt, s_stage, stage + 128u * i, 8u, gl_CooperativeMatrixLayoutRowMajor);
+                    o[i] = coopMatMulAdd(vt, pt, o[i]);
+                }
+            }
+            subgroupBarrier();   // P^T (and the staged values) read before the next block's overwrite them
 #else
+            s_p[pbase + t * PV_ROW + hh] = f16vec4(p);
             if (!whole) {   // V^T through shared memory, zeros for the tokens not there
                 const uint d = lane / 2u, t0 = 8u * (lane % 2u);
                 [[unroll]] for (uint i = 0u; i < DT; i++) {
@@ -383,19 +525,28 @@ void main() {
                     subgroupBarrier();
                 }
             }
-#endif
             subgroupMemoryBarrierShared();
             subgroupBarrier();
             MAT_BP pt;
             coopMatLoad(pt, s_p, pbase, PV_ROW, gl_CooperativeMatrixLayoutRowMajor);
             [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = coopMatMulAdd(vt[i], pt, o[i]);
             subgroupBarrier();   // P^T read before the next block's weights overwrite it
+#endif
         }
 #if KV_FP8
-        k_chunks = next_k_chunks;
-        v_rows = next_v_rows;
-        phys = next_phys;
-        next_phys = later_phys;
+        phys = phys1;
+        if (FP8_AHEAD >= 2u) {
+            kw = kw1;
+            vw = vw1;
+            kw1 = ahead_kw;
+            vw1 = ahead_vw;
+            phys1 = phys2;
+            phys2 = later_phys;
+        } else {
+            kw = ahead_kw;
+            vw = ahead_vw;
+            phys1 = later_phys;
+        }
 #else
         phys = next_phys;
 #endif
@@ -436,7 +587,10 @@ void main() {
         for (uint s = 0u; s < SUBGROUPS; s++) {
             o2 += vec2(s_o[(s * MAX_GROUP + g) * D + d0], s_o[(s * MAX_GROUP + g) * D + d0 + 1u]);
         }
-        o2 *= FP8_F16_SCALE;   // the values' scale (fp8: staged at 1 / FP8_F16_SCALE)
+        o2 *= FP8_F16_SCALE;   // the values' scale (fp8: converted at 1 / FP8_F16_SCALE)
+#if KV_FP8
+        if (FP8_BUILD == 2u && s_refused != 0u) o2 = vec2(uintBitsToFloat(0x7fc00000u));   // not in registers
+#endif
         const float lg = g < 4u ? l_a[g] : l_b[g - 4u];
         const float mg = g < 4u ? mm_a[g] : mm_b[g - 4u];
         const uint head = head0 + g;

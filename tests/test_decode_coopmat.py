@@ -125,7 +125,8 @@ def test_the_matrix_module_is_declared_for_binding_access_with_the_decode_consta
     assert key.source == "paged_decode_coopmat.comp" and key.target_env == "vulkan1.2"
     assert abi.PAGED_DECODE.specialization_constants(key) == {
         abi.VARIANTS_SPEC_ID: "bool", abi.DECODE_VALUE_ORDER_SPEC_ID: "uint32", abi.DECODE_GROUP_SPEC_ID: "uint32",
-        abi.DECODE_MERGE_SPEC_ID: "uint32"}
+        abi.DECODE_MERGE_SPEC_ID: "uint32", abi.DECODE_FP8_BUILD_SPEC_ID: "uint32",
+        abi.DECODE_FP8_AHEAD_SPEC_ID: "uint32"}
     with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module reading caches by 'seg'"):
         abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, "seg", "coopmat")
     built = [k for k in abi.PAGED_DECODE.keys() if k.matrix]
@@ -145,10 +146,11 @@ def matrix_case(rng, dtype=np.float16, **kw) -> Case:
     return case
 
 
-def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=None, value_cache=None, **options):
+def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=None, value_cache=None,
+                constants=None, **options):
     """(out, lse, plan key, partitions, whether the split is merged in the decode dispatch) of a DecodePlan for the
     case's caches, run on them (or on `key_cache` and `value_cache`) into NaN-poisoned outputs; `options`: the
-    plan's (attention variants, k_scale and v_scale)."""
+    plan's (attention variants, k_scale and v_scale); `constants`: specialization constants set on the plan."""
     out = np.full(query.shape, np.nan, query.dtype)
     lse = np.full(query.shape[:2], np.nan, np.float32)
     key_cache = case.key_cache if key_cache is None else key_cache
@@ -157,11 +159,12 @@ def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=No
                             num_kv_heads=case.num_kv_heads, head_size=query.shape[2], block_size=16,
                             num_blocks=case.key_cache.shape[0], dtype=case.key_cache.dtype, query_dtype=query.dtype,
                             partition_size=partition_size, kernel=kernel, backend="glsl", **options) as plan:
+        plan.constants.update(constants or {})
         plan.run(query, key_cache, value_cache, out=out, lse=lse)
         return out, lse, plan.key, plan.num_partitions, plan.merge_in_decode
 
 
-def check_split_and_unsplit(case, query, tol=TOL, **variants):
+def check_split_and_unsplit(case, query, tol=TOL, constants=None, **variants):
     """One partition; 32-token partitions (two blocks: two of the four subgroups idle), merged by the reduce
     dispatch where there are more than four; and at most four partitions (of the longest sequence; a sliding window
     may leave one), merged in the decode dispatch: each against float64 (out and lse), and all alike."""
@@ -170,7 +173,7 @@ def check_split_and_unsplit(case, query, tol=TOL, **variants):
     few = -(-longest // (16 * abi.DECODE_MERGE_PARTITIONS)) * 16   # tokens a partition: at most four of them
     outs = []
     for partition_size, most in ((4096, 1), (32, None), (few, abi.DECODE_MERGE_PARTITIONS)):
-        out, lse, key, parts, merged = run_coopmat(case, query, partition_size, **variants)
+        out, lse, key, parts, merged = run_coopmat(case, query, partition_size, constants=constants, **variants)
         assert key.matrix == "coopmat" and (parts > 1 if most is None else parts <= most)
         assert merged == (1 < parts <= abi.DECODE_MERGE_PARTITIONS)
         assert rel_error(out, ref_out) <= tol
@@ -217,6 +220,29 @@ def test_bfloat16_keeps_values_float16_cannot_hold(rng):
     out, _, key, _, _ = run_coopmat(case, case.query, 4096)
     assert key.kv == "bf16" and np.abs(out.astype(np.float32)).max() > 65504
     assert rel_error(out, reference.paged_attention(case.query, *case.args()[1:])) <= BF16_TOL
+
+
+# The fp8 matrices' builds (shaders/paged_decode_coopmat.comp, FP8): in registers (FP8_BUILD 2: a subgroup that finds
+# its device's element layout unknown makes the outputs NaN, so this fails unless the register path ran; the layouts
+# known are NVIDIA's, measured on the H200), with one or two blocks loaded ahead, and through shared memory (1: every
+# other device's path, forced).
+FP8_BUILDS = {"registers": {abi.DECODE_FP8_BUILD_SPEC_ID: 2},
+              "registers-2-ahead": {abi.DECODE_FP8_BUILD_SPEC_ID: 2, abi.DECODE_FP8_AHEAD_SPEC_ID: 2},
+              "staged": {abi.DECODE_FP8_BUILD_SPEC_ID: 1}}
+
+
+@needs_coopmat
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 2), (6, 2)], ids=["g1", "g8", "g3"])
+@pytest.mark.parametrize("head_size", (64, 128))
+@pytest.mark.parametrize("build", FP8_BUILDS)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES[1:], ids=lambda d: np.dtype(d).name)
+def test_fp8_matrices_built_in_registers_and_staged(rng, cache_dtype, build, head_size, num_heads, num_kv_heads):
+    if build != "staged" and _info.vendor != "NVIDIA":
+        pytest.skip(f"the register build's element layouts are NVIDIA's; {_info.name} may take the staged one")
+    case = matrix_case(rng, cache_dtype, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_size=head_size)
+    poison_unread_slots(case, 16)
+    check_split_and_unsplit(case, case.query, constants=FP8_BUILDS[build])
 
 
 @needs_coopmat
