@@ -184,24 +184,48 @@ fn key_logits(dots: vec4<f32>, k: u32, phys: i32, base: u32, heads: vec4<u32>, q
 }
 
 // One head quad c of a chunk: the dot products of a thread's 4 keys (kr, kr + kstep, ...) with its 4 rows (qr,
-// qr + rstep, ...) accumulated into st.
+// qr + rstep, ...) accumulated into st, as outer products of one head dim at a time: each key's element times the
+// rows' (a vector per head dim, its components chosen from the rows' quads) in fused multiply-adds, 64 of them. A
+// vector times a matrix would be four dot products then an add each (80 operations: the add is not fused).
 fn s_step(st: ptr<function, mat4x4<f32>>, qr: u32, kr: u32, rstep: u32, kstep: u32) {
-    let q = mat4x4<f32>(s_mem[qr], s_mem[qr + rstep], s_mem[qr + 2u * rstep], s_mem[qr + 3u * rstep]);
-    (*st)[0] += s_mem[kr] * q;   // vector * matrix: the key's dot product with each row
-    (*st)[1] += s_mem[kr + kstep] * q;
-    (*st)[2] += s_mem[kr + 2u * kstep] * q;
-    (*st)[3] += s_mem[kr + 3u * kstep] * q;
+    let q0 = s_mem[qr];
+    let q1 = s_mem[qr + rstep];
+    let q2 = s_mem[qr + 2u * rstep];
+    let q3 = s_mem[qr + 3u * rstep];
+    let qx = vec4<f32>(q0.x, q1.x, q2.x, q3.x);
+    let qy = vec4<f32>(q0.y, q1.y, q2.y, q3.y);
+    let qz = vec4<f32>(q0.z, q1.z, q2.z, q3.z);
+    let qw = vec4<f32>(q0.w, q1.w, q2.w, q3.w);
+    (*st)[0] = key_dots(s_mem[kr], qx, qy, qz, qw, (*st)[0]);
+    (*st)[1] = key_dots(s_mem[kr + kstep], qx, qy, qz, qw, (*st)[1]);
+    (*st)[2] = key_dots(s_mem[kr + 2u * kstep], qx, qy, qz, qw, (*st)[2]);
+    (*st)[3] = key_dots(s_mem[kr + 3u * kstep], qx, qy, qz, qw, (*st)[3]);
 }
 
-// One key of P.V: its weights for the thread's rows (at pr) times its values at the thread's head quads (vr + vcols).
+// acc + key k's dot products with 4 rows over one head quad, the rows' elements by head dim (qx .. qw).
+fn key_dots(k: vec4<f32>, qx: vec4<f32>, qy: vec4<f32>, qz: vec4<f32>, qw: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
+    return fma(vec4<f32>(k.w), qw, fma(vec4<f32>(k.z), qz, fma(vec4<f32>(k.y), qy, fma(vec4<f32>(k.x), qx, acc))));
+}
+
+// One key of P.V: its weights for the thread's rows (at pr) times its values at the thread's head quads (vr + vcols),
+// in fused multiply-adds.
 fn pv_step(o0: ptr<function, mat4x4<f32>>, o1: ptr<function, mat4x4<f32>>, o2: ptr<function, mat4x4<f32>>,
            o3: ptr<function, mat4x4<f32>>, pr: u32, vr: u32, vcols: vec4<u32>) {
     let p = s_mem[pr];
-    let v = mat4x4<f32>(s_mem[vr + vcols.x], s_mem[vr + vcols.y], s_mem[vr + vcols.z], s_mem[vr + vcols.w]);
-    *o0 += p.x * v;
-    *o1 += p.y * v;
-    *o2 += p.z * v;
-    *o3 += p.w * v;
+    let va = s_mem[vr + vcols.x];
+    let vb = s_mem[vr + vcols.y];
+    let vc = s_mem[vr + vcols.z];
+    let vd = s_mem[vr + vcols.w];
+    *o0 = weighted(p.x, va, vb, vc, vd, *o0);
+    *o1 = weighted(p.y, va, vb, vc, vd, *o1);
+    *o2 = weighted(p.z, va, vb, vc, vd, *o2);
+    *o3 = weighted(p.w, va, vb, vc, vd, *o3);
+}
+
+// o + w times the value quads va .. vd (o's columns).
+fn weighted(w: f32, va: vec4<f32>, vb: vec4<f32>, vc: vec4<f32>, vd: vec4<f32>, o: mat4x4<f32>) -> mat4x4<f32> {
+    let s = vec4<f32>(w);
+    return mat4x4<f32>(fma(s, va, o[0]), fma(s, vb, o[1]), fma(s, vc, o[2]), fma(s, vd, o[3]));
 }
 
 // Softmax weights of logits x under running maxes m; 0 where masked (exp(-inf - -inf) would be NaN).
