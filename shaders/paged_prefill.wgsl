@@ -475,13 +475,17 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
             tile_max = max(tile_max, s_mem[g * row_groups + rg]);
         }
         let m_new = max(m, tile_max);
-        let alpha = select(exp(m - m_new), vec4<f32>(1.0), m_new == ninf4);
-        m = m_new;
-        l *= alpha;
-        o0 *= alpha.x;
-        o1 *= alpha.y;
-        o2 *= alpha.z;
-        o3 *= alpha.w;
+        // What a thread holds is rescaled only where a row's max grew (after the first tiles, rarely): alpha is
+        // exactly 1 elsewhere.
+        if (any(m_new != m)) {
+            let alpha = select(exp(m - m_new), vec4<f32>(1.0), m_new == ninf4);
+            m = m_new;
+            l *= alpha;
+            o0 *= alpha.x;
+            o1 *= alpha.y;
+            o2 *= alpha.z;
+            o3 *= alpha.w;
+        }
         let p0 = weights(st[0], m);
         let p1 = weights(st[1], m);
         let p2 = weights(st[2], m);
