@@ -352,6 +352,10 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
     let keys = select(vec4<u32>(0u), vec4<u32>(visible_keys(qi.x, q_len, seq_len), visible_keys(qi.y, q_len, seq_len),
                       visible_keys(qi.z, q_len, seq_len), visible_keys(qi.w, q_len, seq_len)), valid);
     let heads = kv_head * group + gr % group;
+    // The keys all four rows see (every key before), and whether the logits are the scaled products alone: no
+    // softcap, ALiBi or window.
+    let seen_by_all = min(min(keys.x, keys.y), min(keys.z, keys.w));
+    let plain = !(pc.softcap > 0.0) && (pc.variants & VARIANT_ALIBI) == 0u && pc.window == 0u;
     let qpos = vec4<u32>(query_position(qi.x, q_len, seq_len), query_position(qi.y, q_len, seq_len),
                          query_position(qi.z, q_len, seq_len), query_position(qi.w, q_len, seq_len));
     // The head quads of this thread's output columns (columns past the head are never written; their values are
@@ -460,11 +464,16 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
             }
             buf = select(RED, RED + CHUNK_QUADS, buf == RED);
         }
-        // The logit hooks, -inf where masked; written out so that st stays in registers.
-        st[0] = key_logits(st[0], cols.x, s_phys.x, base, heads, qpos, keys);
-        st[1] = key_logits(st[1], cols.y, s_phys.y, base, heads, qpos, keys);
-        st[2] = key_logits(st[2], cols.z, s_phys.z, base, heads, qpos, keys);
-        st[3] = key_logits(st[3], cols.w, s_phys.w, base, heads, qpos, keys);
+        // The logit hooks, -inf where masked; written out so that st stays in registers. Where every row of the
+        // thread sees every key of the tile and no hook changes a logit (most tiles), the scale alone.
+        if (plain && base + kt <= seen_by_all && all(s_phys >= vec4<i32>(0))) {
+            st *= pc.scale;
+        } else {
+            st[0] = key_logits(st[0], cols.x, s_phys.x, base, heads, qpos, keys);
+            st[1] = key_logits(st[1], cols.y, s_phys.y, base, heads, qpos, keys);
+            st[2] = key_logits(st[2], cols.z, s_phys.z, base, heads, qpos, keys);
+            st[3] = key_logits(st[3], cols.w, s_phys.w, base, heads, qpos, keys);
+        }
 
         // Online softmax across tiles, per row: each thread's max over its keys, then the row group's. The slots
         // are read after one barrier and written again only after the tile's last.
