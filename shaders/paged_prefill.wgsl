@@ -175,6 +175,19 @@ fn v_store(t: Tile, i: u32, vkey: u32, d: u32, sub: u32, tile_len: u32, w: KvQua
     s_mem[at + 3u * t.hq][e] = select(0.0, v.w, k + 3u < tile_len);
 }
 
+// Values where the tile's keys are a thread's logit keys (own_values in attend): head quad c of key k of the tile,
+// in block phys (-1: none, zeros), loaded and staged.
+fn v_own_load(t: Tile, phys: i32, k: u32, c: u32) -> KvQuad {
+    if (phys < 0) {
+        return KvQuad();
+    }
+    return value_load(u32(phys), value_offset(t.kv_head, k & ((1u << t.bs_log2) - 1u), 4u * c) >> 2u);
+}
+
+fn v_own_store(t: Tile, k: u32, c: u32, w: KvQuad) {
+    s_mem[V_OFF + k * t.hq + c] = kv_quad(w);
+}
+
 // The logits of key k of the tile (block phys) for a thread's rows from their dot products: the hooks, -inf where
 // masked. A token outside the cache (or past the tile) is visible to no row.
 fn key_logits(dots: vec4<f32>, k: u32, phys: i32, base: u32, heads: vec4<u32>, qpos: vec4<u32>,
@@ -377,6 +390,11 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
     let q_in = k_row < vec4<u32>(n_rows);   // the rows staged are numbered as the keys
     // The value elements this thread stages, tid + WG * n (n < 8): their keys in the sub-tile and head dims.
     let dc = pc.v_dim_stride == 1u;
+    // Head size 128, 64 rows, head dims contiguous: a thread stages the values of its own logit keys (cols), head
+    // quads 2 rg and 2 rg + 1 of each, from the blocks it has already read (s_phys): no block-table reads of its
+    // own for them, and the loads go out without waiting on any. Elsewhere element tid + WG * n, as below.
+    let own_values = dc && hs == 128u && n_rows == 64u;
+    let vq = 2u * rg;
     let vi_a = tid + WG * vec4<u32>(0u, 1u, 2u, 3u);
     let vi_b = vi_a + 4u * WG;
     let vkey_a = vec4<u32>(v_key(t, vi_a.x, dc), v_key(t, vi_a.y, dc), v_key(t, vi_a.z, dc), v_key(t, vi_a.w, dc));
@@ -440,6 +458,15 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
             let c1 = c0 + cq;
             if (c1 < hq) {
                 ld = chunk_loads(q_src, k_phys, k_tok, c1, cl, hq);
+            } else if (own_values) {
+                v0 = v_own_load(t, s_phys.x, cols.x, vq);
+                v1 = v_own_load(t, s_phys.x, cols.x, vq + 1u);
+                v2 = v_own_load(t, s_phys.y, cols.y, vq);
+                v3 = v_own_load(t, s_phys.y, cols.y, vq + 1u);
+                v4 = v_own_load(t, s_phys.z, cols.z, vq);
+                v5 = v_own_load(t, s_phys.z, cols.z, vq + 1u);
+                v6 = v_own_load(t, s_phys.w, cols.w, vq);
+                v7 = v_own_load(t, s_phys.w, cols.w, vq + 1u);
             } else {
                 v0 = v_load(t, tid, vkey_a.x, vdim_a.x, 0u, base, tile_len);
                 v1 = v_load(t, tid + WG, vkey_a.y, vdim_a.y, 0u, base, tile_len);
@@ -504,14 +531,25 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
         s_mem[P_OFF + cols.y * row_groups + rg] = p1;
         s_mem[P_OFF + cols.z * row_groups + rg] = p2;
         s_mem[P_OFF + cols.w * row_groups + rg] = p3;
-        v_store(t, tid, vkey_a.x, vdim_a.x, 0u, tile_len, v0);
-        v_store(t, tid + WG, vkey_a.y, vdim_a.y, 0u, tile_len, v1);
-        v_store(t, tid + 2u * WG, vkey_a.z, vdim_a.z, 0u, tile_len, v2);
-        v_store(t, tid + 3u * WG, vkey_a.w, vdim_a.w, 0u, tile_len, v3);
-        v_store(t, tid + 4u * WG, vkey_b.x, vdim_b.x, 0u, tile_len, v4);
-        v_store(t, tid + 5u * WG, vkey_b.y, vdim_b.y, 0u, tile_len, v5);
-        v_store(t, tid + 6u * WG, vkey_b.z, vdim_b.z, 0u, tile_len, v6);
-        v_store(t, tid + 7u * WG, vkey_b.w, vdim_b.w, 0u, tile_len, v7);
+        if (own_values) {
+            v_own_store(t, cols.x, vq, v0);
+            v_own_store(t, cols.x, vq + 1u, v1);
+            v_own_store(t, cols.y, vq, v2);
+            v_own_store(t, cols.y, vq + 1u, v3);
+            v_own_store(t, cols.z, vq, v4);
+            v_own_store(t, cols.z, vq + 1u, v5);
+            v_own_store(t, cols.w, vq, v6);
+            v_own_store(t, cols.w, vq + 1u, v7);
+        } else {
+            v_store(t, tid, vkey_a.x, vdim_a.x, 0u, tile_len, v0);
+            v_store(t, tid + WG, vkey_a.y, vdim_a.y, 0u, tile_len, v1);
+            v_store(t, tid + 2u * WG, vkey_a.z, vdim_a.z, 0u, tile_len, v2);
+            v_store(t, tid + 3u * WG, vkey_a.w, vdim_a.w, 0u, tile_len, v3);
+            v_store(t, tid + 4u * WG, vkey_b.x, vdim_b.x, 0u, tile_len, v4);
+            v_store(t, tid + 5u * WG, vkey_b.y, vdim_b.y, 0u, tile_len, v5);
+            v_store(t, tid + 6u * WG, vkey_b.z, vdim_b.z, 0u, tile_len, v6);
+            v_store(t, tid + 7u * WG, vkey_b.w, vdim_b.w, 0u, tile_len, v7);
+        }
 
         // The next tile's first chunk, in flight during P.V.
         if (base + kt < kv_end) {
