@@ -16,7 +16,14 @@
 //   - the blocks of the keys a thread stages or tests are read from the block table by that thread (no shared
 //     table, no barrier for it);
 //   - values a thread holds per element (rows, keys) are vectors indexed by constants and its loads separate
-//     variables: a vector or matrix indexed by a variable is a local-memory array on some drivers.
+//     variables: a vector or matrix indexed by a variable is a local-memory array on some drivers;
+//   - the products are fused multiply-adds written out: the logits as outer products of one head dim at a time
+//     (64 a head quad, where a vector times a matrix made 80 operations), P.V as weight times value quad;
+//   - tiles of head size 128 and 64 rows (issue 12's shape, and vLLM's commonest) run attend() with those sizes
+//     as constants (the driver inlines the call and folds them into addresses, loop bounds and divisions), and
+//     there a thread stages the values of its own logit keys from the blocks it read for them;
+//   - a tile every row of a thread sees whole, without softcap, ALiBi or window, takes the scale alone (no logit
+//     hooks), and outputs are rescaled only where a row's max grew.
 // Shared memory: 29.7 KB (lavapipe, the CI device, offers 32 KB; the H200 48 KB).
 // build_shaders.py pastes the module's storage files (kv_<type>.wgsl, q_<type>.wgsl), its cache access
 // (kv_bound.wgsl or kv_segmented.wgsl) and the common parts.
