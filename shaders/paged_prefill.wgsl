@@ -395,13 +395,17 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
     let k_tok = vec4<u32>(key_offset(kv_head, k_row.x & (bs - 1u), 0u), key_offset(kv_head, k_row.y & (bs - 1u), 0u),
                           key_offset(kv_head, k_row.z & (bs - 1u), 0u), key_offset(kv_head, k_row.w & (bs - 1u), 0u));
     let q_in = k_row < vec4<u32>(n_rows);   // the rows staged are numbered as the keys
-    // The value elements this thread stages, tid + WG * n (n < 8): their keys in the sub-tile and head dims.
-    let dc = pc.v_dim_stride == 1u;
+    // The chunk loop's bound, hq read from the push constants: a run-time trip count even where hq is a constant,
+    // so that the driver keeps the loop (its body holds a whole chunk's products, unrolled) rather than unrolling
+    // a tile's chunks into one stretch of code several times the size.
+    let chunks_end = pc.head_size / 4u;
     // Head size 128, 64 rows, head dims contiguous: a thread stages the values of its own logit keys (cols), head
     // quads 2 rg and 2 rg + 1 of each, from the blocks it has already read (s_phys): no block-table reads of its
-    // own for them, and the loads go out without waiting on any. Elsewhere element tid + WG * n, as below.
+    // own for them, and the loads go out without waiting on any. Elsewhere the elements below.
+    let dc = pc.v_dim_stride == 1u;
     let own_values = dc && hs == 128u && n_rows == 64u;
     let vq = 2u * rg;
+    // The value elements this thread stages, tid + WG * n (n < 8): their keys in the sub-tile and head dims.
     let vi_a = tid + WG * vec4<u32>(0u, 1u, 2u, 3u);
     let vi_b = vi_a + 4u * WG;
     let vkey_a = vec4<u32>(v_key(t, vi_a.x, dc), v_key(t, vi_a.y, dc), v_key(t, vi_a.z, dc), v_key(t, vi_a.w, dc));
@@ -446,7 +450,7 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
         // S: st[j] = the logits of key cols[j] for the thread's rows, a chunk of head quads at a time.
         var st = mat4x4<f32>();
         var buf = RED;
-        for (var c0 = 0u; c0 < hq; c0 += cq) {
+        for (var c0 = 0u; c0 < chunks_end; c0 += cq) {
             // Keys outside the cache or past the tile are staged as zeros: slots past a sequence's length may hold
             // anything, NaN included.
             let rs = buf + cl;
