@@ -322,15 +322,18 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     // The tile of issue 12's shape (head size 128, 64 rows) with its sizes as constants, which the driver folds
     // into the addresses and loop bounds (it inlines the call); every other tile with them as run-time values.
     if (hs == 128u && n_rows == 64u) {
-        attend(tid, kv_head, seq, row0, q_start, q_len, 128u, 64u);
+        attend(tid, kv_head, seq, row0, q_start, q_len, 128u, 64u, true);
     } else {
-        attend(tid, kv_head, seq, row0, q_start, q_len, hs, n_rows);
+        attend(tid, kv_head, seq, row0, q_start, q_len, hs, n_rows, false);
     }
 }
 
 // One workgroup's tile of n_rows rows from row0 of sequence seq (its q_len queries from token q_start), kv head
-// kv_head, at head size hs (pc.head_size): the kernel proper.
-fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32, hs: u32, n_rows: u32) {
+// kv_head, at head size hs (pc.head_size): the kernel proper. fixed: the instance of constant sizes (head size 128,
+// 64 rows), which alone has the code of own_values below (a constant false folds it out of the other: lavapipe
+// runs both sides of a branch its lanes agree on, masked).
+fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32, hs: u32, n_rows: u32,
+          fixed: bool) {
     let hq = hs / 4u;                    // head quads
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
@@ -403,7 +406,7 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
     // quads 2 rg and 2 rg + 1 of each, from the blocks it has already read (s_phys): no block-table reads of its
     // own for them, and the loads go out without waiting on any. Elsewhere the elements below.
     let dc = pc.v_dim_stride == 1u;
-    let own_values = dc && hs == 128u && n_rows == 64u;
+    let own_values = fixed && dc;
     let vq = 2u * rg;
     // The value elements this thread stages, tid + WG * n (n < 8): their keys in the sub-tile and head dims.
     let vi_a = tid + WG * vec4<u32>(0u, 1u, 2u, 3u);
