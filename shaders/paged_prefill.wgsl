@@ -449,6 +449,9 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
         // The blocks of the keys whose logits this thread computes.
         let s_phys = vec4<i32>(key_block(t, base + cols.x, tile_end), key_block(t, base + cols.y, tile_end),
                                key_block(t, base + cols.z, tile_end), key_block(t, base + cols.w, tile_end));
+        // The blocks of the keys it stages of the next tile (-1 past kv_end), read now: their chunk's loads, issued
+        // just before the barrier that starts P.V, then wait on no block-table read there.
+        let next_phys = staged_blocks(t, base + kt, kv_end, k_row);
 
         // S: st[j] = the logits of key cols[j] for the thread's rows, a chunk of head quads at a time.
         var st = mat4x4<f32>();
@@ -567,7 +570,7 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
 
         // The next tile's first chunk, in flight during P.V.
         if (base + kt < kv_end) {
-            k_phys = staged_blocks(t, base + kt, kv_end, k_row);
+            k_phys = next_phys;
             ld = chunk_loads(q_src, k_phys, k_tok, 0u, cl, hq);
         }
         workgroupBarrier();
