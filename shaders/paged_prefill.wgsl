@@ -319,9 +319,10 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     if (row_base(q_start, kv_head, row0) + hs > query_elems) {
         return;
     }
-    // The tile of issue 12's shape (head size 128, 64 rows) with its sizes as constants, which the driver folds
-    // into the addresses and loop bounds (it inlines the call); every other tile with them as run-time values.
-    if (hs == 128u && n_rows == 64u) {
+    // The tile of issue 12's shape (head size 128, 64 rows, head dims contiguous) with its sizes as constants, which
+    // the driver folds into the addresses and loop bounds (it inlines the call); every other tile with them as
+    // run-time values.
+    if (hs == 128u && n_rows == 64u && pc.v_dim_stride == 1u) {
         attend(tid, kv_head, seq, row0, q_start, q_len, 128u, 64u, true);
     } else {
         attend(tid, kv_head, seq, row0, q_start, q_len, hs, n_rows, false);
@@ -330,8 +331,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
 
 // One workgroup's tile of n_rows rows from row0 of sequence seq (its q_len queries from token q_start), kv head
 // kv_head, at head size hs (pc.head_size): the kernel proper. fixed: the instance of constant sizes (head size 128,
-// 64 rows), which alone has the code of own_values below (a constant false folds it out of the other: lavapipe
-// runs both sides of a branch its lanes agree on, masked).
+// 64 rows, head dims contiguous), which alone stages values as own_values below says, and has no code for the other
+// way (a constant folds the branches; lavapipe would run both sides of a branch its lanes agree on, masked).
 fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32, hs: u32, n_rows: u32,
           fixed: bool) {
     let hq = hs / 4u;                    // head quads
@@ -402,11 +403,11 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
     // so that the driver keeps the loop (its body holds a whole chunk's products, unrolled) rather than unrolling
     // a tile's chunks into one stretch of code several times the size.
     let chunks_end = pc.head_size / 4u;
-    // Head size 128, 64 rows, head dims contiguous: a thread stages the values of its own logit keys (cols), head
-    // quads 2 rg and 2 rg + 1 of each, from the blocks it has already read (s_phys): no block-table reads of its
-    // own for them, and the loads go out without waiting on any. Elsewhere the elements below.
+    // Head size 128, 64 rows, head dims contiguous (fixed): a thread stages the values of its own logit keys (cols),
+    // head quads 2 rg and 2 rg + 1 of each, from the blocks it has already read (s_phys): no block-table reads of
+    // its own for them, and the loads go out without waiting on any. Elsewhere the elements below.
     let dc = pc.v_dim_stride == 1u;
-    let own_values = fixed && dc;
+    let own_values = fixed;
     let vq = 2u * rg;
     // The value elements this thread stages, tid + WG * n (n < 8): their keys in the sub-tile and head dims.
     let vi_a = tid + WG * vec4<u32>(0u, 1u, 2u, 3u);
@@ -577,7 +578,7 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
 
         // PV: the values vk keys at a time (the whole tile at head sizes up to 128 and 64 rows).
         for (var sub = 0u; sub < tile_len; sub += t.vk) {
-            if (sub > 0u) {
+            if (sub > 0u && !own_values) {   // own values: the whole tile is one sub-tile (vk = kt)
                 v0 = v_load(t, tid, vkey_a.x, vdim_a.x, sub, base, tile_len);
                 v1 = v_load(t, tid + WG, vkey_a.y, vdim_a.y, sub, base, tile_len);
                 v2 = v_load(t, tid + 2u * WG, vkey_a.z, vdim_a.z, sub, base, tile_len);
