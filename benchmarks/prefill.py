@@ -18,6 +18,7 @@ coopmat); a kernel the device cannot run for a row's arguments is reported and s
     python benchmarks/prefill.py --dtypes f16 --backends glsl --json prefill.json
     python benchmarks/prefill.py --dtypes f16 --backends glsl --kernels scalar,coopmat   # both kernels
     python benchmarks/prefill.py --batches 4x512/4096 --dtypes f16         # the issue's shape only
+    python benchmarks/prefill.py --batches 4x512/4096 --dtypes f16 --forward-only   # no backward (nor SDPA's)
 """
 
 import argparse
@@ -104,7 +105,7 @@ def part(inputs, seqs, rows):
     return q, np.ascontiguousarray(inputs.block_tables[seqs]), np.ascontiguousarray(lens), loc
 
 
-def time_pagedvk(inputs, backend, kernel, repeats, heads) -> dict:
+def time_pagedvk(inputs, backend, kernel, repeats, heads, backward=True) -> dict:
     forward = Recorded.forward(*inputs.args(), backend=backend, kernel=kernel)
     try:
         fwd_ns = median_ns(forward.launch, repeats)
@@ -114,18 +115,22 @@ def time_pagedvk(inputs, backend, kernel, repeats, heads) -> dict:
         ref, _ = reference.paged_attention_prefill(inputs.host[0][loc[0]:loc[1]], *inputs.host[1:],
                                                    inputs.block_tables[:1], inputs.seq_lens[:1], loc[:2] - loc[0])
         error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        backward = Recorded.backward(inputs.dout, inputs.query, inputs.key_cache, inputs.value_cache,
-                                     inputs.block_tables, inputs.seq_lens, out, lse, loc, backend=backend,
-                                     kernel=kernel)
-        try:
-            bwd_ns = median_ns(backward.launch, repeats)
-        finally:
-            backward.close()
+        bwd_ns = None
+        if backward:
+            bwd = Recorded.backward(inputs.dout, inputs.query, inputs.key_cache, inputs.value_cache,
+                                    inputs.block_tables, inputs.seq_lens, out, lse, loc, backend=backend,
+                                    kernel=kernel)
+            try:
+                bwd_ns = median_ns(bwd.launch, repeats)
+            finally:
+                bwd.close()
     finally:
         forward.close()
-    row = {"backend": backend, "kernel": kernel, "forward_us": fwd_ns / 1e3, "backward_us": bwd_ns / 1e3,
-           "forward_TFLOPs": inputs.flops / fwd_ns / 1e3, "backward_TFLOPs": 2.5 * inputs.flops / bwd_ns / 1e3,
-           "rel_error": error, "ok": error <= TOLERANCE[inputs.dtype.name]}
+    row = {"backend": backend, "kernel": kernel, "forward_us": fwd_ns / 1e3,
+           "forward_TFLOPs": inputs.flops / fwd_ns / 1e3, "rel_error": error,
+           "ok": error <= TOLERANCE[inputs.dtype.name]}
+    if bwd_ns is not None:
+        row.update(backward_us=bwd_ns / 1e3, backward_TFLOPs=2.5 * inputs.flops / bwd_ns / 1e3)
     q_lens = np.diff(inputs.query_start_loc)
     decode = np.flatnonzero(q_lens == 1)
     if decode.size and decode.size < len(q_lens):
@@ -157,7 +162,7 @@ def time_parts(inputs, backend, repeats, heads, decode) -> float:
             a.close()
 
 
-def time_sdpa(torch, batch, dtype, heads, repeats) -> dict | None:
+def time_sdpa(torch, batch, dtype, heads, repeats, backward=True) -> dict | None:
     """SDPA forward and backward (CUDA events, median of `repeats` batches of runs) for a batch whose
     sequences share one (new tokens, context); None for other batches."""
     if len(set(batch)) != 1:
@@ -194,7 +199,7 @@ def time_sdpa(torch, batch, dtype, heads, repeats) -> dict | None:
 
     with torch.no_grad():
         fwd = timed(forward)
-    return {"sdpa_forward_us": fwd, "sdpa_backward_us": timed(both) - fwd}
+    return {"sdpa_forward_us": fwd, **({"sdpa_backward_us": timed(both) - fwd} if backward else {})}
 
 
 def main(argv=None) -> int:
@@ -209,6 +214,7 @@ def main(argv=None) -> int:
                    help="comma-separated names of the sweep's batches to run (default: all), e.g. 4x512/4096")
     p.add_argument("--repeats", type=positive, default=10, help="timed submissions per figure")
     p.add_argument("--json", default=None, help="also write every figure to this file")
+    p.add_argument("--forward-only", action="store_true", help="time the forward alone (no backward)")
     args = p.parse_args(argv)
     sweep, heads = (SMALL_SWEEP, HEADS["small"]) if args.small else (SWEEP, HEADS["full"])
     if args.batches is not None:
@@ -228,18 +234,22 @@ def main(argv=None) -> int:
         for dtype in args.dtypes:
             inputs = Inputs(batch, dtype, **heads)
             try:
-                peer = time_sdpa(torch, batch, dtype, heads, args.repeats) if torch is not None else None
+                peer = (time_sdpa(torch, batch, dtype, heads, args.repeats, backward=not args.forward_only)
+                        if torch is not None else None)
                 for backend, kernel in ((b, k) for b in args.backends for k in args.kernels):
                     try:
-                        timed = time_pagedvk(inputs, backend, kernel, args.repeats, heads)
+                        timed = time_pagedvk(inputs, backend, kernel, args.repeats, heads,
+                                             backward=not args.forward_only)
                     except ValueError as e:   # kernel="coopmat" where it cannot run: say why, time the others
                         print(f"{name:>30} {dtype:>9} {backend} {kernel}: skipped: {e}", flush=True)
                         continue
                     r = {"batch": name, "dtype": dtype, "GFLOP": inputs.flops / 1e9, **timed, **(peer or {})}
                     rows.append(r)
                     print(f"{name:>30} {dtype:>9} {backend} {kernel}: forward {r['forward_us']:10.1f} us "
-                          f"({r['forward_TFLOPs']:.3g} TFLOP/s), backward {r['backward_us']:10.1f} us "
-                          f"({r['backward_TFLOPs']:.3g} TFLOP/s), err {r['rel_error']:.1e}"
+                          f"({r['forward_TFLOPs']:.3g} TFLOP/s)"
+                          + (f", backward {r['backward_us']:10.1f} us ({r['backward_TFLOPs']:.3g} TFLOP/s)"
+                             if "backward_us" in r else "")
+                          + f", err {r['rel_error']:.1e}"
                           + (f"; as separate calls {r['separate_us']:.1f} us" if "separate_us" in r else ""),
                           flush=True)
             finally:
@@ -255,7 +265,7 @@ def main(argv=None) -> int:
         return f"{r[key]:.1f} us" if key in r else "-"
     for r in rows:
         print(f"| {r['batch']} | {r['dtype']} | {r['backend']} | {r['kernel']} | {r['GFLOP']:.3f} | {us(r, 'forward_us')} | "
-              f"{r['forward_TFLOPs']:.3g} | {us(r, 'backward_us')} | {r['backward_TFLOPs']:.3g} | "
+              f"{r['forward_TFLOPs']:.3g} | {us(r, 'backward_us')} | {format(r['backward_TFLOPs'], '.3g') if 'backward_TFLOPs' in r else '-'} | "
               f"{us(r, 'separate_us')} | {us(r, 'sdpa_forward_us')} | {us(r, 'sdpa_backward_us')} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -16,7 +16,14 @@
 //   - the blocks of the keys a thread stages or tests are read from the block table by that thread (no shared
 //     table, no barrier for it);
 //   - values a thread holds per element (rows, keys) are vectors indexed by constants and its loads separate
-//     variables: a vector or matrix indexed by a variable is a local-memory array on some drivers.
+//     variables: a vector or matrix indexed by a variable is a local-memory array on some drivers;
+//   - the products are fused multiply-adds written out: the logits as outer products of one head dim at a time
+//     (64 a head quad, where a vector times a matrix made 80 operations), P.V as weight times value quad;
+//   - tiles of head size 128 and 64 rows (issue 12's shape, and vLLM's commonest) run attend() with those sizes
+//     as constants (the driver inlines the call and folds them into addresses, loop bounds and divisions), and
+//     there a thread stages the values of its own logit keys from the blocks it read for them;
+//   - a tile every row of a thread sees whole, without softcap, ALiBi or window, takes the scale alone (no logit
+//     hooks), and outputs are rescaled only where a row's max grew.
 // Shared memory: 29.7 KB (lavapipe, the CI device, offers 32 KB; the H200 48 KB).
 // build_shaders.py pastes the module's storage files (kv_<type>.wgsl, q_<type>.wgsl), its cache access
 // (kv_bound.wgsl or kv_segmented.wgsl) and the common parts.
@@ -175,6 +182,19 @@ fn v_store(t: Tile, i: u32, vkey: u32, d: u32, sub: u32, tile_len: u32, w: KvQua
     s_mem[at + 3u * t.hq][e] = select(0.0, v.w, k + 3u < tile_len);
 }
 
+// Values where the tile's keys are a thread's logit keys (own_values in attend): head quad c of key k of the tile,
+// in block phys (-1: none, zeros), loaded and staged.
+fn v_own_load(t: Tile, phys: i32, k: u32, c: u32) -> KvQuad {
+    if (phys < 0) {
+        return KvQuad();
+    }
+    return value_load(u32(phys), value_offset(t.kv_head, k & ((1u << t.bs_log2) - 1u), 4u * c) >> 2u);
+}
+
+fn v_own_store(t: Tile, k: u32, c: u32, w: KvQuad) {
+    s_mem[V_OFF + k * t.hq + c] = kv_quad(w);
+}
+
 // The logits of key k of the tile (block phys) for a thread's rows from their dot products: the hooks, -inf where
 // masked. A token outside the cache (or past the tile) is visible to no row.
 fn key_logits(dots: vec4<f32>, k: u32, phys: i32, base: u32, heads: vec4<u32>, qpos: vec4<u32>,
@@ -184,24 +204,48 @@ fn key_logits(dots: vec4<f32>, k: u32, phys: i32, base: u32, heads: vec4<u32>, q
 }
 
 // One head quad c of a chunk: the dot products of a thread's 4 keys (kr, kr + kstep, ...) with its 4 rows (qr,
-// qr + rstep, ...) accumulated into st.
+// qr + rstep, ...) accumulated into st, as outer products of one head dim at a time: each key's element times the
+// rows' (a vector per head dim, its components chosen from the rows' quads) in fused multiply-adds, 64 of them. A
+// vector times a matrix would be four dot products then an add each (80 operations: the add is not fused).
 fn s_step(st: ptr<function, mat4x4<f32>>, qr: u32, kr: u32, rstep: u32, kstep: u32) {
-    let q = mat4x4<f32>(s_mem[qr], s_mem[qr + rstep], s_mem[qr + 2u * rstep], s_mem[qr + 3u * rstep]);
-    (*st)[0] += s_mem[kr] * q;   // vector * matrix: the key's dot product with each row
-    (*st)[1] += s_mem[kr + kstep] * q;
-    (*st)[2] += s_mem[kr + 2u * kstep] * q;
-    (*st)[3] += s_mem[kr + 3u * kstep] * q;
+    let q0 = s_mem[qr];
+    let q1 = s_mem[qr + rstep];
+    let q2 = s_mem[qr + 2u * rstep];
+    let q3 = s_mem[qr + 3u * rstep];
+    let qx = vec4<f32>(q0.x, q1.x, q2.x, q3.x);
+    let qy = vec4<f32>(q0.y, q1.y, q2.y, q3.y);
+    let qz = vec4<f32>(q0.z, q1.z, q2.z, q3.z);
+    let qw = vec4<f32>(q0.w, q1.w, q2.w, q3.w);
+    (*st)[0] = key_dots(s_mem[kr], qx, qy, qz, qw, (*st)[0]);
+    (*st)[1] = key_dots(s_mem[kr + kstep], qx, qy, qz, qw, (*st)[1]);
+    (*st)[2] = key_dots(s_mem[kr + 2u * kstep], qx, qy, qz, qw, (*st)[2]);
+    (*st)[3] = key_dots(s_mem[kr + 3u * kstep], qx, qy, qz, qw, (*st)[3]);
 }
 
-// One key of P.V: its weights for the thread's rows (at pr) times its values at the thread's head quads (vr + vcols).
+// acc + key k's dot products with 4 rows over one head quad, the rows' elements by head dim (qx .. qw).
+fn key_dots(k: vec4<f32>, qx: vec4<f32>, qy: vec4<f32>, qz: vec4<f32>, qw: vec4<f32>, acc: vec4<f32>) -> vec4<f32> {
+    return fma(vec4<f32>(k.w), qw, fma(vec4<f32>(k.z), qz, fma(vec4<f32>(k.y), qy, fma(vec4<f32>(k.x), qx, acc))));
+}
+
+// One key of P.V: its weights for the thread's rows (at pr) times its values at the thread's head quads (vr + vcols),
+// in fused multiply-adds.
 fn pv_step(o0: ptr<function, mat4x4<f32>>, o1: ptr<function, mat4x4<f32>>, o2: ptr<function, mat4x4<f32>>,
            o3: ptr<function, mat4x4<f32>>, pr: u32, vr: u32, vcols: vec4<u32>) {
     let p = s_mem[pr];
-    let v = mat4x4<f32>(s_mem[vr + vcols.x], s_mem[vr + vcols.y], s_mem[vr + vcols.z], s_mem[vr + vcols.w]);
-    *o0 += p.x * v;
-    *o1 += p.y * v;
-    *o2 += p.z * v;
-    *o3 += p.w * v;
+    let va = s_mem[vr + vcols.x];
+    let vb = s_mem[vr + vcols.y];
+    let vc = s_mem[vr + vcols.z];
+    let vd = s_mem[vr + vcols.w];
+    *o0 = weighted(p.x, va, vb, vc, vd, *o0);
+    *o1 = weighted(p.y, va, vb, vc, vd, *o1);
+    *o2 = weighted(p.z, va, vb, vc, vd, *o2);
+    *o3 = weighted(p.w, va, vb, vc, vd, *o3);
+}
+
+// o + w times the value quads va .. vd (o's columns).
+fn weighted(w: f32, va: vec4<f32>, vb: vec4<f32>, vc: vec4<f32>, vd: vec4<f32>, o: mat4x4<f32>) -> mat4x4<f32> {
+    let s = vec4<f32>(w);
+    return mat4x4<f32>(fma(s, va, o[0]), fma(s, vb, o[1]), fma(s, vc, o[2]), fma(s, vd, o[3]));
 }
 
 // Softmax weights of logits x under running maxes m; 0 where masked (exp(-inf - -inf) would be NaN).
@@ -255,11 +299,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         @builtin(num_workgroups) nwg: vec3<u32>) {
     let tid = lid.x;
     let hs = pc.head_size;
-    let hq = hs / 4u;                    // head quads
-    let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
     let work = tile_work(workgroup_index(wid, nwg));
-    if (work.w == 0u || hs > MAX_HEAD_SIZE || hq == 0u) {
+    if (work.w == 0u || hs > MAX_HEAD_SIZE || hs < 4u) {
         return;
     }
     let kv_head = work.x;
@@ -274,6 +316,30 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         return;
     }
     let n_rows = tile_rows(rows, hs);
+    if (row_base(q_start, kv_head, row0) + hs > query_elems) {
+        return;
+    }
+    // The tile of issue 12's shape (head size 128, 64 rows, head dims contiguous) with its sizes as constants, which
+    // the driver folds into the addresses and loop bounds (it inlines the call); every other tile with them as
+    // run-time values.
+    if (hs == 128u && n_rows == 64u && pc.v_dim_stride == 1u) {
+        attend(tid, kv_head, seq, row0, q_start, q_len, 128u, 64u, true);
+    } else {
+        attend(tid, kv_head, seq, row0, q_start, q_len, hs, n_rows, false);
+    }
+}
+
+// One workgroup's tile of n_rows rows from row0 of sequence seq (its q_len queries from token q_start), kv head
+// kv_head, at head size hs (pc.head_size): the kernel proper. fixed: the instance of constant sizes (head size 128,
+// 64 rows, head dims contiguous), which alone stages values as own_values below says, and has no code for the other
+// way (a constant folds the branches; lavapipe would run both sides of a branch its lanes agree on, masked).
+fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32, hs: u32, n_rows: u32,
+          fixed: bool) {
+    let hq = hs / 4u;                    // head quads
+    let bs = pc.block_size;
+    let group = pc.num_heads / pc.num_kv_heads;
+    let rows = group * q_len;
+    let query_elems = arrayLength(&query) * 4u;
     let row_groups = n_rows / 4u;
     let g_count = WG / row_groups;       // threads per row group
     let kt = 4u * g_count;               // keys per tile
@@ -281,9 +347,6 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let rg = tid / g_count;
     let cg = tid % g_count;
     let row_end = min(row0 + n_rows, rows);
-    if (row_base(q_start, kv_head, row0) + hs > query_elems) {
-        return;
-    }
 
     let bt_row = seq * pc.max_blocks_per_seq;
     let row_blocks = min(pc.max_blocks_per_seq, u32(max(i32(arrayLength(&block_tables)) - i32(bt_row), 0)));
@@ -313,6 +376,10 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let keys = select(vec4<u32>(0u), vec4<u32>(visible_keys(qi.x, q_len, seq_len), visible_keys(qi.y, q_len, seq_len),
                       visible_keys(qi.z, q_len, seq_len), visible_keys(qi.w, q_len, seq_len)), valid);
     let heads = kv_head * group + gr % group;
+    // The keys all four rows see (every key before), and whether the logits are the scaled products alone: no
+    // softcap, ALiBi or window.
+    let seen_by_all = min(min(keys.x, keys.y), min(keys.z, keys.w));
+    let plain = !(pc.softcap > 0.0) && (pc.variants & VARIANT_ALIBI) == 0u && pc.window == 0u;
     let qpos = vec4<u32>(query_position(qi.x, q_len, seq_len), query_position(qi.y, q_len, seq_len),
                          query_position(qi.z, q_len, seq_len), query_position(qi.w, q_len, seq_len));
     // The head quads of this thread's output columns (columns past the head are never written; their values are
@@ -332,8 +399,17 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let k_tok = vec4<u32>(key_offset(kv_head, k_row.x & (bs - 1u), 0u), key_offset(kv_head, k_row.y & (bs - 1u), 0u),
                           key_offset(kv_head, k_row.z & (bs - 1u), 0u), key_offset(kv_head, k_row.w & (bs - 1u), 0u));
     let q_in = k_row < vec4<u32>(n_rows);   // the rows staged are numbered as the keys
-    // The value elements this thread stages, tid + WG * n (n < 8): their keys in the sub-tile and head dims.
+    // The chunk loop's bound, hq read from the push constants: a run-time trip count even where hq is a constant,
+    // so that the driver keeps the loop (its body holds a whole chunk's products, unrolled) rather than unrolling
+    // a tile's chunks into one stretch of code several times the size.
+    let chunks_end = pc.head_size / 4u;
+    // Head size 128, 64 rows, head dims contiguous (fixed): a thread stages the values of its own logit keys (cols),
+    // head quads 2 rg and 2 rg + 1 of each, from the blocks it has already read (s_phys): no block-table reads of
+    // its own for them, and the loads go out without waiting on any. Elsewhere the elements below.
     let dc = pc.v_dim_stride == 1u;
+    let own_values = fixed;
+    let vq = 2u * rg;
+    // The value elements this thread stages, tid + WG * n (n < 8): their keys in the sub-tile and head dims.
     let vi_a = tid + WG * vec4<u32>(0u, 1u, 2u, 3u);
     let vi_b = vi_a + 4u * WG;
     let vkey_a = vec4<u32>(v_key(t, vi_a.x, dc), v_key(t, vi_a.y, dc), v_key(t, vi_a.z, dc), v_key(t, vi_a.w, dc));
@@ -374,11 +450,14 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         // The blocks of the keys whose logits this thread computes.
         let s_phys = vec4<i32>(key_block(t, base + cols.x, tile_end), key_block(t, base + cols.y, tile_end),
                                key_block(t, base + cols.z, tile_end), key_block(t, base + cols.w, tile_end));
+        // The blocks of the keys it stages of the next tile (-1 past kv_end), read now: their chunk's loads, issued
+        // just before the barrier that starts P.V, then wait on no block-table read there.
+        let next_phys = staged_blocks(t, base + kt, kv_end, k_row);
 
         // S: st[j] = the logits of key cols[j] for the thread's rows, a chunk of head quads at a time.
         var st = mat4x4<f32>();
         var buf = RED;
-        for (var c0 = 0u; c0 < hq; c0 += cq) {
+        for (var c0 = 0u; c0 < chunks_end; c0 += cq) {
             // Keys outside the cache or past the tile are staged as zeros: slots past a sequence's length may hold
             // anything, NaN included.
             let rs = buf + cl;
@@ -397,6 +476,15 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             let c1 = c0 + cq;
             if (c1 < hq) {
                 ld = chunk_loads(q_src, k_phys, k_tok, c1, cl, hq);
+            } else if (own_values) {
+                v0 = v_own_load(t, s_phys.x, cols.x, vq);
+                v1 = v_own_load(t, s_phys.x, cols.x, vq + 1u);
+                v2 = v_own_load(t, s_phys.y, cols.y, vq);
+                v3 = v_own_load(t, s_phys.y, cols.y, vq + 1u);
+                v4 = v_own_load(t, s_phys.z, cols.z, vq);
+                v5 = v_own_load(t, s_phys.z, cols.z, vq + 1u);
+                v6 = v_own_load(t, s_phys.w, cols.w, vq);
+                v7 = v_own_load(t, s_phys.w, cols.w, vq + 1u);
             } else {
                 v0 = v_load(t, tid, vkey_a.x, vdim_a.x, 0u, base, tile_len);
                 v1 = v_load(t, tid + WG, vkey_a.y, vdim_a.y, 0u, base, tile_len);
@@ -421,11 +509,16 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             }
             buf = select(RED, RED + CHUNK_QUADS, buf == RED);
         }
-        // The logit hooks, -inf where masked; written out so that st stays in registers.
-        st[0] = key_logits(st[0], cols.x, s_phys.x, base, heads, qpos, keys);
-        st[1] = key_logits(st[1], cols.y, s_phys.y, base, heads, qpos, keys);
-        st[2] = key_logits(st[2], cols.z, s_phys.z, base, heads, qpos, keys);
-        st[3] = key_logits(st[3], cols.w, s_phys.w, base, heads, qpos, keys);
+        // The logit hooks, -inf where masked; written out so that st stays in registers. Where every row of the
+        // thread sees every key of the tile and no hook changes a logit (most tiles), the scale alone.
+        if (plain && base + kt <= seen_by_all && all(s_phys >= vec4<i32>(0))) {
+            st *= pc.scale;
+        } else {
+            st[0] = key_logits(st[0], cols.x, s_phys.x, base, heads, qpos, keys);
+            st[1] = key_logits(st[1], cols.y, s_phys.y, base, heads, qpos, keys);
+            st[2] = key_logits(st[2], cols.z, s_phys.z, base, heads, qpos, keys);
+            st[3] = key_logits(st[3], cols.w, s_phys.w, base, heads, qpos, keys);
+        }
 
         // Online softmax across tiles, per row: each thread's max over its keys, then the row group's. The slots
         // are read after one barrier and written again only after the tile's last.
@@ -436,13 +529,17 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             tile_max = max(tile_max, s_mem[g * row_groups + rg]);
         }
         let m_new = max(m, tile_max);
-        let alpha = select(exp(m - m_new), vec4<f32>(1.0), m_new == ninf4);
-        m = m_new;
-        l *= alpha;
-        o0 *= alpha.x;
-        o1 *= alpha.y;
-        o2 *= alpha.z;
-        o3 *= alpha.w;
+        // What a thread holds is rescaled only where a row's max grew (after the first tiles, rarely): alpha is
+        // exactly 1 elsewhere.
+        if (any(m_new != m)) {
+            let alpha = select(exp(m - m_new), vec4<f32>(1.0), m_new == ninf4);
+            m = m_new;
+            l *= alpha;
+            o0 *= alpha.x;
+            o1 *= alpha.y;
+            o2 *= alpha.z;
+            o3 *= alpha.w;
+        }
         let p0 = weights(st[0], m);
         let p1 = weights(st[1], m);
         let p2 = weights(st[2], m);
@@ -452,25 +549,36 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         s_mem[P_OFF + cols.y * row_groups + rg] = p1;
         s_mem[P_OFF + cols.z * row_groups + rg] = p2;
         s_mem[P_OFF + cols.w * row_groups + rg] = p3;
-        v_store(t, tid, vkey_a.x, vdim_a.x, 0u, tile_len, v0);
-        v_store(t, tid + WG, vkey_a.y, vdim_a.y, 0u, tile_len, v1);
-        v_store(t, tid + 2u * WG, vkey_a.z, vdim_a.z, 0u, tile_len, v2);
-        v_store(t, tid + 3u * WG, vkey_a.w, vdim_a.w, 0u, tile_len, v3);
-        v_store(t, tid + 4u * WG, vkey_b.x, vdim_b.x, 0u, tile_len, v4);
-        v_store(t, tid + 5u * WG, vkey_b.y, vdim_b.y, 0u, tile_len, v5);
-        v_store(t, tid + 6u * WG, vkey_b.z, vdim_b.z, 0u, tile_len, v6);
-        v_store(t, tid + 7u * WG, vkey_b.w, vdim_b.w, 0u, tile_len, v7);
+        if (own_values) {
+            v_own_store(t, cols.x, vq, v0);
+            v_own_store(t, cols.x, vq + 1u, v1);
+            v_own_store(t, cols.y, vq, v2);
+            v_own_store(t, cols.y, vq + 1u, v3);
+            v_own_store(t, cols.z, vq, v4);
+            v_own_store(t, cols.z, vq + 1u, v5);
+            v_own_store(t, cols.w, vq, v6);
+            v_own_store(t, cols.w, vq + 1u, v7);
+        } else {
+            v_store(t, tid, vkey_a.x, vdim_a.x, 0u, tile_len, v0);
+            v_store(t, tid + WG, vkey_a.y, vdim_a.y, 0u, tile_len, v1);
+            v_store(t, tid + 2u * WG, vkey_a.z, vdim_a.z, 0u, tile_len, v2);
+            v_store(t, tid + 3u * WG, vkey_a.w, vdim_a.w, 0u, tile_len, v3);
+            v_store(t, tid + 4u * WG, vkey_b.x, vdim_b.x, 0u, tile_len, v4);
+            v_store(t, tid + 5u * WG, vkey_b.y, vdim_b.y, 0u, tile_len, v5);
+            v_store(t, tid + 6u * WG, vkey_b.z, vdim_b.z, 0u, tile_len, v6);
+            v_store(t, tid + 7u * WG, vkey_b.w, vdim_b.w, 0u, tile_len, v7);
+        }
 
         // The next tile's first chunk, in flight during P.V.
         if (base + kt < kv_end) {
-            k_phys = staged_blocks(t, base + kt, kv_end, k_row);
+            k_phys = next_phys;
             ld = chunk_loads(q_src, k_phys, k_tok, 0u, cl, hq);
         }
         workgroupBarrier();
 
         // PV: the values vk keys at a time (the whole tile at head sizes up to 128 and 64 rows).
         for (var sub = 0u; sub < tile_len; sub += t.vk) {
-            if (sub > 0u) {
+            if (sub > 0u && !own_values) {   // own values: the whole tile is one sub-tile (vk = kt)
                 v0 = v_load(t, tid, vkey_a.x, vdim_a.x, sub, base, tile_len);
                 v1 = v_load(t, tid + WG, vkey_a.y, vdim_a.y, sub, base, tile_len);
                 v2 = v_load(t, tid + 2u * WG, vkey_a.z, vdim_a.z, sub, base, tile_len);

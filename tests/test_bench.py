@@ -164,6 +164,23 @@ def test_prefill_benchmark_small_without_torch(tmp_path):
         assert r["GFLOP"] == 4 * 64 * 4 * (5 * 15 + 15 + 24) / 1e9   # (query head, visible key) pairs
 
 
+def test_prefill_benchmark_forward_only(tmp_path):
+    # --forward-only: the forward's figures alone, checked against float64 as ever; no backward in the record.
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill.py"
+    code = (f"import importlib.util, sys; sys.modules['torch'] = None; "
+            f"spec = importlib.util.spec_from_file_location('prefill_bench', {str(script)!r}); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "m.SMALL_SWEEP = {'two': [(5, 20), (3, 9)]}; sys.exit(m.main(sys.argv[1:]))")
+    path = tmp_path / "prefill.json"
+    result = run_python(code, argv=["--small", "--dtypes", "f16", "--repeats", "1", "--forward-only",
+                                    "--json", str(path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["glsl", "wgsl"]
+    for r in rows:
+        assert r["ok"] and r["forward_us"] > 0 and "backward_us" not in r
+
+
 def test_coopmat_probe_builds_every_mode_and_times_what_the_device_runs(tmp_path):
     # benchmarks/coopmat_probe.py: every mode's module compiles and passes spirv-val; the device times the modes it
     # runs (lavapipe: the float32 one) and the record names them.

@@ -219,13 +219,14 @@ def test_forward_tile_rows_follow_each_sequence_and_the_head_size():
     assert tiles.tolist() == [[0, 0], [2, 0], [3, 0], [3, 64]]
 
 
-@pytest.mark.parametrize("head_size", [72, 192])
+@pytest.mark.parametrize("head_size", [72, 128, 192])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_tile_size_over_long_contexts(rng, backend, layout, head_size):
     # Group 3: rows 3, 9, 21, 48, 105 give tiles of 8, 16, 32 and 64 rows (32 at most for head 192: its
     # 105 rows take four), key tiles of 256 down to 32 keys over contexts of several tiles whose lengths are
     # not multiples of 4 (vLLM's value quads run past a tile's end), and value sub-tiles that fill shared
-    # memory (head 72: 18 quads a key).
+    # memory (head 72: 18 quads a key). Head 128's 64-row tiles run the WGSL kernel's instance with its sizes
+    # as constants (partial tiles of rows and keys included), its other tiles the generic one.
     check(PrefillCase(rng, q_lens=[1, 3, 7, 16, 35], seq_lens=[601, 263, 150, 97, 333], num_heads=6,
                       num_kv_heads=2, head_size=head_size, layout=layout, block_size=8), backend)
 
