@@ -263,9 +263,13 @@ def main(argv=None) -> int:
 
     def us(r, key):
         return f"{r[key]:.1f} us" if key in r else "-"
+
+    def rate(r, key):
+        return f"{r[key]:.3g}" if key in r else "-"
+
     for r in rows:
         print(f"| {r['batch']} | {r['dtype']} | {r['backend']} | {r['kernel']} | {r['GFLOP']:.3f} | {us(r, 'forward_us')} | "
-              f"{r['forward_TFLOPs']:.3g} | {us(r, 'backward_us')} | {format(r['backward_TFLOPs'], '.3g') if 'backward_TFLOPs' in r else '-'} | "
+              f"{rate(r, 'forward_TFLOPs')} | {us(r, 'backward_us')} | {rate(r, 'backward_TFLOPs')} | "
               f"{us(r, 'separate_us')} | {us(r, 'sdpa_forward_us')} | {us(r, 'sdpa_backward_us')} |")
     if args.json:
         with open(args.json, "w") as f:

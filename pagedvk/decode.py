@@ -104,7 +104,7 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
         why = "it has no subgroup vote in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT)"
     pv_shape = MATRIX_PV_SHAPES[operand]
     if not why and not offers(info, pv_shape):
-        why = f"it lists no {pv_shape} cooperative-matrix multiply (the output sums' 16 x 8 matrices)"
+        why = f"it lists no {pv_shape} cooperative-matrix multiply (its P.V products into the output sums)"
     if not why and (backend != "glsl" or (kv, q, head_size) not in built or layout != "vllm"
                     or block_size != MATRIX_BLOCK_SIZE):
         pairs = "; ".join(f"{'/'.join(sorted({k for k, qq, _ in built if qq == q_}))} caches with {q_} queries"

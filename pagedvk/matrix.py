@@ -14,7 +14,6 @@ from .runtime.instance import DeviceInfo, MatrixShape
 MATRIX_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
 MATRIX_SUBGROUP = 32
 MATRIX_KIND = "coopmat"
-MATRIX_OPERANDS = ("f16", "bf16")   # the operand types of the matrix modules (abi: the storage tags)
 
 
 def operand_type(kv: str, q: str) -> str:

@@ -142,18 +142,24 @@ def test_peers_without_torch_prints_pagedvk_figures(tmp_path):
     assert all(r["ok"] for r in record["rows"]) and "peers" not in record
 
 
-def test_prefill_benchmark_small_without_torch(tmp_path):
-    # benchmarks/prefill.py --small on a tiny mixed batch (a prompt chunk, a decode token, an empty sequence):
-    # forward, backward and the parts as separate calls, each checked and written to the JSON record.
+def run_prefill_bench(sweep: dict, argv: list):
+    """benchmarks/prefill.py run with torch hidden and its small sweep replaced by `sweep`."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill.py"
     code = (f"import importlib.util, sys; sys.modules['torch'] = None; "
             f"spec = importlib.util.spec_from_file_location('prefill_bench', {str(script)!r}); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-            "m.SMALL_SWEEP = {'mixed': [(5, 20), (1, 24), (0, 9)]}; sys.exit(m.main(sys.argv[1:]))")
+            f"m.SMALL_SWEEP = {sweep!r}; sys.exit(m.main(sys.argv[1:]))")
+    return run_python(code, argv=argv)
+
+
+def test_prefill_benchmark_small_without_torch(tmp_path):
+    # benchmarks/prefill.py --small on a tiny mixed batch (a prompt chunk, a decode token, an empty sequence):
+    # forward, backward and the parts as separate calls, each checked and written to the JSON record.
     path = tmp_path / "prefill.json"
     # --kernels auto,coopmat: float32 has no matrix module, so coopmat's rows are reported skipped, with why.
-    result = run_python(code, argv=["--small", "--dtypes", "f32", "--repeats", "1", "--kernels", "auto,coopmat",
-                                    "--json", str(path)])
+    result = run_prefill_bench({'mixed': [(5, 20), (1, 24), (0, 9)]},
+                               ["--small", "--dtypes", "f32", "--repeats", "1", "--kernels", "auto,coopmat",
+                                "--json", str(path)])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no torch with CUDA: pagedvk's figures alone" in result.stdout
     assert result.stdout.count("coopmat: skipped: kernel='coopmat' cannot run") == 2, result.stdout
@@ -166,14 +172,9 @@ def test_prefill_benchmark_small_without_torch(tmp_path):
 
 def test_prefill_benchmark_forward_only(tmp_path):
     # --forward-only: the forward's figures alone, checked against float64 as ever; no backward in the record.
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill.py"
-    code = (f"import importlib.util, sys; sys.modules['torch'] = None; "
-            f"spec = importlib.util.spec_from_file_location('prefill_bench', {str(script)!r}); "
-            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-            "m.SMALL_SWEEP = {'two': [(5, 20), (3, 9)]}; sys.exit(m.main(sys.argv[1:]))")
     path = tmp_path / "prefill.json"
-    result = run_python(code, argv=["--small", "--dtypes", "f16", "--repeats", "1", "--forward-only",
-                                    "--json", str(path)])
+    result = run_prefill_bench({'two': [(5, 20), (3, 9)]},
+                               ["--small", "--dtypes", "f16", "--repeats", "1", "--forward-only", "--json", str(path)])
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(path.read_text())["rows"]
     assert [r["backend"] for r in rows] == ["glsl", "wgsl"]
