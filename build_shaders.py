@@ -174,7 +174,8 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
-    out.write_bytes(drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes()))))
+    out.write_bytes(declare_cooperative_matrix(drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(
+        out.read_bytes())))))
 
 
 OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
@@ -354,18 +355,70 @@ def bfloat16_matrices(spirv: bytes) -> bytes:
         i += count
     if not half:
         raise BuildError("a bfloat16 matrix module must declare its matrices' element type as float16_t")
-    # The extension goes after the capabilities, before the module's other extensions.
+    return array.array("I", with_extension(out, "SPV_KHR_bfloat16")).tobytes()
+
+
+def with_extension(words: list, name: str) -> list:
+    """The module's words with OpExtension `name` added after its capabilities (where SPIR-V wants it)."""
     first = 5
-    while out[first] & 0xFFFF == OP_CAPABILITY:
-        first += out[first] >> 16
-    ext = spirv_string("SPV_KHR_bfloat16")
-    out[first:first] = [(1 + len(ext)) << 16 | OP_EXTENSION, *ext]
+    while words[first] & 0xFFFF == OP_CAPABILITY:
+        first += words[first] >> 16
+    ext = spirv_string(name)
+    return words[:first] + [(1 + len(ext)) << 16 | OP_EXTENSION, *ext] + words[first:]
+
+
+CAPABILITY_COOPERATIVE_MATRIX, CAPABILITY_VULKAN_MEMORY_MODEL = 6022, 5345
+OP_MEMORY_MODEL, MEMORY_MODEL_GLSL450, MEMORY_MODEL_VULKAN = 14, 1, 3
+DECORATION_VOLATILE, DECORATION_COHERENT = 21, 23
+SPIRV_1_3 = 0x00010300
+
+
+def declare_cooperative_matrix(spirv: bytes) -> bytes:
+    """naga's SPIR-V with what its cooperative matrices need and naga leaves out.
+
+    naga 30 (`enable wgpu_cooperative_matrix;`) declares the CooperativeMatrixKHR capability, but not always
+    the SPV_KHR_cooperative_matrix extension that brings it and the Vulkan memory model that Vulkan requires
+    beside it (VUID-StandaloneSpirv-CooperativeMatrixKHR): a module that loads an accumulator from a buffer
+    got neither, one that starts from a zero accumulator both. What is missing is added here (the model through
+    SPV_KHR_vulkan_memory_model: the module stays SPIR-V 1.3, whose entry points list only their inputs),
+    as glslang gives the GLSL matrix modules. Under that model naga's accesses stay what glslang makes of
+    GLSL's: plain loads and stores, ordered within a workgroup by the same barriers (acquire-release on
+    workgroup memory). Coherent and Volatile, which the model forbids, would need each access rewritten;
+    a module with them is refused. Modules without matrices are returned as they are."""
+    words = list(array.array("I", spirv))
+    capabilities, i = set(), 5
+    while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
+        capabilities.add(words[i + 1])
+        i += words[i] >> 16
+    if CAPABILITY_COOPERATIVE_MATRIX not in capabilities:
+        return spirv
+    out, i = words[:5], 5
+    out[1] = max(out[1], SPIRV_1_3)   # SPV_KHR_vulkan_memory_model's least version
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        ins = words[i:i + count]
+        if op == OP_MEMORY_MODEL:
+            if ins[2] not in (MEMORY_MODEL_GLSL450, MEMORY_MODEL_VULKAN):
+                raise BuildError(f"naga's matrix module has memory model {ins[2]}, neither GLSL450 nor Vulkan")
+            ins = [ins[0], ins[1], MEMORY_MODEL_VULKAN]
+        elif op == OP_DECORATE and ins[2] in (DECORATION_VOLATILE, DECORATION_COHERENT):
+            raise BuildError("a WGSL matrix module has Coherent or Volatile memory, which the Vulkan memory "
+                             "model its matrices need does not allow")
+        out += ins
+        i += count
+    if CAPABILITY_VULKAN_MEMORY_MODEL not in capabilities:
+        out = out[:5] + [2 << 16 | OP_CAPABILITY, CAPABILITY_VULKAN_MEMORY_MODEL] + out[5:]
+    for name in ("SPV_KHR_vulkan_memory_model", "SPV_KHR_cooperative_matrix"):
+        if name.encode() not in spirv:
+            out = with_extension(out, name)
     return array.array("I", out).tobytes()
 
 
 def validate(spv: Path, key) -> None:
     if key.backend == "glsl":
         _, spirv_val, env = glsl_tools(key)
+    elif key.matrix:   # naga's matrix modules: the validator that knows cooperative matrices
+        _, spirv_val, env = matrix_tools()
     else:
         spirv_val, env = require_tool("spirv-val", "spirv-tools"), None
     run([spirv_val, "--target-env", key.target_env, str(spv)], f"spirv-val {spv.name}", env)

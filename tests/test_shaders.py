@@ -284,6 +284,39 @@ def test_wgsl_build_drops_layouts_outside_buffers(tmp_path):
     assert all(workgroup_strides(m)[0] == 0 for m in installed_wgsl_modules())
 
 
+def test_wgsl_matrix_modules_get_the_extension_and_memory_model_naga_leaves_out(tmp_path):
+    # naga 30 writes `enable wgpu_cooperative_matrix;` as the CooperativeMatrixKHR capability alone; Vulkan
+    # also wants SPV_KHR_cooperative_matrix and the Vulkan memory model beside it. The build adds both and the
+    # newest spirv-val (the one the GLSL matrix modules pass) accepts the result; naga's own output it refuses.
+    build = build_script()
+    src, raw, built = tmp_path / "m.wgsl", tmp_path / "raw.spv", tmp_path / "built.spv"
+    src.write_text("enable f16;\nenable wgpu_cooperative_matrix;\n"
+                   "@group(0) @binding(0) var<storage, read> a: array<f16>;\n"
+                   "@group(0) @binding(1) var<storage, read_write> c: array<f32>;\n"
+                   "var<workgroup> s: array<f16, 256>;\n"
+                   "@compute @workgroup_size(32) fn main(@builtin(local_invocation_index) l: u32) {\n"
+                   "  s[l] = a[l]; workgroupBarrier();\n"
+                   "  let x = coopLoadT<coop_mat16x16<f16, A>>(&s[0], 16u);\n"
+                   "  let y = coopLoad<coop_mat16x16<f16, B>>(&a[0], 16u);\n"
+                   "  let z = coopLoad<coop_mat16x16<f32, C>>(&c[0], 16u);\n"   # naga then declares no model
+                   "  coopStore(coopMultiplyAdd(x, y, z), &c[0], 16u);\n}\n")
+    build.run(build.naga_command(src, raw), "naga")
+    build.compile_wgsl(src, built, {})
+    _, newest_val, env = build.matrix_tools()
+    def check(path):
+        return subprocess.run([newest_val, "--target-env", "vulkan1.3", str(path)], capture_output=True, text=True,
+                              env=env)
+    assert check(raw).returncode != 0
+    result = check(built)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ins = words_of(built)
+    assert (17, (5345,)) in [(op, tuple(ops)) for op, ops in ins]                  # OpCapability VulkanMemoryModel
+    assert [ops[1] for op, ops in ins if op == 14] == [3]                           # OpMemoryModel Logical Vulkan
+    text = built.read_bytes()
+    assert b"SPV_KHR_cooperative_matrix" in text and b"SPV_KHR_vulkan_memory_model" in text
+    assert build.declare_cooperative_matrix(built.read_bytes()) == built.read_bytes()   # nothing left to add
+
+
 def test_driver_compile_does_not_count_against_the_timeout():
     # lavapipe compiles a pipeline at its first dispatch (0.4 s for a GLSL module, more for WGSL, with Mesa's
     # shader cache off). Pipelines are compiled when made, within PAGEDVK_COMPILE_TIMEOUT, so a first launch
