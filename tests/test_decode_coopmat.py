@@ -264,7 +264,7 @@ def test_fp8_nan_bytes_read_make_the_outputs_nan_as_float64_does(rng, cache_dtyp
         block, slot = case.block_tables[seq, token // 16], token % 16
         case.value_cache[block, kv_head, dim, slot] = nan[sign]
     ref = reference.paged_attention(case.query, *case.args()[1:])
-    assert 0 < np.isnan(ref).sum() < ref.size / 4
+    assert 0 < np.isnan(ref).sum() < ref.size / 2   # three sequences keep a NaN-free kv head
     for partition_size in (4096, 32):
         out, _, key, _, _ = run_coopmat(case, case.query, partition_size, constants=FP8_BUILDS[build])
         assert key.matrix == "coopmat"
