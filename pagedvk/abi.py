@@ -373,8 +373,6 @@ DECODE_MERGE_PARTITIONS = 4
 # built. 0, its default: in registers where the device's element layout is a known one, else through shared memory;
 # 1: through shared memory always; 2: in registers, the outputs NaN where a subgroup does not know its layout (tests).
 DECODE_FP8_BUILD_SPEC_ID = 4
-# The matrix decode's fp8 blocks loaded ahead of the one each subgroup works on: 1 (its default) or 2.
-DECODE_FP8_AHEAD_SPEC_ID = 5
 # The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
 # (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
 # dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.
@@ -421,8 +419,7 @@ PAGED_DECODE = KernelABI(
     + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
     matrix_accesses=("",),
     matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
-                           (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_FP8_BUILD_SPEC_ID, "uint32"),
-                           (DECODE_FP8_AHEAD_SPEC_ID, "uint32")),
+                           (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_FP8_BUILD_SPEC_ID, "uint32")),
 )
 
 # Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.

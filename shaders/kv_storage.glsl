@@ -40,35 +40,46 @@ vec4 kv_quad(uvec2 w) { return vec4(bf16x2(w.x), bf16x2(w.y)); }
 #elif defined(KV_E4M3)
 // fp8 e4m3fn (OCP, as ml_dtypes.float8_e4m3fn and vLLM's "fp8"): 4 exponent bits (bias 7), 3 mantissa bits,
 // no infinities, 0x7f / 0xff NaN. Its exponent and mantissa put one bit below where e5m2 keeps them (the top
-// byte of a float16) give a float16 of 2^-8 its value, subnormals included, so bit operations, one conversion
-// and a multiply decode a quad. A NaN byte would read as +-480 that way: its magnitude 0x7f plus one carries
-// into the byte's top bit, which is spread over the float16's exponent (all ones: NaN). No branch and no
-// per-element select: those made e4m3 1.5-1.6x slower than e5m2 on the H200 (BENCHMARKS.md).
+// byte of a float16) give a float16 of 2^-8 its value, subnormals included: a sign bit kept and a shift do it,
+// no branch and no per-element select (those made e4m3 1.5-1.6x slower than e5m2 on the H200, BENCHMARKS.md).
+// A NaN byte would read as +-480 that way (fp8_as_f16_fast); fp8_as_f16 also spreads its magnitude 0x7f plus one,
+// which carries into the byte's top bit, over the float16's exponent (all ones: NaN). fp8_nan_bytes(w) says
+// which words hold a NaN, so that a kernel can take the exact conversion only for blocks that do.
 #define KV_QUAD uint
 #define KV_CHUNK_QUADS 4u
-uint e4m3_as_f16x2(uint pair) {   // two bytes at e5m2's places (bits 8-15, 24-31) to float16 bits
+#define FP8_NAN_SEPARATE 1   // fp8_as_f16_fast differs from fp8_as_f16 (NaN bytes)
+uint e4m3_as_f16x2_fast(uint pair) {   // two bytes at e5m2's places (bits 8-15, 24-31) to float16 bits; NaN: 480
+    return (pair & 0x80008000u) | ((pair >> 1) & 0x3f803f80u);
+}
+uint e4m3_as_f16x2(uint pair) {   // the same, NaN exactly
     const uint nan_exponents = (((pair & 0x7f007f00u) + 0x01000100u) & 0x80008000u) >> 5;   // bits 10, 26
-    return (pair & 0x80008000u) | ((pair >> 1) & 0x3f803f80u) | nan_exponents * 0x1fu;
+    return e4m3_as_f16x2_fast(pair) | nan_exponents * 0x1fu;
 }
-// fp8_as_f16(w): a word's four elements as float16 bits (two words of two), at 1 / FP8_F16_SCALE of their value.
+// fp8_as_f16(w): a word's four elements (bytes 0-3) as float16 bits at 1 / FP8_F16_SCALE of their value, paired as
+// the bytes lie at e5m2's places with one shift: .x holds bytes 0 (low half) and 2, .y bytes 1 and 3.
 const float FP8_F16_SCALE = 256.0;
-uvec2 fp8_as_f16(uint w) {
-    return uvec2(e4m3_as_f16x2(((w & 0xffu) << 8) | ((w & 0xff00u) << 16)),
-                 e4m3_as_f16x2(((w >> 8) & 0xff00u) | (w & 0xff000000u)));
-}
+uvec2 fp8_as_f16(uint w) { return uvec2(e4m3_as_f16x2(w << 8), e4m3_as_f16x2(w)); }
+uvec2 fp8_as_f16_fast(uint w) { return uvec2(e4m3_as_f16x2_fast(w << 8), e4m3_as_f16x2_fast(w)); }
+// Nonzero where a byte of w is NaN: its 7 magnitude bits plus one carry into its top bit, no byte into the next.
+// OR-ed over many words, then masked with 0x80808080 (fp8_any_nan).
+uint fp8_nan_bytes(uint w) { return (w & 0x7f7f7f7fu) + 0x01010101u; }
+bool fp8_any_nan(uint ored) { return (ored & 0x80808080u) != 0u; }
 #elif defined(KV_E5M2)
-// fp8 e5m2: the top byte of a float16.
+// fp8 e5m2: the top byte of a float16. Paired as e4m3's: .x bytes 0 and 2, .y bytes 1 and 3, one mask each.
 #define KV_QUAD uint
 #define KV_CHUNK_QUADS 4u
+#define FP8_NAN_SEPARATE 0
 const float FP8_F16_SCALE = 1.0;
-uvec2 fp8_as_f16(uint w) {
-    return uvec2(((w & 0xffu) << 8) | ((w & 0xff00u) << 16), ((w >> 8) & 0xff00u) | (w & 0xff000000u));
-}
+uvec2 fp8_as_f16(uint w) { return uvec2((w << 8) & 0xff00ff00u, w & 0xff00ff00u); }
+uvec2 fp8_as_f16_fast(uint w) { return fp8_as_f16(w); }
+uint fp8_nan_bytes(uint w) { return 0u; }
+bool fp8_any_nan(uint ored) { return false; }
 #endif
 #if defined(KV_E4M3) || defined(KV_E5M2)
 vec4 kv_quad(uint w) {
     const uvec2 h = fp8_as_f16(w);
-    return vec4(unpackHalf2x16(h.x), unpackHalf2x16(h.y)) * FP8_F16_SCALE;
+    const vec2 a = unpackHalf2x16(h.x), b = unpackHalf2x16(h.y);   // bytes 0, 2 and 1, 3
+    return vec4(a.x, b.x, a.y, b.y) * FP8_F16_SCALE;
 }
 #endif
 

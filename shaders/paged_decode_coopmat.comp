@@ -113,10 +113,6 @@ layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
 // shared memory always; 2 in registers, and a workgroup with a subgroup whose layout is not known writes NaN
 // outputs (a test's way to tell that the register path ran).
 layout(constant_id = 4) const uint FP8_BUILD = 0u;
-// fp8 blocks each subgroup has loaded ahead of the one it works on (abi.DECODE_FP8_AHEAD_SPEC_ID): 1 or 2. An fp8
-// block is half the bytes of a float16 one (4 KiB at head size 128); 2 keeps twice fp8's bytes in flight for 32
-// registers a thread more.
-layout(constant_id = 5) const uint FP8_AHEAD = 1u;
 
 #if !KV_FP8
 shared uvec4 s_qb[2u * DT * 32u];            // the S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k]
@@ -158,27 +154,32 @@ uint key_tile(uint b, uint h, uint j) {
 // are put in whatever order makes a lane's matrix elements its own contiguous cache bytes:
 //   S = K Q^T, 16 x 8 x 16 products: A is a key tile, 16 tokens x 16 dim slots (row = the block's token); B is Q^T,
 //      16 dim slots x 8 heads, from s_qb with its rows permuted to match; C is S [token][head], heads 0-7 at once.
-//      Tile j's column slot c is head dim fp8_key_dim(j, c): byte e = c % 2 + 2 (c / 8) of word j % 4 of the
+//      Tile j's column slot c is head dim fp8_key_dim(j, c): byte e = c / 8 + 2 (c % 2) of word j % 4 of the
 //      key's 16-byte chunk (c % 8) / 2 + 4 (j / 4).
 //   O^T += V^T P^T: A is a V^T tile, 16 dims (16 i + row) x 16 token slots; token slot c is token
-//      4 ((c % 8) / 2) + c % 2 + 2 (c / 8), byte e of word (c % 8) / 2 of the dim's 16-byte value row; B is P^T,
+//      4 ((c % 8) / 2) + c / 8 + 2 (c % 2), byte e of word (c % 8) / 2 of the dim's 16-byte value row; B is P^T,
 //      written to s_p with its rows in that order (fp8_token_slot).
 // Where a 16 x 16 float16 A matrix holds, in lane L (r = L / 4, q = L % 4), elements (rows r and r + 8) x (columns
 // 2q, 2q + 1, 2q + 8, 2q + 9) - mma.m16n8k16's elements; the H200 orders them differently from mma (both known
-// here) - the lane's elements are then the 4 bytes of one word of token r and of token r + 8 (keys: lane q takes
-// chunks q and q + 4 of its tokens, 16 bytes each; tile j word j % 4), and of dim rows 16 i + r and 16 i + r + 8
-// (values: word q). Each lane loads those words (a block ahead), turns them into float16 (fp8_as_f16: exact, at
-// 1 / FP8_F16_SCALE of the value, scaled back in the logits and the output) and assigns them to the matrices'
+// here) - the lane's elements are then the 4 bytes of one word of token r and of token r + 8, bytes 0, 2, 1, 3 in
+// those columns, as fp8_as_f16 pairs them with the fewest bit operations (keys: lane q takes chunks q and q + 4
+// of its tokens, 16 bytes each; tile j word j % 4), and of dim rows 16 i + r and 16 i + r + 8
+// (values: word q). Each lane loads those words (a block ahead), turns them into float16 (fp8_as_f16_fast or exact
+// fp8_as_f16, at 1 / FP8_F16_SCALE of the value, scaled back in the logits and the output) and assigns them to the matrices'
 // elements: no shared memory and no barrier between the bytes and the products. The element order is the
 // implementation's: each subgroup checks it at the start (fp8_known_layout) and, where it is neither known order,
 // stores the same converted words to s_stage in the tiles' row-major layout and loads the matrices from there.
 // Tokens from `end` on are zeros in both matrices (0 * NaN is NaN), and their logits masked.
+// e4m3 (FP8_NAN_SEPARATE): a block's matrices take fp8_as_f16_fast, which reads a NaN byte as 480, unless some lane
+// of the subgroup finds a NaN byte in the block's keys (for the values: in its values before `end`); then that
+// block's keys (values) take the exact fp8_as_f16. The products are those of the exact conversion, NaN where it
+// puts NaN; the NaN test costs about 3 operations a word, the exact conversion about 10 more than the fast one.
 const uint KC = DT / 4u;   // 16-byte key chunks a lane loads of each of its two tokens (head size 64: 1, 128: 2)
 
 // The query dim that key tile j's column slot c holds (s_qb is written by it; the kernel's loads follow it).
-uint fp8_key_dim(uint j, uint c) { return 16u * ((c % 8u) / 2u + 4u * (j / 4u)) + 4u * (j % 4u) + c % 2u + 2u * (c / 8u); }
-// The row of P^T (token slot) that holds token t of a block: token 4 q + e in slot 2 q + e % 2 + 8 (e / 2).
-uint fp8_token_slot(uint t) { return 2u * (t / 4u) + t % 2u + 8u * ((t % 4u) / 2u); }
+uint fp8_key_dim(uint j, uint c) { return 16u * ((c % 8u) / 2u + 4u * (j / 4u)) + 4u * (j % 4u) + c / 8u + 2u * (c % 2u); }
+// The row of P^T (token slot) that holds token t of a block: token 4 q + e in slot 2 q + e / 2 + 8 (e % 2).
+uint fp8_token_slot(uint t) { return 2u * (t / 4u) + (t % 4u) / 2u + 8u * (t % 2u); }
 
 // Which known order, if any, the device gives a 16 x 16 float16 A matrix's elements in this lane: loaded from
 // s_index (element (row, col) holds row * 16 + col, exact in float16) and compared with each order. x: the H200's
@@ -201,11 +202,12 @@ bvec2 fp8_known_layout(uint lane) {
     return bvec2(subgroupAll(h200), subgroupAll(mma));
 }
 
-// An A tile from this lane's words: `lo` (row r) and `hi` (row r + 8), bytes e = 0-3 in the columns 2q, 2q + 1,
+// An A tile from this lane's words: `lo` (row r) and `hi` (row r + 8), bytes 0, 2, 1, 3 in the columns 2q, 2q + 1,
 // 2q + 8, 2q + 9 (above), in the H200's element order or (mma) mma.m16n8k16's. The two orders differ by elements 2-3
-// and 4-5, two selects.
-MAT_A fp8_tile(uint lo, uint hi, bool mma) {
-    const uvec2 a = fp8_as_f16(lo), b = fp8_as_f16(hi);   // .x: bytes 0, 1 (columns 2q, 2q + 1); .y: bytes 2, 3
+// and 4-5, two selects. `exact` (a constant where it is called): NaN bytes as NaN; else fp8_as_f16_fast.
+MAT_A fp8_tile(uint lo, uint hi, bool mma, bool exact) {
+    // .x: bytes 0, 2 (columns 2q, 2q + 1); .y: bytes 1, 3 (columns 2q + 8, 2q + 9)
+    const uvec2 a = exact ? fp8_as_f16(lo) : fp8_as_f16_fast(lo), b = exact ? fp8_as_f16(hi) : fp8_as_f16_fast(hi);
     const f16vec2 e01 = unpackFloat2x16(a.x), e23 = unpackFloat2x16(mma ? b.x : a.y);
     const f16vec2 e45 = unpackFloat2x16(mma ? a.y : b.x), e67 = unpackFloat2x16(b.y);
     MAT_A m;
@@ -215,7 +217,7 @@ MAT_A fp8_tile(uint lo, uint hi, bool mma) {
 }
 
 // The same tile through shared memory (layouts not known): stored row-major (16 halves, 8 words, a row) at `at`,
-// to be loaded once the subgroup's stores are visible.
+// to be loaded once the subgroup's stores are visible. Always the exact conversion (this path is the fallback).
 void fp8_stage(uint at, uint lane, uint lo, uint hi) {
     const uint r = lane / 4u, q = lane % 4u;
     const uvec2 a = fp8_as_f16(lo), b = fp8_as_f16(hi);
@@ -223,6 +225,17 @@ void fp8_stage(uint at, uint lane, uint lo, uint hi) {
     s_stage[at + 8u * r + 4u + q] = a.y;
     s_stage[at + 8u * (r + 8u) + q] = b.x;
     s_stage[at + 8u * (r + 8u) + 4u + q] = b.y;
+}
+
+// The S product K Q^T of a block from this lane's key words (in registers); `exact` as fp8_tile's.
+MAT_C8 fp8_logits(uvec4 kw[2u * KC], bool mma, bool exact) {
+    MAT_C8 sa = MAT_C8(0.0);
+    [[unroll]] for (uint j = 0u; j < DT; j++) {
+        MAT_B8 qb;
+        coopMatLoad(qb, s_qb, j * 16u, 2u, gl_CooperativeMatrixLayoutColumnMajor);
+        sa = coopMatMulAdd(fp8_tile(kw[j / 4u][j % 4u], kw[KC + j / 4u][j % 4u], mma, exact), qb, sa);
+    }
+    return sa;
 }
 
 // Key chunk j of token t, kv head h, block b (16 bytes); word w of value row d (4 bytes: tokens 4 w .. 4 w + 3).
@@ -306,11 +319,13 @@ void main() {
     }
 #else
     // Q^T for each key tile j, column-major: column n (head n) holds, in row k, the query's dim fp8_key_dim(j, k);
-    // rows 2 kp and 2 kp + 1 are two consecutive dims, one word of the query. Zeros for heads past the group.
+    // rows 2 kp and 2 kp + 1 are dims d and d + 2 (d % 4 = e < 2): half e of each word of the query's quad. Zeros
+    // for heads past the group.
     for (uint i = tid; i < DT * 64u; i += WG) {
         const uint j = i / 64u, n = (i / 8u) % 8u, kp = i % 8u;
         const uint d = fp8_key_dim(j, 2u * kp);
-        s_qb[i / 4u][i % 4u] = n < group ? query[q_quad0 + n * hq + d / 4u][(d % 4u) / 2u] : 0u;
+        const uvec2 qd = n < group ? query[q_quad0 + n * hq + d / 4u] >> (16u * (d % 4u)) : uvec2(0u);
+        s_qb[i / 4u][i % 4u] = (qd.x & 0xffffu) | (qd.y << 16);
     }
     if (tid < 32u) {   // element (row, col) of a 16 x 16 matrix: row * 16 + col, as float16
         const uint e = 8u * tid;
@@ -343,23 +358,21 @@ void main() {
     if (FP8_BUILD == 2u && !in_registers && lane == 0u) s_refused = 1u;
     const uint qq = lane % 4u;                   // the value word this lane loads of each row (FP8 above)
     const uint stage = sg * DT * 128u;           // this subgroup's tiles in s_stage (layouts not known)
-    // Each subgroup loads the bytes of the block FP8_AHEAD steps on before it works on this one (32 registers a
-    // block), and the block ids a step further: kw, vw hold this block's words, kw1, vw1 the next block's
-    // (FP8_AHEAD 2); phys1, phys2 are the ids of the next two blocks.
-    uvec4 kw[2u * KC], kw1[2u * KC];
-    uint vw[2u * DT], vw1[2u * DT];
+    // Each subgroup loads the bytes of its next block before it works on this one (32 registers), and that block's
+    // id a step further: kw, vw hold this block's words; phys1 is the next block's id. (Two blocks ahead measured
+    // slower on the H200: 224.7 against 216.7 us, e5m2 at 64 x 4096; BENCHMARKS.md.)
+    uvec4 kw[2u * KC];
+    uint vw[2u * DT];
     int phys1 = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
-    int phys2 = FP8_AHEAD >= 2u && kb + 2u * SUBGROUPS < blocks ? physical_block(row + start / BS + kb + 2u * SUBGROUPS) : -1;
     fp8_block_load(phys, start + kb * BS, end, kv_head, lane, kw, vw);
-    if (FP8_AHEAD >= 2u) fp8_block_load(phys1, start + (kb + SUBGROUPS) * BS, end, kv_head, lane, kw1, vw1);
 #endif
     for (; kb < blocks; kb += SUBGROUPS) {
 #if KV_FP8
-        const uint ahead = kb + FP8_AHEAD * SUBGROUPS, later = ahead + SUBGROUPS;   // bytes loaded; id fetched
+        const uint ahead = kb + SUBGROUPS, later = ahead + SUBGROUPS;   // bytes loaded; id fetched
         const int later_phys = later < blocks ? physical_block(row + start / BS + later) : -1;
         uvec4 ahead_kw[2u * KC];
         uint ahead_vw[2u * DT];
-        fp8_block_load(FP8_AHEAD >= 2u ? phys2 : phys1, start + ahead * BS, end, kv_head, lane, ahead_kw, ahead_vw);
+        fp8_block_load(phys1, start + ahead * BS, end, kv_head, lane, ahead_kw, ahead_vw);
 #else
         const int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
 #endif
@@ -370,10 +383,14 @@ void main() {
         if (phys >= 0) {
             MAT_C8 sa = MAT_C8(0.0);
             if (in_registers) {
-                [[unroll]] for (uint j = 0u; j < DT; j++) {
-                    MAT_B8 qb;
-                    coopMatLoad(qb, s_qb, j * 16u, 2u, gl_CooperativeMatrixLayoutColumnMajor);
-                    sa = coopMatMulAdd(fp8_tile(kw[j / 4u][j % 4u], kw[KC + j / 4u][j % 4u], mma_order), qb, sa);
+                uint nan_bytes = 0u;   // e4m3: the exact conversion for a block whose keys hold a NaN (FP8 above)
+                [[unroll]] for (uint c = 0u; c < 2u * KC; c++) {
+                    [[unroll]] for (uint e = 0u; e < 4u; e++) nan_bytes |= fp8_nan_bytes(kw[c][e]);
+                }
+                if (subgroupAny(fp8_any_nan(nan_bytes))) {
+                    sa = fp8_logits(kw, mma_order, true);
+                } else {
+                    sa = fp8_logits(kw, mma_order, false);
                 }
             } else {
                 [[unroll]] for (uint j = 0u; j < DT; j++) {
@@ -496,8 +513,18 @@ void main() {
             MAT_BP pt;
             coopMatLoad(pt, s_p, pbase, PV_ROW, gl_CooperativeMatrixLayoutRowMajor);
             if (in_registers) {
-                [[unroll]] for (uint i = 0u; i < DT; i++) {
-                    o[i] = coopMatMulAdd(fp8_tile(vw[2u * i] & keep, vw[2u * i + 1u] & keep, mma_order), pt, o[i]);
+                uint nan_bytes = 0u;   // e4m3: the exact conversion for a block whose values hold a NaN (FP8 above)
+                [[unroll]] for (uint i = 0u; i < 2u * DT; i++) nan_bytes |= fp8_nan_bytes(vw[i] & keep);
+                if (subgroupAny(fp8_any_nan(nan_bytes))) {
+                    [[unroll]] for (uint i = 0u; i < DT; i++) {
+                        const MAT_A vt = fp8_tile(vw[2u * i] & keep, vw[2u * i + 1u] & keep, mma_order, true);
+                        o[i] = coopMatMulAdd(vt, pt, o[i]);
+                    }
+                } else {
+                    [[unroll]] for (uint i = 0u; i < DT; i++) {
+                        const MAT_A vt = fp8_tile(vw[2u * i] & keep, vw[2u * i + 1u] & keep, mma_order, false);
+                        o[i] = coopMatMulAdd(vt, pt, o[i]);
+                    }
                 }
             } else {
                 [[unroll]] for (uint i = 0u; i < DT; i++) {
@@ -535,18 +562,9 @@ void main() {
         }
 #if KV_FP8
         phys = phys1;
-        if (FP8_AHEAD >= 2u) {
-            kw = kw1;
-            vw = vw1;
-            kw1 = ahead_kw;
-            vw1 = ahead_vw;
-            phys1 = phys2;
-            phys2 = later_phys;
-        } else {
-            kw = ahead_kw;
-            vw = ahead_vw;
-            phys1 = later_phys;
-        }
+        kw = ahead_kw;
+        vw = ahead_vw;
+        phys1 = later_phys;
 #else
         phys = next_phys;
 #endif
