@@ -16,8 +16,7 @@
 //     lanes copy their rows out of shared memory, so no element is reached in registers;
 //   - loops over arrays of matrices and of chunks are written out (structs of matrices and of chunks, and
 //     functions over them): naga has no unroll hint, and an array indexed by a variable goes to local memory on
-//     the H200's driver. Loops whose body is one matrix's work (the key matrices of S, the key blocks of P.V)
-//     stay loops;
+//     the H200's driver;
 //   - the staged float16 values are made from the loaded 32-bit words by unpack2x16float and a conversion back
 //     (exact: naga 30's bitcast to float16 vectors gives float32 ones);
 //   - naga's subgroupBarrier() orders subgroup memory only; build_shaders.py (subgroup_barriers_order_shared)
@@ -474,10 +473,16 @@ fn main(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: v
         let values = value_chunks(win, w0, kv_head, base, tid, kv_end, by_dim);
         keys = key_chunks(win, w0, kv_head, base + BC, tid, kv_end);
 
-        // 3. S = Q.K^T for this subgroup's rows.
-        for (var n = 0u; n < BC / 16u; n++) {
-            coopStoreT(logits(qm, n), &s_s[warp * 16u * TS + n * 4u], TS);
-        }
+        // 3. S = Q.K^T for this subgroup's rows, its four key matrices written out (independent products the
+        // driver can interleave).
+        let s0 = logits(qm, 0u);
+        let s1 = logits(qm, 1u);
+        let s2 = logits(qm, 2u);
+        let s3 = logits(qm, 3u);
+        coopStoreT(s0, &s_s[warp * 16u * TS], TS);
+        coopStoreT(s1, &s_s[warp * 16u * TS + 4u], TS);
+        coopStoreT(s2, &s_s[warp * 16u * TS + 8u], TS);
+        coopStoreT(s3, &s_s[warp * 16u * TS + 12u], TS);
         subgroupBarrier();   // this subgroup's S is in s_s
 
         let whole = base + BC <= me.keys && key_visible(base, me.pos) && key_visible(base + BC - 1u, me.pos);
@@ -506,13 +511,14 @@ fn main(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: v
         stage(values, tid, by_dim);
         workgroupBarrier();
 
-        // 4. O += P.V
-        for (var k = 0u; k < BC / 16u; k++) {
-            let p = coopLoadT<MatA>(&s_p[warp * 16u * TS + k * 4u], TS);
-            o_lo = add_pv(o_lo, p, k, 0u);
-            if (D > 64u) {
-                o_hi = add_pv(o_hi, p, k, 1u);
-            }
+        // 4. O += P.V, the step's four key matrices written out.
+        let p0 = coopLoadT<MatA>(&s_p[warp * 16u * TS], TS);
+        let p1 = coopLoadT<MatA>(&s_p[warp * 16u * TS + 4u], TS);
+        let p2 = coopLoadT<MatA>(&s_p[warp * 16u * TS + 8u], TS);
+        let p3 = coopLoadT<MatA>(&s_p[warp * 16u * TS + 12u], TS);
+        o_lo = add_pv(add_pv(add_pv(add_pv(o_lo, p0, 0u, 0u), p1, 1u, 0u), p2, 2u, 0u), p3, 3u, 0u);
+        if (D > 64u) {
+            o_hi = add_pv(add_pv(add_pv(add_pv(o_hi, p0, 0u, 1u), p1, 1u, 1u), p2, 2u, 1u), p3, 3u, 1u);
         }
     }
 
