@@ -395,7 +395,7 @@ fn write_out(o: Acc, h: u32, my_row: u32, half_: u32, a: f32, me: Row, write: bo
     subgroupBarrier();   // read before the next pass overwrites
 }
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>, @builtin(subgroup_id) subgroup: u32,
         @builtin(subgroup_invocation_id) subgroup_lane: u32) {
