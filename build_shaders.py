@@ -175,7 +175,8 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
     spirv = drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes())))
-    out.write_bytes(declare_cooperative_matrix(drop_16bit_storage(subgroup_barriers_order_shared(spirv))))
+    spirv = declare_cooperative_matrix(drop_16bit_storage(subgroup_barriers_order_shared(spirv)))
+    out.write_bytes(workgroup_accesses_nonprivate(spirv))
 
 
 OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
@@ -381,10 +382,11 @@ def declare_cooperative_matrix(spirv: bytes) -> bytes:
     beside it (VUID-StandaloneSpirv-CooperativeMatrixKHR): a module that loads an accumulator from a buffer
     got neither, one that starts from a zero accumulator both. What is missing is added here (the model through
     SPV_KHR_vulkan_memory_model: the module stays SPIR-V 1.3, whose entry points list only their inputs),
-    as glslang gives the GLSL matrix modules. Under that model naga's accesses stay what glslang makes of
-    GLSL's: plain loads and stores, ordered within a workgroup by the same barriers (acquire-release on
-    workgroup memory). Coherent and Volatile, which the model forbids, would need each access rewritten;
-    a module with them is refused. Modules without matrices are returned as they are."""
+    as glslang gives the GLSL matrix modules. Under that model naga's plain accesses are private to their
+    invocation; workgroup_accesses_nonprivate (run after) marks the workgroup ones non-private, as glslang's are,
+    so the same barriers (acquire-release on workgroup memory) order them. Coherent and Volatile, which the model
+    forbids, would need each access rewritten; a module with them is refused. Modules without matrices are
+    returned as they are."""
     words = list(array.array("I", spirv))
     capabilities, i = set(), 5
     while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
@@ -513,6 +515,52 @@ def drop_16bit_storage(spirv: bytes) -> bytes:
             kept.append(words[i:i + count].tobytes())
         i += count
     return b"".join(kept)
+
+
+OP_VARIABLE_, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN, OP_PTR_ACCESS_CHAIN = 59, 65, 66, 67
+OP_COOPERATIVE_MATRIX_LOAD, OP_COOPERATIVE_MATRIX_STORE = 4457, 4458
+MEMORY_ACCESS_NON_PRIVATE = 0x20
+
+
+def workgroup_accesses_nonprivate(spirv: bytes) -> bytes:
+    """A Vulkan-memory-model module's workgroup-memory loads and stores marked NonPrivatePointer.
+
+    Under the Vulkan memory model a plain load or store is private to its invocation: barriers make no write
+    of it available to other invocations, so a driver may keep workgroup memory in registers across a barrier.
+    glslang marks every shared-memory access of the GLSL matrix modules non-private; naga's modules reach that
+    model through declare_cooperative_matrix with plain accesses, so each load and store (matrices' included)
+    of a workgroup pointer without memory operands gets NonPrivatePointer, and the barriers, which have
+    WorkgroupMemory semantics, order them as GLSL's. Modules under another memory model are returned as they
+    are; an access with memory operands of its own is refused (none of naga's has them)."""
+    words = list(array.array("I", spirv))
+    i, vulkan = 5, False
+    pointer_class, workgroup = {}, set()
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == OP_MEMORY_MODEL:
+            vulkan = words[i + 2] == MEMORY_MODEL_VULKAN
+        elif op == OP_TYPE_POINTER:
+            pointer_class[words[i + 1]] = words[i + 2]
+        elif op in (OP_VARIABLE_, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN, OP_PTR_ACCESS_CHAIN):
+            if pointer_class.get(words[i + 1]) == STORAGE_WORKGROUP:
+                workgroup.add(words[i + 2])
+        i += count
+    if not vulkan:
+        return spirv
+    # (opcode, index of the pointer operand, word count without memory operands)
+    accesses = {OP_LOAD: (3, 4), OP_STORE: (1, 3), OP_COOPERATIVE_MATRIX_LOAD: (3, 6),
+                OP_COOPERATIVE_MATRIX_STORE: (1, 5)}
+    out, i = words[:5], 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        ins = words[i:i + count]
+        if op in accesses and ins[accesses[op][0]] in workgroup:
+            if count != accesses[op][1]:
+                raise BuildError(f"a workgroup-memory access (opcode {op}) already has memory operands or no stride")
+            ins = [(count + 1) << 16 | op, *ins[1:], MEMORY_ACCESS_NON_PRIVATE]
+        out += ins
+        i += count
+    return array.array("I", out).tobytes()
 
 
 def validate(spv: Path, key) -> None:

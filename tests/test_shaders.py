@@ -315,6 +315,12 @@ def test_wgsl_matrix_modules_get_the_extension_and_memory_model_naga_leaves_out(
     text = built.read_bytes()
     assert b"SPV_KHR_cooperative_matrix" in text and b"SPV_KHR_vulkan_memory_model" in text
     assert build.declare_cooperative_matrix(built.read_bytes()) == built.read_bytes()   # nothing left to add
+    # Under that model plain accesses are private to their invocation, which barriers do not order: the workgroup
+    # accesses (the store to `s`, the matrix load from it) are non-private, as glslang makes GLSL's shared ones;
+    # the buffers' stay plain
+    assert [ops[-1] for op, ops in ins if op == 62] == [0x20]                          # OpStore to s
+    assert [len(ops) for op, ops in ins if op == 4457] == [6, 5, 5]                      # coopLoadT from s: + operand
+    assert [ops[-1] for op, ops in ins if op == 4457][0] == 0x20
 
 
 def test_driver_compile_does_not_count_against_the_timeout():
