@@ -10,10 +10,13 @@
 //     running max grew (which is most steps for some row of a subgroup: a max keeps growing now and then); here
 //     a row keeps the max it exponentiates against until the step's max exceeds it by more than RESCALE_ABOVE
 //     (FlashAttention-4's conditional rescaling: the weights exp(s - m) stay below e^RESCALE_ABOVE, which
-//     float16 holds, and the output and the denominator share the stale m, so the result is the same), and a
-//     subgroup with such a row (its first step with keys aside: the accumulators are still zero there) rescales
-//     its accumulators through shared memory, 64 head dims at a time. The output's final factor is applied as
-//     lanes copy their rows out of shared memory, so no element is reached in registers;
+//     float16 holds, and the output and the denominator share the stale m, so the result is the same); where a
+//     row of the workgroup has to (its first step with keys aside: the accumulators are still zero there), every
+//     subgroup rescales its accumulators through shared memory, 64 head dims at a time. The output's final factor
+//     is applied as lanes copy their rows out of shared memory, so no element is reached in registers;
+//   - naga wants the matrix operations in control flow its uniformity analysis proves workgroup-uniform, and
+//     counts values read through functions (the tile, the sequence's bounds) or exchanged in a subgroup as
+//     varying: the steps' bounds and the rescale test go through workgroupUniformLoad;
 //   - loops over arrays of matrices and of chunks are written out (structs of matrices and of chunks, and
 //     functions over them): naga has no unroll hint, and an array indexed by a variable goes to local memory on
 //     the H200's driver;
