@@ -174,8 +174,9 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
-    out.write_bytes(declare_cooperative_matrix(drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(
-        out.read_bytes())))))
+    spirv = drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes())))
+    spirv = declare_cooperative_matrix(drop_16bit_storage(subgroup_barriers_order_shared(spirv)))
+    out.write_bytes(workgroup_accesses_nonprivate(spirv))
 
 
 OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
@@ -381,10 +382,11 @@ def declare_cooperative_matrix(spirv: bytes) -> bytes:
     beside it (VUID-StandaloneSpirv-CooperativeMatrixKHR): a module that loads an accumulator from a buffer
     got neither, one that starts from a zero accumulator both. What is missing is added here (the model through
     SPV_KHR_vulkan_memory_model: the module stays SPIR-V 1.3, whose entry points list only their inputs),
-    as glslang gives the GLSL matrix modules. Under that model naga's accesses stay what glslang makes of
-    GLSL's: plain loads and stores, ordered within a workgroup by the same barriers (acquire-release on
-    workgroup memory). Coherent and Volatile, which the model forbids, would need each access rewritten;
-    a module with them is refused. Modules without matrices are returned as they are."""
+    as glslang gives the GLSL matrix modules. Under that model naga's plain accesses are private to their
+    invocation; workgroup_accesses_nonprivate (run after) marks the workgroup ones non-private, as glslang's are,
+    so the same barriers (acquire-release on workgroup memory) order them. Coherent and Volatile, which the model
+    forbids, would need each access rewritten; a module with them is refused. Modules without matrices are
+    returned as they are."""
     words = list(array.array("I", spirv))
     capabilities, i = set(), 5
     while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
@@ -411,6 +413,153 @@ def declare_cooperative_matrix(spirv: bytes) -> bytes:
     for name in ("SPV_KHR_vulkan_memory_model", "SPV_KHR_cooperative_matrix"):
         if name.encode() not in spirv:
             out = with_extension(out, name)
+    return array.array("I", out).tobytes()
+
+
+OP_TYPE_INT = 21
+SCOPE_SUBGROUP = 3
+SEMANTICS_ACQUIRE_RELEASE, SEMANTICS_SUBGROUP_MEMORY, SEMANTICS_WORKGROUP_MEMORY = 0x8, 0x80, 0x100
+
+
+def subgroup_barriers_order_shared(spirv: bytes) -> bytes:
+    """naga's SPIR-V with its subgroupBarrier()s ordering workgroup memory.
+
+    naga gives WGSL's subgroupBarrier() the semantics AcquireRelease | SubgroupMemory, a storage class Vulkan
+    does not have: the barrier then orders no memory, and a driver may move shared-memory accesses across it.
+    The WGSL kernels use it where a subgroup hands shared memory between its lanes (paged_prefill_coopmat.wgsl:
+    matrices stored by the subgroup and read by its lanes, and back), as the GLSL kernels do with
+    subgroupMemoryBarrierShared() and subgroupBarrier(); so a subgroup-scope OpControlBarrier with those
+    semantics gets AcquireRelease | WorkgroupMemory (a new constant). Modules without one are returned as they
+    are."""
+    words = list(array.array("I", spirv))
+    uint_type, old = None, set()
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == OP_TYPE_INT and words[i + 2] == 32 and words[i + 3] == 0:
+            uint_type = words[i + 1]
+        elif (op == OP_CONSTANT and count == 4 and words[i + 1] == uint_type
+              and words[i + 3] == SEMANTICS_ACQUIRE_RELEASE | SEMANTICS_SUBGROUP_MEMORY):
+            old.add(words[i + 2])
+        i += count
+    barriers, scopes = [], {}
+    i = 5
+    while i < len(words):   # the scope operands are constants too
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == OP_CONSTANT and count == 4 and words[i + 1] == uint_type:
+            scopes[words[i + 2]] = words[i + 3]
+        elif op == OP_CONTROL_BARRIER and words[i + 3] in old and scopes.get(words[i + 1]) == SCOPE_SUBGROUP:
+            barriers.append(i)
+        i += count
+    if not barriers:
+        return spirv
+    new = words[3]   # the id bound: a fresh id
+    words[3] += 1
+    for at in barriers:
+        words[at + 3] = new
+    first = next(iter(old))
+    i = 5
+    while not (words[i] & 0xFFFF == OP_CONSTANT and words[i + 2] == first):
+        i += words[i] >> 16
+    i += words[i] >> 16
+    constant = [4 << 16 | OP_CONSTANT, uint_type, new, SEMANTICS_ACQUIRE_RELEASE | SEMANTICS_WORKGROUP_MEMORY]
+    return array.array("I", words[:i] + constant + words[i:]).tobytes()
+
+
+# The 16-bit storage capabilities and the storage classes each concerns: StorageBuffer16BitAccess (StorageBuffer),
+# UniformAndStorageBuffer16BitAccess (Uniform), StoragePushConstant16 (PushConstant), StorageInputOutput16 (Input,
+# Output).
+CAPABILITIES_16BIT_STORAGE = {4433: (12,), 4434: (2,), 4435: (9,), 4436: (1, 3)}
+OP_TYPE_VECTOR, OP_TYPE_MATRIX = 23, 24
+
+
+def drop_16bit_storage(spirv: bytes) -> bytes:
+    """naga's SPIR-V without the 16-bit storage capabilities it declares but does not use.
+
+    naga 30 declares all four wherever a module enables f16, and a module declaring a capability needs its
+    Vulkan feature (storageInputOutput16, which NVIDIA's drivers do not offer, among them; pagedvk enables
+    storageBuffer16BitAccess alone). The WGSL matrix kernels compute in float16 in workgroup memory and
+    registers only, their buffers being words as in every other module. A capability stays where a pointer of
+    its storage classes reaches a 16-bit type; spirv-val (run after) checks the rest."""
+    words = memoryview(spirv).cast("I")
+    inner, pointee, narrow = {}, {}, set()
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op in (OP_TYPE_FLOAT, OP_TYPE_INT) and words[i + 2] == 16:
+            narrow.add(words[i + 1])
+        elif op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_VECTOR, OP_TYPE_MATRIX):
+            inner[words[i + 1]] = [words[i + 2]]
+        elif op == OP_TYPE_STRUCT:
+            inner[words[i + 1]] = list(words[i + 2:i + count])
+        elif op == OP_TYPE_POINTER:
+            pointee.setdefault(words[i + 2], set()).add(words[i + 3])
+        i += count
+
+    def reaches_narrow(types) -> bool:
+        seen, todo = set(), list(types)
+        while todo:
+            t = todo.pop()
+            if t in narrow:
+                return True
+            if t not in seen:
+                seen.add(t)
+                todo += inner.get(t, [])
+        return False
+    unused = {cap for cap, classes in CAPABILITIES_16BIT_STORAGE.items()
+              if not reaches_narrow(t for sc in classes for t in pointee.get(sc, ()))}
+    kept, i = [words[:5].tobytes()], 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if not (op == OP_CAPABILITY and words[i + 1] in unused):
+            kept.append(words[i:i + count].tobytes())
+        i += count
+    return b"".join(kept)
+
+
+OP_VARIABLE_, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN, OP_PTR_ACCESS_CHAIN = 59, 65, 66, 67
+OP_COOPERATIVE_MATRIX_LOAD, OP_COOPERATIVE_MATRIX_STORE = 4457, 4458
+MEMORY_ACCESS_NON_PRIVATE = 0x20
+
+
+def workgroup_accesses_nonprivate(spirv: bytes) -> bytes:
+    """A Vulkan-memory-model module's workgroup-memory loads and stores marked NonPrivatePointer.
+
+    Under the Vulkan memory model a plain load or store is private to its invocation: barriers make no write
+    of it available to other invocations, so a driver may keep workgroup memory in registers across a barrier.
+    glslang marks every shared-memory access of the GLSL matrix modules non-private; naga's modules reach that
+    model through declare_cooperative_matrix with plain accesses, so each load and store (matrices' included)
+    of a workgroup pointer without memory operands gets NonPrivatePointer, and the barriers, which have
+    WorkgroupMemory semantics, order them as GLSL's. Modules under another memory model are returned as they
+    are; an access with memory operands of its own is refused (none of naga's has them)."""
+    words = list(array.array("I", spirv))
+    i, vulkan = 5, False
+    pointer_class, workgroup = {}, set()
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == OP_MEMORY_MODEL:
+            vulkan = words[i + 2] == MEMORY_MODEL_VULKAN
+        elif op == OP_TYPE_POINTER:
+            pointer_class[words[i + 1]] = words[i + 2]
+        elif op in (OP_VARIABLE_, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN, OP_PTR_ACCESS_CHAIN):
+            if pointer_class.get(words[i + 1]) == STORAGE_WORKGROUP:
+                workgroup.add(words[i + 2])
+        i += count
+    if not vulkan:
+        return spirv
+    # (opcode, index of the pointer operand, word count without memory operands)
+    accesses = {OP_LOAD: (3, 4), OP_STORE: (1, 3), OP_COOPERATIVE_MATRIX_LOAD: (3, 6),
+                OP_COOPERATIVE_MATRIX_STORE: (1, 5)}
+    out, i = words[:5], 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        ins = words[i:i + count]
+        if op in accesses and ins[accesses[op][0]] in workgroup:
+            if count != accesses[op][1]:
+                raise BuildError(f"a workgroup-memory access (opcode {op}) already has memory operands or no stride")
+            ins = [(count + 1) << 16 | op, *ins[1:], MEMORY_ACCESS_NON_PRIVATE]
+        out += ins
+        i += count
     return array.array("I", out).tobytes()
 
 

@@ -14,7 +14,8 @@ Where a new thing goes (docs/ARCHITECTURE.md says more):
 - a head size compiled with its loops unrolled: UNROLLED_HEAD_SIZES;
 - a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/;
 - a cooperative-matrix module of an op: an entry in its KernelABI's matrix_variants and a
-  shaders/<op>_<kind>.comp with the op's bindings and push constants;
+  shaders/<op>_<kind>.comp with the op's bindings and push constants (and, with "wgsl" in its matrix_backends,
+  a shaders/<op>_<kind>.wgsl);
 - a kernel shaped for a kind of device (decode on CPUs): a tag in its KernelABI's targets and a
   shaders/<op>_<target>.comp with the op's bindings, push constants and specialization constants.
 """
@@ -45,7 +46,8 @@ CACHE_ACCESS = ("", "seg", "bda")
 KV_SEGMENTS = 4
 # Ops that write caches: their WGSL includes name write-side storage files (kv_write_<type>.wgsl, token_<type>.wgsl).
 WRITE_INCLUDES_OPS = ("reshape_and_cache",)
-# Ops that read their caches as 16-byte chunks (kv_chunk_access.wgsl; GLSL: KV_CHUNKS in kv_storage.glsl).
+# Ops that read their caches as 16-byte chunks (kv_chunk_access.wgsl; GLSL: KV_CHUNKS in kv_storage.glsl); so do
+# the WGSL matrix modules.
 CHUNK_READ_OPS = ("paged_decode",)
 # Ops whose modules reduce over the workgroup with subgroup arithmetic (GLSL: GL_KHR_shader_subgroup_arithmetic;
 # WGSL: naga's subgroup built-ins, through shaders/decode_reduce_subgroup.wgsl), which Vulkan leaves optional.
@@ -57,10 +59,11 @@ SUBGROUP_REDUCE_OPS = ("paged_decode",)
 # from the float16 source by giving float16 the bfloat16 encoding (bfloat16_matrices).
 BFLOAT16_MATRIX_FEATURES = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatrix")
 
-# Cooperative-matrix modules (VK_KHR_cooperative_matrix; GLSL only: naga has no matrix type) are named by
-# their source's suffix, shaders/<op>_<matrix>.comp ("coopmat"). They need glslang 13 or newer and SPIR-V 1.5
-# (Vulkan 1.2: the Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a
-# glslang.
+# Cooperative-matrix modules (VK_KHR_cooperative_matrix) are named by their source's suffix,
+# shaders/<op>_<matrix>.comp or .wgsl ("coopmat"). GLSL's need glslang 13 or newer and SPIR-V 1.5 (Vulkan 1.2: the
+# Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a glslang. WGSL's (ops
+# whose KernelABI lists "wgsl" in matrix_backends) go through naga's `enable wgpu_cooperative_matrix;`, and
+# build_shaders.py adds what naga leaves out (declare_cooperative_matrix).
 MATRIX_TARGET_ENV = "vulkan1.2"
 TARGET_ENV = "vulkan1.1"   # every other module
 # vLLM's head sizes: decode modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
@@ -141,7 +144,7 @@ class VariantKey:
         """WGSL: which storage file stands in for each generic `//!include` name."""
         inc = {"kv_storage.wgsl": f"kv_{self.kv}.wgsl",
                "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl"} if self.kv else {}
-        if self.op in CHUNK_READ_OPS and self.kv:
+        if (self.op in CHUNK_READ_OPS or self.matrix and self.backend == "wgsl") and self.kv:
             inc["kv_chunk_access.wgsl"] = "kv_chunk_segmented.wgsl" if self.access else "kv_chunk_bound.wgsl"
         inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
         if self.op in SUBGROUP_REDUCE_OPS:
@@ -182,6 +185,9 @@ class KernelABI:
     # says)
     matrix_variants: tuple = ()
     matrix_accesses: tuple = CACHE_ACCESS
+    # the backends with matrix modules (shaders/<op>_coopmat.comp, .wgsl): WGSL's are built for the float16
+    # matrix_variants (matrix_variants_for) and the cache accesses WGSL has
+    matrix_backends: tuple = ("glsl",)
     # ((constant_id, SPIR-V type), ...): the op's own specialization constants, in its GLSL modules only (not its
     # matrix modules, whose head size is fixed at build time, unless it lists them in matrix_spec_constants)
     spec_constants: tuple = ()
@@ -248,11 +254,12 @@ class KernelABI:
         if fixed and fixed not in DECODE_FIXED:
             raise ValueError(f"fixed must be one of {', '.join(DECODE_FIXED)}, got {fixed!r}")
         if matrix:
-            if (matrix, kv, q, head_size) not in self.matrix_variants or backend != "glsl":
-                built = ", ".join(f"{m} kv {k} q {qq} head {h}" for m, k, qq, h in self.matrix_variants) or "none"
+            if (matrix, kv, q, head_size) not in self.matrix_variants_for(backend):
+                built = ", ".join(f"{m} kv {k} q {qq} head {h}"
+                                  for m, k, qq, h in self.matrix_variants_for(backend)) or "none"
                 raise ValueError(f"{self.op} has no {matrix!r} module for {backend}, cache storage {kv!r}, query "
                                  f"storage {q!r}, head size {head_size} (built: {built})")
-            if access not in self.matrix_accesses:
+            if access not in self.matrix_accesses_for(backend):
                 raise ValueError(f"{self.op} has no {matrix!r} module reading caches by {access!r}")
             return VariantKey(self.op, backend, kv, q, head_size, access, matrix)
         if backend not in self.backends:
@@ -270,6 +277,18 @@ class KernelABI:
             return VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
         fixed = fixed if backend == "wgsl" and unrolled and unrolled in self.fixed_head_sizes else ""
         return VariantKey(self.op, backend, kv, q, unrolled, access, fixed=fixed)
+
+    def matrix_variants_for(self, backend: str) -> tuple:
+        """The matrix_variants built for a backend: all for GLSL; for WGSL (naga's `enable
+        wgpu_cooperative_matrix;`) the float16 ones: naga 30 has no bfloat16, its bitcasts to float16 vectors
+        give float32 ones, and bfloat16 bits staged through float16 conversions would not all pass unchanged,
+        so no module can be given the bfloat16 encoding as build_shaders.bfloat16_matrices does GLSL's."""
+        if backend not in self.matrix_backends:
+            return ()
+        return tuple(v for v in self.matrix_variants if backend == "glsl" or not v[1] == v[2] == "bf16")
+
+    def matrix_accesses_for(self, backend: str) -> tuple:
+        return tuple(a for a in self.matrix_accesses if a in self.accesses(backend))
 
     def reduces_in_subgroups(self, backend: str) -> bool:
         return self.op in SUBGROUP_REDUCE_OPS
@@ -299,9 +318,10 @@ class KernelABI:
                             yield VariantKey(self.op, backend, kv, q, hs, target=target)
                         for access in self.accesses(backend)[1:]:
                             yield VariantKey(self.op, backend, kv, q, 0, access, target=target)
-        for matrix, kv, q, hs in self.matrix_variants:
-            for access in self.matrix_accesses:
-                yield VariantKey(self.op, "glsl", kv, q, hs, access, matrix)
+        for backend in self.matrix_backends:
+            for matrix, kv, q, hs in self.matrix_variants_for(backend):
+                for access in self.matrix_accesses_for(backend):
+                    yield VariantKey(self.op, backend, kv, q, hs, access, matrix)
 
 
 # What every attention kernel reading the paged cache binds first, in this order.
@@ -506,6 +526,7 @@ PAGED_PREFILL = KernelABI(
     kv_types=STORAGE_TYPES,
     q_types=QUERY_TYPES,
     matrix_variants=tuple(("coopmat", t, t, h) for t in ("f16", "bf16") for h in (64, 128)),
+    matrix_backends=BACKENDS,   # WGSL: float16 (KernelABI.matrix_variants_for)
     spec_constants=((PREFILL_HEAD_SIZE_SPEC_ID, "uint32"),),
 )
 

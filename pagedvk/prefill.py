@@ -8,7 +8,8 @@ the push constants) and both query forms, ragged [num_tokens, ...] with query_st
 Each kernel (forward, dq, dk/dv) has a second module for devices with cooperative matrices
 (VK_KHR_cooperative_matrix): shaders/<kernel>_coopmat.comp, same bindings and push constants (the forward's
 attention variants included), for float16 queries and caches, and bfloat16 ones on devices with bfloat16
-matrices (VK_KHR_shader_bfloat16), at head sizes 64 and 128. `matrix_kernel` is the
+matrices (VK_KHR_shader_bfloat16), at head sizes 64 and 128. The forward's also has a WGSL one,
+shaders/paged_prefill_coopmat.wgsl, for float16 (a WGSL plan's dq and dk/dv stay scalar). `matrix_kernel` is the
 rule that picks them, from the device's listed multiplies; every variant runs on either forward kernel, so the
 variants do not enter the choice.
 """
@@ -45,20 +46,22 @@ PREFILL_KERNELS = ("auto", "scalar", "coopmat")
 
 def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, head_size: int,
                   kernel: str = "auto") -> str:
-    """The forward's matrix kind for these arguments: "coopmat" where a module exists for them (GLSL,
-    float16 or bfloat16 caches and queries of one type, head size 64 or 128) and the device runs it (bfloat16:
-    bfloat16 matrices too), else "" (the scalar kernel).
+    """The forward's matrix kind for these arguments: "coopmat" where a module exists for them (GLSL: float16
+    or bfloat16 caches and queries of one type; WGSL: float16; head size 64 or 128) and the device runs it
+    (bfloat16: bfloat16 matrices too), else "" (the scalar kernel). A WGSL plan's backward runs the scalar
+    kernels whatever this says (_Problem.matrix_for).
     kernel="scalar" or "coopmat" forces the choice; "coopmat" raises ValueError where it cannot run."""
     if kernel not in PREFILL_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, PREFILL_KERNELS))}, got {kernel!r}")
     if kernel == "scalar":
         return ""
-    built = {(k, qq, h) for _, k, qq, h in PAGED_PREFILL.matrix_variants}
+    built = {(k, qq, h) for _, k, qq, h in PAGED_PREFILL.matrix_variants_for(backend)}
     why = matrix_unavailable(info, features, operand_type(kv, q))
-    if not why and (backend != "glsl" or (kv, q, head_size) not in built):
-        why = (f"the cooperative-matrix prefill is built for backend 'glsl' with float16 or bfloat16 caches and "
-               f"queries (the same type) at head sizes {', '.join(str(h) for h in sorted({h for *_, h in built}))}, "
-               f"not backend {backend!r}, cache {kv}, query {q}, head size {head_size}")
+    if not why and (kv, q, head_size) not in built:
+        sizes = ", ".join(str(h) for h in sorted({h for *_, h in PAGED_PREFILL.matrix_variants}))
+        why = (f"the cooperative-matrix prefill is built for float16 or bfloat16 caches and queries (the same type; "
+               f"backend 'wgsl': float16 only) at head sizes {sizes}, not backend {backend!r}, cache {kv}, "
+               f"query {q}, head size {head_size}")
     if why and kernel == "coopmat":
         raise ValueError(f"kernel='coopmat' cannot run on {info.name}: {why}")
     return "" if why else MATRIX_KIND
@@ -71,8 +74,8 @@ def describe_choice(info: DeviceInfo) -> str:
         return f"scalar (no cooperative matrices: {why})"
     sizes = ", ".join(str(h) for h in sorted({h for *_, h in PAGED_PREFILL.matrix_variants}))
     types = "float16 or bfloat16" if not matrix_unavailable(info, operand="bf16") else "float16"
-    return (f"coopmat ({MATRIX_SHAPE}) for {types} caches and queries at head sizes {sizes}, forward and backward; "
-            f"scalar otherwise")
+    return (f"coopmat ({MATRIX_SHAPE}) for {types} caches and queries at head sizes {sizes}, forward and backward "
+            f"(WGSL plans: the forward, for float16); scalar otherwise")
 
 
 def forward_rows(head_size: int, rows: np.ndarray) -> np.ndarray:
@@ -218,9 +221,14 @@ class _Problem:
     def tiles(self, rows_per_tile, include=None) -> np.ndarray:
         return work_tiles(self.query_start_loc, self.num_heads // self.num_kv_heads, rows_per_tile, include)
 
+    def matrix_for(self, kernel) -> str:
+        """The problem's matrix kind where `kernel` has matrix modules in the plan's backend (WGSL: the forward
+        only), else "" (its scalar module)."""
+        return self.matrix if self.backend in kernel.matrix_backends else ""
+
     def key(self, kernel, access: str = "", matrix: str | None = None):
-        """The module of `kernel` of the matrix kind `matrix` ("" scalar), the problem's by default."""
-        matrix = self.matrix if matrix is None else matrix
+        """The module of `kernel` of the matrix kind `matrix` ("" scalar), the problem's by default (matrix_for)."""
+        matrix = self.matrix_for(kernel) if matrix is None else matrix
         if matrix:
             return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
                               matrix)
@@ -405,7 +413,7 @@ def _tiled(p: _Problem, kernel, include: np.ndarray) -> tuple:
     kernel="auto" the short sequences' (fewer than MATRIX_MIN_ROWS rows) scalar tiles in a second dispatch of
     the same submission, binding its own table."""
     scalar_rows = lambda rows: forward_rows(p.head_size, rows)
-    if not p.matrix:
+    if not p.matrix_for(kernel):
         tiles = p.tiles(scalar_rows, include=include)
         return [(kernel, p.grid(tiles))], dict(tiles=_bindable(tiles))
     rows = (p.num_heads // p.num_kv_heads) * np.diff(p.query_start_loc)

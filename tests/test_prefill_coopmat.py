@@ -1,4 +1,5 @@
-"""The cooperative-matrix prefill forward and backward (shaders/*_coopmat.comp) and the rule that picks them.
+"""The cooperative-matrix prefill forward and backward (shaders/*_coopmat.comp; the forward's WGSL twin,
+shaders/paged_prefill_coopmat.wgsl, runs each forward test for backend "wgsl" too) and the rule that picks them.
 
 The rule and the property query are tested everywhere, with made-up property lists where the device has
 none (lavapipe). The kernel itself runs only where the device lists its multiply: those tests are marked
@@ -46,12 +47,15 @@ def test_the_device_listing_the_multiply_gets_the_matrix_kernel():
     assert prefill.matrix_unavailable(info, NEEDS) == ""
     assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 128) == "coopmat"
     assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 64) == "coopmat"
+    for head_size in (64, 128):   # the WGSL forward (float16)
+        assert prefill.matrix_kernel(info, NEEDS, "wgsl", "f16", "f16", head_size) == "coopmat"
     assert prefill.describe_choice(info).startswith("coopmat (16x16x16 f16*f16+f32->f32 (subgroup)) for float16 caches")
     # bfloat16 caches and queries: where the device lists the bfloat16 multiply and its features are on
     assert prefill.matrix_kernel(info, NEEDS, "glsl", "bf16", "bf16", 128) == ""
     info = with_shapes([F16_SHAPE, BF16_SHAPE])
     for head_size in (64, 128):
         assert prefill.matrix_kernel(info, BF16_NEEDS, "glsl", "bf16", "bf16", head_size) == "coopmat"
+        assert prefill.matrix_kernel(info, BF16_NEEDS, "wgsl", "bf16", "bf16", head_size) == ""   # WGSL: float16
     assert "for float16 or bfloat16 caches and queries" in prefill.describe_choice(info)
     with pytest.raises(ValueError, match=r"did not enable the Vulkan feature\(s\) shaderBFloat16Type, "
                                          "shaderBFloat16CooperativeMatrix"):
@@ -72,20 +76,21 @@ def test_other_devices_keep_the_scalar_kernel(shapes, subgroup, features, reason
     if "shuffles" in reason:
         info = dataclasses.replace(info, subgroup_shuffle=False)
     assert reason in prefill.matrix_unavailable(info, features)
-    assert prefill.matrix_kernel(info, features, "glsl", "f16", "f16", 128) == ""
-    with pytest.raises(ValueError, match=f"kernel=.coopmat. cannot run on .*{re.escape(reason)}"):
-        prefill.matrix_kernel(info, features, "glsl", "f16", "f16", 128, kernel="coopmat")
+    for backend in ("glsl", "wgsl"):
+        assert prefill.matrix_kernel(info, features, backend, "f16", "f16", 128) == ""
+        with pytest.raises(ValueError, match=f"kernel=.coopmat. cannot run on .*{re.escape(reason)}"):
+            prefill.matrix_kernel(info, features, backend, "f16", "f16", 128, kernel="coopmat")
 
 
 @pytest.mark.parametrize("backend,kv,q,head_size", [
-    ("wgsl", "f16", "f16", 128), ("glsl", "f32", "f16", 128), ("glsl", "f16", "f32", 128),
+    ("wgsl", "f16", "f32", 128), ("wgsl", "f16", "f16", 80), ("glsl", "f32", "f16", 128), ("glsl", "f16", "f32", 128),
     ("glsl", "bf16", "f16", 128), ("glsl", "f16", "f16", 80), ("glsl", "f16", "f16", 256)])
 def test_arguments_without_a_matrix_module_keep_the_scalar_kernel(backend, kv, q, head_size):
     info = with_shapes([F16_SHAPE])
     assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size) == ""
     assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="scalar") == ""
-    with pytest.raises(ValueError, match="built for backend 'glsl' with float16 or bfloat16 caches and queries "
-                                         r"\(the same type\) at head sizes 64, 128"):
+    with pytest.raises(ValueError, match=r"built for float16 or bfloat16 caches and queries \(the same type; "
+                                         r"backend 'wgsl': float16 only\) at head sizes 64, 128"):
         prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="coopmat")
 
 
@@ -134,10 +139,26 @@ def test_matrix_modules_are_named_built_and_required():
     assert set(key.requires()) == NEEDS
     assert abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, "seg", "coopmat").defines()["KV_SEGMENTED"] == 1
     built = {k for k in abi.PAGED_PREFILL.keys() if k.matrix}
-    assert key in built and len(built) == 4 * len(abi.CACHE_ACCESS)   # float16 and bfloat16, head sizes 64 and 128
+    glsl = {k for k in built if k.backend == "glsl"}
+    assert key in glsl and len(glsl) == 4 * len(abi.CACHE_ACCESS)   # float16 and bfloat16, head sizes 64 and 128
     with pytest.raises(ValueError, match="no 'coopmat' module for glsl, cache storage 'f16', query storage 'f16', "
                                          "head size 96"):
         abi.PAGED_PREFILL.key("glsl", "f16", "f16", 96, matrix="coopmat")
+    # WGSL: float16 at both head sizes, caches in one binding or in segments (no buffer device addresses in WGSL)
+    wgsl = abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 128, matrix="coopmat")
+    assert wgsl.name == "paged_prefill.coopmat.kv_f16.q_f16.h128.wgsl"
+    assert wgsl.source == "paged_prefill_coopmat.wgsl" and wgsl.target_env == "vulkan1.2"
+    assert wgsl.constants() == {"HEAD_SIZE": 128} and set(wgsl.requires()) == NEEDS
+    assert wgsl.includes()["kv_chunk_access.wgsl"] == "kv_chunk_bound.wgsl"
+    assert abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 64, "seg", "coopmat").includes()["kv_chunk_access.wgsl"] \
+        == "kv_chunk_segmented.wgsl"
+    assert built - glsl == {abi.PAGED_PREFILL.key("wgsl", "f16", "f16", h, access, "coopmat")
+                            for h in (64, 128) for access in ("", "seg")}
+    for args in (("wgsl", "bf16", "bf16", 128), ("wgsl", "f16", "f16", 128, "bda")):
+        with pytest.raises(ValueError, match="no 'coopmat' module"):
+            abi.PAGED_PREFILL.key(*args, matrix="coopmat")
+    # the backward has no WGSL matrix modules: a WGSL plan's backward runs the scalar ones
+    assert not any(k.matrix and k.backend == "wgsl" for k in abi.PAGED_BACKWARD_DQ.keys())
 
 
 # -- the device's own properties --
@@ -194,28 +215,33 @@ def f16_caches(case, dtype=np.float16):
     return tuple(np.ascontiguousarray(a) for a in pagedvk.reference.nhd_as_cache(k, v, case.layout, key_shape))
 
 
-def run_f16(case, kernel, caches=None, dtype=np.float16, **variants):
+def run_f16(case, kernel, caches=None, dtype=np.float16, backend="glsl", **variants):
     """(out's, lse's) relative error against float64 on the same float16 (or `dtype`: bfloat16) inputs (the
     case's caches, or `caches` in its layout), with the attention variants given; rows that see no key must give
     lse -inf (and zeros), as the reference."""
     args = (case.query.astype(dtype), *(caches or f16_caches(case, dtype)), *case.args()[3:])
-    out, lse = pagedvk.paged_attention_prefill(*args, kernel=kernel, **case.options(**variants))
+    out, lse = pagedvk.paged_attention_prefill(*args, kernel=kernel, backend=backend, **case.options(**variants))
     ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options(**variants))
     assert out.dtype == dtype and lse.dtype == np.float32
     return rel_error(out, ref_out), lse_error(lse, ref_lse)
 
 
+# The backends of the forward's matrix modules (the backward's are GLSL's only).
+FORWARD_BACKENDS = pytest.mark.parametrize("backend", abi.PAGED_PREFILL.matrix_backends)
+
+
 @needs_coopmat
-@pytest.mark.parametrize("direction", ("forward", "backward"))
+@pytest.mark.parametrize("direction,backend", (("forward", "glsl"), ("forward", "wgsl"), ("backward", "glsl")))
 @pytest.mark.parametrize("layout", ("nhd", "vllm"))
 @pytest.mark.parametrize("causal", (True, False))
 @pytest.mark.parametrize("head_size", (64, 128))
 @pytest.mark.parametrize("q_len", (1, 7, 100))
-def test_matrix_kernels_match_reference(rng, direction, layout, causal, head_size, q_len):
+def test_matrix_kernels_match_reference(rng, direction, backend, layout, causal, head_size, q_len):
     # shared prefix blocks: in the backward their dK and dV add up over the sequences reading them
     case = PrefillCase(rng, q_len=q_len, layout=layout, causal=causal, head_size=head_size, num_heads=8,
                        num_kv_heads=2, shared_prefix_blocks=2)
-    errors = run_f16(case, "coopmat") if direction == "forward" else run_f16_backward(case, "coopmat", rng)
+    errors = (run_f16(case, "coopmat", backend=backend) if direction == "forward"
+              else run_f16_backward(case, "coopmat", rng))
     assert max(errors) <= TOL
 
 
@@ -247,12 +273,13 @@ def test_bfloat16_matrix_kernels_ragged_batch_with_every_variant(rng, layout):
 
 
 @needs_coopmat
+@FORWARD_BACKENDS
 @pytest.mark.parametrize("block_size", (8, 16, 32))
-def test_matrix_kernel_many_tiles_and_block_sizes(rng, block_size):
+def test_matrix_kernel_many_tiles_and_block_sizes(rng, block_size, backend):
     # rows over several 64-row tiles, contexts over several 64-key steps, an empty sequence, MQA
     case = PrefillCase(rng, q_len=70, head_size=128, num_heads=4, num_kv_heads=1, block_size=block_size,
                        seq_lens=[70, 0, 333, 129])
-    out_err, lse_err = run_f16(case, "coopmat")
+    out_err, lse_err = run_f16(case, "coopmat", backend=backend)
     assert out_err <= TOL and lse_err <= TOL
 
 
@@ -263,76 +290,97 @@ def ragged_case(rng, layout):
 
 
 @needs_coopmat
+@FORWARD_BACKENDS
 @pytest.mark.parametrize("variants", ("none", "all"))
 @pytest.mark.parametrize("layout", ("nhd", "vllm"))
-def test_matrix_kernel_ragged_batch(rng, layout, variants):
+def test_matrix_kernel_ragged_batch(rng, layout, variants, backend):
     # prompts, chunks, decode tokens and empty sequences in one batch; GQA groups across 64-row tiles; with
     # every variant at once (sinks on rows that see keys and on none) or none
     case = ragged_case(rng, layout)
     kw = variant_args(rng, 12, VARIANTS["all"]) if variants == "all" else {}
-    out_err, lse_err = run_f16(case, "coopmat", **kw)
+    out_err, lse_err = run_f16(case, "coopmat", backend=backend, **kw)
     assert out_err <= TOL and lse_err <= TOL
 
 
 @needs_coopmat
-def test_auto_picks_the_matrix_kernel(rng):
-    device = pagedvk.default_device()
-    assert prefill.matrix_kernel(device.info, device.features, "glsl", "f16", "f16", 128) == "coopmat"
-    case = PrefillCase(rng, q_len=33, head_size=128)
-    assert run_f16(case, "auto")[0] <= TOL
+@FORWARD_BACKENDS
+@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+def test_matrix_kernel_rescales_where_maxima_grow(rng, layout, backend):
+    # logits of spread 30: a row's max grows past the one its weights are taken against by more than the WGSL
+    # kernel's RESCALE_ABOVE (8) at later steps, so its accumulators are rescaled (through shared memory there),
+    # rows of one subgroup at different steps; the weights stay within float16
+    case = PrefillCase(rng, q_len=100, layout=layout, head_size=128, num_heads=8, num_kv_heads=2,
+                       seq_lens=[100, 700, 300])
+    case.query *= 30
+    out_err, lse_err = run_f16(case, "coopmat", backend=backend)
+    assert out_err <= TOL and lse_err <= TOL
 
 
 @needs_coopmat
+@FORWARD_BACKENDS
+def test_auto_picks_the_matrix_kernel(rng, backend):
+    device = pagedvk.default_device()
+    assert prefill.matrix_kernel(device.info, device.features, backend, "f16", "f16", 128) == "coopmat"
+    case = PrefillCase(rng, q_len=33, head_size=128)
+    assert run_f16(case, "auto", backend=backend)[0] <= TOL
+
+
+@needs_coopmat
+@FORWARD_BACKENDS
 @pytest.mark.parametrize("layout", ("nhd", "vllm"))
-def test_auto_runs_short_sequences_on_the_scalar_kernel_in_the_same_launch(rng, layout, monkeypatch):
+def test_auto_runs_short_sequences_on_the_scalar_kernel_in_the_same_launch(rng, layout, backend, monkeypatch):
     # prompts on the matrix kernel; decode tokens and a short chunk (fewer than MATRIX_MIN_ROWS rows) on the
     # scalar kernel's tiles, each half of the batch's rows written by one dispatch of the same submission
     modules, pipeline = [], pagedvk.kernels.pipeline
     monkeypatch.setattr(pagedvk.kernels, "pipeline",
                         lambda device, kernel, key, *a: modules.append(key.name) or pipeline(device, kernel, key, *a))
     case = PrefillCase(rng, q_lens=[1, 70, 0, 1, 3, 130, 1], layout=layout, head_size=128, num_heads=8, num_kv_heads=2)
-    out_err, lse_err = run_f16(case, "auto")
+    out_err, lse_err = run_f16(case, "auto", backend=backend)
     assert out_err <= TOL and lse_err <= TOL
-    assert modules == ["paged_prefill.coopmat.kv_f16.q_f16.h128.glsl", "paged_prefill.kv_f16.q_f16.glsl"]
+    assert modules == [f"paged_prefill.coopmat.kv_f16.q_f16.h128.{backend}", f"paged_prefill.kv_f16.q_f16.{backend}"]
     modules.clear()
-    run_f16(PrefillCase(rng, q_lens=[1, 2, 1], layout=layout, head_size=128, num_heads=8, num_kv_heads=2), "auto")
-    assert modules == ["paged_prefill.kv_f16.q_f16.glsl"]   # only short sequences: the matrix dispatch is empty
+    run_f16(PrefillCase(rng, q_lens=[1, 2, 1], layout=layout, head_size=128, num_heads=8, num_kv_heads=2), "auto",
+            backend=backend)
+    assert modules == [f"paged_prefill.kv_f16.q_f16.{backend}"]   # only short sequences: the matrix dispatch is empty
     modules.clear()
-    run_f16(case, "coopmat")                                   # forced: every row on the matrix kernel
-    assert modules == ["paged_prefill.coopmat.kv_f16.q_f16.h128.glsl"]
+    run_f16(case, "coopmat", backend=backend)                    # forced: every row on the matrix kernel
+    assert modules == [f"paged_prefill.coopmat.kv_f16.q_f16.h128.{backend}"]
 
 
 # -- the attention variants (issue 11) in the matrix kernel, where it runs --
 
 @needs_coopmat
+@FORWARD_BACKENDS
 @pytest.mark.parametrize("layout", ("nhd", "vllm"))
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("head_size", (64, 128))
-def test_matrix_kernel_each_variant_and_all(rng, layout, variant, head_size):
+def test_matrix_kernel_each_variant_and_all(rng, layout, variant, head_size, backend):
     # GQA, a query tile over several 64-key steps; all variants also without causal masking
     case = PrefillCase(rng, q_len=40, layout=layout, head_size=head_size, num_heads=8, num_kv_heads=2,
                        seq_lens=[40, 230, 75])
     kw = variant_args(rng, 8, VARIANTS[variant])
     for causal in (True, False) if variant == "all" else (True,):
         case.causal = causal
-        out_err, lse_err = run_f16(case, "coopmat", **kw)
+        out_err, lse_err = run_f16(case, "coopmat", backend=backend, **kw)
         assert out_err <= TOL and lse_err <= TOL
 
 
 @needs_coopmat
+@FORWARD_BACKENDS
 @pytest.mark.parametrize("window_left", [0, 1, 15, 63, 64, 100, 5000])
-def test_matrix_kernel_window_edges(rng, window_left):
+def test_matrix_kernel_window_edges(rng, window_left, backend):
     # windows within one block, one 64-key step, across steps and longer than every context; MQA tiles of
     # 64 rows whose first and last rows' windows differ
     case = PrefillCase(rng, q_len=70, head_size=128, num_heads=4, num_kv_heads=1, block_size=8,
                        seq_lens=[70, 333, 129])
-    out_err, lse_err = run_f16(case, "coopmat", window_left=window_left)
+    out_err, lse_err = run_f16(case, "coopmat", backend=backend, window_left=window_left)
     assert out_err <= TOL and lse_err <= TOL
 
 
 @needs_coopmat
+@FORWARD_BACKENDS
 @pytest.mark.parametrize("layout", ("nhd", "vllm"))
-def test_matrix_kernel_window_does_not_read_blocks_before_it(rng, layout):
+def test_matrix_kernel_window_does_not_read_blocks_before_it(rng, layout, backend):
     # NaN in every block wholly before the window of each sequence's first query: the matrix kernel's
     # steps start at the tile's first window block, so none of them is read (NaN would reach out)
     q_len, window_left, bs = 20, 30, 16
@@ -344,7 +392,8 @@ def test_matrix_kernel_window_does_not_read_blocks_before_it(rng, layout):
     for s, n in enumerate(case.seq_lens):
         for b in case.block_tables[s, :(n - q_len - window_left) // bs]:
             k[b] = v[b] = np.nan
-    out, lse = pagedvk.paged_attention_prefill(*args, kernel="coopmat", **case.options(window_left=window_left))
+    out, lse = pagedvk.paged_attention_prefill(*args, kernel="coopmat", backend=backend,
+                                               **case.options(window_left=window_left))
     assert rel_error(out, ref_out) <= TOL and rel_error(lse, ref_lse) <= TOL
 
 

@@ -315,6 +315,12 @@ def test_wgsl_matrix_modules_get_the_extension_and_memory_model_naga_leaves_out(
     text = built.read_bytes()
     assert b"SPV_KHR_cooperative_matrix" in text and b"SPV_KHR_vulkan_memory_model" in text
     assert build.declare_cooperative_matrix(built.read_bytes()) == built.read_bytes()   # nothing left to add
+    # Under that model plain accesses are private to their invocation, which barriers do not order: the workgroup
+    # accesses (the store to `s`, the matrix load from it) are non-private, as glslang makes GLSL's shared ones;
+    # the buffers' stay plain
+    assert [ops[-1] for op, ops in ins if op == 62] == [0x20]                          # OpStore to s
+    assert [len(ops) for op, ops in ins if op == 4457] == [6, 5, 5]                      # coopLoadT from s: + operand
+    assert [ops[-1] for op, ops in ins if op == 4457][0] == 0x20
 
 
 def test_driver_compile_does_not_count_against_the_timeout():
@@ -427,3 +433,64 @@ def test_bfloat16_pass_keeps_constants_exact_or_refuses(tmp_path):
         tool, env = build.matrix_tools()[1:]
         result = subprocess.run([tool, "--target-env", "vulkan1.2", str(spv)], capture_output=True, text=True, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def barrier_semantics(spv: bytes) -> list:
+    """(execution scope, semantics) of each OpControlBarrier, the constants' values."""
+    words = list(struct.unpack(f"<{len(spv) // 4}I", spv))
+    constants, barriers, i = {}, [], 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == 43 and count == 4:   # OpConstant
+            constants[words[i + 2]] = words[i + 3]
+        elif op == 224:               # OpControlBarrier
+            barriers.append((words[i + 1], words[i + 3]))
+        i += count
+    return [(constants[scope], constants[semantics]) for scope, semantics in barriers]
+
+
+def test_wgsl_subgroup_barriers_order_workgroup_memory(tmp_path):
+    # naga's subgroupBarrier() has the semantics AcquireRelease | SubgroupMemory (0x88), which order nothing in
+    # Vulkan; the WGSL matrix forward hands workgroup memory between a subgroup's lanes across it, so the build
+    # makes them AcquireRelease | WorkgroupMemory (0x108), as GLSL's subgroupMemoryBarrierShared(). Workgroup
+    # barriers keep theirs.
+    raw, built = naga_and_build(tmp_path, (
+        "var<workgroup> a: array<f32, 64>;\n"
+        "@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n"
+        "@compute @workgroup_size(64) fn main(@builtin(local_invocation_index) l: u32) {\n"
+        "  a[l] = o[l]; subgroupBarrier(); o[l] = a[l ^ 1u]; workgroupBarrier(); o[l] += a[63u - l];\n}\n"))
+    assert (3, 0x88) in barrier_semantics(raw)   # (naga's zeroing of `a` adds a workgroup barrier before)
+    assert barrier_semantics(built) == [(3, 0x108) if b == (3, 0x88) else b for b in barrier_semantics(raw)]
+    for name in IDS:
+        if name.startswith("paged_prefill.coopmat") and name.endswith(".wgsl"):
+            semantics = barrier_semantics(kernels.module_path(name).read_bytes())
+            assert (3, 0x108) in semantics and (3, 0x88) not in semantics
+
+
+def capabilities(spv: bytes) -> set:
+    words = list(struct.unpack(f"<{len(spv) // 4}I", spv))
+    found, i = set(), 5
+    while i < len(words):
+        if words[i] & 0xFFFF == 17:   # OpCapability
+            found.add(words[i + 1])
+        i += words[i] >> 16
+    return found
+
+
+def test_wgsl_build_drops_unused_16bit_storage_capabilities(tmp_path):
+    # naga declares StorageBuffer16BitAccess, UniformAndStorageBuffer16BitAccess and StorageInputOutput16 for any
+    # `enable f16;`; each needs its Vulkan feature (NVIDIA offers no storageInputOutput16). The build keeps only
+    # those a pointer of their storage classes needs: none for float16 in workgroup memory alone, the storage
+    # buffers' where a buffer holds float16.
+    storage16 = {4433, 4434, 4435, 4436}
+    _, shared_only = naga_and_build(tmp_path, (
+        "enable f16;\nvar<workgroup> a: array<f16, 64>;\n"
+        "@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n"
+        "@compute @workgroup_size(64) fn main(@builtin(local_invocation_index) l: u32) {\n"
+        "  a[l] = f16(o[l]); workgroupBarrier(); o[l] = f32(a[63u - l]);\n}\n"))
+    assert 9 in capabilities(shared_only) and not capabilities(shared_only) & storage16   # Float16 stays
+    raw, in_buffer = naga_and_build(tmp_path, (
+        "enable f16;\n@group(0) @binding(0) var<storage, read_write> o: array<f16>;\n"
+        "@compute @workgroup_size(64) fn main(@builtin(local_invocation_index) l: u32) { o[l] = o[l] * 2.0h; }\n"))
+    assert capabilities(raw) & storage16 >= {4433, 4436}
+    assert capabilities(in_buffer) & storage16 == {4433}
