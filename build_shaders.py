@@ -174,8 +174,8 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
-    out.write_bytes(declare_cooperative_matrix(drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(
-        out.read_bytes())))))
+    out.write_bytes(naga_matrix_fixes(declare_cooperative_matrix(drop_unlaid_layouts(drop_loop_bounding(
+        drop_workgroup_zero_init(out.read_bytes()))))))
 
 
 OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
@@ -411,6 +411,79 @@ def declare_cooperative_matrix(spirv: bytes) -> bytes:
     for name in ("SPV_KHR_vulkan_memory_model", "SPV_KHR_cooperative_matrix"):
         if name.encode() not in spirv:
             out = with_extension(out, name)
+    return array.array("I", out).tobytes()
+
+
+CAPABILITY_STORAGE_BUFFER_16, CAPABILITY_UNIFORM_16, CAPABILITY_PUSH_CONSTANT_16, CAPABILITY_IO_16 = 4433, 4434, 4435, 4436
+OP_TYPE_INT, OP_TYPE_VECTOR, OP_TYPE_COOPERATIVE_MATRIX = 21, 23, 4456
+STORAGE_16BIT = {12: CAPABILITY_STORAGE_BUFFER_16, 2: CAPABILITY_UNIFORM_16, 9: CAPABILITY_PUSH_CONSTANT_16,
+                 1: CAPABILITY_IO_16, 3: CAPABILITY_IO_16}   # StorageBuffer, Uniform, PushConstant, Input, Output
+SCOPE_SUBGROUP, SEMANTICS_WORKGROUP_MEMORY, SEMANTICS_ACQUIRE_RELEASE_WORKGROUP = 3, 0x100, 0x108
+
+
+def naga_matrix_fixes(spirv: bytes) -> bytes:
+    """naga's cooperative-matrix modules (`enable f16;` with `enable wgpu_cooperative_matrix;`) made what their
+    WGSL means on a Vulkan device; modules without matrices are returned as they are.
+
+    * naga declares every 16-bit storage capability once f16 is enabled (StorageBuffer16BitAccess,
+      UniformAndStorageBuffer16BitAccess, StorageInputOutput16), and a pipeline may declare only capabilities
+      whose features are on: pagedvk turns on storageBuffer16BitAccess only, and NVIDIA has no
+      storageInputOutput16. Those no 16-bit type in that storage class needs go (spirv-val checks the rest).
+    * naga's subgroupBarrier() orders subgroup memory only (OpControlBarrier Subgroup, AcquireRelease |
+      SubgroupMemory): the matrix kernels pass values between lanes through workgroup memory at such barriers,
+      as GLSL's subgroupMemoryBarrierShared() + subgroupBarrier(), so those barriers take the semantics of the
+      module's workgroupBarrier() (AcquireRelease | WorkgroupMemory; its constant, at subgroup scope)."""
+    words = list(array.array("I", spirv))
+    capabilities, i = set(), 5
+    while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
+        capabilities.add(words[i + 1])
+        i += words[i] >> 16
+    if CAPABILITY_COOPERATIVE_MATRIX not in capabilities:
+        return spirv
+    inner, narrow, pointee, value, ordering = {}, set(), {}, {}, None
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == OP_CONSTANT and count == 4:
+            value[words[i + 2]] = words[i + 3]
+        elif op == OP_CONTROL_BARRIER and value.get(words[i + 3]) == SEMANTICS_ACQUIRE_RELEASE_WORKGROUP:
+            ordering = words[i + 3]
+        elif op in (OP_TYPE_FLOAT, OP_TYPE_INT) and words[i + 2] == 16:
+            narrow.add(words[i + 1])
+        elif op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_VECTOR):
+            inner[words[i + 1]] = [words[i + 2]]
+        elif op == OP_TYPE_STRUCT:
+            inner[words[i + 1]] = list(words[i + 2:i + count])
+        elif op == OP_TYPE_POINTER:
+            pointee.setdefault(words[i + 2], set()).add(words[i + 3])
+        i += count
+
+    def holds_16bit(types) -> bool:
+        seen, todo = set(), list(types)
+        while todo:
+            t = todo.pop()
+            if t not in seen:
+                seen.add(t)
+                todo += inner.get(t, [])
+        return bool(seen & narrow)
+    needed = {cap for sc, cap in STORAGE_16BIT.items() if holds_16bit(pointee.get(sc, ()))}
+    unneeded = set(STORAGE_16BIT.values()) - needed
+    out, i = words[:5], 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        ins = words[i:i + count]
+        if op == OP_CAPABILITY and ins[1] in unneeded:
+            ins = []
+        elif op == OP_EXTENSION and not needed and bytes(array.array("I", ins[1:])).rstrip(b"\0") == b"SPV_KHR_16bit_storage":
+            ins = []
+        elif op == OP_CONTROL_BARRIER and value.get(ins[1]) == SCOPE_SUBGROUP:
+            if not value.get(ins[3], 0) & SEMANTICS_WORKGROUP_MEMORY:
+                if ordering is None:
+                    raise BuildError("a WGSL matrix module's subgroup barrier needs the semantics of a workgroup "
+                                     "barrier (AcquireRelease | WorkgroupMemory), and the module has none")
+                ins = ins[:3] + [ordering]
+        out += ins
+        i += count
     return array.array("I", out).tobytes()
 
 

@@ -14,7 +14,8 @@ Where a new thing goes (docs/ARCHITECTURE.md says more):
 - a head size compiled with its loops unrolled: UNROLLED_HEAD_SIZES;
 - a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/;
 - a cooperative-matrix module of an op: an entry in its KernelABI's matrix_variants and a
-  shaders/<op>_<kind>.comp with the op's bindings and push constants;
+  shaders/<op>_<kind>.comp with the op's bindings and push constants (and a shaders/<op>_<kind>.wgsl where the
+  op's matrix_backends list "wgsl");
 - a kernel shaped for a kind of device (decode on CPUs): a tag in its KernelABI's targets and a
   shaders/<op>_<target>.comp with the op's bindings, push constants and specialization constants.
 """
@@ -57,11 +58,14 @@ SUBGROUP_REDUCE_OPS = ("paged_decode",)
 # from the float16 source by giving float16 the bfloat16 encoding (bfloat16_matrices).
 BFLOAT16_MATRIX_FEATURES = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatrix")
 
-# Cooperative-matrix modules (VK_KHR_cooperative_matrix; GLSL only: naga has no matrix type) are named by
-# their source's suffix, shaders/<op>_<matrix>.comp ("coopmat"). They need glslang 13 or newer and SPIR-V 1.5
-# (Vulkan 1.2: the Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a
-# glslang.
+# Cooperative-matrix modules (VK_KHR_cooperative_matrix) are named by their source's suffix,
+# shaders/<op>_<matrix>.comp or .wgsl ("coopmat"). GLSL's need glslang 13 or newer and SPIR-V 1.5 (Vulkan 1.2: the
+# Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a glslang. WGSL's use
+# naga 30's `enable wgpu_cooperative_matrix;` (build_shaders.declare_cooperative_matrix adds what naga leaves out),
+# for the ops whose KernelABI.matrix_backends list "wgsl", and only for the cache and query types in
+# WGSL_MATRIX_TYPES: WGSL has no bfloat16, and fp8 caches need matrix element access, which naga has not.
 MATRIX_TARGET_ENV = "vulkan1.2"
+WGSL_MATRIX_TYPES = ("f16",)
 TARGET_ENV = "vulkan1.1"   # every other module
 # vLLM's head sizes: decode modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
 # on the H200), in both languages (WGSL: an `override` that build_shaders.py fixes).
@@ -158,6 +162,8 @@ class VariantKey:
         if self.matrix:   # float16 or bfloat16 matrices; GL_KHR_cooperative_matrix brings the Vulkan memory model
             need += ("cooperativeMatrix", "vulkanMemoryModel")
             need += BFLOAT16_MATRIX_FEATURES if self.kv == "bf16" else ("shaderFloat16",)
+            if self.backend == "wgsl":   # naga's matrices load from arrays of their element type: f16 buffers
+                need += ("storageBuffer16BitAccess",)
         return need
 
     def constants(self) -> dict:
@@ -182,6 +188,8 @@ class KernelABI:
     # says)
     matrix_variants: tuple = ()
     matrix_accesses: tuple = CACHE_ACCESS
+    # the backends with matrix modules (a shaders/<op>_<matrix>.wgsl for "wgsl": the variants of WGSL_MATRIX_TYPES)
+    matrix_backends: tuple = ("glsl",)
     # ((constant_id, SPIR-V type), ...): the op's own specialization constants, in its GLSL modules only (not its
     # matrix modules, whose head size is fixed at build time, unless it lists them in matrix_spec_constants)
     spec_constants: tuple = ()
@@ -248,8 +256,9 @@ class KernelABI:
         if fixed and fixed not in DECODE_FIXED:
             raise ValueError(f"fixed must be one of {', '.join(DECODE_FIXED)}, got {fixed!r}")
         if matrix:
-            if (matrix, kv, q, head_size) not in self.matrix_variants or backend != "glsl":
-                built = ", ".join(f"{m} kv {k} q {qq} head {h}" for m, k, qq, h in self.matrix_variants) or "none"
+            if (matrix, kv, q, head_size) not in self.matrix_variants_for(backend):
+                built = ", ".join(f"{m} kv {k} q {qq} head {h}"
+                                  for m, k, qq, h in self.matrix_variants_for(backend)) or "none"
                 raise ValueError(f"{self.op} has no {matrix!r} module for {backend}, cache storage {kv!r}, query "
                                  f"storage {q!r}, head size {head_size} (built: {built})")
             if access not in self.matrix_accesses:
@@ -270,6 +279,14 @@ class KernelABI:
             return VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
         fixed = fixed if backend == "wgsl" and unrolled and unrolled in self.fixed_head_sizes else ""
         return VariantKey(self.op, backend, kv, q, unrolled, access, fixed=fixed)
+
+    def matrix_variants_for(self, backend: str) -> tuple:
+        """The matrix_variants built for a backend: all of them for GLSL, those of WGSL_MATRIX_TYPES for WGSL,
+        none for a backend not in matrix_backends."""
+        if backend not in self.matrix_backends:
+            return ()
+        return tuple(v for v in self.matrix_variants
+                     if backend == "glsl" or (v[1] in WGSL_MATRIX_TYPES and v[2] in WGSL_MATRIX_TYPES))
 
     def reduces_in_subgroups(self, backend: str) -> bool:
         return self.op in SUBGROUP_REDUCE_OPS
@@ -299,9 +316,10 @@ class KernelABI:
                             yield VariantKey(self.op, backend, kv, q, hs, target=target)
                         for access in self.accesses(backend)[1:]:
                             yield VariantKey(self.op, backend, kv, q, 0, access, target=target)
-        for matrix, kv, q, hs in self.matrix_variants:
-            for access in self.matrix_accesses:
-                yield VariantKey(self.op, "glsl", kv, q, hs, access, matrix)
+        for backend in self.matrix_backends:
+            for matrix, kv, q, hs in self.matrix_variants_for(backend):
+                for access in self.matrix_accesses:
+                    yield VariantKey(self.op, backend, kv, q, hs, access, matrix)
 
 
 # What every attention kernel reading the paged cache binds first, in this order.
@@ -420,6 +438,8 @@ PAGED_DECODE = KernelABI(
     matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128))
     + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
     matrix_accesses=("",),
+    # WGSL: float16 caches and queries (shaders/paged_decode_coopmat.wgsl)
+    matrix_backends=("glsl", "wgsl"),
     matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
                            (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_FP8_BUILD_SPEC_ID, "uint32"),
                            (DECODE_FP8_AHEAD_SPEC_ID, "uint32")),
