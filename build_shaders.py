@@ -418,6 +418,8 @@ CAPABILITY_STORAGE_BUFFER_16, CAPABILITY_UNIFORM_16, CAPABILITY_PUSH_CONSTANT_16
 OP_TYPE_INT, OP_TYPE_VECTOR, OP_TYPE_COOPERATIVE_MATRIX = 21, 23, 4456
 STORAGE_16BIT = {12: CAPABILITY_STORAGE_BUFFER_16, 2: CAPABILITY_UNIFORM_16, 9: CAPABILITY_PUSH_CONSTANT_16,
                  1: CAPABILITY_IO_16, 3: CAPABILITY_IO_16}   # StorageBuffer, Uniform, PushConstant, Input, Output
+OP_LABEL, OP_LOOP_MERGE, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN = 248, 246, 65, 66
+LOOP_CONTROL_NONE, LOOP_CONTROL_UNROLL = 0, 1
 SCOPE_SUBGROUP, SEMANTICS_WORKGROUP_MEMORY, SEMANTICS_ACQUIRE_RELEASE_WORKGROUP = 3, 0x100, 0x108
 
 
@@ -429,6 +431,11 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
       UniformAndStorageBuffer16BitAccess, StorageInputOutput16), and a pipeline may declare only capabilities
       whose features are on: pagedvk turns on storageBuffer16BitAccess only, and NVIDIA has no
       storageInputOutput16. Those no 16-bit type in that storage class needs go (spirv-val checks the rest).
+    * naga's loops carry no unroll hint (WGSL has no [[unroll]]), and NVIDIA's driver leaves an array of matrices
+      indexed by a loop's counter in local memory unless the loop is unrolled, which it may not do by itself
+      where the body holds barriers (docs/ARCHITECTURE.md, "Arrays in registers are indexed by constants"). A loop
+      whose own body (not a loop nested in it) indexes a function variable that holds matrices gets the Unroll
+      loop control, as GLSL's [[unroll]] gives it.
     * naga's subgroupBarrier() orders subgroup memory only (OpControlBarrier Subgroup, AcquireRelease |
       SubgroupMemory): the matrix kernels pass values between lanes through workgroup memory at such barriers,
       as GLSL's subgroupMemoryBarrierShared() + subgroupBarrier(), so those barriers take the semantics of the
@@ -467,6 +474,28 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
                 todo += inner.get(t, [])
         return bool(seen & narrow)
     needed = {cap for sc, cap in STORAGE_16BIT.items() if holds_16bit(pointee.get(sc, ()))}
+    # Loops to unroll: those whose own body indexes a Function variable holding cooperative matrices (naga emits
+    # a structured loop's blocks between its header and its merge block).
+    matrix_types, matrix_vars, open_loops, unroll = set(), set(), [], set()
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == OP_TYPE_COOPERATIVE_MATRIX:
+            matrix_types.add(words[i + 1])
+        elif op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY) and words[i + 2] in matrix_types:
+            matrix_types.add(words[i + 1])
+        elif op == OP_TYPE_POINTER and words[i + 2] == STORAGE_FUNCTION and words[i + 3] in matrix_types:
+            matrix_types.add(words[i + 1])
+        elif op == OP_VARIABLE and words[i + 1] in matrix_types:
+            matrix_vars.add(words[i + 2])
+        elif op == OP_LOOP_MERGE:
+            open_loops.append((words[i + 1], i))
+        elif op == OP_LABEL:
+            while open_loops and open_loops[-1][0] == words[i + 1]:
+                open_loops.pop()
+        elif op in (OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN) and words[i + 3] in matrix_vars and open_loops:
+            unroll.add(open_loops[-1][1])
+        i += count
     unneeded = set(STORAGE_16BIT.values()) - needed
     out, i = words[:5], 5
     while i < len(words):
@@ -474,6 +503,8 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
         ins = words[i:i + count]
         if op == OP_CAPABILITY and ins[1] in unneeded:
             ins = []
+        elif op == OP_LOOP_MERGE and i in unroll and ins[3] == LOOP_CONTROL_NONE:
+            ins = ins[:3] + [LOOP_CONTROL_UNROLL]
         elif op == OP_EXTENSION and not needed and bytes(array.array("I", ins[1:])).rstrip(b"\0") == b"SPV_KHR_16bit_storage":
             ins = []
         elif op == OP_CONTROL_BARRIER and value.get(ins[1]) == SCOPE_SUBGROUP:

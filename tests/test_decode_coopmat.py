@@ -407,3 +407,28 @@ def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch, backend):
     assert key.matrix == matrix
     assert got_parts == (parts if matrix else decode.partitioning(2, 4, 2048, units)[1])
     assert rel_error(out, expect) <= TOL
+
+
+@pytest.mark.parametrize("head_size", (64, 128))
+def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_loops(head_size):
+    # build_shaders.naga_matrix_fixes: of naga's 16-bit storage capabilities only the one the f16 caches need, subgroup
+    # barriers that order workgroup memory, and Unroll on the loops over the matrix arrays (kt, vt, o: ten of them).
+    import array
+    from pagedvk.kernels import load_spirv
+    words = array.array("I", load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", "f16", "f16", head_size,
+                                                                               matrix="coopmat")))
+    constants, capabilities, barriers, loops, i = {}, set(), [], [], 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == 43 and count == 4:   # OpConstant
+            constants[words[i + 2]] = words[i + 3]
+        elif op == 17:                # OpCapability
+            capabilities.add(words[i + 1])
+        elif op == 224:               # OpControlBarrier
+            barriers.append((constants[words[i + 1]], constants[words[i + 3]]))
+        elif op == 246:               # OpLoopMerge
+            loops.append(words[i + 3])
+        i += count
+    assert 4433 in capabilities and not capabilities & {4434, 4435, 4436}   # StorageBuffer16BitAccess only
+    assert {semantics for scope, semantics in barriers if scope == 3} == {0x108}   # subgroup: AcquireRelease | Workgroup
+    assert loops.count(1) == 10
