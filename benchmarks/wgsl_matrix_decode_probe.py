@@ -111,13 +111,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
     p.add_argument("--no-timing", action="store_true")
+    p.add_argument("--no-correctness", action="store_true")
     args = p.parse_args(argv)
     info = pagedvk.default_device().info
     print(f"{info.name} ({info.driver} {info.driver_version}); features on: "
           f"{sorted(pagedvk.default_device().features)}", flush=True)
     record = {"correctness": [], "timing": []}
-    ok = correctness(record["correctness"])
-    print(f"correctness: {'all within 2e-3' if ok else 'SOME WRONG'}", flush=True)
+    ok = True
+    if not args.no_correctness:
+        ok = correctness(record["correctness"])
+        print(f"correctness: {'all within 2e-3' if ok else 'SOME WRONG'}", flush=True)
     if not args.no_timing:
         timing(args.shapes, args.iters, args.repeats, args.rounds, record["timing"])
     if args.json:
