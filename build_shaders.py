@@ -439,7 +439,10 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
     * naga's subgroupBarrier() orders subgroup memory only (OpControlBarrier Subgroup, AcquireRelease |
       SubgroupMemory): the matrix kernels pass values between lanes through workgroup memory at such barriers,
       as GLSL's subgroupMemoryBarrierShared() + subgroupBarrier(), so those barriers take the semantics of the
-      module's workgroupBarrier() (AcquireRelease | WorkgroupMemory; its constant, at subgroup scope)."""
+      module's workgroupBarrier() (AcquireRelease | WorkgroupMemory; its constant, at subgroup scope).
+    * naga's zero matrices (`coop_mat16x16<f32, C>()`, and the zero-initialization of a `var` holding matrices) are
+      OpConstantNull of the matrix type; glslang's (`coopmat<...>(0.0)`) are OpConstantComposite with one zero,
+      which is what drivers are known to take: naga's are rewritten so (arrays of matrices likewise)."""
     words = list(array.array("I", spirv))
     capabilities, i = set(), 5
     while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
@@ -477,13 +480,19 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
     # Loops to unroll: those whose own body indexes a Function variable holding cooperative matrices (naga emits
     # a structured loop's blocks between its header and its merge block).
     matrix_types, matrix_vars, open_loops, unroll = set(), set(), [], set()
+    component, elements, zeros = {}, {}, {}   # matrix type -> its element type; array -> (element, length); zeros
     i = 5
     while i < len(words):
         count, op = words[i] >> 16, words[i] & 0xFFFF
         if op == OP_TYPE_COOPERATIVE_MATRIX:
             matrix_types.add(words[i + 1])
+            component[words[i + 1]] = words[i + 2]
         elif op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY) and words[i + 2] in matrix_types:
             matrix_types.add(words[i + 1])
+            if op == OP_TYPE_ARRAY:
+                elements[words[i + 1]] = (words[i + 2], value[words[i + 3]])
+        elif op == OP_CONSTANT and count == 4 and words[i + 3] == 0:
+            zeros.setdefault(words[i + 1], words[i + 2])
         elif op == OP_TYPE_POINTER and words[i + 2] == STORAGE_FUNCTION and words[i + 3] in matrix_types:
             matrix_types.add(words[i + 1])
         elif op == OP_VARIABLE and words[i + 1] in matrix_types:
@@ -498,10 +507,36 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
         i += count
     unneeded = set(STORAGE_16BIT.values()) - needed
     out, i = words[:5], 5
+    made = {}   # type -> the id of its zero constant
+
+    def zero_of(t: int, result: int | None = None) -> int:
+        """The id of a zero constant of scalar, matrix or array type t (instructions appended to out as needed)."""
+        if result is None and t in made:
+            return made[t]
+        if t in component:
+            parts = [zero_of(component[t])]
+        elif t in elements:
+            parts = [zero_of(elements[t][0])] * elements[t][1]
+        elif t in zeros:
+            return zeros[t]
+        else:   # a scalar zero the module lacks
+            zeros[t] = out[3]
+            out[3] += 1
+            out.extend([4 << 16 | OP_CONSTANT, t, zeros[t], 0])
+            return zeros[t]
+        if result is None:
+            result = out[3]
+            out[3] += 1
+        out.extend([(3 + len(parts)) << 16 | OP_CONSTANT_COMPOSITE, t, result, *parts])
+        made.setdefault(t, result)
+        return result
     while i < len(words):
         count, op = words[i] >> 16, words[i] & 0xFFFF
         ins = words[i:i + count]
-        if op == OP_CAPABILITY and ins[1] in unneeded:
+        if op == OP_CONSTANT_NULL and (ins[1] in component or ins[1] in elements):
+            zero_of(ins[1], ins[2])
+            ins = []
+        elif op == OP_CAPABILITY and ins[1] in unneeded:
             ins = []
         elif op == OP_LOOP_MERGE and i in unroll and ins[3] == LOOP_CONTROL_NONE:
             ins = ins[:3] + [LOOP_CONTROL_UNROLL]

@@ -412,15 +412,25 @@ def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch, backend):
 @pytest.mark.parametrize("head_size", (64, 128))
 def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_loops(head_size):
     # build_shaders.naga_matrix_fixes: of naga's 16-bit storage capabilities only the one the f16 caches need, subgroup
-    # barriers that order workgroup memory, and Unroll on the loops over the matrix arrays (kt, vt, o: ten of them).
+    # barriers that order workgroup memory, Unroll on the loops over the matrix arrays (kt, vt, o: ten of them), and
+    # zero matrices as glslang makes them (OpConstantComposite of one zero, not OpConstantNull).
     import array
     from pagedvk.kernels import load_spirv
     words = array.array("I", load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", "f16", "f16", head_size,
                                                                                matrix="coopmat")))
     constants, capabilities, barriers, loops, i = {}, set(), [], [], 5
+    matrices, nulls, splats = set(), [], []
     while i < len(words):
         count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == 43 and count == 4:   # OpConstant
+        if op == 4456:                # OpTypeCooperativeMatrixKHR
+            matrices.add(words[i + 1])
+        elif op == 28 and words[i + 2] in matrices:   # OpTypeArray of matrices
+            matrices.add(words[i + 1])
+        elif op == 46:                # OpConstantNull
+            nulls.append(words[i + 1])
+        elif op == 44 and words[i + 1] in matrices:   # OpConstantComposite
+            splats.append(words[i + 1])
+        elif op == 43 and count == 4:   # OpConstant
             constants[words[i + 2]] = words[i + 3]
         elif op == 17:                # OpCapability
             capabilities.add(words[i + 1])
@@ -432,3 +442,4 @@ def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_lo
     assert 4433 in capabilities and not capabilities & {4434, 4435, 4436}   # StorageBuffer16BitAccess only
     assert {semantics for scope, semantics in barriers if scope == 3} == {0x108}   # subgroup: AcquireRelease | Workgroup
     assert loops.count(1) == 10
+    assert splats and not matrices & set(nulls)
