@@ -18,6 +18,9 @@ import pagedvk
 from pagedvk import bench, reference
 
 KERNELS = (("glsl", None), ("wgsl", None), ("wgsl", "gpu"))   # (backend, kernel): None is the plan's choice
+# Small shapes, where plans take the scalar kernel (partitions under MATRIX_MIN_TOKENS, a rule measured for GLSL):
+# the WGSL matrix kernel forced too, to see whether WGSL wants the threshold lower.
+SMALL_TOKENS = 8 * 4096
 
 
 def case(rng, seq_lens, num_heads, num_kv_heads, head_size):
@@ -83,8 +86,9 @@ def timing(shapes, iters, repeats, rounds, rows):
         shape = bench.DecodeShape(num_seqs=num_seqs, context=context, dtype="float16")
         with bench.DecodeInputs(shape) as inputs:
             got = {}
+            kernels = KERNELS + ((("wgsl", "coopmat"),) if num_seqs * context <= SMALL_TOKENS else ())
             for r in range(rounds):
-                for backend, kernel in KERNELS:
+                for backend, kernel in kernels:
                     try:
                         row = bench.time_decode(inputs, backend, iters, repeats=repeats, kernel=kernel)
                     except Exception as e:
@@ -97,9 +101,11 @@ def timing(shapes, iters, repeats, rounds, rows):
                               f"err {row['rel_error']:.1e}: {row['median_us']:.1f} us", flush=True)
             med = {k: float(np.median(v)) for k, v in got.items()}
             g, w, s = med.get(("glsl", None)), med.get(("wgsl", None)), med.get(("wgsl", "gpu"))
+            c = med.get(("wgsl", "coopmat"))
             ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
             print(f"{num_seqs}x{context} f16: GLSL {g or 0:.1f} us, WGSL (plan's choice) {w or 0:.1f} us "
-                  f"= {ratio(g, w)} of GLSL speed, WGSL scalar {s or 0:.1f} us = {ratio(g, s)}", flush=True)
+                  f"= {ratio(g, w)} of GLSL speed, WGSL scalar {s or 0:.1f} us = {ratio(g, s)}"
+                  + (f", WGSL matrix forced {c:.1f} us = {ratio(g, c)}" if c else ""), flush=True)
 
 
 def main(argv=None) -> int:
