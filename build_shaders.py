@@ -174,9 +174,8 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
-    spirv = drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes())))
-    spirv = declare_cooperative_matrix(drop_16bit_storage(subgroup_barriers_order_shared(spirv)))
-    out.write_bytes(workgroup_accesses_nonprivate(spirv))
+    spirv = declare_cooperative_matrix(drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes()))))
+    out.write_bytes(workgroup_accesses_nonprivate(naga_matrix_fixes(spirv)))
 
 
 OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
@@ -416,79 +415,53 @@ def declare_cooperative_matrix(spirv: bytes) -> bytes:
     return array.array("I", out).tobytes()
 
 
-OP_TYPE_INT = 21
-SCOPE_SUBGROUP = 3
-SEMANTICS_ACQUIRE_RELEASE, SEMANTICS_SUBGROUP_MEMORY, SEMANTICS_WORKGROUP_MEMORY = 0x8, 0x80, 0x100
+CAPABILITY_STORAGE_BUFFER_16, CAPABILITY_UNIFORM_16, CAPABILITY_PUSH_CONSTANT_16, CAPABILITY_IO_16 = 4433, 4434, 4435, 4436
+OP_TYPE_INT, OP_TYPE_VECTOR, OP_TYPE_COOPERATIVE_MATRIX = 21, 23, 4456
+STORAGE_16BIT = {12: CAPABILITY_STORAGE_BUFFER_16, 2: CAPABILITY_UNIFORM_16, 9: CAPABILITY_PUSH_CONSTANT_16,
+                 1: CAPABILITY_IO_16, 3: CAPABILITY_IO_16}   # StorageBuffer, Uniform, PushConstant, Input, Output
+OP_LABEL, OP_LOOP_MERGE, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN = 248, 246, 65, 66
+LOOP_CONTROL_NONE, LOOP_CONTROL_UNROLL = 0, 1
+SCOPE_SUBGROUP, SEMANTICS_WORKGROUP_MEMORY, SEMANTICS_ACQUIRE_RELEASE_WORKGROUP = 3, 0x100, 0x108
 
 
-def subgroup_barriers_order_shared(spirv: bytes) -> bytes:
-    """naga's SPIR-V with its subgroupBarrier()s ordering workgroup memory.
+def naga_matrix_fixes(spirv: bytes) -> bytes:
+    """naga's cooperative-matrix modules (`enable f16;` with `enable wgpu_cooperative_matrix;`) made what their
+    WGSL means on a Vulkan device; modules without matrices are returned as they are.
 
-    naga gives WGSL's subgroupBarrier() the semantics AcquireRelease | SubgroupMemory, a storage class Vulkan
-    does not have: the barrier then orders no memory, and a driver may move shared-memory accesses across it.
-    The WGSL kernels use it where a subgroup hands shared memory between its lanes (paged_prefill_coopmat.wgsl:
-    matrices stored by the subgroup and read by its lanes, and back), as the GLSL kernels do with
-    subgroupMemoryBarrierShared() and subgroupBarrier(); so a subgroup-scope OpControlBarrier with those
-    semantics gets AcquireRelease | WorkgroupMemory (a new constant). Modules without one are returned as they
-    are."""
+    * naga declares every 16-bit storage capability once f16 is enabled (StorageBuffer16BitAccess,
+      UniformAndStorageBuffer16BitAccess, StorageInputOutput16), and a pipeline may declare only capabilities
+      whose features are on: pagedvk turns on storageBuffer16BitAccess only, and NVIDIA has no
+      storageInputOutput16. Those no 16-bit type in that storage class needs go (spirv-val checks the rest).
+    * naga's loops carry no unroll hint (WGSL has no [[unroll]]), and NVIDIA's driver leaves an array of matrices
+      indexed by a loop's counter in local memory unless the loop is unrolled, which it may not do by itself
+      where the body holds barriers (docs/ARCHITECTURE.md, "Arrays in registers are indexed by constants"). A loop
+      whose own body (not a loop nested in it) indexes a function variable that holds matrices gets the Unroll
+      loop control, as GLSL's [[unroll]] gives it.
+    * naga's subgroupBarrier() orders subgroup memory only (OpControlBarrier Subgroup, AcquireRelease |
+      SubgroupMemory): the matrix kernels pass values between lanes through workgroup memory at such barriers,
+      as GLSL's subgroupMemoryBarrierShared() + subgroupBarrier(), so those barriers take the semantics of the
+      module's workgroupBarrier() (AcquireRelease | WorkgroupMemory; its constant, at subgroup scope).
+    * naga's zero matrices (`coop_mat16x16<f32, C>()`, and the zero-initialization of a `var` holding matrices) are
+      OpConstantNull of the matrix type; glslang's (`coopmat<...>(0.0)`) are OpConstantComposite with one zero,
+      which is what drivers are known to take: naga's are rewritten so (arrays of matrices likewise)."""
     words = list(array.array("I", spirv))
-    uint_type, old = None, set()
-    i = 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == OP_TYPE_INT and words[i + 2] == 32 and words[i + 3] == 0:
-            uint_type = words[i + 1]
-        elif (op == OP_CONSTANT and count == 4 and words[i + 1] == uint_type
-              and words[i + 3] == SEMANTICS_ACQUIRE_RELEASE | SEMANTICS_SUBGROUP_MEMORY):
-            old.add(words[i + 2])
-        i += count
-    barriers, scopes = [], {}
-    i = 5
-    while i < len(words):   # the scope operands are constants too
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == OP_CONSTANT and count == 4 and words[i + 1] == uint_type:
-            scopes[words[i + 2]] = words[i + 3]
-        elif op == OP_CONTROL_BARRIER and words[i + 3] in old and scopes.get(words[i + 1]) == SCOPE_SUBGROUP:
-            barriers.append(i)
-        i += count
-    if not barriers:
-        return spirv
-    new = words[3]   # the id bound: a fresh id
-    words[3] += 1
-    for at in barriers:
-        words[at + 3] = new
-    first = next(iter(old))
-    i = 5
-    while not (words[i] & 0xFFFF == OP_CONSTANT and words[i + 2] == first):
+    capabilities, i = set(), 5
+    while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
+        capabilities.add(words[i + 1])
         i += words[i] >> 16
-    i += words[i] >> 16
-    constant = [4 << 16 | OP_CONSTANT, uint_type, new, SEMANTICS_ACQUIRE_RELEASE | SEMANTICS_WORKGROUP_MEMORY]
-    return array.array("I", words[:i] + constant + words[i:]).tobytes()
-
-
-# The 16-bit storage capabilities and the storage classes each concerns: StorageBuffer16BitAccess (StorageBuffer),
-# UniformAndStorageBuffer16BitAccess (Uniform), StoragePushConstant16 (PushConstant), StorageInputOutput16 (Input,
-# Output).
-CAPABILITIES_16BIT_STORAGE = {4433: (12,), 4434: (2,), 4435: (9,), 4436: (1, 3)}
-OP_TYPE_VECTOR, OP_TYPE_MATRIX = 23, 24
-
-
-def drop_16bit_storage(spirv: bytes) -> bytes:
-    """naga's SPIR-V without the 16-bit storage capabilities it declares but does not use.
-
-    naga 30 declares all four wherever a module enables f16, and a module declaring a capability needs its
-    Vulkan feature (storageInputOutput16, which NVIDIA's drivers do not offer, among them; pagedvk enables
-    storageBuffer16BitAccess alone). The WGSL matrix kernels compute in float16 in workgroup memory and
-    registers only, their buffers being words as in every other module. A capability stays where a pointer of
-    its storage classes reaches a 16-bit type; spirv-val (run after) checks the rest."""
-    words = memoryview(spirv).cast("I")
-    inner, pointee, narrow = {}, {}, set()
+    if CAPABILITY_COOPERATIVE_MATRIX not in capabilities:
+        return spirv
+    inner, narrow, pointee, value, ordering = {}, set(), {}, {}, None
     i = 5
     while i < len(words):
         count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op in (OP_TYPE_FLOAT, OP_TYPE_INT) and words[i + 2] == 16:
+        if op == OP_CONSTANT and count == 4:
+            value[words[i + 2]] = words[i + 3]
+        elif op == OP_CONTROL_BARRIER and value.get(words[i + 3]) == SEMANTICS_ACQUIRE_RELEASE_WORKGROUP:
+            ordering = words[i + 3]
+        elif op in (OP_TYPE_FLOAT, OP_TYPE_INT) and words[i + 2] == 16:
             narrow.add(words[i + 1])
-        elif op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_VECTOR, OP_TYPE_MATRIX):
+        elif op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_VECTOR):
             inner[words[i + 1]] = [words[i + 2]]
         elif op == OP_TYPE_STRUCT:
             inner[words[i + 1]] = list(words[i + 2:i + count])
@@ -496,28 +469,92 @@ def drop_16bit_storage(spirv: bytes) -> bytes:
             pointee.setdefault(words[i + 2], set()).add(words[i + 3])
         i += count
 
-    def reaches_narrow(types) -> bool:
+    def holds_16bit(types) -> bool:
         seen, todo = set(), list(types)
         while todo:
             t = todo.pop()
-            if t in narrow:
-                return True
             if t not in seen:
                 seen.add(t)
                 todo += inner.get(t, [])
-        return False
-    unused = {cap for cap, classes in CAPABILITIES_16BIT_STORAGE.items()
-              if not reaches_narrow(t for sc in classes for t in pointee.get(sc, ()))}
-    kept, i = [words[:5].tobytes()], 5
+        return bool(seen & narrow)
+    needed = {cap for sc, cap in STORAGE_16BIT.items() if holds_16bit(pointee.get(sc, ()))}
+    # Loops to unroll: those whose own body indexes a Function variable holding cooperative matrices (naga emits
+    # a structured loop's blocks between its header and its merge block).
+    matrix_types, matrix_vars, open_loops, unroll = set(), set(), [], set()
+    component, elements, zeros = {}, {}, {}   # matrix type -> its element type; array -> (element, length); zeros
+    i = 5
     while i < len(words):
         count, op = words[i] >> 16, words[i] & 0xFFFF
-        if not (op == OP_CAPABILITY and words[i + 1] in unused):
-            kept.append(words[i:i + count].tobytes())
+        if op == OP_TYPE_COOPERATIVE_MATRIX:
+            matrix_types.add(words[i + 1])
+            component[words[i + 1]] = words[i + 2]
+        elif op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY) and words[i + 2] in matrix_types:
+            matrix_types.add(words[i + 1])
+            if op == OP_TYPE_ARRAY:
+                elements[words[i + 1]] = (words[i + 2], value[words[i + 3]])
+        elif op == OP_CONSTANT and count == 4 and words[i + 3] == 0:
+            zeros.setdefault(words[i + 1], words[i + 2])
+        elif op == OP_TYPE_POINTER and words[i + 2] == STORAGE_FUNCTION and words[i + 3] in matrix_types:
+            matrix_types.add(words[i + 1])
+        elif op == OP_VARIABLE and words[i + 1] in matrix_types:
+            matrix_vars.add(words[i + 2])
+        elif op == OP_LOOP_MERGE:
+            open_loops.append((words[i + 1], i))
+        elif op == OP_LABEL:
+            while open_loops and open_loops[-1][0] == words[i + 1]:
+                open_loops.pop()
+        elif op in (OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN) and words[i + 3] in matrix_vars and open_loops:
+            unroll.add(open_loops[-1][1])
         i += count
-    return b"".join(kept)
+    unneeded = set(STORAGE_16BIT.values()) - needed
+    out, i = words[:5], 5
+    made = {}   # type -> the id of its zero constant
+
+    def zero_of(t: int, result: int | None = None) -> int:
+        """The id of a zero constant of scalar, matrix or array type t (instructions appended to out as needed)."""
+        if result is None and t in made:
+            return made[t]
+        if t in component:
+            parts = [zero_of(component[t])]
+        elif t in elements:
+            parts = [zero_of(elements[t][0])] * elements[t][1]
+        elif t in zeros:
+            return zeros[t]
+        else:   # a scalar zero the module lacks
+            zeros[t] = out[3]
+            out[3] += 1
+            out.extend([4 << 16 | OP_CONSTANT, t, zeros[t], 0])
+            return zeros[t]
+        if result is None:
+            result = out[3]
+            out[3] += 1
+        out.extend([(3 + len(parts)) << 16 | OP_CONSTANT_COMPOSITE, t, result, *parts])
+        made.setdefault(t, result)
+        return result
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        ins = words[i:i + count]
+        if op == OP_CONSTANT_NULL and (ins[1] in component or ins[1] in elements):
+            zero_of(ins[1], ins[2])
+            ins = []
+        elif op == OP_CAPABILITY and ins[1] in unneeded:
+            ins = []
+        elif op == OP_LOOP_MERGE and i in unroll and ins[3] == LOOP_CONTROL_NONE:
+            ins = ins[:3] + [LOOP_CONTROL_UNROLL]
+        elif op == OP_EXTENSION and not needed and bytes(array.array("I", ins[1:])).rstrip(b"\0") == b"SPV_KHR_16bit_storage":
+            ins = []
+        elif op == OP_CONTROL_BARRIER and value.get(ins[1]) == SCOPE_SUBGROUP:
+            if not value.get(ins[3], 0) & SEMANTICS_WORKGROUP_MEMORY:
+                if ordering is None:
+                    raise BuildError("a WGSL matrix module's subgroup barrier needs the semantics of a workgroup "
+                                     "barrier (AcquireRelease | WorkgroupMemory), and the module has none")
+                ins = ins[:3] + [ordering]
+        out += ins
+        i += count
+    return array.array("I", out).tobytes()
 
 
-OP_VARIABLE_, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN, OP_PTR_ACCESS_CHAIN = 59, 65, 66, 67
+OP_PTR_ACCESS_CHAIN = 67
 OP_COOPERATIVE_MATRIX_LOAD, OP_COOPERATIVE_MATRIX_STORE = 4457, 4458
 MEMORY_ACCESS_NON_PRIVATE = 0x20
 
@@ -541,7 +578,7 @@ def workgroup_accesses_nonprivate(spirv: bytes) -> bytes:
             vulkan = words[i + 2] == MEMORY_MODEL_VULKAN
         elif op == OP_TYPE_POINTER:
             pointer_class[words[i + 1]] = words[i + 2]
-        elif op in (OP_VARIABLE_, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN, OP_PTR_ACCESS_CHAIN):
+        elif op in (OP_VARIABLE, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN, OP_PTR_ACCESS_CHAIN):
             if pointer_class.get(words[i + 1]) == STORAGE_WORKGROUP:
                 workgroup.add(words[i + 2])
         i += count

@@ -61,10 +61,12 @@ BFLOAT16_MATRIX_FEATURES = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatr
 
 # Cooperative-matrix modules (VK_KHR_cooperative_matrix) are named by their source's suffix,
 # shaders/<op>_<matrix>.comp or .wgsl ("coopmat"). GLSL's need glslang 13 or newer and SPIR-V 1.5 (Vulkan 1.2: the
-# Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a glslang. WGSL's (ops
-# whose KernelABI lists "wgsl" in matrix_backends) go through naga's `enable wgpu_cooperative_matrix;`, and
-# build_shaders.py adds what naga leaves out (declare_cooperative_matrix).
+# Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a glslang. WGSL's use
+# naga 30's `enable wgpu_cooperative_matrix;` (build_shaders.declare_cooperative_matrix adds what naga leaves out),
+# for the ops whose KernelABI.matrix_backends list "wgsl", and only for the cache and query types in
+# WGSL_MATRIX_TYPES: WGSL has no bfloat16, and fp8 caches need matrix element access, which naga has not.
 MATRIX_TARGET_ENV = "vulkan1.2"
+WGSL_MATRIX_TYPES = ("f16",)
 TARGET_ENV = "vulkan1.1"   # every other module
 # vLLM's head sizes: decode modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
 # on the H200), in both languages (WGSL: an `override` that build_shaders.py fixes).
@@ -161,6 +163,8 @@ class VariantKey:
         if self.matrix:   # float16 or bfloat16 matrices; GL_KHR_cooperative_matrix brings the Vulkan memory model
             need += ("cooperativeMatrix", "vulkanMemoryModel")
             need += BFLOAT16_MATRIX_FEATURES if self.kv == "bf16" else ("shaderFloat16",)
+            if self.backend == "wgsl":   # naga's matrices load from arrays of their element type: f16 buffers
+                need += ("storageBuffer16BitAccess",)
         return need
 
     def constants(self) -> dict:
@@ -279,13 +283,12 @@ class KernelABI:
         return VariantKey(self.op, backend, kv, q, unrolled, access, fixed=fixed)
 
     def matrix_variants_for(self, backend: str) -> tuple:
-        """The matrix_variants built for a backend: all for GLSL; for WGSL (naga's `enable
-        wgpu_cooperative_matrix;`) the float16 ones: naga 30 has no bfloat16, its bitcasts to float16 vectors
-        give float32 ones, and bfloat16 bits staged through float16 conversions would not all pass unchanged,
-        so no module can be given the bfloat16 encoding as build_shaders.bfloat16_matrices does GLSL's."""
+        """The matrix_variants built for a backend: all of them for GLSL, those of WGSL_MATRIX_TYPES for WGSL,
+        none for a backend not in matrix_backends."""
         if backend not in self.matrix_backends:
             return ()
-        return tuple(v for v in self.matrix_variants if backend == "glsl" or not v[1] == v[2] == "bf16")
+        return tuple(v for v in self.matrix_variants
+                     if backend == "glsl" or (v[1] in WGSL_MATRIX_TYPES and v[2] in WGSL_MATRIX_TYPES))
 
     def matrix_accesses_for(self, backend: str) -> tuple:
         return tuple(a for a in self.matrix_accesses if a in self.accesses(backend))
@@ -438,6 +441,8 @@ PAGED_DECODE = KernelABI(
     matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128))
     + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
     matrix_accesses=("",),
+    # WGSL: float16 caches and queries (shaders/paged_decode_coopmat.wgsl)
+    matrix_backends=("glsl", "wgsl"),
     matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
                            (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_FP8_BUILD_SPEC_ID, "uint32")),
 )

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import checks, config, kernels
 from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, DECODE_MERGE_SPEC_ID,
-                  DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE)
+                  DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE, VariantKey)
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
@@ -49,6 +49,13 @@ MATRIX_PV_SHAPE = MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32", "subgroup")
 # The P.V multiply of each operand type's module (PV_N in the kernel): bfloat16's is 16 x 16 (heads 8-15 zero), as
 # the H200 lists no 16 x 8 bfloat16 multiply; 16 x 8 holds half the accumulators.
 MATRIX_PV_SHAPES = {"f16": MATRIX_PV_SHAPE, "bf16": MatrixShape(16, 16, 16, "bf16", "bf16", "f32", "f32", "subgroup")}
+# The WGSL module's (shaders/paged_decode_coopmat.wgsl): naga's matrices are square, so 16 x 16 with heads 8-15 zero.
+WGSL_MATRIX_PV_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
+
+
+def matrix_pv_shape(backend: str, operand: str) -> MatrixShape:
+    """The P.V multiply the backend's matrix decode module of this operand type takes."""
+    return WGSL_MATRIX_PV_SHAPE if backend == "wgsl" else MATRIX_PV_SHAPES[operand]
 WORKGROUPS_PER_UNIT = 8                      # decode workgroups per compute unit the split aims at (BENCHMARKS.md)
 UNITS_ESTIMATE = {"discrete": 64, "integrated": 16, "virtual": 16, "other": 16}   # where the driver says nothing
 
@@ -88,30 +95,33 @@ def decode_target(info, backend: str, kernel: str | None = None) -> str:
 
 def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int, layout: str, block_size: int,
                   tokens: int, kernel: str | None = None) -> str:
-    """The decode's matrix kind: "coopmat" (shaders/paged_decode_coopmat.comp) where a module exists for these
-    arguments (GLSL; float16 or fp8 caches with float16 queries, or bfloat16 caches and queries on devices with
-    bfloat16 matrices; head size 64 or 128; vLLM's layout with 16-token
+    """The decode's matrix kind: "coopmat" (shaders/paged_decode_coopmat.comp or .wgsl) where a module exists for
+    these arguments (GLSL: float16 or fp8 caches with float16 queries, or bfloat16 caches and queries on devices with
+    bfloat16 matrices; WGSL: float16 caches and queries; head size 64 or 128; vLLM's layout with 16-token
     blocks), the device runs it (pagedvk.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens
     (`tokens`: the partition's, or the longest context's where unsplit); else "" (the scalar kernels). `kernel` (else
     PAGEDVK_DECODE_KERNEL) "coopmat" forces it, raising ValueError where it cannot run; "cpu" or "gpu" rule it out."""
     choice = config.decode_kernel(kernel)
     if choice in ("cpu", "gpu"):
         return ""
-    built = sorted((k, qq, h) for _, k, qq, h in PAGED_DECODE.matrix_variants)
+    built = sorted((k, qq, h) for _, k, qq, h in PAGED_DECODE.matrix_variants_for(backend))
     operand = operand_type(kv, q)
     why = matrix_unavailable(info, features, operand)
+    if not why and backend == "wgsl" and features is not None:   # naga's matrices load from f16 buffers
+        missing = [f for f in VariantKey("", backend, kv=operand, q=operand, matrix=MATRIX_KIND).requires()
+                   if f not in features]
+        why = f"pagedvk did not enable the Vulkan feature(s) {', '.join(missing)} on it" if missing else ""
     if not why and not info.subgroup_vote:   # the rescale test is a subgroupAny (uniform, as the matrix ops need)
         why = "it has no subgroup vote in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT)"
-    pv_shape = MATRIX_PV_SHAPES[operand]
+    pv_shape = matrix_pv_shape(backend, operand)
     if not why and not offers(info, pv_shape):
         why = f"it lists no {pv_shape} cooperative-matrix multiply (its P.V products into the output sums)"
-    if not why and (backend != "glsl" or (kv, q, head_size) not in built or layout != "vllm"
-                    or block_size != MATRIX_BLOCK_SIZE):
+    if not why and ((kv, q, head_size) not in built or layout != "vllm" or block_size != MATRIX_BLOCK_SIZE):
         pairs = "; ".join(f"{'/'.join(sorted({k for k, qq, _ in built if qq == q_}))} caches with {q_} queries"
-                          for q_ in sorted({qq for _, qq, _ in built}))
-        sizes = "/".join(str(h) for h in sorted({h for *_, h in built}))
-        why = (f"the cooperative-matrix decode is built for backend 'glsl' ({pairs}), head sizes {sizes}, "
-               f"vLLM's layout and {MATRIX_BLOCK_SIZE}-token blocks, not backend {backend!r}, "
+                          for q_ in sorted({qq for _, qq, _ in built})) or "no module"
+        sizes = "/".join(str(h) for h in sorted({h for *_, h in built})) or "none"
+        why = (f"the cooperative-matrix decode is built for backend {backend!r} with {pairs}, head sizes {sizes}, "
+               f"vLLM's layout and {MATRIX_BLOCK_SIZE}-token blocks, not "
                f"cache {kv}, query {q}, head size {head_size}, layout {layout!r}, block size {block_size}")
     if choice == MATRIX_KIND:
         if why:
@@ -230,7 +240,7 @@ class DecodePlan(Owned):
                   the device; "coopmat": the cooperative-matrix kernel (ValueError where it cannot run). Default:
                   PAGEDVK_DECODE_KERNEL, else by the device's type, with the cooperative-matrix kernel where the
                   device has it and the plan suits it (see ``decode_target`` and ``decode_matrix``). WGSL plans
-                  run the scalar GPU kernel either way.
+                  run the WGSL matrix kernel (float16 caches and queries) or the scalar GPU kernel, never "cpu".
     """
 
     def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,

@@ -160,12 +160,12 @@ def poison_unread_slots(case, block_size: int) -> None:
         case.value_cache[b] = np.nan
 
 
-def check_unchecked_tables(device, case, kernel: str, tol: float) -> list:
+def check_unchecked_tables(device, case, kernel: str, tol: float, backend: str = "glsl") -> list:
     """Decode over tables no host check passed, on a Case of seq_lens [0, 50, 0, 70, 33, 9, 100], 8 / 2 heads,
     head size 64, 16-token blocks: ids at and past num_blocks, negative ids, a length past its row, sequences of
     length 0 between valid ones; unsplit and in 32-token partitions, `kernel` forced. The sentinels around the
     caches keep their pattern, a sequence with no key in range gives zeros, the valid ones their attention.
-    The plans' module keys."""
+    The plans' module keys (`backend`'s modules)."""
     num_blocks = case.key_cache.shape[0]
     bt, sl = case.block_tables.copy(), case.seq_lens.copy()
     bt[4, 0], bt[4, 1] = num_blocks, -3            # sequence 4: its first block out of range, its second negative
@@ -180,7 +180,7 @@ def check_unchecked_tables(device, case, kernel: str, tol: float) -> list:
         out = pagedvk.asarray(case.poisoned_out())
         with pagedvk.DecodePlan(pagedvk.asarray(bt), pagedvk.asarray(sl), num_heads=8, num_kv_heads=2, head_size=64,
                                 block_size=16, num_blocks=num_blocks, dtype=case.key_cache.dtype,
-                                partition_size=partition_size, validate=False, kernel=kernel, backend="glsl") as plan:
+                                partition_size=partition_size, validate=False, kernel=kernel, backend=backend) as plan:
             keys.append(plan.key)
             result = plan.run(pagedvk.asarray(case.query), k, v, out=out).numpy().astype(np.float32)
         assert np.isfinite(result).all()

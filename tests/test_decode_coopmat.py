@@ -1,7 +1,8 @@
-"""The cooperative-matrix decode (shaders/paged_decode_coopmat.comp) and the rule that picks it: the rule and its
-refusals on made-up devices, everywhere; the kernel, forced, against the float64 reference on random data with
-NaN-poisoned outputs and unread slots, on devices with cooperative matrices (`needs_coopmat`, skipped elsewhere
-with the reason: lavapipe has none)."""
+"""The cooperative-matrix decode (shaders/paged_decode_coopmat.comp, and its WGSL port paged_decode_coopmat.wgsl for
+float16 caches) and the rule that picks it: the rule and its refusals on made-up devices, everywhere; the kernel,
+forced, against the float64 reference on random data with NaN-poisoned outputs and unread slots, on devices with
+cooperative matrices (`needs_coopmat`, skipped elsewhere with the reason: lavapipe has none). Tests of float16
+caches run both backends' modules (`backend`)."""
 
 import dataclasses
 import re
@@ -24,12 +25,18 @@ BF16 = ml_dtypes.bfloat16
 CACHE_DTYPES = (np.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)   # the ones with float16 queries
 NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
 BF16_NEEDS = {"cooperativeMatrix", "vulkanMemoryModel", *abi.BFLOAT16_MATRIX_FEATURES}
+WGSL_NEEDS = NEEDS | {"storageBuffer16BitAccess"}   # the WGSL module binds its caches as f16 arrays
 
 _info = pagedvk.select()[0]
 _why = matrix_unavailable(_info, pagedvk.default_device().features)   # what the device turned on
 needs_coopmat = pytest.mark.skipif(bool(_why), reason=f"needs VK_KHR_cooperative_matrix: {_info.name}: {_why}")
 _why_bf16 = matrix_unavailable(_info, pagedvk.default_device().features, "bf16")
 needs_bf16_coopmat = pytest.mark.skipif(bool(_why_bf16), reason=f"needs bfloat16 matrices: {_info.name}: {_why_bf16}")
+_why_wgsl = _why or ("" if "storageBuffer16BitAccess" in pagedvk.default_device().features
+                     else "storageBuffer16BitAccess is off")
+# The backends whose float16 matrix module runs here: a test taking `backend` skips the WGSL one where it cannot.
+MATRIX_BACKENDS = [pytest.param("glsl"), pytest.param("wgsl", marks=pytest.mark.skipif(
+    bool(_why_wgsl), reason=f"needs the WGSL matrix decode: {_info.name}: {_why_wgsl}"))]
 BF16_SHAPES = (with_operands(MATRIX_SHAPE, "bf16"),)   # its P.V multiply too (16 x 16: decode.MATRIX_PV_SHAPES)
 CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True,
                               matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE) + BF16_SHAPES)
@@ -44,7 +51,12 @@ def test_long_partitions_of_float16_and_fp8_vllm_caches_get_the_matrix_kernel(mo
         for head_size in (64, 128):
             assert decode.decode_matrix(CAPABLE, NEEDS, "glsl", kv, "f16", head_size, "vllm", 16, tokens) == "coopmat"
     assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, tokens - 1) == ""   # short: the scalar kernel
-    others = [("wgsl", "f16", "f16", 128, "vllm", 16), ("glsl", "bf16", "f16", 128, "vllm", 16),
+    for head_size in (64, 128):   # WGSL: float16 caches and queries, with 16-bit storage on
+        assert decode.decode_matrix(CAPABLE, WGSL_NEEDS, "wgsl", "f16", "f16", head_size, "vllm", 16, tokens) == "coopmat"
+    assert decode.decode_matrix(CAPABLE, NEEDS, "wgsl", "f16", "f16", 128, "vllm", 16, tokens) == ""
+    for kv, q in (("e4m3", "f16"), ("e5m2", "f16"), ("bf16", "bf16"), ("f32", "f32")):
+        assert decode.decode_matrix(CAPABLE, WGSL_NEEDS | BF16_NEEDS, "wgsl", kv, q, 128, "vllm", 16, tokens) == ""
+    others = [("wgsl", "f16", "f16", 96, "vllm", 16), ("glsl", "bf16", "f16", 128, "vllm", 16),
               ("glsl", "f16", "f32", 128, "vllm", 16), ("glsl", "f16", "f16", 96, "vllm", 16),
               ("glsl", "e5m2", "bf16", 128, "vllm", 16), ("glsl", "f32", "f32", 128, "vllm", 16),
               ("glsl", "f16", "f16", 128, "nhd", 16), ("glsl", "f16", "f16", 128, "vllm", 32)]
@@ -73,6 +85,12 @@ def test_pagedvk_devices_names_every_cache_type_the_matrix_decode_takes(monkeypa
     assert "at head sizes 64 and 128" in line
     f16_only = dataclasses.replace(CAPABLE, type="discrete", matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE))
     assert "bfloat16" not in cli.describe_decode_kernel(f16_only)
+    wgsl = cli.describe_decode_kernel(dataclasses.replace(CAPABLE, type="discrete", storage16=True))
+    assert wgsl.endswith("; WGSL plans: coopmat (shaders/paged_decode_coopmat.wgsl) for float16 caches with float16 "
+                         "queries likewise, gpu (shaders/paged_decode.wgsl) otherwise"), wgsl
+    no_16bit = cli.describe_decode_kernel(dataclasses.replace(CAPABLE, type="discrete", storage16=False))
+    assert no_16bit.endswith("; WGSL plans: gpu (shaders/paged_decode.wgsl; the WGSL matrix decode needs 16-bit "
+                             "storage)"), no_16bit
 
 
 def test_the_matrix_split_fills_one_wave_of_its_workgroups():
@@ -91,18 +109,20 @@ def test_the_matrix_split_fills_one_wave_of_its_workgroups():
     (CAPABLE, {"shaderFloat16"}, F16 + (128, "vllm", 16), "did not enable the Vulkan feature(s) cooperativeMatrix"),
     (dataclasses.replace(CAPABLE, subgroup_vote=False), NEEDS, F16 + (128, "vllm", 16), "no subgroup vote"),
     (dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE,)), NEEDS, F16 + (128, "vllm", 16), "lists no 16x8x16"),
-    (CAPABLE, NEEDS, ("glsl", "bf16", "f16", 128, "vllm", 16), "not backend 'glsl', cache bf16"),
+    (CAPABLE, NEEDS, ("glsl", "bf16", "f16", 128, "vllm", 16), "backend 'glsl' with", ),
     (CAPABLE, NEEDS, ("glsl", "bf16", "bf16", 128, "vllm", 16), "did not enable the Vulkan feature(s) shaderBFloat16Type"),
     (dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE)), BF16_NEEDS,
      ("glsl", "bf16", "bf16", 128, "vllm", 16), "lists no 16x16x16 bf16*bf16+f32->f32"),
     (dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE, with_operands(MATRIX_PV_SHAPE, "bf16"))),
      BF16_NEEDS, ("glsl", "bf16", "bf16", 128, "vllm", 16), "lists no 16x16x16 bf16*bf16+f32->f32"),
-    (CAPABLE, NEEDS, ("wgsl", "f16", "f16", 128, "vllm", 16), "not backend 'wgsl'"),
+    (CAPABLE, WGSL_NEEDS, ("wgsl", "e4m3", "f16", 128, "vllm", 16), "backend 'wgsl' with f16 caches with f16 "
+     "queries, head sizes 64/128, vLLM's layout and 16-token blocks, not cache e4m3"),
+    (CAPABLE, NEEDS, ("wgsl", "f16", "f16", 128, "vllm", 16), "feature(s) storageBuffer16BitAccess"),
     (CAPABLE, NEEDS, F16 + (128, "nhd", 16), "layout 'nhd'"),
     (CAPABLE, NEEDS, F16 + (128, "vllm", 8), "block size 8"),
     (CAPABLE, NEEDS, F16 + (256, "vllm", 16), "head size 256"),
 ], ids=["no-shape", "subgroup-64", "features", "vote", "no-16x8", "bf16", "bf16-features", "bf16-no-shape",
-        "bf16-16x8-only", "wgsl", "nhd", "block-8", "head-256"])
+        "bf16-16x8-only", "wgsl-fp8", "wgsl-16bit", "nhd", "block-8", "head-256"])
 def test_forcing_the_matrix_kernel_where_it_cannot_run_is_refused(info, features, args, reason):
     with pytest.raises(ValueError, match=r"kernel \(or PAGEDVK_DECODE_KERNEL\) 'coopmat' cannot run on .*"
                                          + re.escape(reason)):
@@ -128,12 +148,21 @@ def test_the_matrix_module_is_declared_for_binding_access_with_the_decode_consta
         abi.DECODE_MERGE_SPEC_ID: "uint32", abi.DECODE_FP8_BUILD_SPEC_ID: "uint32"}
     with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module reading caches by 'seg'"):
         abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, "seg", "coopmat")
-    built = [k for k in abi.PAGED_DECODE.keys() if k.matrix]
+    built = [k for k in abi.PAGED_DECODE.keys() if k.matrix and k.backend == "glsl"]
     assert sorted(k.name for k in built) == sorted(
         [f"paged_decode.coopmat.kv_{kv}.q_f16.h{h}.glsl" for kv in ("e4m3", "e5m2", "f16") for h in (128, 64)]
         + [f"paged_decode.coopmat.kv_bf16.q_bf16.h{h}.glsl" for h in (128, 64)])
     bf16 = abi.PAGED_DECODE.key("glsl", "bf16", "bf16", 128, matrix="coopmat")
     assert set(bf16.requires()) == BF16_NEEDS and "shaderFloat16" not in bf16.requires()
+    # WGSL: float16 caches and queries only, the same interface, no specialization constants
+    wgsl = [k for k in abi.PAGED_DECODE.keys() if k.matrix and k.backend == "wgsl"]
+    assert sorted(k.name for k in wgsl) == [f"paged_decode.coopmat.kv_f16.q_f16.h{h}.wgsl" for h in (128, 64)]
+    key = abi.PAGED_DECODE.key("wgsl", "f16", "f16", 64, matrix="coopmat")
+    assert key.source == "paged_decode_coopmat.wgsl" and key.target_env == "vulkan1.2"
+    assert key.constants() == {"HEAD_SIZE": 64} and abi.PAGED_DECODE.specialization_constants(key) == {}
+    assert set(key.requires()) == WGSL_NEEDS
+    with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module for wgsl, cache storage 'e4m3'"):
+        abi.PAGED_DECODE.key("wgsl", "e4m3", "f16", 128, matrix="coopmat")
 
 
 # -- the kernel, on devices that have cooperative matrices --
@@ -146,7 +175,7 @@ def matrix_case(rng, dtype=np.float16, **kw) -> Case:
 
 
 def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=None, value_cache=None,
-                constants=None, **options):
+                constants=None, backend="glsl", **options):
     """(out, lse, plan key, partitions, whether the split is merged in the decode dispatch) of a DecodePlan for the
     case's caches, run on them (or on `key_cache` and `value_cache`) into NaN-poisoned outputs; `options`: the
     plan's (attention variants, k_scale and v_scale); `constants`: specialization constants set on the plan."""
@@ -157,25 +186,29 @@ def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=No
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=query.shape[1],
                             num_kv_heads=case.num_kv_heads, head_size=query.shape[2], block_size=16,
                             num_blocks=case.key_cache.shape[0], dtype=case.key_cache.dtype, query_dtype=query.dtype,
-                            partition_size=partition_size, kernel=kernel, backend="glsl", **options) as plan:
+                            partition_size=partition_size, kernel=kernel, backend=backend, **options) as plan:
         plan.constants.update(constants or {})
         plan.run(query, key_cache, value_cache, out=out, lse=lse)
         return out, lse, plan.key, plan.num_partitions, plan.merge_in_decode
 
 
-def check_split_and_unsplit(case, query, tol=TOL, constants=None, **variants):
+def check_split_and_unsplit(case, query, tol=TOL, constants=None, backend="glsl", **variants):
     """One partition; 32-token partitions (two blocks: two of the four subgroups idle), merged by the reduce
     dispatch where there are more than four; and at most four partitions (of the longest sequence; a sliding window
-    may leave one), merged in the decode dispatch: each against float64 (out and lse), and all alike."""
+    may leave one), merged in the decode dispatch (GLSL; WGSL's go to the reduce dispatch): each against float64
+    (out and lse), and all alike."""
     ref_out, ref_lse = reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
     longest = int(case.seq_lens.max())
     few = -(-longest // (16 * abi.DECODE_MERGE_PARTITIONS)) * 16   # tokens a partition: at most four of them
     outs = []
     for partition_size, most in ((4096, 1), (32, None), (few, abi.DECODE_MERGE_PARTITIONS)):
-        out, lse, key, parts, merged = run_coopmat(case, query, partition_size, constants=constants, **variants)
-        assert key.matrix == "coopmat" and (parts > 1 if most is None else parts <= most)
-        assert merged == (1 < parts <= abi.DECODE_MERGE_PARTITIONS)
-        assert rel_error(out, ref_out) <= tol
+        out, lse, key, parts, merged = run_coopmat(case, query, partition_size, constants=constants,
+                                                   backend=backend, **variants)
+        assert key.matrix == "coopmat" and key.backend == backend and (parts > 1 if most is None else parts <= most)
+        assert merged == (backend == "glsl" and 1 < parts <= abi.DECODE_MERGE_PARTITIONS)
+        err = rel_error(out, ref_out)
+        print(f"{backend} {key.name} partitions {parts}: rel error {err:.3g}")   # run.sh's -rA shows it on failure
+        assert err <= tol
         assert (out[np.isneginf(ref_lse)] == 0).all()   # an empty sequence: zeros out and lse -inf
         assert lse_error(lse, ref_lse) <= (1e-5 if tol == TOL else 1e-4)
         outs.append(out.astype(np.float32))
@@ -187,12 +220,15 @@ def check_split_and_unsplit(case, query, tol=TOL, constants=None, **variants):
                          ids=["g1", "g4", "g8", "g6", "g3"])
 @pytest.mark.parametrize("head_size", (64, 128))
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
-def test_matches_float64_for_every_group_and_head_size(rng, cache_dtype, head_size, num_heads, num_kv_heads):
+@pytest.mark.parametrize("backend", MATRIX_BACKENDS)
+def test_matches_float64_for_every_group_and_head_size(rng, backend, cache_dtype, head_size, num_heads, num_kv_heads):
     # Empty sequences, lengths that end mid-block and at a partition's edge, a long one; unread slots hold NaN.
+    if backend == "wgsl" and np.dtype(cache_dtype) != np.float16:
+        pytest.skip("the WGSL matrix decode takes float16 caches only")
     case = matrix_case(rng, cache_dtype, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_size=head_size)
     poison_unread_slots(case, 16)
-    check_split_and_unsplit(case, case.query)
+    check_split_and_unsplit(case, case.query, backend=backend)
 
 
 @needs_bf16_coopmat
@@ -300,14 +336,16 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, head_size
 
 @needs_coopmat
 @pytest.mark.parametrize("name", VARIANTS)
-def test_attention_variants(rng, name):
+@pytest.mark.parametrize("backend", MATRIX_BACKENDS)
+def test_attention_variants(rng, backend, name):
     case = Case(rng, seq_lens=[5, 77, 200, 513], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
     poison_unread_slots(case, 16)
-    check_split_and_unsplit(case, case.query, **variant_args(rng, 8, VARIANTS[name]))
+    check_split_and_unsplit(case, case.query, backend=backend, **variant_args(rng, 8, VARIANTS[name]))
 
 
 @needs_coopmat
-def test_a_max_that_keeps_rising_rescales_the_sums(rng):
+@pytest.mark.parametrize("backend", MATRIX_BACKENDS)
+def test_a_max_that_keeps_rising_rescales_the_sums(rng, backend):
     # Each block's keys point further along head 0's query and away from head 1's (of each kv head's group) than
     # the last block's: head 0's max rises past the kernel's margin every few blocks, so the sums are rescaled
     # many times, while head 1's max stays at the first keys (its rescale factor 1 in the same rescales).
@@ -319,16 +357,20 @@ def test_a_max_that_keeps_rising_rescales_the_sums(rng):
             block, slot = case.block_tables[s, t // 16], t % 16
             k = direction[s] * (t / 8.0) + 0.3 * rng.standard_normal((2, 128))
             case.key_cache[block, :, :, slot, :] = k.reshape(2, 16, 8).astype(np.float16)
-    check_split_and_unsplit(case, case.query)
+    check_split_and_unsplit(case, case.query, backend=backend)
 
 
 @needs_coopmat
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
-def test_bad_tables_read_nothing_outside_the_caches(device, rng, cache_dtype):
+@pytest.mark.parametrize("backend", MATRIX_BACKENDS)
+def test_bad_tables_read_nothing_outside_the_caches(device, rng, backend, cache_dtype):
     # Unchecked tables (conftest.check_unchecked_tables): nothing read or written outside the buffers.
+    if backend == "wgsl" and np.dtype(cache_dtype) != np.float16:
+        pytest.skip("the WGSL matrix decode takes float16 caches only")
     case = matrix_case(rng, cache_dtype, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2,
                        head_size=64)
-    assert all(key.matrix == "coopmat" for key in check_unchecked_tables(device, case, "coopmat", TOL))
+    keys = check_unchecked_tables(device, case, "coopmat", TOL, backend)
+    assert all(key.matrix == "coopmat" and key.backend == backend for key in keys)
 
 
 @needs_coopmat
@@ -375,20 +417,57 @@ def test_vllm_fp8_caches_as_uint8_with_scales(rng, kv_cache_dtype, dtype):
 
 
 @needs_coopmat
-def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch):
+@pytest.mark.parametrize("backend", MATRIX_BACKENDS)
+def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch, backend):
     monkeypatch.delenv("PAGEDVK_DECODE_KERNEL", raising=False)
     case = Case(rng, seq_lens=[2048, 1500], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
     expect = case.reference()
     for partition_size, matrix in ((decode.MATRIX_MIN_TOKENS, "coopmat"), (decode.MATRIX_MIN_TOKENS // 2, "")):
-        out, _, key, _, _ = run_coopmat(case, case.query, partition_size, kernel=None)
-        assert key.matrix == matrix
+        out, _, key, _, _ = run_coopmat(case, case.query, partition_size, kernel=None, backend=backend)
+        assert key.matrix == matrix and key.backend == backend
         assert rel_error(out, expect) <= TOL
     # Unforced and unsplit by hand: the matrix kernel's own split (one wave of its workgroups), or the scalar's
     # where that leaves partitions too short.
     units = decode.compute_units(pagedvk.default_device().info)
     size, parts = decode.matrix_partitioning(2, 4, 2048, units)
     matrix = "coopmat" if (size if parts > 1 else 2048) >= decode.MATRIX_MIN_TOKENS else ""
-    out, _, key, got_parts, _ = run_coopmat(case, case.query, None, kernel=None)
+    out, _, key, got_parts, _ = run_coopmat(case, case.query, None, kernel=None, backend=backend)
     assert key.matrix == matrix
     assert got_parts == (parts if matrix else decode.partitioning(2, 4, 2048, units)[1])
     assert rel_error(out, expect) <= TOL
+
+
+@pytest.mark.parametrize("head_size", (64, 128))
+def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_loops(head_size):
+    # build_shaders.naga_matrix_fixes: of naga's 16-bit storage capabilities only the one the f16 caches need, subgroup
+    # barriers that order workgroup memory, Unroll on the loops over the matrix arrays (kt, vt, o: ten of them), and
+    # zero matrices as glslang makes them (OpConstantComposite of one zero, not OpConstantNull).
+    import array
+    from pagedvk.kernels import load_spirv
+    words = array.array("I", load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", "f16", "f16", head_size,
+                                                                               matrix="coopmat")))
+    constants, capabilities, barriers, loops, i = {}, set(), [], [], 5
+    matrices, nulls, splats = set(), [], []
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == 4456:                # OpTypeCooperativeMatrixKHR
+            matrices.add(words[i + 1])
+        elif op == 28 and words[i + 2] in matrices:   # OpTypeArray of matrices
+            matrices.add(words[i + 1])
+        elif op == 46:                # OpConstantNull
+            nulls.append(words[i + 1])
+        elif op == 44 and words[i + 1] in matrices:   # OpConstantComposite
+            splats.append(words[i + 1])
+        elif op == 43 and count == 4:   # OpConstant
+            constants[words[i + 2]] = words[i + 3]
+        elif op == 17:                # OpCapability
+            capabilities.add(words[i + 1])
+        elif op == 224:               # OpControlBarrier
+            barriers.append((constants[words[i + 1]], constants[words[i + 3]]))
+        elif op == 246:               # OpLoopMerge
+            loops.append(words[i + 3])
+        i += count
+    assert 4433 in capabilities and not capabilities & {4434, 4435, 4436}   # StorageBuffer16BitAccess only
+    assert {semantics for scope, semantics in barriers if scope == 3} == {0x108}   # subgroup: AcquireRelease | Workgroup
+    assert loops.count(1) == 10
+    assert splats and not matrices & set(nulls)

@@ -148,7 +148,7 @@ def test_matrix_modules_are_named_built_and_required():
     wgsl = abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 128, matrix="coopmat")
     assert wgsl.name == "paged_prefill.coopmat.kv_f16.q_f16.h128.wgsl"
     assert wgsl.source == "paged_prefill_coopmat.wgsl" and wgsl.target_env == "vulkan1.2"
-    assert wgsl.constants() == {"HEAD_SIZE": 128} and set(wgsl.requires()) == NEEDS
+    assert wgsl.constants() == {"HEAD_SIZE": 128} and set(wgsl.requires()) == NEEDS | {"storageBuffer16BitAccess"}
     assert wgsl.includes()["kv_chunk_access.wgsl"] == "kv_chunk_bound.wgsl"
     assert abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 64, "seg", "coopmat").includes()["kv_chunk_access.wgsl"] \
         == "kv_chunk_segmented.wgsl"

@@ -158,8 +158,17 @@ def naga_and_build(tmp_path, source: str) -> tuple:
     src.write_text(source)
     build_shaders.run(build_shaders.naga_command(src, raw), "naga")
     build_shaders.compile_wgsl(src, built, {})
-    build_shaders.validate(built, abi.VariantKey("m", "wgsl"))
+    matrix = "coopmat" if "wgpu_cooperative_matrix" in source else ""   # validated as the matrix modules are
+    build_shaders.validate(built, abi.VariantKey("m", "wgsl", matrix=matrix))
     return raw.read_bytes(), built.read_bytes()
+
+
+# What makes a WGSL test module a matrix one (build_shaders.naga_matrix_fixes works on those only): declarations,
+# and a product to put in its entry point.
+MATRIX_DECLARATIONS = ("enable f16;\nenable wgpu_cooperative_matrix;\nvar<workgroup> mh: array<f16, 256>;\n"
+                       "var<workgroup> mf: array<f32, 256>;\n")
+MATRIX_PRODUCT = ("  coopStore(coopMultiplyAdd(coopLoadT<coop_mat16x16<f16, A>>(&mh[0], 16u), "
+                  "coopLoad<coop_mat16x16<f16, B>>(&mh[0], 16u), coop_mat16x16<f32, C>()), &mf[0], 16u);\n")
 
 
 def installed_wgsl_modules():
@@ -451,14 +460,15 @@ def barrier_semantics(spv: bytes) -> list:
 
 def test_wgsl_subgroup_barriers_order_workgroup_memory(tmp_path):
     # naga's subgroupBarrier() has the semantics AcquireRelease | SubgroupMemory (0x88), which order nothing in
-    # Vulkan; the WGSL matrix forward hands workgroup memory between a subgroup's lanes across it, so the build
+    # Vulkan; the WGSL matrix kernels hand workgroup memory between a subgroup's lanes across it, so the build
     # makes them AcquireRelease | WorkgroupMemory (0x108), as GLSL's subgroupMemoryBarrierShared(). Workgroup
     # barriers keep theirs.
     raw, built = naga_and_build(tmp_path, (
-        "var<workgroup> a: array<f32, 64>;\n"
+        MATRIX_DECLARATIONS + "var<workgroup> a: array<f32, 64>;\n"
         "@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n"
         "@compute @workgroup_size(64) fn main(@builtin(local_invocation_index) l: u32) {\n"
-        "  a[l] = o[l]; subgroupBarrier(); o[l] = a[l ^ 1u]; workgroupBarrier(); o[l] += a[63u - l];\n}\n"))
+        "  a[l] = o[l]; subgroupBarrier(); o[l] = a[l ^ 1u]; workgroupBarrier(); o[l] += a[63u - l];\n"
+        + MATRIX_PRODUCT + "}\n"))
     assert (3, 0x88) in barrier_semantics(raw)   # (naga's zeroing of `a` adds a workgroup barrier before)
     assert barrier_semantics(built) == [(3, 0x108) if b == (3, 0x88) else b for b in barrier_semantics(raw)]
     for name in IDS:
@@ -484,13 +494,14 @@ def test_wgsl_build_drops_unused_16bit_storage_capabilities(tmp_path):
     # buffers' where a buffer holds float16.
     storage16 = {4433, 4434, 4435, 4436}
     _, shared_only = naga_and_build(tmp_path, (
-        "enable f16;\nvar<workgroup> a: array<f16, 64>;\n"
+        MATRIX_DECLARATIONS + "var<workgroup> a: array<f16, 64>;\n"
         "@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n"
         "@compute @workgroup_size(64) fn main(@builtin(local_invocation_index) l: u32) {\n"
-        "  a[l] = f16(o[l]); workgroupBarrier(); o[l] = f32(a[63u - l]);\n}\n"))
+        "  a[l] = f16(o[l]); workgroupBarrier(); o[l] = f32(a[63u - l]);\n" + MATRIX_PRODUCT + "}\n"))
     assert 9 in capabilities(shared_only) and not capabilities(shared_only) & storage16   # Float16 stays
     raw, in_buffer = naga_and_build(tmp_path, (
-        "enable f16;\n@group(0) @binding(0) var<storage, read_write> o: array<f16>;\n"
-        "@compute @workgroup_size(64) fn main(@builtin(local_invocation_index) l: u32) { o[l] = o[l] * 2.0h; }\n"))
+        MATRIX_DECLARATIONS + "@group(0) @binding(0) var<storage, read_write> o: array<f16>;\n"
+        "@compute @workgroup_size(64) fn main(@builtin(local_invocation_index) l: u32) {\n  o[l] = o[l] * 2.0h;\n"
+        + MATRIX_PRODUCT + "}\n"))
     assert capabilities(raw) & storage16 >= {4433, 4436}
     assert capabilities(in_buffer) & storage16 == {4433}

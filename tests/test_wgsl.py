@@ -39,9 +39,9 @@ def test_push_constant_struct_is_the_declared_one(kernel, key):
     fields = re.findall(r"(\w+)\s*:\s*(\w+)\s*,", body)
     assert fields == [(f.name, f.kind) for f in kernel.push]
     assert re.search(r"^var<immediate> pc: Params;$", text, re.M)
-    # core WGSL only (no subgroups, no f16), but for the matrix modules (naga's cooperative matrices, of float16)
-    enabled = re.findall(r"^\s*enable (\w+);", text, re.M)
-    assert enabled == (["f16", "wgpu_cooperative_matrix"] if key.matrix else [])
+    # core WGSL only (no subgroups, no f16), but for the matrix modules: f16 and naga's matrices
+    enables = re.findall(r"^\s*enable (\w+);", text, re.M)
+    assert enables == (["f16", "wgpu_cooperative_matrix"] if key.matrix else []), enables
 
 
 @pytest.mark.parametrize("kernel,key", WGSL_KEYS, ids=[key.name for _, key in WGSL_KEYS])
