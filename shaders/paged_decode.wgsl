@@ -28,6 +28,7 @@
 @group(0) @binding(8) var<storage, read> alibi_slopes: array<f32>;         // [heads] (VARIANT_ALIBI)
 @group(0) @binding(9) var<storage, read> sinks: array<f32>;                // [heads] (VARIANT_SINKS)
 @group(0) @binding(10) var<storage, read_write> lse: array<f32>;           // [seqs, heads] (VARIANT_LSE)
+//!include decode_output.wgsl
 var<immediate> pc: Params;
 
 const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
@@ -426,28 +427,6 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         let l = select(l_b[g & 3u], l_a[g & 3u], lo);
         let m = select(m_b[g & 3u], m_a[g & 3u], lo);
         let head = head0 + g;
-        if (pc.num_partitions == 1u) {
-            // Variants: the sink joins the denominator here (once: a split's reduce adds it), lse is written.
-            let fin = softmax_finish(m, l, sink_logit(head));
-            o *= fin.x;
-            let pair = ((seq * pc.num_heads + head) * hs + d0) >> 1u;
-            if (pair < arrayLength(&out)) {
-                out[pair] = out_pair(o * pc.v_scale);
-            }
-            let lse_row = seq * pc.num_heads + head;
-            if (d0 == 0u && (pc.variants & VARIANT_LSE) != 0u && lse_row < arrayLength(&lse)) {
-                lse[lse_row] = fin.y;
-            }
-        } else {
-            o *= select(0.0, 1.0 / l, l > 0.0);
-            let slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
-            if (slot >= arrayLength(&partial_stats) || (slot + 1u) * hs > 2u * arrayLength(&partial_out)) {
-                continue;
-            }
-            partial_out[(slot * hs + d0) >> 1u] = o;
-            if (d0 == 0u) {
-                partial_stats[slot] = vec2<f32>(m, l);
-            }
-        }
+        write_output_pair(seq, head, part, d0, hs, o, m, l);
     }
 }

@@ -36,6 +36,7 @@ enable wgpu_cooperative_matrix;
 @group(0) @binding(8) var<storage, read> alibi_slopes: array<f32>;         // [heads] (VARIANT_ALIBI)
 @group(0) @binding(9) var<storage, read> sinks: array<f32>;                // [heads] (VARIANT_SINKS)
 @group(0) @binding(10) var<storage, read_write> lse: array<f32>;           // [seqs, heads] (VARIANT_LSE)
+//!include decode_output.wgsl
 var<immediate> pc: Params;
 
 override HEAD_SIZE: u32 = 128u;   // fixed by build_shaders.py: 64 or 128 (abi.PAGED_DECODE.matrix_variants)
@@ -391,27 +392,6 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         let lg = select(l_b[g & 3u], l_a[g & 3u], lo);
         let mg = select(mm_b[g & 3u], mm_a[g & 3u], lo);
         let head = head0 + g;
-        if (pc.num_partitions == 1u) {
-            let fin = softmax_finish(mg, lg, sink_logit(head));
-            o2 *= fin.x;
-            let pair = ((seq * pc.num_heads + head) * D + d0) >> 1u;
-            if (pair < arrayLength(&out)) {
-                out[pair] = out_pair(o2 * pc.v_scale);
-            }
-            let lse_row = seq * pc.num_heads + head;
-            if (d0 == 0u && (pc.variants & VARIANT_LSE) != 0u && lse_row < arrayLength(&lse)) {
-                lse[lse_row] = fin.y;
-            }
-        } else {
-            o2 *= select(0.0, 1.0 / lg, lg > 0.0);
-            let slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
-            if (slot >= arrayLength(&partial_stats) || (slot + 1u) * D > 2u * arrayLength(&partial_out)) {
-                continue;
-            }
-            partial_out[(slot * D + d0) >> 1u] = o2;
-            if (d0 == 0u) {
-                partial_stats[slot] = vec2<f32>(mg, lg);
-            }
-        }
+        write_output_pair(seq, head, part, d0, D, o2, mg, lg);
     }
 }

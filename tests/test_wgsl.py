@@ -65,7 +65,8 @@ def test_storage_files_stand_in_for_the_generic_includes():
     key = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg")
     names = [p.name for p in abi.source_files(SHADERS, key)]
     assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_bf16.wgsl", "attention_common.wgsl",
-                     "attention_variants.wgsl", "kv_chunk_segmented.wgsl", "decode_reduce_subgroup.wgsl"]
+                     "attention_variants.wgsl", "kv_chunk_segmented.wgsl", "decode_output.wgsl",
+                     "decode_reduce_subgroup.wgsl"]
     # and the reduction: subgroup arithmetic, or shared memory only for devices without it
     shared = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg", subgroup_arithmetic=False)
     assert [p.name for p in abi.source_files(SHADERS, shared)][-1] == "decode_reduce_shared.wgsl"
