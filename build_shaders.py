@@ -270,6 +270,17 @@ DECORATION_ARRAY_STRIDE, DECORATION_OFFSET = 6, 35
 UNLAID_STORAGE = {STORAGE_WORKGROUP, 6, STORAGE_FUNCTION}   # Workgroup, Private, Function
 
 
+def reached(inner: dict, types) -> set:
+    """The types `types` are or contain, through inner (type -> the types it is made of)."""
+    seen, todo = set(), list(types)
+    while todo:
+        t = todo.pop()
+        if t not in seen:
+            seen.add(t)
+            todo += inner.get(t, [])
+    return seen
+
+
 def drop_unlaid_layouts(spirv: bytes) -> bytes:
     """naga's SPIR-V without the explicit layouts (ArrayStride, member Offset) it puts on the types of
     workgroup and function variables too.
@@ -290,17 +301,8 @@ def drop_unlaid_layouts(spirv: bytes) -> bytes:
         elif op == OP_TYPE_POINTER:
             pointee.setdefault(words[i + 2], set()).add(words[i + 3])
         i += count
-
-    def reached(types) -> set:
-        seen, todo = set(), list(types)
-        while todo:
-            t = todo.pop()
-            if t not in seen:
-                seen.add(t)
-                todo += inner.get(t, [])
-        return seen
-    laid = reached(t for sc, ts in pointee.items() if sc not in UNLAID_STORAGE for t in ts)
-    unlaid = reached(t for sc, ts in pointee.items() if sc in UNLAID_STORAGE for t in ts) - laid
+    laid = reached(inner, (t for sc, ts in pointee.items() if sc not in UNLAID_STORAGE for t in ts))
+    unlaid = reached(inner, (t for sc, ts in pointee.items() if sc in UNLAID_STORAGE for t in ts)) - laid
     kept, i = [words[:5].tobytes()], 5
     while i < len(words):
         count, op = words[i] >> 16, words[i] & 0xFFFF
@@ -468,16 +470,7 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
         elif op == OP_TYPE_POINTER:
             pointee.setdefault(words[i + 2], set()).add(words[i + 3])
         i += count
-
-    def holds_16bit(types) -> bool:
-        seen, todo = set(), list(types)
-        while todo:
-            t = todo.pop()
-            if t not in seen:
-                seen.add(t)
-                todo += inner.get(t, [])
-        return bool(seen & narrow)
-    needed = {cap for sc, cap in STORAGE_16BIT.items() if holds_16bit(pointee.get(sc, ()))}
+    needed = {cap for sc, cap in STORAGE_16BIT.items() if reached(inner, pointee.get(sc, ())) & narrow}
     # Loops to unroll: those whose own body indexes a Function variable holding cooperative matrices (naga emits
     # a structured loop's blocks between its header and its merge block).
     matrix_types, matrix_vars, open_loops, unroll = set(), set(), [], set()
