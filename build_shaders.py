@@ -375,6 +375,15 @@ DECORATION_VOLATILE, DECORATION_COHERENT = 21, 23
 SPIRV_1_3 = 0x00010300
 
 
+def declared_capabilities(words: list) -> set:
+    """The capabilities a module's words declare (its first instructions)."""
+    capabilities, i = set(), 5
+    while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
+        capabilities.add(words[i + 1])
+        i += words[i] >> 16
+    return capabilities
+
+
 def declare_cooperative_matrix(spirv: bytes) -> bytes:
     """naga's SPIR-V with what its cooperative matrices need and naga leaves out.
 
@@ -389,10 +398,7 @@ def declare_cooperative_matrix(spirv: bytes) -> bytes:
     forbids, would need each access rewritten; a module with them is refused. Modules without matrices are
     returned as they are."""
     words = list(array.array("I", spirv))
-    capabilities, i = set(), 5
-    while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
-        capabilities.add(words[i + 1])
-        i += words[i] >> 16
+    capabilities = declared_capabilities(words)
     if CAPABILITY_COOPERATIVE_MATRIX not in capabilities:
         return spirv
     out, i = words[:5], 5
@@ -447,10 +453,7 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
       OpConstantNull of the matrix type; glslang's (`coopmat<...>(0.0)`) are OpConstantComposite with one zero,
       which is what drivers are known to take: naga's are rewritten so (arrays of matrices likewise)."""
     words = list(array.array("I", spirv))
-    capabilities, i = set(), 5
-    while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
-        capabilities.add(words[i + 1])
-        i += words[i] >> 16
+    capabilities = declared_capabilities(words)
     if CAPABILITY_COOPERATIVE_MATRIX not in capabilities:
         return spirv
     inner, narrow, pointee, value, ordering = {}, set(), {}, {}, None
