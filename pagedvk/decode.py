@@ -18,7 +18,7 @@ import numpy as np
 
 from . import checks, config, kernels
 from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, DECODE_MERGE_SPEC_ID,
-                  DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE, VariantKey)
+                  DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE)
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
@@ -106,11 +106,7 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
         return ""
     built = sorted((k, qq, h) for _, k, qq, h in PAGED_DECODE.matrix_variants_for(backend))
     operand = operand_type(kv, q)
-    why = matrix_unavailable(info, features, operand)
-    if not why and backend == "wgsl" and features is not None:   # naga's matrices load from f16 buffers
-        missing = [f for f in VariantKey("", backend, kv=operand, q=operand, matrix=MATRIX_KIND).requires()
-                   if f not in features]
-        why = f"pagedvk did not enable the Vulkan feature(s) {', '.join(missing)} on it" if missing else ""
+    why = matrix_unavailable(info, features, operand, backend)
     if not why and not info.subgroup_vote:   # the rescale test is a subgroupAny (uniform, as the matrix ops need)
         why = "it has no subgroup vote in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT)"
     pv_shape = matrix_pv_shape(backend, operand)

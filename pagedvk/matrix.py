@@ -33,9 +33,10 @@ def offers(info: DeviceInfo, shape: MatrixShape) -> bool:
     return any(key(s) == key(shape) for s in info.matrix_shapes)
 
 
-def matrix_unavailable(info: DeviceInfo, features=None, operand: str = "f16") -> str:
-    """Why the device cannot run the cooperative-matrix kernels of this operand type ("f16" or "bf16"), or "" if
-    it can. `features`: the Vulkan features a Device enabled (pagedvk.Device.features), where one is open."""
+def matrix_unavailable(info: DeviceInfo, features=None, operand: str = "f16", backend: str = "glsl") -> str:
+    """Why the device cannot run the cooperative-matrix kernels of this operand type ("f16" or "bf16") in this
+    backend, or "" if it can. `features`: the Vulkan features a Device enabled (pagedvk.Device.features), where one
+    is open; they are checked against what the backend's modules require (WGSL's: 16-bit storage too)."""
     shape = with_operands(MATRIX_SHAPE, operand)
     if not offers(info, shape):
         return f"it lists no {shape} cooperative-matrix multiply (VK_KHR_cooperative_matrix)"
@@ -43,7 +44,7 @@ def matrix_unavailable(info: DeviceInfo, features=None, operand: str = "f16") ->
         return f"its subgroup size is {info.subgroup_size}, not {MATRIX_SUBGROUP}"
     if not info.subgroup_shuffle:   # lanes meet through subgroupShuffleXor
         return "it has no subgroup shuffles in compute shaders (VK_SUBGROUP_FEATURE_SHUFFLE_BIT)"
-    needs = VariantKey("", "glsl", kv=operand, q=operand, matrix=MATRIX_KIND).requires()
+    needs = VariantKey("", backend, kv=operand, q=operand, matrix=MATRIX_KIND).requires()
     missing = [f for f in needs if f not in features] if features is not None else []
     return (f"pagedvk did not enable the Vulkan feature(s) {', '.join(missing)} on it (the device lacks them, or "
             f"a validation layer older than Vulkan 1.3.255 is on)") if missing else ""

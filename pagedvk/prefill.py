@@ -56,7 +56,7 @@ def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, hea
     if kernel == "scalar":
         return ""
     built = {(k, qq, h) for _, k, qq, h in PAGED_PREFILL.matrix_variants_for(backend)}
-    why = matrix_unavailable(info, features, operand_type(kv, q))
+    why = matrix_unavailable(info, features, operand_type(kv, q), backend)
     if not why and (kv, q, head_size) not in built:
         sizes = ", ".join(str(h) for h in sorted({h for *_, h in PAGED_PREFILL.matrix_variants}))
         why = (f"the cooperative-matrix prefill is built for float16 or bfloat16 caches and queries (the same type; "

@@ -27,6 +27,7 @@ BF16 = ml_dtypes.bfloat16
 F16_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
 BF16_SHAPE = MatrixShape(16, 16, 16, "bf16", "bf16", "f32", "f32", "subgroup")
 NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
+WGSL_NEEDS = NEEDS | {"storageBuffer16BitAccess"}   # the WGSL matrix modules' (abi.VariantKey.requires)
 BF16_NEEDS = {"cooperativeMatrix", "vulkanMemoryModel", *abi.BFLOAT16_MATRIX_FEATURES}
 
 _info = pagedvk.select()[0]
@@ -48,7 +49,7 @@ def test_the_device_listing_the_multiply_gets_the_matrix_kernel():
     assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 128) == "coopmat"
     assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 64) == "coopmat"
     for head_size in (64, 128):   # the WGSL forward (float16)
-        assert prefill.matrix_kernel(info, NEEDS, "wgsl", "f16", "f16", head_size) == "coopmat"
+        assert prefill.matrix_kernel(info, WGSL_NEEDS, "wgsl", "f16", "f16", head_size) == "coopmat"
     assert prefill.describe_choice(info).startswith("coopmat (16x16x16 f16*f16+f32->f32 (subgroup)) for float16 caches")
     # bfloat16 caches and queries: where the device lists the bfloat16 multiply and its features are on
     assert prefill.matrix_kernel(info, NEEDS, "glsl", "bf16", "bf16", 128) == ""
@@ -82,16 +83,27 @@ def test_other_devices_keep_the_scalar_kernel(shapes, subgroup, features, reason
             prefill.matrix_kernel(info, features, backend, "f16", "f16", 128, kernel="coopmat")
 
 
+def test_wgsl_forward_needs_16bit_storage_where_glsl_does_not():
+    # The WGSL matrix modules require storageBuffer16BitAccess (abi.VariantKey.requires); a device without it keeps
+    # the WGSL forward on the scalar kernel, saying why, while GLSL takes its matrix forward.
+    info = with_shapes([F16_SHAPE])
+    assert prefill.matrix_kernel(info, NEEDS, "glsl", "f16", "f16", 128) == "coopmat"
+    assert prefill.matrix_kernel(info, NEEDS, "wgsl", "f16", "f16", 128) == ""
+    with pytest.raises(ValueError, match=r"did not enable the Vulkan feature\(s\) storageBuffer16BitAccess"):
+        prefill.matrix_kernel(info, NEEDS, "wgsl", "f16", "f16", 128, kernel="coopmat")
+    assert prefill.matrix_kernel(info, WGSL_NEEDS, "wgsl", "f16", "f16", 128) == "coopmat"
+
+
 @pytest.mark.parametrize("backend,kv,q,head_size", [
     ("wgsl", "f16", "f32", 128), ("wgsl", "f16", "f16", 80), ("glsl", "f32", "f16", 128), ("glsl", "f16", "f32", 128),
     ("glsl", "bf16", "f16", 128), ("glsl", "f16", "f16", 80), ("glsl", "f16", "f16", 256)])
 def test_arguments_without_a_matrix_module_keep_the_scalar_kernel(backend, kv, q, head_size):
     info = with_shapes([F16_SHAPE])
-    assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size) == ""
-    assert prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="scalar") == ""
+    assert prefill.matrix_kernel(info, WGSL_NEEDS, backend, kv, q, head_size) == ""
+    assert prefill.matrix_kernel(info, WGSL_NEEDS, backend, kv, q, head_size, kernel="scalar") == ""
     with pytest.raises(ValueError, match=r"built for float16 or bfloat16 caches and queries \(the same type; "
                                          r"backend 'wgsl': float16 only\) at head sizes 64, 128"):
-        prefill.matrix_kernel(info, NEEDS, backend, kv, q, head_size, kernel="coopmat")
+        prefill.matrix_kernel(info, WGSL_NEEDS, backend, kv, q, head_size, kernel="coopmat")
 
 
 @pytest.mark.parametrize("direction", ("forward", "backward"))
@@ -148,7 +160,7 @@ def test_matrix_modules_are_named_built_and_required():
     wgsl = abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 128, matrix="coopmat")
     assert wgsl.name == "paged_prefill.coopmat.kv_f16.q_f16.h128.wgsl"
     assert wgsl.source == "paged_prefill_coopmat.wgsl" and wgsl.target_env == "vulkan1.2"
-    assert wgsl.constants() == {"HEAD_SIZE": 128} and set(wgsl.requires()) == NEEDS | {"storageBuffer16BitAccess"}
+    assert wgsl.constants() == {"HEAD_SIZE": 128} and set(wgsl.requires()) == WGSL_NEEDS
     assert wgsl.includes()["kv_chunk_access.wgsl"] == "kv_chunk_bound.wgsl"
     assert abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 64, "seg", "coopmat").includes()["kv_chunk_access.wgsl"] \
         == "kv_chunk_segmented.wgsl"
