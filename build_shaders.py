@@ -264,10 +264,27 @@ def drop_loop_bounding(spirv: bytes) -> bytes:
     return b"".join(kept)
 
 
-OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_STRUCT, OP_TYPE_POINTER = 28, 29, 30, 32
+OP_TYPE_VECTOR, OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_STRUCT, OP_TYPE_POINTER = 23, 28, 29, 30, 32
 OP_DECORATE, OP_MEMBER_DECORATE = 71, 72
 DECORATION_ARRAY_STRIDE, DECORATION_OFFSET = 6, 35
 UNLAID_STORAGE = {STORAGE_WORKGROUP, 6, STORAGE_FUNCTION}   # Workgroup, Private, Function
+
+
+def type_graph(words) -> tuple:
+    """A module's types as a graph: (type -> the types it is made of (arrays, vectors, structs), storage class ->
+    the types its pointers point to)."""
+    inner, pointee = {}, {}
+    i = 5
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_VECTOR):
+            inner[words[i + 1]] = [words[i + 2]]
+        elif op == OP_TYPE_STRUCT:
+            inner[words[i + 1]] = list(words[i + 2:i + count])
+        elif op == OP_TYPE_POINTER:
+            pointee.setdefault(words[i + 2], set()).add(words[i + 3])
+        i += count
+    return inner, pointee
 
 
 def reached(inner: dict, types) -> set:
@@ -290,17 +307,7 @@ def drop_unlaid_layouts(spirv: bytes) -> bytes:
     brings the cooperative-matrix modules' validator) refuses them (VUID-StandaloneSpirv-None-10684), older
     ones did not check. Decorations go only from types that no buffer or push-constant pointer reaches."""
     words = memoryview(spirv).cast("I")
-    inner, pointee = {}, {}   # type -> the types it contains; pointer storage class -> pointee types
-    i = 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY):
-            inner[words[i + 1]] = [words[i + 2]]
-        elif op == OP_TYPE_STRUCT:
-            inner[words[i + 1]] = list(words[i + 2:i + count])
-        elif op == OP_TYPE_POINTER:
-            pointee.setdefault(words[i + 2], set()).add(words[i + 3])
-        i += count
+    inner, pointee = type_graph(words)
     laid = reached(inner, (t for sc, ts in pointee.items() if sc not in UNLAID_STORAGE for t in ts))
     unlaid = reached(inner, (t for sc, ts in pointee.items() if sc in UNLAID_STORAGE for t in ts)) - laid
     kept, i = [words[:5].tobytes()], 5
@@ -424,7 +431,7 @@ def declare_cooperative_matrix(spirv: bytes) -> bytes:
 
 
 CAPABILITY_STORAGE_BUFFER_16, CAPABILITY_UNIFORM_16, CAPABILITY_PUSH_CONSTANT_16, CAPABILITY_IO_16 = 4433, 4434, 4435, 4436
-OP_TYPE_INT, OP_TYPE_VECTOR, OP_TYPE_COOPERATIVE_MATRIX = 21, 23, 4456
+OP_TYPE_INT, OP_TYPE_COOPERATIVE_MATRIX = 21, 4456
 STORAGE_16BIT = {12: CAPABILITY_STORAGE_BUFFER_16, 2: CAPABILITY_UNIFORM_16, 9: CAPABILITY_PUSH_CONSTANT_16,
                  1: CAPABILITY_IO_16, 3: CAPABILITY_IO_16}   # StorageBuffer, Uniform, PushConstant, Input, Output
 OP_LABEL, OP_LOOP_MERGE, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN = 248, 246, 65, 66
@@ -456,7 +463,7 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
     capabilities = declared_capabilities(words)
     if CAPABILITY_COOPERATIVE_MATRIX not in capabilities:
         return spirv
-    inner, narrow, pointee, value, ordering = {}, set(), {}, {}, None
+    narrow, value, ordering = set(), {}, None
     i = 5
     while i < len(words):
         count, op = words[i] >> 16, words[i] & 0xFFFF
@@ -466,13 +473,8 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
             ordering = words[i + 3]
         elif op in (OP_TYPE_FLOAT, OP_TYPE_INT) and words[i + 2] == 16:
             narrow.add(words[i + 1])
-        elif op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_VECTOR):
-            inner[words[i + 1]] = [words[i + 2]]
-        elif op == OP_TYPE_STRUCT:
-            inner[words[i + 1]] = list(words[i + 2:i + count])
-        elif op == OP_TYPE_POINTER:
-            pointee.setdefault(words[i + 2], set()).add(words[i + 3])
         i += count
+    inner, pointee = type_graph(words)
     needed = {cap for sc, cap in STORAGE_16BIT.items() if reached(inner, pointee.get(sc, ())) & narrow}
     # Loops to unroll: those whose own body indexes a Function variable holding cooperative matrices (naga emits
     # a structured loop's blocks between its header and its merge block).
