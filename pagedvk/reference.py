@@ -134,7 +134,7 @@ def softmax_rows(logits, sink=None):
     m = logits.max(axis=1, keepdims=True, initial=-np.inf)
     if sink is not None:
         m = np.maximum(m, float(sink))
-    seen = np.isfinite(m)
+    seen = ~np.isneginf(m)   # a NaN logit makes its row NaN, its lse too
     p = np.exp(logits - np.where(seen, m, 0.0))
     denom = p.sum(axis=1, keepdims=True) + (np.exp(float(sink) - np.where(seen, m, 0.0)) if sink is not None else 0)
     denom = np.where(seen, denom, 1.0)

@@ -89,6 +89,7 @@ uint window_first_key(uint query_pos) {
 // logit (NEG_INF for none) joining the denominator: (the factor that turns the accumulated exp(logit - m)
 // weighted values into the output, the log-sum-exp). No visible key and no sink: (0, -inf).
 vec2 softmax_finish(float m, float l, float sink) {
+    if (isnan(l)) return vec2(l);   // a NaN logit among the keys: NaN output and lse, as float64 gives
     const float top = max(l > 0.0 ? m : NEG_INF, sink);
     if (top == NEG_INF) return vec2(0.0, NEG_INF);
     const float kept = l > 0.0 ? l * exp(m - top) : 0.0;

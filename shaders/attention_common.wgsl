@@ -68,7 +68,16 @@ fn window_first_key(query_pos: u32) -> u32 {
     return query_pos + 1u - pc.window;
 }
 
+// A NaN test on the bits: Mesa's compiler takes `x != x` for false (it may assume no NaN where the SPIR-V does
+// not ask for them to be kept), and WGSL has no isNan.
+fn is_nan(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+
 fn softmax_finish(m: f32, l: f32, sink: f32) -> vec2<f32> {
+    if (is_nan(l)) {   // a NaN logit among the keys: NaN output and lse, as float64 gives
+        return vec2<f32>(l);
+    }
     let top = max(select(neg_inf(), m, l > 0.0), sink);
     if (top == neg_inf()) {
         return vec2<f32>(0.0, neg_inf());

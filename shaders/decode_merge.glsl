@@ -42,7 +42,11 @@ uint partitions_holding(uint first, uint keys) {
 // (m, total, acc) and (m2, total2, acc2), two online-softmax states, as one.
 void merge_states(inout float m, inout float total, inout vec4 acc, float m2, float total2, vec4 acc2) {
     const float top = max(m, m2);
-    if (top == NEG_INF) return;
+    if (top == NEG_INF) {   // no key on either side: sums are 0, or NaN that must carry
+        total += total2;
+        acc += acc2;
+        return;
+    }
     const float a = m == NEG_INF ? 0.0 : exp(m - top), b = m2 == NEG_INF ? 0.0 : exp(m2 - top);
     total = total * a + total2 * b;
     acc = acc * a + acc2 * b;
@@ -76,7 +80,7 @@ void merge_partitions(uint seq, uint head0, uint heads, uint parts) {
             }
             float top = m;
             [[unroll]] for (uint u = 0u; u < MERGE_UNROLL; u++) {
-                if (j + u * lanes >= parts || !(ml[u].y > 0.0)) ml[u] = vec2(NEG_INF, 0.0);
+                if (j + u * lanes >= parts || ml[u].y == 0.0) ml[u] = vec2(NEG_INF, 0.0);
                 top = max(top, ml[u].x);
             }
             if (top > m) {
@@ -86,7 +90,7 @@ void merge_partitions(uint seq, uint head0, uint heads, uint parts) {
                 m = top;
             }
             [[unroll]] for (uint u = 0u; u < MERGE_UNROLL; u++) {
-                if (ml[u].y > 0.0) {
+                if (ml[u].y != 0.0) {   // NaN included: it poisons the merge
                     const float w = ml[u].y * exp(ml[u].x - m);
                     total += w;
                     acc += w * x[u];

@@ -20,7 +20,7 @@ fn write_output_pair(seq: u32, head: u32, part: u32, d0: u32, hs: u32, o_sum: ve
     if (slot >= arrayLength(&partial_stats) || (slot + 1u) * hs > 2u * arrayLength(&partial_out)) {
         return;
     }
-    partial_out[(slot * hs + d0) >> 1u] = o_sum * select(0.0, 1.0 / l, l > 0.0);
+    partial_out[(slot * hs + d0) >> 1u] = o_sum * select(1.0 / l, 0.0, l == 0.0);
     if (d0 == 0u) {
         partial_stats[slot] = vec2<f32>(m, l);
     }

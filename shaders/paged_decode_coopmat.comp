@@ -620,7 +620,7 @@ void main() {
             const uint lse_row = seq * pc.num_heads + head;
             if (d0 == 0u && variant_on(VARIANT_LSE) && lse_row < uint(lse.length())) lse[lse_row] = fin.y;
         } else {
-            o2 *= lg > 0.0 ? 1.0 / lg : 0.0;
+            o2 *= lg == 0.0 ? 0.0 : 1.0 / lg;   // NaN carries
             const uint slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
             if (slot >= uint(partial_stats.length()) || (slot + 1u) * D > 2u * uint(partial_out.length())) continue;
             partial_out[(slot * D + d0) >> 1] = o2;

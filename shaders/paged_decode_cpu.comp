@@ -230,7 +230,7 @@ void main() {
         const uint slot = (seq * pc.num_heads + head) * pc.num_partitions + part;
         // One partition: the result is final (the sink joins the denominator, lse is written). Split: it is
         // normalized by this partition's sum, and paged_decode_reduce.comp merges the partitions.
-        const vec2 fin = pc.num_partitions == 1u ? softmax_finish(m, l, sink_logit(head)) : vec2(l > 0.0 ? 1.0 / l : 0.0, 0.0);
+        const vec2 fin = pc.num_partitions == 1u ? softmax_finish(m, l, sink_logit(head)) : vec2(l == 0.0 ? 0.0 : 1.0 / l, 0.0);
         const bool partial_fits = slot < uint(partial_stats.length()) && (slot + 1u) * hs <= 2u * uint(partial_out.length());
         [[unroll]] for (uint s = 0u; s < SLOTS; s++) {
             const uint c = lane + s * lanes;

@@ -68,10 +68,11 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                 x[u] = partial_out[(slot0 + k) * pairs + pair];
             }
         }
-        // A partition past the sequence's, or with no valid token (sum 0: its output was never written), is none.
+        // A partition past the sequence's, or with no valid token (sum 0: its output was never written), is none; a NaN
+        // sum (a NaN logit: float64 makes the head NaN) is kept, and poisons the result.
         var top = m;
         for (var u = 0u; u < UNROLL; u++) {
-            if (j + u * lanes >= parts || !(ml[u].y > 0.0)) {
+            if (j + u * lanes >= parts || ml[u].y == 0.0) {
                 ml[u] = vec2<f32>(neg_inf(), 0.0);
             }
             top = max(top, ml[u].x);
@@ -83,7 +84,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             m = top;
         }
         for (var u = 0u; u < UNROLL; u++) {
-            if (ml[u].y > 0.0) {
+            if (ml[u].y != 0.0) {   // NaN included: it poisons the merge
                 let w = ml[u].y * exp(ml[u].x - m);
                 total += w;
                 acc += w * x[u];
@@ -103,7 +104,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         for (var l = 1u; l < lanes; l++) {
             let other = s_ml[l * pairs + pair];
             let top = max(m, other.x);
-            if (top == neg_inf()) {
+            if (top == neg_inf()) {   // no key on either side: sums are 0, or NaN that must carry
+                total += other.y;
+                acc += s_acc[l * pairs + pair];
                 continue;
             }
             let a = select(exp(m - top), 0.0, m == neg_inf());

@@ -317,3 +317,37 @@ def test_fixed_wgsl_modules_are_chosen_where_built():
     for other in (dict(), dict(subgroup_arithmetic=False), dict(backend="glsl")):   # refused on every path
         with pytest.raises(ValueError, match="fixed must be one of"):
             PAGED_DECODE.key(other.pop("backend", "wgsl"), "f16", "f16", 128, fixed="nhd_g16", **other)
+
+
+@pytest.mark.parametrize("partition_size", [None, 64, 16])
+@pytest.mark.parametrize("kernel", ["gpu", "cpu"])
+def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, partition_size, kernel, backend, request):
+    # A NaN in a key the query sees makes that logit NaN, so float64 gives NaN outputs and lse for every head of
+    # its kv head in that sequence, and leaves the other heads and sequences alone. A split must not take a
+    # partition whose weights sum to NaN for an empty one (the merge once kept only sums above zero): unsplit,
+    # split in a few partitions (merged in the decode on some kernels) and in many (the reduce dispatch).
+    if kernel == "cpu" and backend == "wgsl":
+        pytest.skip("the CPU decode kernel is GLSL's only")
+    if backend == "wgsl":
+        # A known defect, kept in sight (strict: this fails once it is fixed): naga's build of the WGSL decode leaves
+        # a head finite where a NaN logit should make it NaN, on lavapipe and on the H200 alike (the tile holding
+        # the NaN key is dropped); GLSL's modules, with the same arithmetic written alike, keep the NaN.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="the WGSL decode drops NaN logits "
+                                                                   "(BENCHMARKS.md, thirteenth session)"))
+    case = Case(rng, seq_lens=[300, 200, 130], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
+    poison_unread_slots(case, 16)
+    x = case.key_cache.shape[-1]
+    for seq, token, kv_head, dim in ((0, 150, 1, 7), (2, 3, 0, 63)):
+        block, slot = case.block_tables[seq, token // 16], token % 16
+        case.key_cache[block, kv_head, dim // x, slot, dim % x] = np.nan
+    ref, ref_lse = pagedvk.reference.paged_attention(*case.args(), return_lse=True)
+    assert 0 < np.isnan(ref).sum() < ref.size and np.isnan(ref_lse).sum() == 8
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                            block_size=16, num_blocks=case.key_cache.shape[0], partition_size=partition_size,
+                            kernel=kernel) as plan:
+        lse = np.full(ref_lse.shape, np.nan, np.float32)
+        out, lse = plan.run(case.query, case.key_cache, case.value_cache, out=case.poisoned_out(), lse=lse)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    assert rel_error(np.nan_to_num(out), np.nan_to_num(ref)) <= TOL
+    np.testing.assert_allclose(lse[~np.isnan(lse)], ref_lse[~np.isnan(ref_lse)], rtol=1e-5, atol=1e-5)
