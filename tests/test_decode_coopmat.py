@@ -1,8 +1,8 @@
 """The cooperative-matrix decode (shaders/paged_decode_coopmat.comp, and its WGSL port paged_decode_coopmat.wgsl for
-float16 and bfloat16 caches) and the rule that picks it: the rule and its refusals on made-up devices, everywhere; the kernel,
-forced, against the float64 reference on random data with NaN-poisoned outputs and unread slots, on devices with
-cooperative matrices (`needs_coopmat`, skipped elsewhere with the reason: lavapipe has none). Tests of float16
-and bfloat16 caches run both backends' modules (`backend`)."""
+float16 and bfloat16 caches) and the rule that picks it: the rule and its refusals on made-up devices, everywhere;
+the kernel, forced, against the float64 reference on random data with NaN-poisoned outputs and unread slots, on
+devices with cooperative matrices (`needs_coopmat`, skipped elsewhere with the reason: lavapipe has none). Tests of
+float16 and bfloat16 caches run both backends' modules (`backend`)."""
 
 import dataclasses
 import re
