@@ -618,10 +618,10 @@ def build_module(key, out_dir: Path) -> tuple:
         tmp_spv = Path(tmp) / target.name
         if key.backend == "glsl":
             compile_glsl(source, tmp_spv, key)
-            if key.matrix and key.kv == "bf16":
-                tmp_spv.write_bytes(bfloat16_matrices(tmp_spv.read_bytes()))
         else:
             compile_wgsl(source, tmp_spv, key.constants(), key)
+        if key.matrix and key.kv == "bf16":   # either language: written in float16, given bfloat16's encoding
+            tmp_spv.write_bytes(bfloat16_matrices(tmp_spv.read_bytes()))
         validate(tmp_spv, key)
         shutil.move(tmp_spv, target)
     return key.name, {"source": source.name, "digest": abi.source_digest(SHADER_DIR, key)}

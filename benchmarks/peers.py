@@ -15,6 +15,7 @@ prints pagedvk's figures alone. SDPA has no fp8 path: fp8 rows have pagedvk's fi
 
     python benchmarks/peers.py                                  # f16, bf16, f32 at issue 9's shapes
     python benchmarks/peers.py --dtypes f16 --shapes 64x4096 --json peers.json
+    python benchmarks/peers.py --dtypes bf16 --no-torch                 # GLSL and WGSL alone
 """
 
 import argparse
@@ -118,12 +119,14 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=positive, default=50, help="runs back to back per timed batch")
     p.add_argument("--repeats", type=positive, default=5, help="timed batches (pagedvk: submissions)")
     p.add_argument("--json", default=None, help="also write every figure to this file")
+    p.add_argument("--no-torch", action="store_true",
+                   help="pagedvk's figures alone, without torch's (a GLSL-WGSL comparison needs no peers)")
     args = p.parse_args(argv)
     shapes = bench.SMALL_SWEEP if args.small else args.shapes
-    torch, why_not = load_torch()
+    torch, why_not = (None, "--no-torch given") if args.no_torch else load_torch()
 
     def on_row(r):
-        print(f"pagedvk {r['backend']} {r['dtype']:>13} {r['num_seqs']:>4} x {r['context']:>6}: "
+        print(f"pagedvk {r['backend']} {r['kernel']:>7} {r['dtype']:>13} {r['num_seqs']:>4} x {r['context']:>6}: "
               f"{r['median_us']:9.1f} us "
               f"({100 * r['fraction_of_read']:.0f}% of read), err {r['rel_error']:.1e}", flush=True)
 

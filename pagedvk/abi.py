@@ -63,8 +63,11 @@ BFLOAT16_MATRIX_FEATURES = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatr
 # shaders/<op>_<matrix>.comp or .wgsl ("coopmat"). GLSL's need glslang 13 or newer and SPIR-V 1.5 (Vulkan 1.2: the
 # Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a glslang. WGSL's use
 # naga 30's `enable wgpu_cooperative_matrix;` (build_shaders.declare_cooperative_matrix adds what naga leaves out),
-# for the ops whose KernelABI.matrix_backends list "wgsl", and only for the cache and query types in
-# WGSL_MATRIX_TYPES: WGSL has no bfloat16, and fp8 caches need matrix element access, which naga has not.
+# for the ops whose KernelABI.matrix_backends list "wgsl", and only for the cache and query types in their
+# KernelABI.wgsl_matrix_types (by default WGSL_MATRIX_TYPES): fp8 caches need matrix element access, which naga has
+# not. WGSL has no bfloat16 either: an op whose WGSL source does nothing in f16 but loads, stores, conversions from
+# f32 and matrix products (the decode) lists "bf16" too, and build_shaders.py gives its bfloat16 module's f16 the
+# bfloat16 encoding (bfloat16_matrices), as it does the GLSL bfloat16 modules.
 MATRIX_TARGET_ENV = "vulkan1.2"
 WGSL_MATRIX_TYPES = ("f16",)
 TARGET_ENV = "vulkan1.1"   # every other module
@@ -189,9 +192,11 @@ class KernelABI:
     # says)
     matrix_variants: tuple = ()
     matrix_accesses: tuple = CACHE_ACCESS
-    # the backends with matrix modules (shaders/<op>_coopmat.comp, .wgsl): WGSL's are built for the float16
-    # matrix_variants (matrix_variants_for) and the cache accesses WGSL has
+    # the backends with matrix modules (shaders/<op>_coopmat.comp, .wgsl): WGSL's are built for the
+    # matrix_variants whose cache and query types are in wgsl_matrix_types (matrix_variants_for) and the cache
+    # accesses WGSL has
     matrix_backends: tuple = ("glsl",)
+    wgsl_matrix_types: tuple = WGSL_MATRIX_TYPES
     # ((constant_id, SPIR-V type), ...): the op's own specialization constants, in its GLSL modules only (not its
     # matrix modules, whose head size is fixed at build time, unless it lists them in matrix_spec_constants)
     spec_constants: tuple = ()
@@ -283,12 +288,12 @@ class KernelABI:
         return VariantKey(self.op, backend, kv, q, unrolled, access, fixed=fixed)
 
     def matrix_variants_for(self, backend: str) -> tuple:
-        """The matrix_variants built for a backend: all of them for GLSL, those of WGSL_MATRIX_TYPES for WGSL,
+        """The matrix_variants built for a backend: all of them for GLSL, those of wgsl_matrix_types for WGSL,
         none for a backend not in matrix_backends."""
         if backend not in self.matrix_backends:
             return ()
         return tuple(v for v in self.matrix_variants
-                     if backend == "glsl" or (v[1] in WGSL_MATRIX_TYPES and v[2] in WGSL_MATRIX_TYPES))
+                     if backend == "glsl" or (v[1] in self.wgsl_matrix_types and v[2] in self.wgsl_matrix_types))
 
     def matrix_accesses_for(self, backend: str) -> tuple:
         return tuple(a for a in self.matrix_accesses if a in self.accesses(backend))
@@ -441,8 +446,10 @@ PAGED_DECODE = KernelABI(
     matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128))
     + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
     matrix_accesses=("",),
-    # WGSL: float16 caches and queries (shaders/paged_decode_coopmat.wgsl)
+    # WGSL: float16 caches and queries, and bfloat16 ones (shaders/paged_decode_coopmat.wgsl; bfloat16 through
+    # build_shaders.bfloat16_matrices)
     matrix_backends=("glsl", "wgsl"),
+    wgsl_matrix_types=("f16", "bf16"),
     matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
                            (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_FP8_BUILD_SPEC_ID, "uint32")),
 )

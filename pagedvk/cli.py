@@ -38,10 +38,13 @@ def describe_decode_kernel(info) -> str:
     queries = [q for q in ("f16", "bf16") if not matrix_unavailable(info, operand=q)]
     kinds = "; ".join(f"{listed(kv for _, kv, qq, _ in variants if qq == q)} caches with {names[q]} queries"
                       for q in queries)
-    # WGSL: float16 caches and queries (abi.WGSL_MATRIX_TYPES), its caches bound as f16 arrays (16-bit storage)
-    wgsl = listed(kv for _, kv, qq, _ in PAGED_DECODE.matrix_variants_for("wgsl") if qq == "f16")
-    wgsl_line = (f"; WGSL plans: coopmat (shaders/paged_decode_coopmat.wgsl) for {wgsl} caches with float16 queries "
-                 "likewise, gpu (shaders/paged_decode.wgsl) otherwise" if wgsl and info.storage16 else
+    # WGSL: the cache and query types of its modules (PAGED_DECODE.wgsl_matrix_types) that the device's matrices
+    # take, its caches bound as f16 arrays (16-bit storage)
+    wgsl_variants = PAGED_DECODE.matrix_variants_for("wgsl")
+    wgsl = "; ".join(f"{listed(kv for _, kv, qq, _ in wgsl_variants if qq == q)} caches with {names[q]} queries"
+                     for q in queries if any(qq == q for _, _, qq, _ in wgsl_variants))
+    wgsl_line = (f"; WGSL plans: coopmat (shaders/paged_decode_coopmat.wgsl) for {wgsl} likewise, gpu "
+                 "(shaders/paged_decode.wgsl) otherwise" if wgsl and info.storage16 else
                  "; WGSL plans: gpu (shaders/paged_decode.wgsl; the WGSL matrix decode needs 16-bit storage)")
     return (f"coopmat (shaders/paged_decode_coopmat.comp) for {kinds} in vLLM's layout with {MATRIX_BLOCK_SIZE}-token "
             f"blocks, at head sizes {sizes}, where a workgroup takes at least {MATRIX_MIN_TOKENS} tokens; gpu "

@@ -23,7 +23,7 @@ from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
-from .matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type
+from .matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type, with_operands
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.instance import MatrixShape
 from .runtime.owned import Owned
@@ -49,13 +49,14 @@ MATRIX_PV_SHAPE = MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32", "subgroup")
 # The P.V multiply of each operand type's module (PV_N in the kernel): bfloat16's is 16 x 16 (heads 8-15 zero), as
 # the H200 lists no 16 x 8 bfloat16 multiply; 16 x 8 holds half the accumulators.
 MATRIX_PV_SHAPES = {"f16": MATRIX_PV_SHAPE, "bf16": MatrixShape(16, 16, 16, "bf16", "bf16", "f32", "f32", "subgroup")}
-# The WGSL module's (shaders/paged_decode_coopmat.wgsl): naga's matrices are square, so 16 x 16 with heads 8-15 zero.
+# The WGSL modules' (shaders/paged_decode_coopmat.wgsl): naga's matrices are square, so 16 x 16 with heads 8-15 zero,
+# of float16 or (the bfloat16 module) bfloat16 operands.
 WGSL_MATRIX_PV_SHAPE = MatrixShape(16, 16, 16, "f16", "f16", "f32", "f32", "subgroup")
 
 
 def matrix_pv_shape(backend: str, operand: str) -> MatrixShape:
     """The P.V multiply the backend's matrix decode module of this operand type takes."""
-    return WGSL_MATRIX_PV_SHAPE if backend == "wgsl" else MATRIX_PV_SHAPES[operand]
+    return with_operands(WGSL_MATRIX_PV_SHAPE, operand) if backend == "wgsl" else MATRIX_PV_SHAPES[operand]
 WORKGROUPS_PER_UNIT = 8                      # decode workgroups per compute unit the split aims at (BENCHMARKS.md)
 UNITS_ESTIMATE = {"discrete": 64, "integrated": 16, "virtual": 16, "other": 16}   # where the driver says nothing
 
@@ -97,7 +98,7 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
                   tokens: int, kernel: str | None = None) -> str:
     """The decode's matrix kind: "coopmat" (shaders/paged_decode_coopmat.comp or .wgsl) where a module exists for
     these arguments (GLSL: float16 or fp8 caches with float16 queries, or bfloat16 caches and queries on devices with
-    bfloat16 matrices; WGSL: float16 caches and queries; head size 64 or 128; vLLM's layout with 16-token
+    bfloat16 matrices; WGSL: the same but fp8, with 16-bit storage on; head size 64 or 128; vLLM's layout with 16-token
     blocks), the device runs it (pagedvk.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens
     (`tokens`: the partition's, or the longest context's where unsplit); else "" (the scalar kernels). `kernel` (else
     PAGEDVK_DECODE_KERNEL) "coopmat" forces it, raising ValueError where it cannot run; "cpu" or "gpu" rule it out."""

@@ -1,6 +1,11 @@
-// Paged-attention decode on cooperative matrices, WGSL: the float16 path of shaders/paged_decode_coopmat.comp
-// (float16 caches in vLLM's layout with 16-token blocks, float16 queries, head size fixed at build time), with the
-// same bindings, push constants and grid (PAGED_DECODE in pagedvk/abi.py). The algorithm (S, P, V), its bounds
+// Paged-attention decode on cooperative matrices, WGSL: the float16 and bfloat16 paths of
+// shaders/paged_decode_coopmat.comp (float16 caches with float16 queries, or bfloat16 caches with bfloat16 queries,
+// in vLLM's layout with 16-token blocks, head size fixed at build time), with the same bindings, push constants and
+// grid (PAGED_DECODE in pagedvk/abi.py). WGSL has no bfloat16: the bfloat16 module is this source built with the
+// bfloat16 storage includes (kv_bf16.wgsl, q_bf16.wgsl) and its f16 type then given the bfloat16 encoding
+// (build_shaders.bfloat16_matrices, as the GLSL bfloat16 modules): so f16 here is only loaded, stored, converted
+// from f32 and multiplied in matrices (no f16 arithmetic or comparison; spirv-val refuses them for bfloat16), and
+// its constants are zeros, which bfloat16 holds exactly. The algorithm (S, P, V), its bounds
 // rules and the reasons for them are explained in the GLSL source; comments here cover what WGSL changes:
 //   * naga 30's matrices (`enable wgpu_cooperative_matrix;`) are square: 16 x 16 or 8 x 8. The P.V product is
 //     16 x 16 with heads 8-15 zero (PV_N 16, as the GLSL bfloat16 modules take it), not 16 x 8.
@@ -185,10 +190,15 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         if (k8 == p && g < group) {
             w = vec4<u32>(query[c], query[c + 1u]);
         }
-        for (var e = 0u; e < 4u; e++) {
-            let h2 = vec2<f16>(unpack2x16float(w[e]));   // exact: float16 -> float32 -> float16
-            s_qb[8u * i + 2u * e] = h2.x;
-            s_qb[8u * i + 2u * e + 1u] = h2.y;
+        // The query storage's own conversion (q_f16.wgsl, q_bf16.wgsl), then to the matrices' type: exact both ways
+        // (float16 -> float32 -> float16; in the bfloat16 module, whose f16 is bfloat16, bfloat16 -> float32 ->
+        // bfloat16), and no float16 arithmetic, which a bfloat16 module may not have.
+        for (var e = 0u; e < 2u; e++) {
+            let h4 = vec4<f16>(q_quad(select(w.zw, w.xy, e == 0u)));
+            s_qb[8u * i + 4u * e] = h4.x;
+            s_qb[8u * i + 4u * e + 1u] = h4.y;
+            s_qb[8u * i + 4u * e + 2u] = h4.z;
+            s_qb[8u * i + 4u * e + 3u] = h4.w;
         }
     }
     workgroupBarrier();

@@ -142,6 +142,17 @@ def test_peers_without_torch_prints_pagedvk_figures(tmp_path):
     assert all(r["ok"] for r in record["rows"]) and "peers" not in record
 
 
+def test_peers_no_torch_leaves_torch_out(tmp_path):
+    # torch left out by choice (the GLSL-WGSL comparisons of the device kits), whether or not it is installed
+    peers = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+    code = f"import runpy, sys; sys.argv[0] = {str(peers)!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    result = run_python(code, argv=["--shapes", "2x24", "--dtypes", "bf16", "--backends", "wgsl", "--iters", "2",
+                                    "--repeats", "1", "--no-torch"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no torch peers: --no-torch given; pagedvk's figures alone" in result.stdout
+    assert "| bfloat16 | 2 | 24 |" in result.stdout
+
+
 def run_prefill_bench(sweep: dict, argv: list):
     """benchmarks/prefill.py run with torch hidden and its small sweep replaced by `sweep`."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill.py"

@@ -1,8 +1,8 @@
 """The cooperative-matrix decode (shaders/paged_decode_coopmat.comp, and its WGSL port paged_decode_coopmat.wgsl for
-float16 caches) and the rule that picks it: the rule and its refusals on made-up devices, everywhere; the kernel,
-forced, against the float64 reference on random data with NaN-poisoned outputs and unread slots, on devices with
-cooperative matrices (`needs_coopmat`, skipped elsewhere with the reason: lavapipe has none). Tests of float16
-caches run both backends' modules (`backend`)."""
+float16 and bfloat16 caches) and the rule that picks it: the rule and its refusals on made-up devices, everywhere;
+the kernel, forced, against the float64 reference on random data with NaN-poisoned outputs and unread slots, on
+devices with cooperative matrices (`needs_coopmat`, skipped elsewhere with the reason: lavapipe has none). Tests of
+float16 and bfloat16 caches run both backends' modules (`backend`)."""
 
 import dataclasses
 import re
@@ -26,6 +26,7 @@ CACHE_DTYPES = (np.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)   # 
 NEEDS = {"cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel"}
 BF16_NEEDS = {"cooperativeMatrix", "vulkanMemoryModel", *abi.BFLOAT16_MATRIX_FEATURES}
 WGSL_NEEDS = NEEDS | {"storageBuffer16BitAccess"}   # the WGSL module binds its caches as f16 arrays
+WGSL_BF16_NEEDS = BF16_NEEDS | {"storageBuffer16BitAccess"}   # its bfloat16 module, as bfloat16 arrays
 
 _info = pagedvk.select()[0]
 _why = matrix_unavailable(_info, pagedvk.default_device().features)   # what the device turned on
@@ -37,6 +38,9 @@ _why_wgsl = _why or ("" if "storageBuffer16BitAccess" in pagedvk.default_device(
 # The backends whose float16 matrix module runs here: a test taking `backend` skips the WGSL one where it cannot.
 MATRIX_BACKENDS = [pytest.param("glsl"), pytest.param("wgsl", marks=pytest.mark.skipif(
     bool(_why_wgsl), reason=f"needs the WGSL matrix decode: {_info.name}: {_why_wgsl}"))]
+_why_wgsl_bf16 = matrix_unavailable(_info, pagedvk.default_device().features, "bf16", "wgsl")
+BF16_BACKENDS = [pytest.param("glsl"), pytest.param("wgsl", marks=pytest.mark.skipif(
+    bool(_why_wgsl_bf16), reason=f"needs the WGSL bfloat16 matrix decode: {_info.name}: {_why_wgsl_bf16}"))]
 BF16_SHAPES = (with_operands(MATRIX_SHAPE, "bf16"),)   # its P.V multiply too (16 x 16: decode.MATRIX_PV_SHAPES)
 CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True,
                               matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE) + BF16_SHAPES)
@@ -54,8 +58,15 @@ def test_long_partitions_of_float16_and_fp8_vllm_caches_get_the_matrix_kernel(mo
     for head_size in (64, 128):   # WGSL: float16 caches and queries, with 16-bit storage on
         assert decode.decode_matrix(CAPABLE, WGSL_NEEDS, "wgsl", "f16", "f16", head_size, "vllm", 16, tokens) == "coopmat"
     assert decode.decode_matrix(CAPABLE, NEEDS, "wgsl", "f16", "f16", 128, "vllm", 16, tokens) == ""
-    for kv, q in (("e4m3", "f16"), ("e5m2", "f16"), ("bf16", "bf16"), ("f32", "f32")):
+    for kv, q in (("e4m3", "f16"), ("e5m2", "f16"), ("bf16", "f16"), ("f32", "f32")):
         assert decode.decode_matrix(CAPABLE, WGSL_NEEDS | BF16_NEEDS, "wgsl", kv, q, 128, "vllm", 16, tokens) == ""
+    # WGSL bfloat16 (build_shaders.bfloat16_matrices): where GLSL's runs, with 16-bit storage on, and not otherwise
+    for head_size in (64, 128):
+        assert decode.decode_matrix(CAPABLE, WGSL_BF16_NEEDS, "wgsl", "bf16", "bf16", head_size, "vllm", 16,
+                                    tokens) == "coopmat"
+    assert decode.decode_matrix(CAPABLE, WGSL_BF16_NEEDS, "wgsl", "bf16", "bf16", 128, "vllm", 16, tokens - 1) == ""
+    assert decode.decode_matrix(CAPABLE, BF16_NEEDS, "wgsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
+    assert decode.decode_matrix(CAPABLE, WGSL_NEEDS, "wgsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
     others = [("wgsl", "f16", "f16", 96, "vllm", 16), ("glsl", "bf16", "f16", 128, "vllm", 16),
               ("glsl", "f16", "f32", 128, "vllm", 16), ("glsl", "f16", "f16", 96, "vllm", 16),
               ("glsl", "e5m2", "bf16", 128, "vllm", 16), ("glsl", "f32", "f32", 128, "vllm", 16),
@@ -69,7 +80,9 @@ def test_long_partitions_of_float16_and_fp8_vllm_caches_get_the_matrix_kernel(mo
         assert decode.decode_matrix(CAPABLE, BF16_NEEDS, "glsl", "bf16", "bf16", head_size, "vllm", 16, tokens) == "coopmat"
     assert decode.decode_matrix(CAPABLE, NEEDS, "glsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
     f16_only = dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE))
-    assert decode.decode_matrix(f16_only, BF16_NEEDS | NEEDS, "glsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
+    for backend in ("glsl", "wgsl"):
+        assert decode.decode_matrix(f16_only, WGSL_BF16_NEEDS | NEEDS, backend, "bf16", "bf16", 128, "vllm", 16,
+                                    tokens) == ""
     assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16, "coopmat") == "coopmat"
     monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", "coopmat")
     assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16) == "coopmat"
@@ -87,7 +100,11 @@ def test_pagedvk_devices_names_every_cache_type_the_matrix_decode_takes(monkeypa
     assert "bfloat16" not in cli.describe_decode_kernel(f16_only)
     wgsl = cli.describe_decode_kernel(dataclasses.replace(CAPABLE, type="discrete", storage16=True))
     assert wgsl.endswith("; WGSL plans: coopmat (shaders/paged_decode_coopmat.wgsl) for float16 caches with float16 "
-                         "queries likewise, gpu (shaders/paged_decode.wgsl) otherwise"), wgsl
+                         "queries; bfloat16 caches with bfloat16 queries likewise, gpu (shaders/paged_decode.wgsl) "
+                         "otherwise"), wgsl
+    wgsl_f16 = cli.describe_decode_kernel(dataclasses.replace(f16_only, storage16=True))
+    assert wgsl_f16.endswith("; WGSL plans: coopmat (shaders/paged_decode_coopmat.wgsl) for float16 caches with "
+                             "float16 queries likewise, gpu (shaders/paged_decode.wgsl) otherwise"), wgsl_f16
     no_16bit = cli.describe_decode_kernel(dataclasses.replace(CAPABLE, type="discrete", storage16=False))
     assert no_16bit.endswith("; WGSL plans: gpu (shaders/paged_decode.wgsl; the WGSL matrix decode needs 16-bit "
                              "storage)"), no_16bit
@@ -115,14 +132,20 @@ def test_the_matrix_split_fills_one_wave_of_its_workgroups():
      ("glsl", "bf16", "bf16", 128, "vllm", 16), "lists no 16x16x16 bf16*bf16+f32->f32"),
     (dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE, with_operands(MATRIX_PV_SHAPE, "bf16"))),
      BF16_NEEDS, ("glsl", "bf16", "bf16", 128, "vllm", 16), "lists no 16x16x16 bf16*bf16+f32->f32"),
-    (CAPABLE, WGSL_NEEDS, ("wgsl", "e4m3", "f16", 128, "vllm", 16), "backend 'wgsl' with f16 caches with f16 "
-     "queries, head sizes 64/128, vLLM's layout and 16-token blocks, not cache e4m3"),
+    (CAPABLE, WGSL_NEEDS, ("wgsl", "e4m3", "f16", 128, "vllm", 16), "backend 'wgsl' with bf16 caches with bf16 "
+     "queries; f16 caches with f16 queries, head sizes 64/128, vLLM's layout and 16-token blocks, not cache e4m3"),
     (CAPABLE, NEEDS, ("wgsl", "f16", "f16", 128, "vllm", 16), "feature(s) storageBuffer16BitAccess"),
+    (CAPABLE, BF16_NEEDS, ("wgsl", "bf16", "bf16", 128, "vllm", 16), "feature(s) storageBuffer16BitAccess"),
+    (CAPABLE, WGSL_NEEDS, ("wgsl", "bf16", "bf16", 128, "vllm", 16), "feature(s) shaderBFloat16Type"),
+    (dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE)), WGSL_BF16_NEEDS,
+     ("wgsl", "bf16", "bf16", 128, "vllm", 16), "lists no 16x16x16 bf16*bf16+f32->f32"),
+    (CAPABLE, WGSL_BF16_NEEDS, ("wgsl", "f16", "f16", 128, "vllm", 16), "feature(s) shaderFloat16"),
     (CAPABLE, NEEDS, F16 + (128, "nhd", 16), "layout 'nhd'"),
     (CAPABLE, NEEDS, F16 + (128, "vllm", 8), "block size 8"),
     (CAPABLE, NEEDS, F16 + (256, "vllm", 16), "head size 256"),
 ], ids=["no-shape", "subgroup-64", "features", "vote", "no-16x8", "bf16", "bf16-features", "bf16-no-shape",
-        "bf16-16x8-only", "wgsl-fp8", "wgsl-16bit", "nhd", "block-8", "head-256"])
+        "bf16-16x8-only", "wgsl-fp8", "wgsl-16bit", "wgsl-bf16-16bit", "wgsl-bf16-features", "wgsl-bf16-no-shape",
+        "wgsl-f16-with-bf16-features", "nhd", "block-8", "head-256"])
 def test_forcing_the_matrix_kernel_where_it_cannot_run_is_refused(info, features, args, reason):
     with pytest.raises(ValueError, match=r"kernel \(or PAGEDVK_DECODE_KERNEL\) 'coopmat' cannot run on .*"
                                          + re.escape(reason)):
@@ -154,9 +177,13 @@ def test_the_matrix_module_is_declared_for_binding_access_with_the_decode_consta
         + [f"paged_decode.coopmat.kv_bf16.q_bf16.h{h}.glsl" for h in (128, 64)])
     bf16 = abi.PAGED_DECODE.key("glsl", "bf16", "bf16", 128, matrix="coopmat")
     assert set(bf16.requires()) == BF16_NEEDS and "shaderFloat16" not in bf16.requires()
-    # WGSL: float16 caches and queries only, the same interface, no specialization constants
+    # WGSL: float16 caches and queries, and bfloat16 ones, the same interface, no specialization constants
     wgsl = [k for k in abi.PAGED_DECODE.keys() if k.matrix and k.backend == "wgsl"]
-    assert sorted(k.name for k in wgsl) == [f"paged_decode.coopmat.kv_f16.q_f16.h{h}.wgsl" for h in (128, 64)]
+    assert sorted(k.name for k in wgsl) == [f"paged_decode.coopmat.kv_{t}.q_{t}.h{h}.wgsl"
+                                            for t in ("bf16", "f16") for h in (128, 64)]
+    wgsl_bf16 = abi.PAGED_DECODE.key("wgsl", "bf16", "bf16", 128, matrix="coopmat")
+    assert wgsl_bf16.source == "paged_decode_coopmat.wgsl" and set(wgsl_bf16.requires()) == WGSL_BF16_NEEDS
+    assert wgsl_bf16.includes()["q_storage.wgsl"] == "q_bf16.wgsl"   # its query conversion: bfloat16 bits
     key = abi.PAGED_DECODE.key("wgsl", "f16", "f16", 64, matrix="coopmat")
     assert key.source == "paged_decode_coopmat.wgsl" and key.target_env == "vulkan1.2"
     assert key.constants() == {"HEAD_SIZE": 64} and abi.PAGED_DECODE.specialization_constants(key) == {}
@@ -234,17 +261,20 @@ def test_matches_float64_for_every_group_and_head_size(rng, backend, cache_dtype
 @needs_bf16_coopmat
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (16, 2), (6, 2)], ids=["g1", "g4", "g8", "g3"])
 @pytest.mark.parametrize("head_size", (64, 128))
-def test_bfloat16_matches_float64_for_every_group_and_head_size(rng, head_size, num_heads, num_kv_heads):
-    # The bfloat16 module (build_shaders.bfloat16_matrices): bfloat16 caches and queries, matrices of bfloat16.
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+def test_bfloat16_matches_float64_for_every_group_and_head_size(rng, backend, head_size, num_heads, num_kv_heads):
+    # The bfloat16 modules (build_shaders.bfloat16_matrices, GLSL and WGSL): bfloat16 caches and queries, matrices
+    # of bfloat16.
     case = matrix_case(rng, BF16, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_size=head_size)
     poison_unread_slots(case, 16)
-    assert run_coopmat(case, case.query, 4096)[2].kv == "bf16"
-    check_split_and_unsplit(case, case.query, tol=BF16_TOL)
+    assert run_coopmat(case, case.query, 4096, backend=backend)[2].kv == "bf16"
+    check_split_and_unsplit(case, case.query, tol=BF16_TOL, backend=backend)
 
 
 @needs_bf16_coopmat
-def test_bfloat16_keeps_values_float16_cannot_hold(rng):
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+def test_bfloat16_keeps_values_float16_cannot_hold(rng, backend):
     # Values near 3e5 and 1e-6 (float16 tops out at 65504, and is subnormal below 6e-5) and keys of 1e3 in a few
     # dims: read as bfloat16 (or as float16 by mistake) they would give inf, zeros or wrong weights.
     case = matrix_case(rng, BF16, seq_lens=[40, 333], num_heads=8, num_kv_heads=2, head_size=128)
@@ -252,8 +282,8 @@ def test_bfloat16_keeps_values_float16_cannot_hold(rng):
     case.value_cache[:] = (case.value_cache.astype(np.float32) * scale).astype(BF16)
     case.key_cache[:] = (case.key_cache.astype(np.float32) * 1e-3).astype(BF16)
     case.query[:] = (case.query.astype(np.float32) * 1e3).astype(BF16)
-    out, _, key, _, _ = run_coopmat(case, case.query, 4096)
-    assert key.kv == "bf16" and np.abs(out.astype(np.float32)).max() > 65504
+    out, _, key, _, _ = run_coopmat(case, case.query, 4096, backend=backend)
+    assert key.kv == "bf16" and key.backend == backend and np.abs(out.astype(np.float32)).max() > 65504
     assert rel_error(out, reference.paged_attention(case.query, *case.args()[1:])) <= BF16_TOL
 
 
@@ -469,13 +499,14 @@ def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch, backend):
 
 
 @pytest.mark.parametrize("head_size", (64, 128))
-def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_loops(head_size):
+@pytest.mark.parametrize("operand", ("f16", "bf16"))
+def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_loops(operand, head_size):
     # build_shaders.naga_matrix_fixes: of naga's 16-bit storage capabilities only the one the f16 caches need, subgroup
     # barriers that order workgroup memory, Unroll on the loops over the matrix arrays (kt, vt, o: ten of them), and
     # zero matrices as glslang makes them (OpConstantComposite of one zero, not OpConstantNull).
     import array
     from pagedvk.kernels import load_spirv
-    words = array.array("I", load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", "f16", "f16", head_size,
+    words = array.array("I", load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", operand, operand, head_size,
                                                                                matrix="coopmat")))
     constants, capabilities, barriers, loops, i = {}, set(), [], [], 5
     matrices, nulls, splats = set(), [], []
