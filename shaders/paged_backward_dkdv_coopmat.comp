@@ -13,8 +13,8 @@
 // atomics). The block's keys and values stay in registers as the B matrices K^T and V^T. Per 64 rows:
 //   1. the workgroup stages the rows' queries and dout in shared memory (float16, zeros for rows not there)
 //      and sums each row's D from the same loads;
-//   2. each subgroup multiplies S = Q.K^T and then dP = dout.V^T for its 16 rows, through shared memory to
-//      the row's lanes, which write P and dS (zero where the row does not see the key) as float16;
+//   2. each subgroup multiplies S = Q.K^T and dP = dout.V^T for its 16 rows (in one loop), through shared memory
+//      to the row's lanes, which write P and dS (zero where the row does not see the key) as float16;
 //   3. each subgroup adds P^T.dout and dS^T.Q to its share of dV and dK: head dims 16 w .. (D / 64 tiles of 16
 //      head dims each, w the subgroup), over the 64 rows.
 // Every element of dk_cache and dv_cache is written exactly once: blocks and slots nobody reads get 0.
@@ -174,21 +174,24 @@ void main() {
                 barrier();
                 const float delta = s_delta[my_row];
 
-                // 2. S, then dP, for this subgroup's rows; this lane's keys 8 half_ .. 8 half_ + 7.
+                // 2. S and dP for this subgroup's rows, multiplied in one loop (two independent chains of products in
+                //    flight, not S's D / 16 and then dP's, each waiting for the one before: dk/dv 2516 against 2555 us
+                //    on the H200, BENCHMARKS.md, thirteenth session); then, pass by pass, to this lane's keys
+                //    8 half_ .. 8 half_ + 7.
+                MAT_C s_acc = MAT_C(0.0);   // one declaration each: glslang 13 drops the use of a second declarator
+                MAT_C dp_acc = MAT_C(0.0);
+                [[unroll]] for (uint k = 0u; k < D / 16u; k++) {
+                    MAT_A qa;
+                    MAT_A ga;
+                    coopMatLoad(qa, s_q, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
+                    coopMatLoad(ga, s_g, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
+                    s_acc = coopMatMulAdd(qa, kt[k], s_acc);
+                    dp_acc = coopMatMulAdd(ga, vt[k], dp_acc);
+                }
                 vec4 p[2];
                 [[unroll]] for (uint pass = 0u; pass < 2u; pass++) {   // unrolled: 1.13x faster on the H200
-                    MAT_C acc = MAT_C(0.0);
-                    [[unroll]] for (uint k = 0u; k < D / 16u; k++) {
-                        MAT_A a;
-                        if (pass == 0u) {
-                            coopMatLoad(a, s_q, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
-                            acc = coopMatMulAdd(a, kt[k], acc);
-                        } else {
-                            coopMatLoad(a, s_g, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
-                            acc = coopMatMulAdd(a, vt[k], acc);
-                        }
-                    }
-                    coopMatStore(acc, s_s, warp * 16u * SS, SS, gl_CooperativeMatrixLayoutRowMajor);
+                    if (pass == 0u) coopMatStore(s_acc, s_s, warp * 16u * SS, SS, gl_CooperativeMatrixLayoutRowMajor);
+                    else coopMatStore(dp_acc, s_s, warp * 16u * SS, SS, gl_CooperativeMatrixLayoutRowMajor);
                     subgroupMemoryBarrierShared();
                     subgroupBarrier();
                     [[unroll]] for (uint j = 0u; j < 2u; j++) {
