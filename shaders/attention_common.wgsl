@@ -68,8 +68,8 @@ fn window_first_key(query_pos: u32) -> u32 {
     return query_pos + 1u - pc.window;
 }
 
-// A NaN test on the bits: Mesa's compiler takes `x != x` for false (it may assume no NaN where the SPIR-V does
-// not ask for them to be kept), and WGSL has no isNan.
+// A NaN test on the bits: naga writes `!=` as an ordered comparison (OpFOrdNotEqual: false where either side is
+// NaN, where GLSL's != is true), so `x != x` is never true, and WGSL has no isNan.
 fn is_nan(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
 }

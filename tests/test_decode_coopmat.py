@@ -347,12 +347,9 @@ def test_fp8_nan_bytes_read_make_the_outputs_nan_as_float64_does(rng, cache_dtyp
 
 @needs_coopmat
 @pytest.mark.parametrize("backend", ["glsl", "wgsl"])
-def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, backend, request):
+def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, backend):
     # float16 caches: a NaN key element inside a sequence makes that logit NaN, and float64 every head of its kv
     # head there (out and lse), unsplit, split through the reduce dispatch, and merged in the decode (GLSL).
-    if backend == "wgsl":   # the known defect of tests/test_decode.py's test of the same name (strict)
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the WGSL decode drops NaN logits "
-                                                                   "(BENCHMARKS.md, thirteenth session)"))
     case = matrix_case(rng, np.float16, seq_lens=[300, 260, 40, 300], num_heads=8, num_kv_heads=2, head_size=128)
     poison_unread_slots(case, 16)
     x = case.key_cache.shape[-1]
