@@ -174,8 +174,26 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         run(naga_command(fixed, out), f"naga {source.name}")
-    spirv = declare_cooperative_matrix(drop_unlaid_layouts(drop_loop_bounding(drop_workgroup_zero_init(out.read_bytes()))))
+    spirv = drop_loop_bounding(drop_workgroup_zero_init(unordered_not_equal(out.read_bytes())))
+    spirv = declare_cooperative_matrix(drop_unlaid_layouts(spirv))
     out.write_bytes(workgroup_accesses_nonprivate(naga_matrix_fixes(spirv)))
+
+
+OP_FORD_NOT_EQUAL, OP_FUNORD_NOT_EQUAL = 182, 183
+
+
+def unordered_not_equal(spirv: bytes) -> bytes:
+    """naga's SPIR-V with its float `!=` made unordered, as IEEE 754 (and GLSL's `!=`) has it: naga 30 writes
+    `a != b` as OpFOrdNotEqual, false where either side is NaN, so `sum != 0.0` let a NaN sum pass for a zero
+    one (the decode reduce dropped a NaN partition: BENCHMARKS.md, thirteenth session) and `x != x` is never
+    true. OpFUnordNotEqual takes the same operands."""
+    words = array.array("I", spirv)
+    i = 5
+    while i < len(words):
+        if words[i] & 0xFFFF == OP_FORD_NOT_EQUAL:
+            words[i] = (words[i] & 0xFFFF0000) | OP_FUNORD_NOT_EQUAL
+        i += words[i] >> 16
+    return words.tobytes()
 
 
 OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224

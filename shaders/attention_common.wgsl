@@ -68,8 +68,7 @@ fn window_first_key(query_pos: u32) -> u32 {
     return query_pos + 1u - pc.window;
 }
 
-// A NaN test on the bits: naga writes `!=` as an ordered comparison (OpFOrdNotEqual: false where either side is
-// NaN, where GLSL's != is true), so `x != x` is never true, and WGSL has no isNan.
+// A NaN test (WGSL has no isNan), on the bits: it does not lean on how a compiler takes `x != x`.
 fn is_nan(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
 }

@@ -84,7 +84,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             m = top;
         }
         for (var u = 0u; u < UNROLL; u++) {
-            if (!(ml[u].y == 0.0)) {   // NaN included (naga's != is ordered: false for NaN): it poisons the merge
+            if (ml[u].y != 0.0) {   // NaN included (build_shaders.unordered_not_equal): it poisons the merge
                 let w = ml[u].y * exp(ml[u].x - m);
                 total += w;
                 acc += w * x[u];

@@ -395,15 +395,31 @@ def test_wgsl_build_drops_loop_bounding(tmp_path):
     assert all(loop_bound_exits(m) == 0 for m in installed_wgsl_modules())
 
 
-def words_of(path) -> list:
-    """A module's instructions as (opcode, operand words)."""
-    data = Path(path).read_bytes()
+def test_wgsl_build_makes_float_not_equal_unordered(tmp_path):
+    # WGSL's != on floats is IEEE 754's (true where either side is NaN), as GLSL's is; naga writes it ordered
+    # (false for NaN), so the build rewrites it: here o[1] must come out 1 for a NaN o[0] (x != x), and no
+    # installed WGSL module keeps an ordered !=.
+    ops = lambda data: [op for op, _ in words_of_bytes(data)]
+    raw, built = naga_and_build(tmp_path, (
+        "@group(0) @binding(0) var<storage, read_write> o: array<f32>;\n"
+        "@compute @workgroup_size(1) fn main() { o[1] = select(0.0, 1.0, o[0] != o[0]); }\n"))
+    assert 182 in ops(raw) and 182 not in ops(built) and 183 in ops(built)
+    assert all(182 not in ops(m) for m in installed_wgsl_modules())
+
+
+def words_of_bytes(data: bytes) -> list:
+    """A module's instructions as (opcode, operand words), from its bytes."""
     words = struct.unpack(f"<{len(data) // 4}I", data)
     out, i = [], 5
     while i < len(words):
         out.append((words[i] & 0xFFFF, words[i + 1:i + (words[i] >> 16)]))
         i += words[i] >> 16
     return out
+
+
+def words_of(path) -> list:
+    """A module's instructions as (opcode, operand words)."""
+    return words_of_bytes(Path(path).read_bytes())
 
 
 @pytest.mark.parametrize("key", [key for _, key in MODULES if key.matrix and key.kv == "bf16"], ids=lambda k: k.name)
