@@ -547,13 +547,37 @@ PAGED_PREFILL = KernelABI(
 # key tile at a time; pagedvk.prefill refuses the WGSL forward on a device offering less.
 PREFILL_WGSL_SHARED_BYTES = 1856 * 16
 
+# Backward, first: D = rowsum(dout * out) of every query row (FlashAttention-2's _bwd_preprocess), float32 in
+# lse's shape and order ([num_tokens, num_heads] or [num_seqs, num_heads, q_len]; a row's index is its first
+# element's in dout and out divided by head_size), into a scratch buffer the backward owns: dq and dk/dv read it
+# in place of `out`, so that no dk/dv workgroup re-reads every row's out (issue 12's shape: 16-key workgroups each
+# summed every row's D, ~0.32 ms of 2.5 ms on the H200). The rows are the first query_start_loc[num_seqs] *
+# num_heads (bounded by the buffers' lengths); four consecutive rows a thread, summed as the scalar dq sums dP
+# (so that dP - D is exactly 0 where a query sees one key: out == v there). Workgroups: ceil(rows / 512),
+# numbered linearly over a folded grid.
+PAGED_BACKWARD_DELTA = KernelABI(
+    op="paged_backward_delta",
+    bindings=(
+        Binding("query_start_loc", readonly=True),
+        Binding("dout", readonly=True),
+        Binding("out", readonly=True),
+        Binding("delta", readonly=False),
+    ),
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    q_types=QUERY_TYPES,
+    matrix_backends=(),
+    spec_constants=PAGED_PREFILL.spec_constants,
+)
+DELTA_ROWS_PER_THREAD = 4
+
 # Backward, dq (float32, the query's layout). Workgroups and tiles as the forward's: forward_rows for the scalar
-# modules, 64 rows for the cooperative-matrix ones (built as the forward's are).
+# modules, 64 rows for the cooperative-matrix ones (built as the forward's are). delta: PAGED_BACKWARD_DELTA's.
 PAGED_BACKWARD_DQ = KernelABI(
     op="paged_backward_dq",
     bindings=PREFILL_INPUTS + (
         Binding("dout", readonly=True),
-        Binding("out", readonly=True),
+        Binding("delta", readonly=True),
         Binding("lse", readonly=True),
         Binding("dq", readonly=False),
     ),
@@ -568,8 +592,9 @@ PAGED_BACKWARD_DQ = KernelABI(
 # Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 16 tokens of the
 # block, or all 8 of an 8-token block) loops over the (sequence, block-table slot) pairs that read the block, listed in block_readers
 # (int32: num_blocks + 1 offsets, then sequence * max_blocks_per_seq + slot for each pair), so blocks shared
-# by several sequences sum their gradients in a fixed order, without atomics. Queries, dout, out and lse are
-# ragged as in PREFILL_INPUTS (query_start_loc, q_token_stride, q_head_stride).
+# by several sequences sum their gradients in a fixed order, without atomics. Queries and dout are ragged as in
+# PREFILL_INPUTS (query_start_loc, q_token_stride, q_head_stride); delta (PAGED_BACKWARD_DELTA's) and lse index rows
+# as lse does.
 # Grid: (min(num_blocks, 65535), num_kv_heads, block_size / min(block_size, 16)), grid-stride over blocks, for
 # the scalar and the cooperative-matrix modules alike (built as the forward's are).
 PAGED_BACKWARD_DKDV = KernelABI(
@@ -582,7 +607,7 @@ PAGED_BACKWARD_DKDV = KernelABI(
         Binding("seq_lens", readonly=True),
         Binding("query_start_loc", readonly=True),
         Binding("dout", readonly=True),
-        Binding("out", readonly=True),
+        Binding("delta", readonly=True),
         Binding("lse", readonly=True),
         Binding("dk_cache", readonly=False),
         Binding("dv_cache", readonly=False),
@@ -639,8 +664,8 @@ RESHAPE_AND_CACHE = KernelABI(
     writes_cache=True,
 )
 
-KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, MERGE_STATES, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DQ,
-           PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE)
+KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, MERGE_STATES, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DELTA,
+           PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE)
 
 
 WGSL_INCLUDE = "//!include "   # WGSL has no includes: build_shaders.py pastes the named file at such a line

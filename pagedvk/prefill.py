@@ -21,8 +21,8 @@ import math
 import numpy as np
 
 from . import checks, kernels
-from .abi import (PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL, PREFILL_HEAD_SIZE_SPEC_ID,
-                  PREFILL_WGSL_SHARED_BYTES)
+from .abi import (DELTA_ROWS_PER_THREAD, PAGED_BACKWARD_DELTA, PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL,
+                  PREFILL_HEAD_SIZE_SPEC_ID, PREFILL_WGSL_SHARED_BYTES)
 from .array import Array, DeviceArray, asarray, empty
 from .decode import DecodePlan
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
@@ -213,6 +213,9 @@ class _Problem:
             group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0, **strides,
             **spec.strides())
         self.query_start_loc_arg = query_start_loc if self.ragged else self.query_start_loc
+        # Device buffers a launch allocates for itself and frees with it, name -> (shape, dtype): the backward's
+        # delta (PAGED_BACKWARD_DELTA), written by one dispatch and read by the next.
+        self.scratch = {}
 
     def query_row_bytes(self) -> int:
         """Bytes of one query token (all its heads): a row of the ragged query and out."""
@@ -229,6 +232,8 @@ class _Problem:
     def key(self, kernel, access: str = "", matrix: str | None = None):
         """The module of `kernel` of the matrix kind `matrix` ("" scalar), the problem's by default (matrix_for)."""
         matrix = self.matrix_for(kernel) if matrix is None else matrix
+        if not kernel.kv_types:   # reads no cache (the backward's delta): one module per query type
+            return kernel.key(self.backend, q=self.query_type.tag)
         if matrix:
             return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, self.head_size, access,
                               matrix)
@@ -330,6 +335,9 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict, given: dict
                 arrays[name] = given[name]
             else:
                 results[name] = arrays[name] = empty(shape, dtype, problem.device)
+        for name, (shape, dtype) in problem.scratch.items():
+            arrays[name] = empty(shape, dtype, problem.device)
+            temporaries.append(arrays[name])
         launch = _launch(problem, dispatches, arrays)
         try:
             launch.submit()
@@ -550,12 +558,16 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
     p.check_like("dout", dout, tuple(query.shape), query_layout, query.dtype)
     p.check_like("out", out, tuple(query.shape), query_layout, query.dtype)
     p.check_like("lse", lse, tuple(query.shape[:-1]), "(the query's shape without head_size)", np.float32)
+    # D = rowsum(dout * out) once per row, into the launch's scratch delta (lse's shape), before dq and dk/dv read it.
+    p.scratch["delta"] = (tuple(query.shape[:-1]), np.float32)
+    delta_groups = -(-p.num_tokens * p.num_heads // (PAGED_BACKWARD_DELTA.workgroup_size[0] * DELTA_ROWS_PER_THREAD))
+    delta_dispatch = (PAGED_BACKWARD_DELTA, fold_grid(delta_groups, p.device.info.max_workgroup_count))
     dq_dispatches, tiles = _tiled(p, PAGED_BACKWARD_DQ, np.ones(p.num_seqs, bool))
     inputs = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                   seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, **tiles, dout=dout, out=out, lse=lse,
                   block_readers=p.block_readers())
     dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // min(p.block_size, DKDV_KEYS))
-    return (p, dq_dispatches + [(PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
+    return (p, [delta_dispatch] + dq_dispatches + [(PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
             dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
                  dv_cache=(tuple(value_cache.shape), np.float32)))
 
@@ -576,6 +588,10 @@ class Recorded:
             arrays[name] = empty(shape, dtype, problem.device)
             self._owned.append(arrays[name])
         self.outputs = tuple(arrays[name] for name in outputs)
+        self.scratch = {}   # the launch's own buffers (_Problem.scratch), kept for tests to read or poison
+        for name, (shape, dtype) in problem.scratch.items():
+            self.scratch[name] = arrays[name] = empty(shape, dtype, problem.device)
+            self._owned.append(arrays[name])
         self.launch = _launch(problem, dispatches, arrays, timestamps=True)
 
     @classmethod

@@ -1,14 +1,15 @@
 #version 450
 // Paged-attention backward, the key and value gradients, written in the caches' layout:
 //   dV = P^T dout,  dK = scale * dS^T q,  with P = exp(scale q.k - lse), dS = P * (dout.v - D),
-//   D = rowsum(dout * out) (FlashAttention-2's backward).
+//   D = rowsum(dout * out) (FlashAttention-2's backward), read from delta (paged_backward_delta.comp, the
+//   backward's first dispatch, sums it once per row).
 //
 // A physical block may be read by several sequences (shared prefixes), so gradients are gathered per
 // block rather than scattered per sequence: one workgroup per (physical block, kv head, KEYS tokens of the
 // block; KEYS = min(block size, 16)) walks the (sequence, block-table slot) pairs that read the block
 // (block_readers, built on the host) and, for each, the query rows that see its tokens, R = 512 / KEYS (32 or
 // 64) at a time. The rows' operands are staged in shared memory and serve all KEYS keys:
-//   D. the step's rows' D, WG / R threads summing each, and thread r < R reads row r's lse into s_lse;
+//   D. thread r < R reads row r's lse and D into s_lse and s_delta;
 //   S. logits and dP, as in paged_backward_dq.comp with the roles of rows and keys kept: the rows' queries and
 //      the keys staged CQ head quads at a time, thread (rg, kg) accumulating rows 4rg .. 4rg+3 of key kg, then
 //      dout and the values; each thread writes its rows' P and dS for its key (row-major, a vec4 per row and
@@ -30,7 +31,7 @@ layout(std430, set = 0, binding = 3) readonly buffer BlockReaders { int block_re
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };          // [seqs]
 layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
 layout(std430, set = 0, binding = 6) readonly buffer Dout { Q_QUAD dout[]; };              // like query
-layout(std430, set = 0, binding = 7) readonly buffer Out { Q_QUAD out_[]; };               // like query
+layout(std430, set = 0, binding = 7) readonly buffer Delta { float delta_[]; };            // like lse: D of each row
 layout(std430, set = 0, binding = 8) readonly buffer Lse { float lse[]; };                 // [tokens, heads]
 layout(std430, set = 0, binding = 9) writeonly buffer DkCache { float dk_cache[]; };       // float32, key_cache's shape
 layout(std430, set = 0, binding = 10) writeonly buffer DvCache { float dv_cache[]; };      // float32, like value_cache
@@ -42,20 +43,18 @@ const uint MAX_KEYS = 16u;          // block tokens per workgroup (pagedvk.prefi
 const uint MAX_ROWS = 64u;          // R = 512 / KEYS
 // Shared memory, in vec4s: in S, [0, R * (CQ + 1)) a query (or dout) chunk, then KEYS * (CQ + 1) a key (or
 // value) chunk (at most 648, in 8-token blocks); then [0, PD_QUADS) P and dS (R x KEYS / 4 quads each), and from
-// PD_QUADS the rows' sub-tile, VR rows of queries then VR rows of dout. With s_lse, 15872 bytes: under 16 KiB.
+// PD_QUADS the rows' sub-tile, VR rows of queries then VR rows of dout. With s_lse and s_delta, 16128 bytes: under
+// 16 KiB.
 const uint S_MEM = 976u;
 const uint PD_QUADS = 256u;
 const uint CQ = 8u;                 // head quads per staged chunk
 const uint QK_STRIDE = CQ + 1u;     // one vec4 of padding against bank conflicts
-// s_mem's vec4s from here hold the rows' D in partial sums (WG floats), from D to P and dS: past S's chunks at
-// their largest (R + KEYS rows with KEYS = MIN_BLOCK_SIZE), P and dS stay below PD_QUADS, and C rewrites it
-// after a barrier.
-const uint D_PART = (512u / MIN_BLOCK_SIZE + MIN_BLOCK_SIZE) * QK_STRIDE;
 const uint NO_ROW = 0xffffffffu;
 #define ABSENT uintBitsToFloat(0x7f800000u)   // s_lse of a row past the sequence or a buffer (+inf)
 
 shared vec4 s_mem[S_MEM];
 shared float s_lse[MAX_ROWS];       // the lse of the step's rows
+shared float s_delta[MAX_ROWS];     // their D
 
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
 uint key_element(uint b, uint h, uint t, uint d) {
@@ -74,7 +73,6 @@ void main() {
     const uint KEYS = min(bs, MAX_KEYS);
     if (hs > MAX_HEAD_SIZE || hs != pc.head_size || hq == 0u || KEYS < 4u || (sub + 1u) * KEYS > bs) return;
     const uint R = 512u / KEYS;
-    const uint D_PARTS = WG / R;        // threads summing one row's D: 2 (8-token blocks) or 4
     const uint kg = tid % KEYS, rg = tid / KEYS;            // S: key kg, rows 4rg .. 4rg+3
     const uint KQ = KEYS / 4u, CG = WG / KQ;
     const uint kq = tid / CG, cg = tid % CG;                  // C: keys 4kq .. 4kq+3, head quads cg, cg + CG
@@ -87,7 +85,7 @@ void main() {
     const uint k_off = R * QK_STRIDE;
 
     const uint num_blocks = pc.num_blocks;   // held by the caches and by dk_cache, dv_cache (their shapes)
-    const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 4u;
+    const uint row_floats = min(uint(query.length()), uint(dout.length())) * 4u;
     const uint first_entry = pc.num_blocks + 1u;   // block_readers: num_blocks + 1 offsets, then the pairs
     const uint entries = uint(max(int(block_readers.length()) - int(first_entry), 0));
 
@@ -121,29 +119,13 @@ void main() {
                 : uint(clamp(int(p0) - (int(seq_len) - int(q_len)), 0, int(q_len)));
 
             for (uint r0 = i_first * group; r0 < rows; r0 += R) {
-                // D: row r of the step is there when it is a row of the sequence inside every row buffer. Its
-                // D_PARTS threads each sum every D_PARTS-th head quad of dout * out, four quads at a time (eight
-                // loads in flight); the partial sums meet in s_mem's D_PART, free until P and dS are written.
-                {
-                    const uint r = tid / D_PARTS, gr = r0 + r, q = row_base(q_start, kv_head, gr);
-                    float part = 0.0;
-                    if (gr < rows && q + hs <= row_floats) {
-                        for (uint c = tid % D_PARTS; c < hq; c += 4u * D_PARTS) {
-                            vec4 g[4], o[4];
-                            [[unroll]] for (uint u = 0u; u < 4u; u++) {
-                                const uint cu = c + u * D_PARTS, at = q / 4u + min(cu, hq - 1u);
-                                g[u] = cu < hq ? q_quad(dout[at]) : vec4(0.0);
-                                o[u] = q_quad(out_[at]);
-                            }
-                            [[unroll]] for (uint u = 0u; u < 4u; u++) part += dot(g[u], o[u]);
-                        }
-                    }
-                    s_mem[D_PART + tid / 4u][tid & 3u] = part;
-                }
+                // D: row r of the step is there when it is a row of the sequence inside every row buffer.
                 if (tid < R) {
                     const uint gr = r0 + tid, q = row_base(q_start, kv_head, gr);
-                    const bool there = gr < rows && q + hs <= row_floats && q / hs < uint(lse.length());
+                    const bool there = gr < rows && q + hs <= row_floats
+                        && q / hs < min(uint(lse.length()), uint(delta_.length()));
                     s_lse[tid] = there ? lse[q / hs] : ABSENT;
+                    s_delta[tid] = there ? delta_[q / hs] : 0.0;
                 }
                 uvec4 q_src;   // the query (dout) quad of staged row n at c0 = 0, or NO_ROW
                 for (uint n = 0u; n < 4u; n++) {
@@ -194,8 +176,7 @@ void main() {
                 for (uint i = 0u; i < 4u; i++) {
                     const uint r = 4u * rg + i, gr = r0 + r;
                     const float row_lse = s_lse[r];
-                    float delta = 0.0;
-                    for (uint j = r * D_PARTS; j < (r + 1u) * D_PARTS; j++) delta += s_mem[D_PART + j / 4u][j & 3u];
+                    const float delta = s_delta[r];
                     const bool seen = row_lse != ABSENT && p0 + kg < visible_keys(gr / group, q_len, seq_len);
                     const float p = seen ? exp(st[i] * pc.scale - row_lse) : 0.0;
                     s_mem[r * KQ + kg / 4u][kg & 3u] = p;

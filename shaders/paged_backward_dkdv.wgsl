@@ -18,7 +18,7 @@
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;             // [seqs]
 @group(0) @binding(5) var<storage, read> query_start_loc: array<i32>;     // [seqs + 1]
 @group(0) @binding(6) var<storage, read> dout: array<QQuad>;              // like query
-@group(0) @binding(7) var<storage, read> out: array<QQuad>;               // like query
+@group(0) @binding(7) var<storage, read> delta: array<f32>;              // like lse: D of each row
 @group(0) @binding(8) var<storage, read> lse: array<f32>;                  // [tokens, heads]
 @group(0) @binding(9) var<storage, read_write> dk_cache: array<f32>;       // float32, key_cache's shape
 @group(0) @binding(10) var<storage, read_write> dv_cache: array<f32>;      // float32, value_cache's shape
@@ -94,7 +94,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let absent = bitcast<f32>(ABSENT_BITS);
 
     let num_blocks = pc.num_blocks;   // see attention_common.glsl
-    let row_floats = min(min(arrayLength(&query), arrayLength(&dout)), arrayLength(&out)) * 4u;
+    let row_floats = min(arrayLength(&query), arrayLength(&dout)) * 4u;
     let first_entry = pc.num_blocks + 1u;
     let entries = u32(max(i32(arrayLength(&block_readers)) - i32(first_entry), 0));
 
@@ -151,11 +151,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                     let gr = r0 + tid;
                     let q = row_base(q_start, kv_head, gr);
                     var row = vec2<f32>(absent, 0.0);
-                    if (gr < rows && q + hs <= row_floats && q / hs < arrayLength(&lse)) {
-                        for (var c = 0u; c < hq; c++) {
-                            row.y += dot(q_quad(dout[q / 4u + c]), q_quad(out[q / 4u + c]));
-                        }
-                        row.x = lse[q / hs];
+                    if (gr < rows && q + hs <= row_floats && q / hs < min(arrayLength(&lse), arrayLength(&delta))) {
+                        row = vec2<f32>(lse[q / hs], delta[q / hs]);   // D: paged_backward_delta.wgsl's
                     }
                     s_rows[tid] = row;
                 }

@@ -11,8 +11,8 @@
 // other 8 are absent) walks the (sequence, block-table slot) pairs that read the block (block_readers) and,
 // for each, the query rows that see its tokens, BR = 64 at a time, in a fixed order (deterministic, no float
 // atomics). The block's keys and values stay in registers as the B matrices K^T and V^T. Per 64 rows:
-//   1. the workgroup stages the rows' queries and dout in shared memory (float16, zeros for rows not there)
-//      and sums each row's D from the same loads;
+//   1. the workgroup stages the rows' queries and dout in shared memory (float16, zeros for rows not there);
+//      each row's lanes read its lse and D (delta, which paged_backward_delta.comp sums once per row);
 //   2. each subgroup multiplies S = Q.K^T and dP = dout.V^T for its 16 rows (in one loop), through shared memory
 //      to the row's lanes, which write P and dS (zero where the row does not see the key) as float16;
 //   3. each subgroup adds P^T.dout and dS^T.Q to its share of dV and dK: head dims 16 w .. (D / 64 tiles of 16
@@ -44,8 +44,8 @@ layout(std430, set = 0, binding = 3) readonly buffer BlockReaders { int block_re
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };          // [seqs]
 layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
 layout(std430, set = 0, binding = 6) readonly buffer Dout { uvec4 dout[]; };               // like query
-layout(std430, set = 0, binding = 7) readonly buffer Out { uvec4 out_[]; };                // like query
-// (query, dout and out are float16, read 8 elements a load: a row's D elements start on a 16-byte boundary)
+layout(std430, set = 0, binding = 7) readonly buffer Delta { float delta_[]; };            // like lse: D of each row
+// (query and dout are float16, read 8 elements a load: a row's D elements start on a 16-byte boundary)
 layout(std430, set = 0, binding = 8) readonly buffer Lse { float lse[]; };                 // [tokens, heads]
 layout(std430, set = 0, binding = 9) writeonly buffer DkCache { float dk_cache[]; };       // float32, key_cache's shape
 layout(std430, set = 0, binding = 10) writeonly buffer DvCache { float dv_cache[]; };      // float32, like value_cache
@@ -70,7 +70,6 @@ shared f16vec4 s_g[max(BR * KS, D * TS)];   // the step's dout; the block's valu
 shared vec4 s_s[BR * SS];        // each subgroup's 16 x 16 S, then dP; output passes
 shared f16vec4 s_p[BR * TS];     // P [row][key]
 shared f16vec4 s_ds[BR * TS];    // dS [row][key]
-shared float s_delta[BR];        // the step's rows' D
 
 // Where key element (b, h, t, d) sits in an array of key_cache's shape (dk_cache).
 uint key_element(uint b, uint h, uint t, uint d) {
@@ -87,7 +86,7 @@ void main() {
     const uint max_blocks = pc.max_blocks_per_seq;
     const uint keys_here = min(bs, BC);         // the block's tokens this workgroup owns (8 in 8-token blocks)
     if (pc.head_size != D || sub * BC >= bs) return;
-    const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 8u;
+    const uint row_floats = min(uint(query.length()), uint(dout.length())) * 8u;
     const uint first_entry = pc.num_blocks + 1u;   // block_readers: num_blocks + 1 offsets, then the pairs
     const uint entries = uint(max(int(block_readers.length()) - int(first_entry), 0));
     const bool values_by_dim = pc.v_dim_stride == 1u;   // nhd: a token's head dims are contiguous
@@ -146,16 +145,14 @@ void main() {
                 // 1. The rows' queries and dout; this lane's row's lse and D.
                 barrier();   // every subgroup is done with the last step's (or the block's) staging
                 // All of a thread's loads are issued before any is used (one at a time, each waited for, the step took
-                // 2.8x as long on the H200). A row's DC chunks are DC consecutive lanes of one subgroup (WG and the
-                // subgroup size are multiples of DC), which sum its D from the loads of dout and of out beside them.
-                uvec4 qw[ROW_LOADS], gw[ROW_LOADS], ow[ROW_LOADS];
+                // 2.8x as long on the H200).
+                uvec4 qw[ROW_LOADS], gw[ROW_LOADS];
                 [[unroll]] for (uint k = 0u; k < ROW_LOADS; k++) {
                     const uint i = tid + k * WG;
                     const Row r = query_row(sq, kv_head, r0 + i / DC, rows, row_floats);
                     const uint at = r.base / 8u + i % DC;
                     qw[k] = r.valid ? query[at] : uvec4(0u);
                     gw[k] = r.valid ? dout[at] : uvec4(0u);
-                    ow[k] = r.valid ? out_[at] : uvec4(0u);
                 }
                 [[unroll]] for (uint k = 0u; k < ROW_LOADS; k++) {
                     const uint i = tid + k * WG, to = chunk_slot(i, true);
@@ -163,16 +160,12 @@ void main() {
                     s_q[to + 1u] = half4(qw[k].zw);
                     s_g[to] = half4(gw[k].xy);
                     s_g[to + 1u] = half4(gw[k].zw);
-                    float part = dot(vec4(half4(gw[k].xy)), vec4(half4(ow[k].xy)))
-                               + dot(vec4(half4(gw[k].zw)), vec4(half4(ow[k].zw)));
-                    [[unroll]] for (uint m = DC / 2u; m > 0u; m >>= 1) part += subgroupShuffleXor(part, m);
-                    if (i % DC == 0u) s_delta[i / DC] = part;
                 }
                 const Row me = query_row(sq, kv_head, r0 + my_row, rows, row_floats);
                 const bool has_lse = me.valid && me.base / D < uint(lse.length());
                 const float row_lse = has_lse ? lse[me.base / D] : 0.0;
+                const float delta = me.valid && me.base / D < uint(delta_.length()) ? delta_[me.base / D] : 0.0;
                 barrier();
-                const float delta = s_delta[my_row];
 
                 // 2. S and dP for this subgroup's rows, multiplied in one loop (two independent chains of products in
                 //    flight, not S's D / 16 and then dP's, each waiting for the one before: dk/dv 2516 against 2555 us

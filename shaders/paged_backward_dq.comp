@@ -11,9 +11,10 @@
 //      blocks into dS and writes it to shared memory (key-major, a vec4 per key and row group);
 //   C. dq: the keys are staged VK at a time; thread (rg, cg) accumulates rows 4rg .. 4rg+3 by head quads
 //      cg + G*j (mat4s dq0 .. dq3), five vec4 reads per key feeding 64 multiply-adds.
-// D is computed by each thread for its rows before the walk, as the same vector-times-matrix products that
-// accumulate dP, in the same order: where a query sees a single key out == v, so dP - D is exactly 0 as in
-// float64 (a sum in another order would leave rounding noise, which would then be all of dq).
+// D = rowsum(dout * out) comes from paged_backward_delta.comp (the backward's first dispatch), summed there as
+// the same vector-times-matrix products that accumulate dP here, in the same order: where a query sees a single key
+// out == v, so dP - D is exactly 0 as in float64 (a sum in another order would leave rounding noise, which would
+// then be all of dq).
 // Shared memory stays under 16 KiB as the forward's; bounds are kept as there.
 #extension GL_GOOGLE_include_directive : require
 #extension GL_EXT_control_flow_attributes : require
@@ -29,7 +30,7 @@ layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; }
 layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
 layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };             // [tiles, 2]
 layout(std430, set = 0, binding = 7) readonly buffer Dout { Q_QUAD dout[]; };            // like query
-layout(std430, set = 0, binding = 8) readonly buffer Out { Q_QUAD out_[]; };             // like query
+layout(std430, set = 0, binding = 8) readonly buffer Delta { float delta_[]; };          // like lse: D of each row
 layout(std430, set = 0, binding = 9) readonly buffer Lse { float lse[]; };               // [tokens, heads]
 layout(std430, set = 0, binding = 10) writeonly buffer Dq { float dq[]; };               // like query
 
@@ -58,8 +59,8 @@ void main() {
     uint kv_head, seq, row0;
     if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u
         || hs != pc.head_size) return;
-    // query, dout and out share one shape: a row is in all three or the launch is malformed.
-    const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 4u;
+    // query and dout share one shape: a row is in both or the launch is malformed.
+    const uint row_floats = min(uint(query.length()), uint(dout.length())) * 4u;
     const uvec2 queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));
     const uint q_start = queries.x, q_len = queries.y;
     const uint rows = group * q_len;
@@ -78,26 +79,17 @@ void main() {
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
     const uint kv_end = visible_keys((row_end - 1u) / group, q_len, seq_len);
 
-    // This thread's rows: the keys each sees (0 past the end or a buffer), its quad 0 in query / dout / out, lse.
-    uvec4 keys, qb;
-    vec4 row_lse = vec4(0.0);
+    // This thread's rows: the keys each sees (0 past the end or a buffer), lse and D.
+    uvec4 keys;
+    vec4 row_lse = vec4(0.0), delta = vec4(0.0);
     for (uint i = 0u; i < 4u; i++) {
         const uint gr = row0 + 4u * rg + i, q = row_base(q_start, kv_head, gr);
-        const bool valid = gr < row_end && q + hs <= row_floats && q / hs < uint(lse.length());
+        const bool valid = gr < row_end && q + hs <= row_floats && q / hs < min(uint(lse.length()), uint(delta_.length()));
         keys[i] = valid ? visible_keys(gr / group, q_len, seq_len) : 0u;
-        qb[i] = valid ? q / 4u : NO_ROW;
-        if (valid) row_lse[i] = lse[q / hs];
-    }
-    // D, as dP is summed in S: component i of (out quad of row i) * (the rows' dout quads as columns).
-    vec4 delta = vec4(0.0);
-    for (uint c = 0u; c < hq; c++) {
-        mat4 g;
-        vec4 o[4];
-        for (uint i = 0u; i < 4u; i++) {
-            g[i] = qb[i] != NO_ROW ? q_quad(dout[qb[i] + c]) : vec4(0.0);
-            o[i] = qb[i] != NO_ROW ? q_quad(out_[qb[i] + c]) : vec4(0.0);
+        if (valid) {
+            row_lse[i] = lse[q / hs];
+            delta[i] = delta_[q / hs];
         }
-        delta += vec4((o[0] * g).x, (o[1] * g).y, (o[2] * g).z, (o[3] * g).w);
     }
 
     const uvec4 cols = cg + G * uvec4(0u, 1u, 2u, 3u);   // keys of S, head quads of C

@@ -20,7 +20,7 @@
 @group(0) @binding(5) var<storage, read> query_start_loc: array<i32>;   // [seqs + 1]
 @group(0) @binding(6) var<storage, read> tiles: array<i32>;             // [tiles, 2]
 @group(0) @binding(7) var<storage, read> dout: array<QQuad>;            // like query
-@group(0) @binding(8) var<storage, read> out: array<QQuad>;             // like query
+@group(0) @binding(8) var<storage, read> delta: array<f32>;             // like lse: D of each row
 @group(0) @binding(9) var<storage, read> lse: array<f32>;                // [tokens, heads]
 @group(0) @binding(10) var<storage, read_write> dq: array<f32>;          // like query
 var<immediate> pc: Params;
@@ -69,7 +69,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let kv_head = work.x;
     let seq = work.y;
     let row0 = work.z;
-    let row_floats = min(min(arrayLength(&query), arrayLength(&dout)), arrayLength(&out)) * 4u;
+    let row_floats = min(arrayLength(&query), arrayLength(&dout)) * 4u;
     let queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));
     let q_start = queries.x;
     let q_len = queries.y;
@@ -99,31 +99,18 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     }
     let kv_end = visible_keys((row_end - 1u) / group, q_len, seq_len);
 
-    // This thread's rows: keys seen (0 past the end or a buffer), quad 0 in query / dout / out, lse.
+    // This thread's rows: keys seen (0 past the end or a buffer), lse and D (paged_backward_delta.wgsl's).
     var keys = vec4<u32>(0u);
-    var qb = vec4<u32>(NO_ROW);
     var row_lse = vec4<f32>(0.0);
+    var row_delta = vec4<f32>(0.0);
     for (var i = 0u; i < 4u; i++) {
         let gr = row0 + 4u * rg + i;
         let q = row_base(q_start, kv_head, gr);
-        if (gr < row_end && q + hs <= row_floats && q / hs < arrayLength(&lse)) {
+        if (gr < row_end && q + hs <= row_floats && q / hs < min(arrayLength(&lse), arrayLength(&delta))) {
             keys[i] = visible_keys(gr / group, q_len, seq_len);
-            qb[i] = q / 4u;
             row_lse[i] = lse[q / hs];
+            row_delta[i] = delta[q / hs];
         }
-    }
-    // D, as dP is summed in S (see the GLSL source).
-    var delta = vec4<f32>(0.0);
-    for (var c = 0u; c < hq; c++) {
-        var g = mat4x4<f32>();
-        var o = mat4x4<f32>();   // column i: row i's out quad
-        for (var i = 0u; i < 4u; i++) {
-            if (qb[i] != NO_ROW) {
-                g[i] = q_quad(dout[qb[i] + c]);
-                o[i] = q_quad(out[qb[i] + c]);
-            }
-        }
-        delta += vec4<f32>((o[0] * g).x, (o[1] * g).y, (o[2] * g).z, (o[3] * g).w);
     }
 
     let cols = vec4<u32>(cg) + g_count * vec4<u32>(0u, 1u, 2u, 3u);   // keys of S, head quads of C
@@ -226,7 +213,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
             if (k < tile_len && s_phys[k >> bs_log2] >= 0) {
                 seen_by = keys;
             }
-            let ds = exp(st[j] * pc.scale - row_lse) * (dp[j] - delta);
+            let ds = exp(st[j] * pc.scale - row_lse) * (dp[j] - row_delta);
             s_mem[k * row_groups + rg] = select(vec4<f32>(0.0), ds, vec4<u32>(base + k) < seen_by);
         }
         workgroupBarrier();

@@ -8,8 +8,8 @@
 //
 // One workgroup of four subgroups per (tile of BR = 64 query rows of one sequence, kv head), from the tile
 // table, rows as in paged_prefill_coopmat.comp. Each subgroup owns 16 rows: their queries and dout stay in
-// registers as matrices, their dq accumulates in registers as matrices; the rows' D are summed as they are
-// staged. The context is walked in steps of BC = 32 keys:
+// registers as matrices, their dq accumulates in registers as matrices; the rows' D come from delta
+// (paged_backward_delta.comp). The context is walked in steps of BC = 32 keys:
 //   1. the workgroup stages the step's keys and values in shared memory (loaded into registers during the
 //      step before, so the loads' latency hides behind that step's products);
 //   2. each subgroup multiplies S = Q.K^T and dP = dout.V^T for its rows into shared memory;
@@ -46,8 +46,8 @@ layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; }
 layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
 layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };             // [tiles, 2]
 layout(std430, set = 0, binding = 7) readonly buffer Dout { uvec4 dout[]; };             // like query
-layout(std430, set = 0, binding = 8) readonly buffer Out { uvec4 out_[]; };              // like query
-// (query, dout and out are float16, read 8 elements a load: a row's D elements start on a 16-byte boundary)
+layout(std430, set = 0, binding = 8) readonly buffer Delta { float delta_[]; };          // like lse: D of each row
+// (query and dout are float16, read 8 elements a load: a row's D elements start on a 16-byte boundary)
 layout(std430, set = 0, binding = 9) readonly buffer Lse { float lse[]; };               // [tokens, heads]
 layout(std430, set = 0, binding = 10) writeonly buffer Dq { vec2 dq[]; };                // float32, like query
 
@@ -72,7 +72,6 @@ shared f16vec4 s_kv[max(BR * KS, V_OFF + max(BC * KS, D * TS))];   // the querie
 shared vec4 s_s[BR * TS];        // each subgroup's 16 x BC logits; output passes
 shared vec4 s_dp[BR * TS];       // each subgroup's 16 x BC dP
 shared f16vec4 s_ds[BR * TS];    // each subgroup's 16 x BC dS
-shared float s_delta[BR];        // the rows' D
 
 // Head dims BC pass .. BC pass + 31 of this lane's dq row (matrices a and b: BC is 32), through this subgroup's part of
 // s_s. Called once per pass with constant indices into dq_acc, not from a loop: NVIDIA's driver did not unroll
@@ -101,8 +100,8 @@ void main() {
     const uint group = pc.num_heads / pc.num_kv_heads;
     uint kv_head, seq, row0;
     if (!tile_work(workgroup_index(), kv_head, seq, row0) || pc.head_size != D) return;
-    // query, dout and out share one shape: a row is in all three or the launch is malformed.
-    const uint row_floats = min(min(uint(query.length()), uint(dout.length())), uint(out_.length())) * 8u;
+    // query and dout share one shape: a row is in both or the launch is malformed.
+    const uint row_floats = min(uint(query.length()), uint(dout.length())) * 8u;
     const uvec2 queries = sequence_queries(seq, row_floats / (D * pc.num_heads));
     const uint rows = group * queries.y;
     if (row0 >= rows) return;
@@ -121,24 +120,19 @@ void main() {
     const float row_lse = has_lse ? lse[me.base / D] : 0.0;
 
     // The queries, then dout, staged as float16 and loaded into each subgroup's matrices; rows that are not
-    // there are zeros. All loads are issued before any is used; a row's DC chunks are DC consecutive lanes of
-    // one subgroup, which sum its D from the loads of dout and of out beside them.
-    uvec4 qw[ROW_LOADS], gw[ROW_LOADS], ow[ROW_LOADS];
+    // there are zeros. All loads are issued before any is used.
+    uvec4 qw[ROW_LOADS], gw[ROW_LOADS];
     [[unroll]] for (uint k = 0u; k < ROW_LOADS; k++) {
         const uint i = tid + k * WG;
         const Row r = query_row(sq, kv_head, row0 + i / DC, row_end, row_floats);
         const uint at = r.base / 8u + i % DC;
         qw[k] = r.valid ? query[at] : uvec4(0u);
         gw[k] = r.valid ? dout[at] : uvec4(0u);
-        ow[k] = r.valid ? out_[at] : uvec4(0u);
     }
     [[unroll]] for (uint k = 0u; k < ROW_LOADS; k++) {
         const uint i = tid + k * WG, to = chunk_slot(i, true);
         s_kv[to] = half4(qw[k].xy);
         s_kv[to + 1u] = half4(qw[k].zw);
-        float part = dot(vec4(half4(gw[k].xy)), vec4(half4(ow[k].xy))) + dot(vec4(half4(gw[k].zw)), vec4(half4(ow[k].zw)));
-        [[unroll]] for (uint m = DC / 2u; m > 0u; m >>= 1) part += subgroupShuffleXor(part, m);
-        if (i % DC == 0u) s_delta[i / DC] = part;
     }
     barrier();
     MAT_A q[D / 16u];   // one declaration each: glslang 13 drops the use of a second declarator
@@ -146,7 +140,7 @@ void main() {
     [[unroll]] for (uint k = 0u; k < D / 16u; k++) {
         coopMatLoad(q[k], s_kv, warp * 16u * KS + k * 4u, KS, gl_CooperativeMatrixLayoutRowMajor);
     }
-    const float delta = s_delta[my_row];
+    const float delta = me.valid && me.base / D < uint(delta_.length()) ? delta_[me.base / D] : 0.0;
     barrier();
     [[unroll]] for (uint k = 0u; k < ROW_LOADS; k++) {
         const uint to = chunk_slot(tid + k * WG, true);

@@ -150,6 +150,29 @@ def test_query_seeing_one_key_has_zero_dq(rng, backend):
     assert (dq[:2] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["fixed_q_len", "ragged"])
+def test_delta_is_rowsum_of_dout_times_out(rng, backend, ragged, dtype):
+    # The backward's first dispatch (abi.PAGED_BACKWARD_DELTA) writes D = rowsum(dout * out) of every row, in lse's
+    # shape, into a scratch buffer the launch owns, which dq and dk/dv read in place of out. The scratch starts as
+    # NaN (poisoned_outputs), so a row left unwritten shows.
+    import ml_dtypes
+    from pagedvk.prefill import Recorded
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    case = PrefillCase(rng, q_lens=[5, 0, 9, 1], shared_prefix_blocks=1) if ragged else PrefillCase(rng, q_len=7)
+    out, lse = case.reference()
+    out, dout = out.astype(dt), rng.standard_normal(case.query.shape).astype(dt)
+    rec = Recorded.backward(dout, case.query.astype(dt), *case.args()[1:5], out, lse.astype(np.float32),
+                            backend=backend, **dict(dict(query_start_loc=None), **case.loc()), **case.options())
+    try:
+        rec.launch.submit()
+        delta = rec.scratch["delta"].numpy()
+    finally:
+        rec.close()
+    ref = np.sum(dout.astype(np.float64) * out.astype(np.float64), axis=-1)
+    assert delta.shape == lse.shape and rel_error(delta, ref) <= 1e-6
+
+
 def test_custom_scale_and_long_context(rng, backend):
     check(PrefillCase(rng, q_len=24, seq_lens=[300, 24], block_size=32, num_heads=2, num_kv_heads=1), rng, backend,
           scale=0.21)

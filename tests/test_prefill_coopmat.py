@@ -131,11 +131,12 @@ def test_split_batches_bind_each_dispatch_its_own_tile_table(rng, monkeypatch, d
     assert all(rel_error(g, r) <= 1e-5 for g, r in zip(got, ref))
     # rows 2 x q_len: 80 and 34 (3 tiles) on the "matrix" dispatch; 2, 6, 2 (3 tiles) on the scalar one; a
     # workgroup per (tile, kv head) each, and each dispatch binds its own table (binding 6, `tiles`); the
-    # backward's dk/dv dispatch follows
+    # backward's delta dispatch comes before them and its dk/dv dispatch after
     (steps,) = launches
-    assert [step[3] for step in steps[:2]] == [(6, 1, 1), (6, 1, 1)]
-    assert steps[0][1][6] is not steps[1][1][6]
-    assert len(steps) == (2 if direction == "forward" else 3)
+    tiled = steps[:2] if direction == "forward" else steps[1:3]
+    assert [step[3] for step in tiled] == [(6, 1, 1), (6, 1, 1)]
+    assert tiled[0][1][6] is not tiled[1][1][6]
+    assert len(steps) == (2 if direction == "forward" else 4)
 
 
 def test_kernel_argument_is_checked():

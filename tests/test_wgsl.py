@@ -94,7 +94,7 @@ def test_backend_argument_picks_the_wgsl_modules(rng, monkeypatch):
     for backend in ("glsl", "wgsl"):
         out, lse = pagedvk.paged_attention_prefill(*case.args(), backend=backend)
         results[backend] = (out, lse) + pagedvk.paged_attention_backward(dout, *case.args(), out, lse, backend=backend)
-    ops = ["paged_prefill", "paged_backward_dq", "paged_backward_dkdv"]
+    ops = ["paged_prefill", "paged_backward_delta", "paged_backward_dq", "paged_backward_dkdv"]
     assert used == [(op, "glsl") for op in ops] + [(op, "wgsl") for op in ops]
     # The same algorithm through two compilers: equal to float32 rounding.
     for a, b in zip(results["glsl"], results["wgsl"]):
