@@ -219,6 +219,19 @@ def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=No
         return out, lse, plan.key, plan.num_partitions, plan.merge_in_decode
 
 
+def check_nan_heads(case, ref, ref_lse, **run):
+    """The matrix decode on a case whose caches hold NaNs, against float64's out and lse (ref, ref_lse): the same NaN
+    pattern and the finite outputs within TOL, unsplit, split through the reduce dispatch (32-token partitions) and
+    in four partitions merged in the decode (80 tokens, sequences of at most 300). `run`: run_coopmat's options."""
+    for partition_size in (4096, 32, 80):
+        out, lse, key, _, _ = run_coopmat(case, case.query, partition_size, **run)
+        assert key.matrix == "coopmat"
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+        np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+        finite = ~np.isnan(ref)
+        assert rel_error(out[finite], ref[finite]) <= TOL
+
+
 def check_split_and_unsplit(case, query, tol=TOL, constants=None, backend="glsl", **variants):
     """One partition; 32-token partitions (two blocks: two of the four subgroups idle), merged by the reduce
     dispatch where there are more than four; and at most four partitions (of the longest sequence; a sliding window
@@ -336,13 +349,7 @@ def test_fp8_nan_bytes_read_make_the_outputs_nan_as_float64_does(rng, cache_dtyp
         case.key_cache[block, kv_head, dim // x, slot, dim % x] = nan[sign]
     ref, ref_lse = reference.paged_attention(case.query, *case.args()[1:], return_lse=True)
     assert 0 < np.isnan(ref).sum() < ref.size / 2 and np.isnan(ref_lse).sum() == 8   # two sequences' kv heads
-    for partition_size in (4096, 32, 80):   # one partition; the reduce dispatch; four, merged in the decode
-        out, lse, key, _, _ = run_coopmat(case, case.query, partition_size, constants=FP8_BUILDS[build])
-        assert key.matrix == "coopmat"
-        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
-        np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
-        finite = ~np.isnan(ref)
-        assert rel_error(out[finite], ref[finite]) <= TOL
+    check_nan_heads(case, ref, ref_lse, constants=FP8_BUILDS[build])
 
 
 @needs_coopmat
@@ -358,13 +365,7 @@ def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, backend):
         case.key_cache[block, kv_head, dim // x, slot, dim % x] = np.nan
     ref, ref_lse = reference.paged_attention(case.query, *case.args()[1:], return_lse=True)
     assert np.isnan(ref_lse).sum() == 12
-    for partition_size in (4096, 32, 80):
-        out, lse, key, _, _ = run_coopmat(case, case.query, partition_size, backend=backend)
-        assert key.matrix == "coopmat"
-        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
-        np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
-        finite = ~np.isnan(ref)
-        assert rel_error(out[finite], ref[finite]) <= TOL
+    check_nan_heads(case, ref, ref_lse, backend=backend)
 
 
 @needs_coopmat
