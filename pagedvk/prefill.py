@@ -278,28 +278,36 @@ def _launch(problem: _Problem, dispatches, arrays: dict, timestamps: bool = Fals
     prefill tiles with no barrier in between, and so are the two kinds of prefill tiles: each writes other rows of
     out and lse and only reads the rest, and the decode kernel's workgroups run where the prefill's leave room
     in place of after its last tile. The decode's merge of split contexts, where there is one, comes after a
-    barrier. (The decode dispatched first made the prefill tiles wait for room and the batch slower.)"""
-    steps = _steps(problem, dispatches, arrays)
+    barrier. (The decode dispatched first made the prefill tiles wait for room and the batch slower.) Dispatches of
+    one `group` (_steps) run side by side too."""
+    steps, independent = _steps(problem, dispatches, arrays)
     if problem.decode_part is None:
-        return Launch(problem.device, steps, timestamps=timestamps)
+        return Launch(problem.device, steps, timestamps=timestamps, independent=independent)
     decode = problem.decode_part.steps(arrays)
     return Launch(problem.device, steps + decode, timestamps=timestamps,
                   independent=frozenset(range(1, len(steps) + 1)))
 
 
-def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
-    """(pipeline, buffers, push constants, grid) of each dispatch with workgroups, its buffers bound by the names
+def _steps(problem: _Problem, dispatches, arrays: dict) -> tuple:
+    """([(pipeline, buffers, push constants, grid)], independent step indices) of the dispatches with workgroups:
+    each dispatch's buffers bound by the names
     its ABI declares, from `arrays` (DeviceArrays); the forward's decode tokens are not among them (_launch). A
     dispatch is (kernel ABI, grid) or (kernel ABI, grid, options): options["matrix"] the forward's matrix kind
     for this dispatch ("" scalar), options["inputs"] {binding name: name in arrays} where a binding takes another
-    array (a second tile table)."""
+    array (a second tile table); options["group"] a name shared by dispatches that read nothing another of them
+    writes (the forward's matrix and scalar tiles; dq and dk/dv): each is recorded with no barrier after the one
+    before it where that one is of its group, so they run side by side; every other dispatch follows a barrier."""
     caches = bind_caches(arrays["key_cache"], arrays["value_cache"], problem.backend)
     bound = dict(key_cache=caches.key, value_cache=caches.value)
-    steps = []
+    steps, independent, last_group = [], set(), None
     for abi, grid, *options in dispatches:
         if math.prod(grid) == 0:
             continue
         options = options[0] if options else {}
+        group = options.get("group")
+        if steps and group is not None and group == last_group:
+            independent.add(len(steps))
+        last_group = group
         key = problem.key(abi, caches.access, options.get("matrix"))
         renamed = options.get("inputs", {})
         extra = dict(zip([b.name for b in abi.bindings_for(key)[len(abi.bindings):]], caches.extra))
@@ -308,7 +316,7 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> list:
         pipeline = kernels.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields),
                                     {PREFILL_HEAD_SIZE_SPEC_ID: problem.head_size})
         steps.append((pipeline, buffers, problem.push(caches), grid))
-    return steps
+    return steps, frozenset(independent)
 
 
 def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict, given: dict | None = None) -> tuple:
@@ -423,12 +431,13 @@ def _tiled(p: _Problem, kernel, include: np.ndarray) -> tuple:
     scalar_rows = lambda rows: forward_rows(p.head_size, rows)
     if not p.matrix_for(kernel):
         tiles = p.tiles(scalar_rows, include=include)
-        return [(kernel, p.grid(tiles))], dict(tiles=_bindable(tiles))
+        return [(kernel, p.grid(tiles), dict(group="tiles"))], dict(tiles=_bindable(tiles))
     rows = (p.num_heads // p.num_kv_heads) * np.diff(p.query_start_loc)
     short = rows < MATRIX_MIN_ROWS if p.kernel == "auto" else np.zeros(len(rows), bool)
     tiles = p.tiles(MATRIX_ROWS, include=include & ~short)
     scalar_tiles = p.tiles(scalar_rows, include=include & short)
-    return ([(kernel, p.grid(tiles)), (kernel, p.grid(scalar_tiles), dict(matrix="", inputs=dict(tiles="scalar_tiles")))],
+    return ([(kernel, p.grid(tiles), dict(group="tiles")),
+             (kernel, p.grid(scalar_tiles), dict(matrix="", inputs=dict(tiles="scalar_tiles"), group="tiles"))],
             dict(tiles=_bindable(tiles), scalar_tiles=_bindable(scalar_tiles)))
 
 
@@ -567,7 +576,9 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
                   seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, **tiles, dout=dout, out=out, lse=lse,
                   block_readers=p.block_readers())
     dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // min(p.block_size, DKDV_KEYS))
-    return (p, [delta_dispatch] + dq_dispatches + [(PAGED_BACKWARD_DKDV, dkdv_grid)], inputs,
+    # dq and dk/dv read what delta wrote (one barrier after it) and nothing of each other's: side by side (3591
+    # against 3669 us on the H200 at issue 12's shape, thirteenth session's timing variant).
+    return (p, [delta_dispatch] + dq_dispatches + [(PAGED_BACKWARD_DKDV, dkdv_grid, dict(group="tiles"))], inputs,
             dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
                  dv_cache=(tuple(value_cache.shape), np.float32)))
 

@@ -173,6 +173,26 @@ def test_delta_is_rowsum_of_dout_times_out(rng, backend, ragged, dtype):
     assert delta.shape == lse.shape and rel_error(delta, ref) <= 1e-6
 
 
+def test_dq_and_dkdv_run_side_by_side_after_one_barrier(rng, backend, monkeypatch):
+    # dq and dk/dv both read the delta dispatch's D and nothing of each other's outputs: one barrier after delta, none
+    # between them (their workgroups share the device; a barrier made dk/dv wait for dq's last wave). Gradients
+    # still match float64.
+    import pagedvk.runtime.pipeline as pipeline
+    barriers, recorded = [], []
+    barrier = pipeline.memory_barrier
+    monkeypatch.setattr(pipeline, "memory_barrier", lambda *a: (barriers.append(a), barrier(*a)))
+    launch = pipeline.Launch.__init__
+
+    def spy(self, device, steps, *a, **kw):
+        recorded.append(([step[0].name.split(".")[0] for step in steps], kw.get("independent", frozenset())))
+        return launch(self, device, steps, *a, **kw)
+    monkeypatch.setattr(pipeline.Launch, "__init__", spy)
+    check(PrefillCase(rng, q_lens=[5, 0, 9, 1], shared_prefix_blocks=1), rng, backend)
+    names, independent = recorded[-1]
+    assert names == ["paged_backward_delta", "paged_backward_dq", "paged_backward_dkdv"], names
+    assert independent == {2} and len(barriers) == 1
+
+
 def test_custom_scale_and_long_context(rng, backend):
     check(PrefillCase(rng, q_len=24, seq_lens=[300, 24], block_size=32, num_heads=2, num_kv_heads=1), rng, backend,
           scale=0.21)
