@@ -453,6 +453,7 @@ OP_TYPE_INT, OP_TYPE_COOPERATIVE_MATRIX = 21, 4456
 STORAGE_16BIT = {12: CAPABILITY_STORAGE_BUFFER_16, 2: CAPABILITY_UNIFORM_16, 9: CAPABILITY_PUSH_CONSTANT_16,
                  1: CAPABILITY_IO_16, 3: CAPABILITY_IO_16}   # StorageBuffer, Uniform, PushConstant, Input, Output
 OP_LABEL, OP_LOOP_MERGE, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN = 248, 246, 65, 66
+OP_U_LESS_THAN, OP_S_LESS_THAN = 176, 177
 LOOP_CONTROL_NONE, LOOP_CONTROL_UNROLL = 0, 1
 SCOPE_SUBGROUP, SEMANTICS_WORKGROUP_MEMORY, SEMANTICS_ACQUIRE_RELEASE_WORKGROUP = 3, 0x100, 0x108
 
@@ -469,7 +470,9 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
       indexed by a loop's counter in local memory unless the loop is unrolled, which it may not do by itself
       where the body holds barriers (docs/ARCHITECTURE.md, "Arrays in registers are indexed by constants"). A loop
       whose own body (not a loop nested in it) indexes a function variable that holds matrices gets the Unroll
-      loop control, as GLSL's [[unroll]] gives it.
+      loop control, as GLSL's [[unroll]] gives it, and so do the loops around it out to the first whose counter is
+      not compared with a constant (its first comparison: naga's `for` tests its condition first), whose index
+      (`kt[u * DT + j]`, u of an enclosing loop) would otherwise still vary at run time.
     * naga's subgroupBarrier() orders subgroup memory only (OpControlBarrier Subgroup, AcquireRelease |
       SubgroupMemory): the matrix kernels pass values between lanes through workgroup memory at such barriers,
       as GLSL's subgroupMemoryBarrierShared() + subgroupBarrier(), so those barriers take the semantics of the
@@ -515,12 +518,18 @@ def naga_matrix_fixes(spirv: bytes) -> bytes:
         elif op == OP_VARIABLE and words[i + 1] in matrix_types:
             matrix_vars.add(words[i + 2])
         elif op == OP_LOOP_MERGE:
-            open_loops.append((words[i + 1], i))
+            open_loops.append([words[i + 1], i, None])   # merge label, where, bounded by a constant
         elif op == OP_LABEL:
             while open_loops and open_loops[-1][0] == words[i + 1]:
                 open_loops.pop()
+        elif op in (OP_U_LESS_THAN, OP_S_LESS_THAN) and open_loops and open_loops[-1][2] is None:
+            open_loops[-1][2] = words[i + 4] in value
         elif op in (OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN) and words[i + 3] in matrix_vars and open_loops:
             unroll.add(open_loops[-1][1])
+            for _, at, bounded in reversed(open_loops[:-1]):
+                if not bounded:
+                    break
+                unroll.add(at)
         i += count
     unneeded = set(STORAGE_16BIT.values()) - needed
     out, i = words[:5], 5

@@ -115,11 +115,18 @@ layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
 layout(constant_id = 4) const uint FP8_BUILD = 0u;
 
 #if !KV_FP8
+// Blocks a subgroup takes a step: their loads are all issued before any is used, and their logits share one max,
+// one rescale test and one pair of barriers (STEP_BLOCKS, a build define; 1 where it is not set).
+#ifndef STEP_BLOCKS
+#define STEP_BLOCKS 2
+#endif
+const uint STEP = STEP_BLOCKS;
 shared uvec4 s_qb[2u * DT * 32u];            // the S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k]
-shared vec4 s_scr[SUBGROUPS * 128u];          // each subgroup's two 16 x 16 float32 matrices (S), or one tile of O^T
-const uint SCR = 128u;
+shared vec4 s_scr[SUBGROUPS * STEP * 128u];   // each subgroup's two 16 x 16 float32 matrices (S) a block, or one tile of O^T
+const uint SCR = STEP * 128u;
 shared uvec4 s_v[SUBGROUPS * 32u];            // each subgroup's masked key or V^T tile (blocks not whole)
 #else
+const uint STEP = 1u;
 shared uvec4 s_qb[DT * 16u];                  // the S products' B matrices Q^T, 16 x 8, column-major: [tile j][head][k]
 shared vec4 s_scr[SUBGROUPS * 32u];           // each subgroup's 16 x 8 float32 S [token][head], or one tile of O^T
 const uint SCR = 32u;
@@ -128,8 +135,8 @@ shared uvec4 s_index[32u];                    // a 16 x 16 float16 matrix of its
 shared uint s_refused;                        // FP8_BUILD 2: a subgroup did not know its layout
 #endif
 const uint PV_ROW = PV_N / 4u;                // vec4s a row of P^T or of an O^T tile
-shared f16vec4 s_p[SUBGROUPS * 16u * PV_ROW]; // each subgroup's P^T [token][head], 16 x PV_N (heads past 7 zero;
-                                              // fp8: tokens permuted)
+shared f16vec4 s_p[SUBGROUPS * STEP * 16u * PV_ROW]; // each subgroup's P^T [token][head], 16 x PV_N a block (heads
+                                                     // past 7 zero; fp8: tokens permuted)
 shared vec4 s_ml[SUBGROUPS * 4u];             // each subgroup's final (max, sum) of heads 0-3 and 4-7
 shared float s_o[SUBGROUPS * MAX_GROUP * D];  // each subgroup's scaled output sums [head][dim]
 
@@ -340,18 +347,18 @@ void main() {
     const uint t = lane % 16u, hh = lane / 16u;
     const uvec4 heads = head0 + 4u * hh + uvec4(0u, 1u, 2u, 3u);
     const uvec4 in_group = uvec4(lessThan(4u * hh + uvec4(0u, 1u, 2u, 3u), uvec4(wide || hh == 0u ? group : 0u)));
-    const uint scr = sg * SCR, pbase = sg * 16u * PV_ROW;
+    const uint scr = sg * SCR, pbase = sg * STEP * 16u * PV_ROW;
     vec4 m = vec4(NEG_INF), l = vec4(0.0);
     MAT_CP o[DT];   // O^T [dim][head]: heads 0-7 (16 x 8 accumulators: half the registers of 16 x 16; PV_N above)
     [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = MAT_CP(0.0);
     const uint o_at = scr + PV_ROW * (lane / 2u) + lane % 2u;   // lane l's heads 4 (l % 2) .. + 3 of row l / 2
     if (PV_N > 8u) {   // P^T's columns past head 7 stay zero (read first after the block's subgroup barriers)
-        s_p[pbase + t * PV_ROW + 2u + hh] = f16vec4(0.0);
+        [[unroll]] for (uint u = 0u; u < STEP; u++) s_p[pbase + (16u * u + t) * PV_ROW + 2u + hh] = f16vec4(0.0);
     }
 
     uint kb = sg;
-    int phys = kb < blocks ? (window0 == 0u ? early_phys : physical_block(row + start / BS + kb)) : -1;
 #if KV_FP8
+    int phys = kb < blocks ? (window0 == 0u ? early_phys : physical_block(row + start / BS + kb)) : -1;
     // The element layout (uniform over the subgroup): matrices built in registers where it is a known one.
     const bvec2 known = fp8_known_layout(lane);
     const bool in_registers = FP8_BUILD != 1u && (known.x || known.y), mma_order = !known.x;
@@ -365,8 +372,15 @@ void main() {
     uint vw[2u * DT];
     int phys1 = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
     fp8_block_load(phys, start + kb * BS, end, kv_head, lane, kw, vw);
+#else
+    // Block ids of this step's blocks kb + u SUBGROUPS (u < STEP); the next step's are fetched a step ahead.
+    int phys[STEP];
+    [[unroll]] for (uint u = 0u; u < STEP; u++) {
+        const uint bk = kb + u * SUBGROUPS;
+        phys[u] = bk < blocks ? (u == 0u && window0 == 0u ? early_phys : physical_block(row + start / BS + bk)) : -1;
+    }
 #endif
-    for (; kb < blocks; kb += SUBGROUPS) {
+    for (; kb < blocks; kb += STEP * SUBGROUPS) {
 #if KV_FP8
         const uint ahead = kb + SUBGROUPS, later = ahead + SUBGROUPS;   // bytes loaded; id fetched
         const int later_phys = later < blocks ? physical_block(row + start / BS + later) : -1;
@@ -374,12 +388,17 @@ void main() {
         uint ahead_vw[2u * DT];
         fp8_block_load(phys1, start + ahead * BS, end, kv_head, lane, ahead_kw, ahead_vw);
 #else
-        const int next_phys = kb + SUBGROUPS < blocks ? physical_block(row + start / BS + kb + SUBGROUPS) : -1;
+        int next_phys[STEP];
+        [[unroll]] for (uint u = 0u; u < STEP; u++) {
+            const uint bk = kb + (STEP + u) * SUBGROUPS;
+            next_phys[u] = bk < blocks ? physical_block(row + start / BS + bk) : -1;
+        }
 #endif
-        const uint base = start + kb * BS;
+        vec4 x[STEP];   // this lane's logits (token t, heads 4 hh ..) of each block of the step
 #if KV_FP8
+        const uint base = start + kb * BS;
         // S: the block's logits [token][head], through shared memory to the lanes.
-        vec4 x = vec4(NEG_INF);
+        x[0] = vec4(NEG_INF);
         if (phys >= 0) {
             MAT_C8 sa = MAT_C8(0.0);
             if (in_registers) {
@@ -412,69 +431,78 @@ void main() {
             const vec4 dot4 = s_scr[scr + 2u * t + hh];   // token t, heads 4 hh .. 4 hh + 3
             const uint key = base + t;
             const uvec4 keys = key < end ? in_group * seq_len : uvec4(0u);
-            x = logits4(dot4 * (pc.scale * FP8_F16_SCALE), heads, key, uvec4(last), keys);
+            x[0] = logits4(dot4 * (pc.scale * FP8_F16_SCALE), heads, key, uvec4(last), keys);
             subgroupBarrier();   // read (and the staged keys loaded) before the next products overwrite them
         }
 #else
-        const bool whole = phys >= 0 && base + BS <= end;
-        const uint b = uint(max(phys, 0));
-        MAT_A kt[DT];
-        MAT_A vt[DT];
-        if (whole) {
-            [[unroll]] for (uint j = 0u; j < DT; j++) {
-                coopMatLoad(kt[j], key_cache, key_tile(b, kv_head, j), 2u, gl_CooperativeMatrixLayoutRowMajor);
+        MAT_A kt[STEP * DT];
+        MAT_A vt[STEP * DT];
+        [[unroll]] for (uint u = 0u; u < STEP; u++) {
+            const uint base = start + (kb + u * SUBGROUPS) * BS;
+            const bool whole = phys[u] >= 0 && base + BS <= end;
+            const uint b = uint(max(phys[u], 0));
+            if (whole) {
+                [[unroll]] for (uint j = 0u; j < DT; j++) {
+                    coopMatLoad(kt[u * DT + j], key_cache, key_tile(b, kv_head, j), 2u, gl_CooperativeMatrixLayoutRowMajor);
+                }
+            } else if (phys[u] >= 0) {
+                // Keys through shared memory, zeros for the tokens not there: a key row holds two tokens, and a NaN in
+                // a missing one would reach its partner's logit through B's zeros (0 * NaN). Lane l: token l % 16 of
+                // chunk 2 j + l / 16, one 16-byte chunk.
+                [[unroll]] for (uint j = 0u; j < DT; j++) {
+                    s_v[sg * 32u + lane] = base + lane % 16u < end ? key_load(b, key_tile(0u, kv_head, j) + lane) : uvec4(0u);
+                    subgroupMemoryBarrierShared();
+                    subgroupBarrier();
+                    coopMatLoad(kt[u * DT + j], s_v, sg * 32u, 2u, gl_CooperativeMatrixLayoutRowMajor);
+                    subgroupBarrier();
+                }
             }
-        } else if (phys >= 0) {
-            // Keys through shared memory, zeros for the tokens not there: a key row holds two tokens, and a NaN in
-            // a missing one would reach its partner's logit through B's zeros (0 * NaN). Lane l: token l % 16 of
-            // chunk 2 j + l / 16, one 16-byte chunk.
-            [[unroll]] for (uint j = 0u; j < DT; j++) {
-                s_v[sg * 32u + lane] = base + lane % 16u < end ? key_load(b, key_tile(0u, kv_head, j) + lane) : uvec4(0u);
-                subgroupMemoryBarrierShared();
-                subgroupBarrier();
-                coopMatLoad(kt[j], s_v, sg * 32u, 2u, gl_CooperativeMatrixLayoutRowMajor);
-                subgroupBarrier();
-            }
-        }
-        if (whole) {
-            [[unroll]] for (uint i = 0u; i < DT; i++) {
-                coopMatLoad(vt[i], value_cache, value_tile(b, kv_head, i), 2u, gl_CooperativeMatrixLayoutRowMajor);
+            if (whole) {
+                [[unroll]] for (uint i = 0u; i < DT; i++) {
+                    coopMatLoad(vt[u * DT + i], value_cache, value_tile(b, kv_head, i), 2u, gl_CooperativeMatrixLayoutRowMajor);
+                }
             }
         }
 
-        // S: the block's logits, through shared memory to the lanes.
-        vec4 x = vec4(NEG_INF);
-        if (phys >= 0) {
+        // S: each block's logits, through shared memory to the lanes (block u's at scr + 128 u).
+        [[unroll]] for (uint u = 0u; u < STEP; u++) {
+            x[u] = vec4(NEG_INF);
+            if (phys[u] < 0) continue;
+            const uint su = scr + 128u * u;
             MAT_C sa = MAT_C(0.0);
             [[unroll]] for (uint j = 0u; j < DT; j++) {
                 MAT_B qb;
                 coopMatLoad(qb, s_qb, j * 32u, 2u, gl_CooperativeMatrixLayoutColumnMajor);
-                sa = coopMatMulAdd(kt[j], qb, sa);
+                sa = coopMatMulAdd(kt[u * DT + j], qb, sa);
             }
-            coopMatStore(sa, s_scr, scr, 4u, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatStore(sa, s_scr, su, 4u, gl_CooperativeMatrixLayoutRowMajor);
             if (wide) {
                 MAT_C sb = MAT_C(0.0);
                 [[unroll]] for (uint j = 0u; j < DT; j++) {
                     MAT_B qb;
                     coopMatLoad(qb, s_qb, (DT + j) * 32u, 2u, gl_CooperativeMatrixLayoutColumnMajor);
-                    sb = coopMatMulAdd(kt[j], qb, sb);
+                    sb = coopMatMulAdd(kt[u * DT + j], qb, sb);
                 }
-                coopMatStore(sb, s_scr, scr + 64u, 4u, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(sb, s_scr, su + 64u, 4u, gl_CooperativeMatrixLayoutRowMajor);
             }
-            subgroupMemoryBarrierShared();
-            subgroupBarrier();
-            // Token t = 2 r + p: row r (chunks 2j) column 4p + h, plus row r + 8 (chunks 2j + 1) column 8 + 4p + h.
-            const uint at = scr + 64u * hh + (t / 2u) * 4u + t % 2u;
-            const vec4 dot4 = s_scr[at] + s_scr[at + 32u + 2u];
-            const uint key = base + t;
-            const uvec4 keys = key < end ? in_group * seq_len : uvec4(0u);
-            x = logits4(dot4 * (pc.scale * FP8_F16_SCALE), heads, key, uvec4(last), keys);
-            subgroupBarrier();   // read before the next block's products overwrite it
         }
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        [[unroll]] for (uint u = 0u; u < STEP; u++) {
+            if (phys[u] < 0) continue;
+            // Token t = 2 r + p: row r (chunks 2j) column 4p + h, plus row r + 8 (chunks 2j + 1) column 8 + 4p + h.
+            const uint at = scr + 128u * u + 64u * hh + (t / 2u) * 4u + t % 2u;
+            const vec4 dot4 = s_scr[at] + s_scr[at + 32u + 2u];
+            const uint key = start + (kb + u * SUBGROUPS) * BS + t;
+            const uvec4 keys = key < end ? in_group * seq_len : uvec4(0u);
+            x[u] = logits4(dot4 * (pc.scale * FP8_F16_SCALE), heads, key, uvec4(last), keys);
+        }
+        subgroupBarrier();   // read before the next step's products overwrite it
 #endif
 
         // P: each head's block max over the 16 lanes of its half, the lazy rescale, the weights.
-        vec4 bmax = x;
+        vec4 bmax = x[0];
+        [[unroll]] for (uint u = 1u; u < STEP; u++) bmax = max(bmax, x[u]);
         [[unroll]] for (uint s = 1u; s < 16u; s <<= 1) bmax = max(bmax, subgroupShuffleXor(bmax, s));
         // subgroupAny, not a max over shuffles: the driver knows its result uniform, and the shuffles made the
         // kernel 1.25x slower on the H200 (751.6 against 603.0 us at 256 x 2048).
@@ -496,11 +524,14 @@ void main() {
                 subgroupBarrier();
             }
         }
-        const vec4 p = mix(exp(x - m), vec4(0.0), equal(x, vec4(NEG_INF)));
-        l += p;
-        if (phys >= 0) {
+        vec4 p[STEP];
+        [[unroll]] for (uint u = 0u; u < STEP; u++) {
+            p[u] = mix(exp(x[u] - m), vec4(0.0), equal(x[u], vec4(NEG_INF)));
+            l += p[u];
+        }
 #if KV_FP8
-            s_p[pbase + fp8_token_slot(t) * PV_ROW + hh] = f16vec4(p);
+        if (phys >= 0) {
+            s_p[pbase + fp8_token_slot(t) * PV_ROW + hh] = f16vec4(p[0]);
             // V^T's words, the tokens from `end` on zeroed (one mask: every word of the lane holds tokens 4 qq ..).
             const uint keep = fp8_tokens_before(base + 4u * qq, end);
             if (!in_registers) {
@@ -534,10 +565,14 @@ void main() {
                 }
             }
             subgroupBarrier();   // P^T (and the staged values) read before the next block's overwrite them
+        }
 #else
-            s_p[pbase + t * PV_ROW + hh] = f16vec4(p);
-            if (!whole) {   // V^T through shared memory, zeros for the tokens not there
-                const uint d = lane / 2u, t0 = 8u * (lane % 2u);
+        [[unroll]] for (uint u = 0u; u < STEP; u++) {
+            if (phys[u] < 0) continue;
+            s_p[pbase + (16u * u + t) * PV_ROW + hh] = f16vec4(p[u]);
+            const uint base = start + (kb + u * SUBGROUPS) * BS;
+            if (base + BS > end) {   // V^T through shared memory, zeros for the tokens not there
+                const uint d = lane / 2u, t0 = 8u * (lane % 2u), b = uint(phys[u]);
                 [[unroll]] for (uint i = 0u; i < DT; i++) {
                     uvec4 w = value_load(b, value_tile(0u, kv_head, i) + lane);   // row d, tokens t0 .. t0 + 7
                     [[unroll]] for (uint e = 0u; e < 4u; e++) {
@@ -548,18 +583,21 @@ void main() {
                     s_v[sg * 32u + lane] = w;
                     subgroupMemoryBarrierShared();
                     subgroupBarrier();
-                    coopMatLoad(vt[i], s_v, sg * 32u, 2u, gl_CooperativeMatrixLayoutRowMajor);
+                    coopMatLoad(vt[u * DT + i], s_v, sg * 32u, 2u, gl_CooperativeMatrixLayoutRowMajor);
                     subgroupBarrier();
                 }
             }
-            subgroupMemoryBarrierShared();
-            subgroupBarrier();
-            MAT_BP pt;
-            coopMatLoad(pt, s_p, pbase, PV_ROW, gl_CooperativeMatrixLayoutRowMajor);
-            [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = coopMatMulAdd(vt[i], pt, o[i]);
-            subgroupBarrier();   // P^T read before the next block's weights overwrite it
-#endif
         }
+        subgroupMemoryBarrierShared();
+        subgroupBarrier();
+        [[unroll]] for (uint u = 0u; u < STEP; u++) {
+            if (phys[u] < 0) continue;
+            MAT_BP pt;
+            coopMatLoad(pt, s_p, pbase + 16u * u * PV_ROW, PV_ROW, gl_CooperativeMatrixLayoutRowMajor);
+            [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = coopMatMulAdd(vt[u * DT + i], pt, o[i]);
+        }
+        subgroupBarrier();   // P^T read before the next step's weights overwrite it
+#endif
 #if KV_FP8
         phys = phys1;
         kw = ahead_kw;

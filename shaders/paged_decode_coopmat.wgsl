@@ -60,10 +60,13 @@ const PV_N: u32 = 16u;             // P^T's columns: heads 0-7, then zeros
 
 // The S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k], 256 halves a matrix.
 var<workgroup> s_qb: array<f16, 4096>;          // 2 * DT * 256 at DT 8
-const SCR: u32 = 512u;                          // floats of each subgroup's scratch
-var<workgroup> s_scr: array<f32, 2048>;         // SUBGROUPS * SCR: two 16 x 16 float32 S, or one tile of O^T
+// Blocks a subgroup takes a step, as the GLSL's STEP_BLOCKS: their loads all issued before any is used, one max, one
+// rescale test and one pair of barriers for all of them.
+const STEP: u32 = 2u;
+const SCR: u32 = 512u * STEP;                   // floats of each subgroup's scratch: 512 a block of the step
+var<workgroup> s_scr: array<f32, 4096>;         // SUBGROUPS * SCR: two 16 x 16 float32 S a block, or one tile of O^T
 var<workgroup> s_v: array<f16, 1024>;           // SUBGROUPS * 256: a masked key or V^T tile (blocks not whole)
-var<workgroup> s_p: array<f16, 1024>;           // SUBGROUPS * 16 * PV_N: P^T [token][head], heads 8-15 zero
+var<workgroup> s_p: array<f16, 2048>;           // SUBGROUPS * STEP * 16 * PV_N: P^T [token][head], heads 8-15 zero
 var<workgroup> s_ml: array<vec4<f32>, 16>;      // SUBGROUPS * 4: each subgroup's final (max, sum), heads 0-3, 4-7
 var<workgroup> s_o: array<f32, 4096>;           // SUBGROUPS * MAX_GROUP * D: scaled output sums [head][dim]
 
@@ -210,7 +213,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let in_group = select(vec4<u32>(0u), vec4<u32>(1u),
                           vec4<u32>(4u * hh) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(select(0u, group, wide || hh == 0u)));
     let scr = sg * SCR;
-    let pbase = sg * 16u * PV_N;
+    let pbase = sg * STEP * 16u * PV_N;
     let vbase = sg * 256u;
     let ninf4 = vec4<f32>(neg_inf());
     var m = ninf4;
@@ -220,84 +223,110 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         o[i] = zero_sums();
     }
     let o_at = scr + 4u * (PV_N / 4u * (lane / 2u) + lane % 2u);   // lane l's heads 4 (l % 2) .. + 3 of row l / 2
-    for (var e = 0u; e < 4u; e++) {   // P^T's columns past head 7 stay zero
-        s_p[pbase + t * PV_N + 8u + 4u * hh + e] = 0.0h;
+    for (var u = 0u; u < STEP; u++) {   // P^T's columns past head 7 stay zero
+        for (var e = 0u; e < 4u; e++) {
+            s_p[pbase + (16u * u + t) * PV_N + 8u + 4u * hh + e] = 0.0h;
+        }
     }
 
+    // Block ids of this step's blocks kb + u SUBGROUPS (u < STEP); the next step's are fetched a step ahead.
     var kb = sg;
-    var phys = -1;
-    if (kb < blocks) {
-        if (window0 == 0u) {
-            phys = early_phys;
-        } else {
-            phys = physical_block(row + start / BS + kb);
+    var phys: array<i32, STEP>;
+    for (var u = 0u; u < STEP; u++) {
+        let bk = kb + u * SUBGROUPS;
+        phys[u] = -1;
+        if (bk < blocks) {
+            if (u == 0u && window0 == 0u) {
+                phys[u] = early_phys;
+            } else {
+                phys[u] = physical_block(row + start / BS + bk);
+            }
         }
     }
-    var kt: array<MatA, DT>;
-    var vt: array<MatA, DT>;
-    for (; kb < blocks; kb += SUBGROUPS) {
-        var next_phys = -1;
-        if (kb + SUBGROUPS < blocks) {
-            next_phys = physical_block(row + start / BS + kb + SUBGROUPS);
-        }
-        let base = start + kb * BS;
-        let whole = phys >= 0 && base + BS <= end;
-        let b = u32(max(phys, 0));
-        if (whole) {
-            for (var j = 0u; j < DT; j++) {
-                kt[j] = key_tile_load(key_tile(b, kv_head, j));
+    var kt: array<MatA, STEP * DT>;
+    var vt: array<MatA, STEP * DT>;
+    for (; kb < blocks; kb += STEP * SUBGROUPS) {
+        var next_phys: array<i32, STEP>;
+        for (var u = 0u; u < STEP; u++) {
+            let bk = kb + (STEP + u) * SUBGROUPS;
+            next_phys[u] = -1;
+            if (bk < blocks) {
+                next_phys[u] = physical_block(row + start / BS + bk);
             }
-        } else if (phys >= 0) {
-            // Keys through shared memory, zeros for the tokens not there (0 * NaN is NaN). Lane l: token l % 16
-            // of chunk 2 j + l / 16, 8 halves.
-            for (var j = 0u; j < DT; j++) {
-                let src = key_tile(b, kv_head, j) + 8u * lane;
-                let keep = base + lane % 16u < end;
-                for (var e = 0u; e < 8u; e++) {
-                    var x = 0.0h;
-                    if (keep) {
-                        x = key_cache[src + e];
-                    }
-                    s_v[vbase + 8u * lane + e] = x;
+        }
+        for (var u = 0u; u < STEP; u++) {
+            let base = start + (kb + u * SUBGROUPS) * BS;
+            let whole = phys[u] >= 0 && base + BS <= end;
+            let b = u32(max(phys[u], 0));
+            if (whole) {
+                for (var j = 0u; j < DT; j++) {
+                    kt[u * DT + j] = key_tile_load(key_tile(b, kv_head, j));
                 }
-                subgroupBarrier();
-                kt[j] = staged_tile_load(vbase);
-                subgroupBarrier();
+            } else if (phys[u] >= 0) {
+                // Keys through shared memory, zeros for the tokens not there (0 * NaN is NaN). Lane l: token l % 16
+                // of chunk 2 j + l / 16, 8 halves.
+                for (var j = 0u; j < DT; j++) {
+                    let src = key_tile(b, kv_head, j) + 8u * lane;
+                    let keep = base + lane % 16u < end;
+                    for (var e = 0u; e < 8u; e++) {
+                        var x = 0.0h;
+                        if (keep) {
+                            x = key_cache[src + e];
+                        }
+                        s_v[vbase + 8u * lane + e] = x;
+                    }
+                    subgroupBarrier();
+                    kt[u * DT + j] = staged_tile_load(vbase);
+                    subgroupBarrier();
+                }
             }
-        }
-        if (whole) {
-            for (var i = 0u; i < DT; i++) {
-                vt[i] = value_tile_load(value_tile(b, kv_head, i));
+            if (whole) {
+                for (var i = 0u; i < DT; i++) {
+                    vt[u * DT + i] = value_tile_load(value_tile(b, kv_head, i));
+                }
             }
         }
 
-        // S: the block's logits, through shared memory to the lanes.
-        var x = ninf4;
-        if (phys >= 0) {
+        // S: each block's logits, through shared memory to the lanes (block u's at scr + 512 u).
+        var x: array<vec4<f32>, STEP>;
+        for (var u = 0u; u < STEP; u++) {
+            x[u] = ninf4;
+            if (phys[u] < 0) {
+                continue;
+            }
+            let su = scr + 512u * u;
             var sa = zero_sums();
             for (var j = 0u; j < DT; j++) {
-                sa = multiply_add(kt[j], query_load(j * 256u), sa);
+                sa = multiply_add(kt[u * DT + j], query_load(j * 256u), sa);
             }
-            scratch_store(sa, scr);
+            scratch_store(sa, su);
             if (wide) {
                 var sb = zero_sums();
                 for (var j = 0u; j < DT; j++) {
-                    sb = multiply_add(kt[j], query_load((DT + j) * 256u), sb);
+                    sb = multiply_add(kt[u * DT + j], query_load((DT + j) * 256u), sb);
                 }
-                scratch_store(sb, scr + 256u);
+                scratch_store(sb, su + 256u);
             }
-            subgroupBarrier();
-            // Token t = 2 r + p: row r (chunks 2j) column 4p + h, plus row r + 8 (chunks 2j + 1) column 8 + 4p + h.
-            let at = scr + 256u * hh + 16u * (t / 2u) + 4u * (t % 2u);
-            let dot4 = scr4(at) + scr4(at + 136u);
-            let key = base + t;
-            let keys = select(vec4<u32>(0u), in_group * seq_len, key < end);
-            x = logits4(dot4 * pc.scale, heads, key, vec4<u32>(last), keys);
-            subgroupBarrier();   // read before the next block's products overwrite it
         }
+        subgroupBarrier();
+        for (var u = 0u; u < STEP; u++) {
+            if (phys[u] < 0) {
+                continue;
+            }
+            // Token t = 2 r + p: row r (chunks 2j) column 4p + h, plus row r + 8 (chunks 2j + 1) column 8 + 4p + h.
+            let at = scr + 512u * u + 256u * hh + 16u * (t / 2u) + 4u * (t % 2u);
+            let dot4 = scr4(at) + scr4(at + 136u);
+            let key = start + (kb + u * SUBGROUPS) * BS + t;
+            let keys = select(vec4<u32>(0u), in_group * seq_len, key < end);
+            x[u] = logits4(dot4 * pc.scale, heads, key, vec4<u32>(last), keys);
+        }
+        subgroupBarrier();   // read before the next step's products overwrite it
 
-        // P: each head's block max over the 16 lanes of its half, the lazy rescale, the weights.
-        var bmax = x;
+        // P: each head's max over the step's blocks and the 16 lanes of its half, the lazy rescale, the weights.
+        var bmax = x[0];
+        for (var u = 1u; u < STEP; u++) {
+            bmax = max(bmax, x[u]);
+        }
         for (var s = 1u; s < 16u; s <<= 1u) {
             bmax = max(bmax, subgroupShuffleXor(bmax, s));
         }
@@ -319,15 +348,20 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                 subgroupBarrier();
             }
         }
-        let p = nan_safe_exp(x, m);
-        l += p;
-        if (phys >= 0) {
+        for (var u = 0u; u < STEP; u++) {
+            let p = nan_safe_exp(x[u], m);
+            l += p;
+            if (phys[u] < 0) {
+                continue;
+            }
             let pw = vec4<f16>(p);
             for (var e = 0u; e < 4u; e++) {
-                s_p[pbase + t * PV_N + 4u * hh + e] = pw[e];
+                s_p[pbase + (16u * u + t) * PV_N + 4u * hh + e] = pw[e];
             }
-            if (!whole) {   // V^T through shared memory, zeros for the tokens not there
+            let base = start + (kb + u * SUBGROUPS) * BS;
+            if (base + BS > end) {   // V^T through shared memory, zeros for the tokens not there
                 let t0 = 8u * (lane % 2u);
+                let b = u32(phys[u]);
                 for (var i = 0u; i < DT; i++) {
                     let src = value_tile(b, kv_head, i) + 8u * lane;   // row lane / 2, tokens t0 .. t0 + 7
                     for (var e = 0u; e < 8u; e++) {
@@ -338,17 +372,22 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                         s_v[vbase + 8u * lane + e] = y;
                     }
                     subgroupBarrier();
-                    vt[i] = staged_tile_load(vbase);
+                    vt[u * DT + i] = staged_tile_load(vbase);
                     subgroupBarrier();
                 }
             }
-            subgroupBarrier();
-            let pt = weights_load(pbase);
-            for (var i = 0u; i < DT; i++) {
-                o[i] = multiply_add(vt[i], pt, o[i]);
-            }
-            subgroupBarrier();   // P^T read before the next block's weights overwrite it
         }
+        subgroupBarrier();
+        for (var u = 0u; u < STEP; u++) {
+            if (phys[u] < 0) {
+                continue;
+            }
+            let pt = weights_load(pbase + 16u * u * PV_N);
+            for (var i = 0u; i < DT; i++) {
+                o[i] = multiply_add(vt[u * DT + i], pt, o[i]);
+            }
+        }
+        subgroupBarrier();   // P^T read before the next step's weights overwrite it
         phys = next_phys;
     }
 

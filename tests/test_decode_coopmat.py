@@ -500,7 +500,8 @@ def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch, backend):
 @pytest.mark.parametrize("operand", ("f16", "bf16"))
 def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_loops(operand, head_size):
     # build_shaders.naga_matrix_fixes: of naga's 16-bit storage capabilities only the one the f16 caches need, subgroup
-    # barriers that order workgroup memory, Unroll on the loops over the matrix arrays (kt, vt, o: ten of them), and
+    # barriers that order workgroup memory, Unroll on the loops over the matrix arrays (kt, vt, o: ten of them) and on
+    # the four over a step's blocks around them (not on the loop over the blocks, whose bound is the sequence's), and
     # zero matrices as glslang makes them (OpConstantComposite of one zero, not OpConstantNull).
     import array
     from pagedvk.kernels import load_spirv
@@ -529,5 +530,5 @@ def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_lo
         i += count
     assert 4433 in capabilities and not capabilities & {4434, 4435, 4436}   # StorageBuffer16BitAccess only
     assert {semantics for scope, semantics in barriers if scope == 3} == {0x108}   # subgroup: AcquireRelease | Workgroup
-    assert loops.count(1) == 10
+    assert loops.count(1) == 14
     assert splats and not matrices & set(nulls)
