@@ -401,6 +401,9 @@ DECODE_MERGE_PARTITIONS = 4
 # built. 0, its default: in registers where the device's element layout is a known one, else through shared memory;
 # 1: through shared memory always; 2: in registers, the outputs NaN where a subgroup does not know its layout (tests).
 DECODE_FP8_BUILD_SPEC_ID = 4
+# The matrix decode's (float16 and bfloat16 modules; fp8 takes one block a step): how many of its blocks a subgroup
+# takes a step, 1 (the default) or 2, set per plan by pagedvk/decode.py (MATRIX_STEP2_MIN_TOKENS).
+DECODE_STEP_SPEC_ID = 5
 # The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
 # (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
 # dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.
@@ -451,7 +454,8 @@ PAGED_DECODE = KernelABI(
     matrix_backends=("glsl", "wgsl"),
     wgsl_matrix_types=("f16", "bf16"),
     matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
-                           (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_FP8_BUILD_SPEC_ID, "uint32")),
+                           (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_FP8_BUILD_SPEC_ID, "uint32"),
+                           (DECODE_STEP_SPEC_ID, "uint32")),
 )
 
 # Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.

@@ -17,7 +17,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checks, config, kernels
-from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, DECODE_MERGE_SPEC_ID,
+from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID,
                   DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE)
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
@@ -44,6 +44,11 @@ MATRIX_MIN_TOKENS = 512
 # registers a thread: three of its workgroups fit a unit) one wave of two a unit was best: 8 x 32768 91.1% of read
 # with 256 workgroups, 89.6% with 512, 87.1% with 1024, and 74.8% with 384 (BENCHMARKS.md).
 MATRIX_WORKGROUPS_PER_UNIT = 2
+# The fewest tokens a matrix-decode workgroup must take (its partition's, or the whole context's) for its float16 and
+# bfloat16 subgroups to take two blocks a step (abi.DECODE_STEP_SPEC_ID): on the H200 two were faster from 2048
+# (256 x 2048 531.7 -> 518.2 us, 8 x 32768 in 8192-token partitions 262.0 -> 257.6) and slower at 1024 (8 x 4096
+# 44.5 -> 46.5 us, 1 x 32768 45.7 -> 47.4; BENCHMARKS.md, fourteenth session).
+MATRIX_STEP2_MIN_TOKENS = 2048
 MATRIX_BLOCK_SIZE = 16                       # the block size paged_decode_coopmat reads
 MATRIX_PV_SHAPE = MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32", "subgroup")   # its P.V multiply
 # The P.V multiply of each operand type's module (PV_N in the kernel): bfloat16's is 16 x 16 (heads 8-15 zero), as
@@ -160,6 +165,12 @@ def partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units
 def matrix_partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int, units: int) -> tuple:
     """The cooperative-matrix decode's split: one wave of its workgroups (MATRIX_WORKGROUPS_PER_UNIT a unit)."""
     return partitioning(num_seqs, workgroups_per_seq, max_seq_len, units, MATRIX_WORKGROUPS_PER_UNIT, True)
+
+
+def matrix_step(storage: str, tokens: int) -> int:
+    """Blocks a matrix-decode subgroup takes a step (abi.DECODE_STEP_SPEC_ID) where a workgroup takes at most
+    `tokens` tokens: two for float16 and bfloat16 caches from MATRIX_STEP2_MIN_TOKENS on, else one."""
+    return 2 if storage in ("f16", "bf16") and tokens >= MATRIX_STEP2_MIN_TOKENS else 1
 
 
 def _signature(arrays) -> tuple | None:
@@ -318,6 +329,9 @@ class DecodePlan(Owned):
                                 and 1 < self.num_partitions <= DECODE_MERGE_PARTITIONS)
         if self.merge_in_decode:
             self.constants[DECODE_MERGE_SPEC_ID] = 1
+        if self.matrix:
+            self.constants[DECODE_STEP_SPEC_ID] = matrix_step(self.spec.storage.tag,
+                                                              self.partition_size if split else max_seq_len)
         self.key = self._module()
         kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)
         limits = self.device.info.max_workgroup_count

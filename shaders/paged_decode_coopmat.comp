@@ -114,19 +114,21 @@ layout(constant_id = 2) const uint GROUP_LIMIT = 0u;
 // outputs (a test's way to tell that the register path ran).
 layout(constant_id = 4) const uint FP8_BUILD = 0u;
 
+layout(constant_id = 5) const uint STEP_ASKED = 1u;   // abi.DECODE_STEP_SPEC_ID: 1 or 2 (STEP below)
 #if !KV_FP8
-// Blocks a subgroup takes a step: their loads are all issued before any is used, and their logits share one max,
-// one rescale test and one pair of barriers (STEP_BLOCKS, a build define; 1 where it is not set).
-#ifndef STEP_BLOCKS
-#define STEP_BLOCKS 2
-#endif
-const uint STEP = STEP_BLOCKS;
+// Blocks a subgroup takes a step (abi.DECODE_STEP_SPEC_ID, set per plan: 1 or 2): their loads are all issued before
+// any is used, and their logits share one max, one rescale test and one pair of barriers. Two were faster on the
+// H200 where a workgroup's partition is long (64 x 4096: 262.0 -> 256.4 us, 216 registers against 160), slower
+// where it is 1024 tokens (8 x 4096: 44.5 -> 46.5 us; BENCHMARKS.md); three spilled. Arrays and shared memory
+// are sized for MAX_STEP; the driver drops what a pipeline specialized for 1 leaves unused. fp8 modules take one
+// block a step whatever it says.
+const uint MAX_STEP = 2u, STEP = STEP_ASKED > MAX_STEP ? MAX_STEP : STEP_ASKED;
 shared uvec4 s_qb[2u * DT * 32u];            // the S products' B matrices, column-major: [heads 0-3 / 4-7][pair j][column][k]
-shared vec4 s_scr[SUBGROUPS * STEP * 128u];   // each subgroup's two 16 x 16 float32 matrices (S) a block, or one tile of O^T
-const uint SCR = STEP * 128u;
+shared vec4 s_scr[SUBGROUPS * MAX_STEP * 128u];   // each subgroup's two 16 x 16 float32 matrices (S) a block, or one tile of O^T
+const uint SCR = MAX_STEP * 128u;
 shared uvec4 s_v[SUBGROUPS * 32u];            // each subgroup's masked key or V^T tile (blocks not whole)
 #else
-const uint STEP = 1u;
+const uint STEP = 1u, MAX_STEP = 1u;
 shared uvec4 s_qb[DT * 16u];                  // the S products' B matrices Q^T, 16 x 8, column-major: [tile j][head][k]
 shared vec4 s_scr[SUBGROUPS * 32u];           // each subgroup's 16 x 8 float32 S [token][head], or one tile of O^T
 const uint SCR = 32u;
@@ -135,7 +137,7 @@ shared uvec4 s_index[32u];                    // a 16 x 16 float16 matrix of its
 shared uint s_refused;                        // FP8_BUILD 2: a subgroup did not know its layout
 #endif
 const uint PV_ROW = PV_N / 4u;                // vec4s a row of P^T or of an O^T tile
-shared f16vec4 s_p[SUBGROUPS * STEP * 16u * PV_ROW]; // each subgroup's P^T [token][head], 16 x PV_N a block (heads
+shared f16vec4 s_p[SUBGROUPS * MAX_STEP * 16u * PV_ROW]; // each subgroup's P^T [token][head], 16 x PV_N a block (heads
                                                      // past 7 zero; fp8: tokens permuted)
 shared vec4 s_ml[SUBGROUPS * 4u];             // each subgroup's final (max, sum) of heads 0-3 and 4-7
 shared float s_o[SUBGROUPS * MAX_GROUP * D];  // each subgroup's scaled output sums [head][dim]
@@ -288,7 +290,8 @@ void main() {
     const uint wg = workgroup_index();
     const uint seq = (wg / head_groups) % max(pc.num_seqs, 1u);
     const uint part = wg / (head_groups * max(pc.num_seqs, 1u));
-    if (group == 0u || group > MAX_GROUP || P == 0u || part >= pc.num_partitions || gl_SubgroupSize != 32u) return;
+    if (group == 0u || group > MAX_GROUP || P == 0u || part >= pc.num_partitions || gl_SubgroupSize != 32u
+        || STEP_ASKED == 0u || STEP_ASKED > 2u) return;
     if (GROUP_LIMIT != 0u && group > GROUP_LIMIT) return;
     // The layout the matrix loads assume: 16-token blocks, a key token's 8-dim chunk after the previous token's,
     // a chunk's 16 tokens before the next chunk's; values [dim][token].
@@ -347,7 +350,7 @@ void main() {
     const uint t = lane % 16u, hh = lane / 16u;
     const uvec4 heads = head0 + 4u * hh + uvec4(0u, 1u, 2u, 3u);
     const uvec4 in_group = uvec4(lessThan(4u * hh + uvec4(0u, 1u, 2u, 3u), uvec4(wide || hh == 0u ? group : 0u)));
-    const uint scr = sg * SCR, pbase = sg * STEP * 16u * PV_ROW;
+    const uint scr = sg * SCR, pbase = sg * MAX_STEP * 16u * PV_ROW;
     vec4 m = vec4(NEG_INF), l = vec4(0.0);
     MAT_CP o[DT];   // O^T [dim][head]: heads 0-7 (16 x 8 accumulators: half the registers of 16 x 16; PV_N above)
     [[unroll]] for (uint i = 0u; i < DT; i++) o[i] = MAT_CP(0.0);
@@ -374,7 +377,7 @@ void main() {
     fp8_block_load(phys, start + kb * BS, end, kv_head, lane, kw, vw);
 #else
     // Block ids of this step's blocks kb + u SUBGROUPS (u < STEP); the next step's are fetched a step ahead.
-    int phys[STEP];
+    int phys[MAX_STEP];
     [[unroll]] for (uint u = 0u; u < STEP; u++) {
         const uint bk = kb + u * SUBGROUPS;
         phys[u] = bk < blocks ? (u == 0u && window0 == 0u ? early_phys : physical_block(row + start / BS + bk)) : -1;
@@ -388,13 +391,13 @@ void main() {
         uint ahead_vw[2u * DT];
         fp8_block_load(phys1, start + ahead * BS, end, kv_head, lane, ahead_kw, ahead_vw);
 #else
-        int next_phys[STEP];
+        int next_phys[MAX_STEP];
         [[unroll]] for (uint u = 0u; u < STEP; u++) {
             const uint bk = kb + (STEP + u) * SUBGROUPS;
             next_phys[u] = bk < blocks ? physical_block(row + start / BS + bk) : -1;
         }
 #endif
-        vec4 x[STEP];   // this lane's logits (token t, heads 4 hh ..) of each block of the step
+        vec4 x[MAX_STEP];   // this lane's logits (token t, heads 4 hh ..) of each block of the step
 #if KV_FP8
         const uint base = start + kb * BS;
         // S: the block's logits [token][head], through shared memory to the lanes.
@@ -435,8 +438,8 @@ void main() {
             subgroupBarrier();   // read (and the staged keys loaded) before the next products overwrite them
         }
 #else
-        MAT_A kt[STEP * DT];
-        MAT_A vt[STEP * DT];
+        MAT_A kt[MAX_STEP * DT];
+        MAT_A vt[MAX_STEP * DT];
         [[unroll]] for (uint u = 0u; u < STEP; u++) {
             const uint base = start + (kb + u * SUBGROUPS) * BS;
             const bool whole = phys[u] >= 0 && base + BS <= end;
@@ -524,7 +527,7 @@ void main() {
                 subgroupBarrier();
             }
         }
-        vec4 p[STEP];
+        vec4 p[MAX_STEP];
         [[unroll]] for (uint u = 0u; u < STEP; u++) {
             p[u] = mix(exp(x[u] - m), vec4(0.0), equal(x[u], vec4(NEG_INF)));
             l += p[u];

@@ -5,6 +5,7 @@ devices with cooperative matrices (`needs_coopmat`, skipped elsewhere with the r
 float16 and bfloat16 caches run both backends' modules (`backend`)."""
 
 import dataclasses
+import itertools
 import re
 
 import ml_dtypes
@@ -110,6 +111,16 @@ def test_pagedvk_devices_names_every_cache_type_the_matrix_decode_takes(monkeypa
                              "storage)"), no_16bit
 
 
+def test_long_float16_and_bfloat16_partitions_take_two_blocks_a_step():
+    # abi.DECODE_STEP_SPEC_ID: two blocks a subgroup step where a workgroup takes 2048 tokens or more (faster on the
+    # H200 there, slower at 1024); fp8 modules take one whatever it says.
+    assert decode.MATRIX_STEP2_MIN_TOKENS == 2048
+    for kv in ("f16", "bf16"):
+        assert [decode.matrix_step(kv, n) for n in (512, 1024, 2047, 2048, 8192)] == [1, 1, 1, 2, 2]
+    for kv in ("e4m3", "e5m2"):
+        assert decode.matrix_step(kv, 8192) == 1
+
+
 def test_the_matrix_split_fills_one_wave_of_its_workgroups():
     # H200-like: 132 units, two matrix workgroups each (264 slots); 8 workgroups a sequence (32 heads, GQA 4).
     assert decode.matrix_partitioning(64, 8, 4096, 132) == (4096, 1)       # 512 workgroups: not split
@@ -168,7 +179,7 @@ def test_the_matrix_module_is_declared_for_binding_access_with_the_decode_consta
     assert key.source == "paged_decode_coopmat.comp" and key.target_env == "vulkan1.2"
     assert abi.PAGED_DECODE.specialization_constants(key) == {
         abi.VARIANTS_SPEC_ID: "bool", abi.DECODE_VALUE_ORDER_SPEC_ID: "uint32", abi.DECODE_GROUP_SPEC_ID: "uint32",
-        abi.DECODE_MERGE_SPEC_ID: "uint32", abi.DECODE_FP8_BUILD_SPEC_ID: "uint32"}
+        abi.DECODE_MERGE_SPEC_ID: "uint32", abi.DECODE_FP8_BUILD_SPEC_ID: "uint32", abi.DECODE_STEP_SPEC_ID: "uint32"}
     with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module reading caches by 'seg'"):
         abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, "seg", "coopmat")
     built = [k for k in abi.PAGED_DECODE.keys() if k.matrix and k.backend == "glsl"]
@@ -236,23 +247,28 @@ def check_split_and_unsplit(case, query, tol=TOL, constants=None, backend="glsl"
     """One partition; 32-token partitions (two blocks: two of the four subgroups idle), merged by the reduce
     dispatch where there are more than four; and at most four partitions (of the longest sequence; a sliding window
     may leave one), merged in the decode dispatch (GLSL; WGSL's go to the reduce dispatch): each against float64
-    (out and lse), and all alike."""
+    (out and lse), and all alike; on GLSL each with one and with two blocks a subgroup step."""
     ref_out, ref_lse = reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
     longest = int(case.seq_lens.max())
     few = -(-longest // (16 * abi.DECODE_MERGE_PARTITIONS)) * 16   # tokens a partition: at most four of them
     outs = []
-    for partition_size, most in ((4096, 1), (32, None), (few, abi.DECODE_MERGE_PARTITIONS)):
-        out, lse, key, parts, merged = run_coopmat(case, query, partition_size, constants=constants,
+    # GLSL: each with one block a subgroup step and with two (abi.DECODE_STEP_SPEC_ID; fp8 modules take one anyway)
+    steps = (1, 2) if backend == "glsl" else (None,)
+    for (partition_size, most), step in itertools.product(((4096, 1), (32, None), (few, abi.DECODE_MERGE_PARTITIONS)),
+                                                          steps):
+        asked = dict(constants or {}, **({} if step is None else {abi.DECODE_STEP_SPEC_ID: step}))
+        out, lse, key, parts, merged = run_coopmat(case, query, partition_size, constants=asked,
                                                    backend=backend, **variants)
         assert key.matrix == "coopmat" and key.backend == backend and (parts > 1 if most is None else parts <= most)
         assert merged == (backend == "glsl" and 1 < parts <= abi.DECODE_MERGE_PARTITIONS)
         err = rel_error(out, ref_out)
-        print(f"{backend} {key.name} partitions {parts}: rel error {err:.3g}")   # run.sh's -rA shows it on failure
+        print(f"{backend} {key.name} partitions {parts} step {step}: rel error {err:.3g}")   # run.sh's -rA shows it on failure
         assert err <= tol
         assert (out[np.isneginf(ref_lse)] == 0).all()   # an empty sequence: zeros out and lse -inf
         assert lse_error(lse, ref_lse) <= (1e-5 if tol == TOL else 1e-4)
         outs.append(out.astype(np.float32))
-    np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=tol)
+    for other in outs[1:]:
+        np.testing.assert_allclose(outs[0], other, rtol=0, atol=tol)
 
 
 @needs_coopmat
