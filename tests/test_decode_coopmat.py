@@ -256,7 +256,7 @@ def check_split_and_unsplit(case, query, tol=TOL, constants=None, backend="glsl"
     steps = (1, 2) if backend == "glsl" else (None,)
     for (partition_size, most), step in itertools.product(((4096, 1), (32, None), (few, abi.DECODE_MERGE_PARTITIONS)),
                                                           steps):
-        asked = dict(constants or {}, **({} if step is None else {abi.DECODE_STEP_SPEC_ID: step}))
+        asked = {**(constants or {}), **({} if step is None else {abi.DECODE_STEP_SPEC_ID: step})}
         out, lse, key, parts, merged = run_coopmat(case, query, partition_size, constants=asked,
                                                    backend=backend, **variants)
         assert key.matrix == "coopmat" and key.backend == backend and (parts > 1 if most is None else parts <= most)
