@@ -50,6 +50,10 @@ MATRIX_WORKGROUPS_PER_UNIT = 2
 # 44.5 -> 46.5 us, 1 x 32768 45.7 -> 47.4; BENCHMARKS.md, fourteenth session).
 MATRIX_STEP2_MIN_TOKENS = 2048
 MATRIX_BLOCK_SIZE = 16                       # the block size paged_decode_coopmat reads
+# Workgroup memory the matrix decode modules declare at most (the bfloat16 ones at head size 128, GLSL and WGSL: the
+# step's two blocks of S and P^T, the queries, the output sums; the H200's driver reports 47364 bytes): devices that
+# offer less (maxComputeSharedMemorySize) run the scalar kernel.
+MATRIX_SHARED_BYTES = 47364
 MATRIX_PV_SHAPE = MatrixShape(16, 8, 16, "f16", "f16", "f32", "f32", "subgroup")   # its P.V multiply
 # The P.V multiply of each operand type's module (PV_N in the kernel): bfloat16's is 16 x 16 (heads 8-15 zero), as
 # the H200 lists no 16 x 8 bfloat16 multiply; 16 x 8 holds half the accumulators.
@@ -115,6 +119,9 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
     why = matrix_unavailable(info, features, operand, backend)
     if not why and not info.subgroup_vote:   # the rescale test is a subgroupAny (uniform, as the matrix ops need)
         why = "it has no subgroup vote in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT)"
+    if not why and info.max_shared_memory < MATRIX_SHARED_BYTES:
+        why = (f"it offers {info.max_shared_memory} bytes of workgroup memory (maxComputeSharedMemorySize), and the "
+               f"cooperative-matrix decode needs {MATRIX_SHARED_BYTES}")
     pv_shape = matrix_pv_shape(backend, operand)
     if not why and not offers(info, pv_shape):
         why = f"it lists no {pv_shape} cooperative-matrix multiply (its P.V products into the output sums)"

@@ -43,7 +43,7 @@ _why_wgsl_bf16 = matrix_unavailable(_info, pagedvk.default_device().features, "b
 BF16_BACKENDS = [pytest.param("glsl"), pytest.param("wgsl", marks=pytest.mark.skipif(
     bool(_why_wgsl_bf16), reason=f"needs the WGSL bfloat16 matrix decode: {_info.name}: {_why_wgsl_bf16}"))]
 BF16_SHAPES = (with_operands(MATRIX_SHAPE, "bf16"),)   # its P.V multiply too (16 x 16: decode.MATRIX_PV_SHAPES)
-CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True,
+CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True, max_shared_memory=49152,
                               matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE) + BF16_SHAPES)
 
 
@@ -133,6 +133,8 @@ def test_the_matrix_split_fills_one_wave_of_its_workgroups():
 
 @pytest.mark.parametrize("info,features,args,reason", [
     (dataclasses.replace(CAPABLE, matrix_shapes=()), NEEDS, F16 + (128, "vllm", 16), "lists no 16x16x16"),
+    (dataclasses.replace(CAPABLE, max_shared_memory=32768), NEEDS, F16 + (128, "vllm", 16),
+     "offers 32768 bytes of workgroup memory"),
     (dataclasses.replace(CAPABLE, subgroup_size=64), NEEDS, F16 + (128, "vllm", 16), "subgroup size is 64"),
     (CAPABLE, {"shaderFloat16"}, F16 + (128, "vllm", 16), "did not enable the Vulkan feature(s) cooperativeMatrix"),
     (dataclasses.replace(CAPABLE, subgroup_vote=False), NEEDS, F16 + (128, "vllm", 16), "no subgroup vote"),
@@ -154,7 +156,7 @@ def test_the_matrix_split_fills_one_wave_of_its_workgroups():
     (CAPABLE, NEEDS, F16 + (128, "nhd", 16), "layout 'nhd'"),
     (CAPABLE, NEEDS, F16 + (128, "vllm", 8), "block size 8"),
     (CAPABLE, NEEDS, F16 + (256, "vllm", 16), "head size 256"),
-], ids=["no-shape", "subgroup-64", "features", "vote", "no-16x8", "bf16", "bf16-features", "bf16-no-shape",
+], ids=["no-shape", "shared-32k", "subgroup-64", "features", "vote", "no-16x8", "bf16", "bf16-features", "bf16-no-shape",
         "bf16-16x8-only", "wgsl-fp8", "wgsl-16bit", "wgsl-bf16-16bit", "wgsl-bf16-features", "wgsl-bf16-no-shape",
         "wgsl-f16-with-bf16-features", "nhd", "block-8", "head-256"])
 def test_forcing_the_matrix_kernel_where_it_cannot_run_is_refused(info, features, args, reason):
