@@ -17,8 +17,8 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checks, config, kernels
-from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID,
-                  DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE)
+from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, DECODE_MERGE_SPEC_ID,
+                  DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE)
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError

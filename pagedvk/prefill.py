@@ -576,8 +576,8 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
                   seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, **tiles, dout=dout, out=out, lse=lse,
                   block_readers=p.block_readers())
     dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // min(p.block_size, DKDV_KEYS))
-    # dq and dk/dv read what delta wrote (one barrier after it) and nothing of each other's: side by side (3591
-    # against 3669 us on the H200 at issue 12's shape, thirteenth session's timing variant).
+    # dq and dk/dv read what delta wrote (one barrier after it) and nothing of each other's: side by side (3630
+    # against 3704 us with a barrier between them on the H200 at issue 12's shape; BENCHMARKS.md, fourteenth session).
     return (p, [delta_dispatch] + dq_dispatches + [(PAGED_BACKWARD_DKDV, dkdv_grid, dict(group="tiles"))], inputs,
             dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
                  dv_cache=(tuple(value_cache.shape), np.float32)))

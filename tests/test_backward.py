@@ -7,7 +7,7 @@ import pytest
 import pagedvk
 from conftest import rel_error
 from test_prefill import (HEAD_SIZES, LAYOUTS, Q_LENS, RAGGED, PrefillCase, backend,  # noqa: F401 (fixtures)
-                          poisoned_outputs)
+                          poisoned_outputs, record_launches)
 from test_prefill import check as prefill_check
 
 # float32 storage. The kernels sum dK and dV over rows in a fixed order; measured errors stay below 1e-6,
@@ -177,19 +177,11 @@ def test_dq_and_dkdv_run_side_by_side_after_one_barrier(rng, backend, monkeypatc
     # dq and dk/dv both read the delta dispatch's D and nothing of each other's outputs: one barrier after delta, none
     # between them (their workgroups share the device; a barrier made dk/dv wait for dq's last wave). Gradients
     # still match float64.
-    import pagedvk.runtime.pipeline as pipeline
-    barriers, recorded = [], []
-    barrier = pipeline.memory_barrier
-    monkeypatch.setattr(pipeline, "memory_barrier", lambda *a: (barriers.append(a), barrier(*a)))
-    launch = pipeline.Launch.__init__
-
-    def spy(self, device, steps, *a, **kw):
-        recorded.append(([step[0].name.split(".")[0] for step in steps], kw.get("independent", frozenset())))
-        return launch(self, device, steps, *a, **kw)
-    monkeypatch.setattr(pipeline.Launch, "__init__", spy)
+    barriers, recorded = record_launches(monkeypatch)
     check(PrefillCase(rng, q_lens=[5, 0, 9, 1], shared_prefix_blocks=1), rng, backend)
     names, independent = recorded[-1]
-    assert names == ["paged_backward_delta", "paged_backward_dq", "paged_backward_dkdv"], names
+    modules = [n.split(".")[0] for n in names]
+    assert modules == ["paged_backward_delta", "paged_backward_dq", "paged_backward_dkdv"], names
     assert independent == {2} and len(barriers) == 1
 
 

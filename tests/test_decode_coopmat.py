@@ -43,7 +43,8 @@ _why_wgsl_bf16 = matrix_unavailable(_info, pagedvk.default_device().features, "b
 BF16_BACKENDS = [pytest.param("glsl"), pytest.param("wgsl", marks=pytest.mark.skipif(
     bool(_why_wgsl_bf16), reason=f"needs the WGSL bfloat16 matrix decode: {_info.name}: {_why_wgsl_bf16}"))]
 BF16_SHAPES = (with_operands(MATRIX_SHAPE, "bf16"),)   # its P.V multiply too (16 x 16: decode.MATRIX_PV_SHAPES)
-CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True, max_shared_memory=49152,
+CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True,
+                              max_shared_memory=49152,
                               matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE) + BF16_SHAPES)
 
 
@@ -156,8 +157,8 @@ def test_the_matrix_split_fills_one_wave_of_its_workgroups():
     (CAPABLE, NEEDS, F16 + (128, "nhd", 16), "layout 'nhd'"),
     (CAPABLE, NEEDS, F16 + (128, "vllm", 8), "block size 8"),
     (CAPABLE, NEEDS, F16 + (256, "vllm", 16), "head size 256"),
-], ids=["no-shape", "shared-32k", "subgroup-64", "features", "vote", "no-16x8", "bf16", "bf16-features", "bf16-no-shape",
-        "bf16-16x8-only", "wgsl-fp8", "wgsl-16bit", "wgsl-bf16-16bit", "wgsl-bf16-features", "wgsl-bf16-no-shape",
+], ids=["no-shape", "shared-32k", "subgroup-64", "features", "vote", "no-16x8", "bf16", "bf16-features",
+        "bf16-no-shape", "bf16-16x8-only", "wgsl-fp8", "wgsl-16bit", "wgsl-bf16-16bit", "wgsl-bf16-features", "wgsl-bf16-no-shape",
         "wgsl-f16-with-bf16-features", "nhd", "block-8", "head-256"])
 def test_forcing_the_matrix_kernel_where_it_cannot_run_is_refused(info, features, args, reason):
     with pytest.raises(ValueError, match=r"kernel \(or PAGEDVK_DECODE_KERNEL\) 'coopmat' cannot run on .*"
@@ -264,7 +265,8 @@ def check_split_and_unsplit(case, query, tol=TOL, constants=None, backend="glsl"
         assert key.matrix == "coopmat" and key.backend == backend and (parts > 1 if most is None else parts <= most)
         assert merged == (backend == "glsl" and 1 < parts <= abi.DECODE_MERGE_PARTITIONS)
         err = rel_error(out, ref_out)
-        print(f"{backend} {key.name} partitions {parts} step {step}: rel error {err:.3g}")   # run.sh's -rA shows it on failure
+        # run.sh's -rA shows it on failure
+        print(f"{backend} {key.name} partitions {parts} step {step}: rel error {err:.3g}")
         assert err <= tol
         assert (out[np.isneginf(ref_lse)] == 0).all()   # an empty sequence: zeros out and lse -inf
         assert lse_error(lse, ref_lse) <= (1e-5 if tol == TOL else 1e-4)

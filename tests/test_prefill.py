@@ -310,9 +310,9 @@ def test_mixed_batch_decode_tokens_run_the_decode_kernel(rng, backend, monkeypat
     assert used == [("paged_prefill", backend)]
 
 
-def test_mixed_batch_runs_decode_and_prefill_side_by_side(rng, monkeypatch):
-    # The prefill tiles, the decode dispatch beside them with no barrier in between, the decode's merge of split
-    # contexts after one barrier: one barrier in all where the forward ran them one after the other (2).
+def record_launches(monkeypatch) -> tuple:
+    """(barriers, launches): lists that fill as launches are recorded, the arguments of each barrier recorded and,
+    for each Launch, (its steps' module names, its independent step indices)."""
     import pagedvk.runtime.pipeline as pipeline
     barriers, recorded = [], []
     barrier = pipeline.memory_barrier
@@ -323,6 +323,13 @@ def test_mixed_batch_runs_decode_and_prefill_side_by_side(rng, monkeypatch):
         recorded.append(([step[0].name for step in steps], kw.get("independent", frozenset())))
         return launch(self, device, steps, *a, **kw)
     monkeypatch.setattr(pipeline.Launch, "__init__", spy)
+    return barriers, recorded
+
+
+def test_mixed_batch_runs_decode_and_prefill_side_by_side(rng, monkeypatch):
+    # The prefill tiles, the decode dispatch beside them with no barrier in between, the decode's merge of split
+    # contexts after one barrier: one barrier in all where the forward ran them one after the other (2).
+    barriers, recorded = record_launches(monkeypatch)
     q_lens = [5, 1, 1, 1, 9]
     case = PrefillCase(rng, q_lens=q_lens, layout="nhd", head_size=128,
                        seq_lens=[n + int(rng.integers(300, 900)) for n in q_lens])
