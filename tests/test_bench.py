@@ -211,3 +211,31 @@ def test_coopmat_probe_builds_every_mode_and_times_what_the_device_runs(tmp_path
         count = 16 * cols // 32
         held = sorted(fragment(lane, e) for lane in range(32) for e in range(count))
         assert held == [(r, c) for r in range(16) for c in range(cols)], name
+
+
+@pytest.mark.parametrize("chunks, groups", [(16, 1), (2048, 1), (2048 * 3 + 700, 2), (2048 * 5 + 1, 3), (999, 4)])
+def test_the_read_kernel_reads_every_chunk_once(chunks, groups):
+    """The ceiling's kernel (shaders/read_bandwidth.comp) reads each of num_chunks 16-byte chunks exactly once and
+    nothing past them: the XOR of its threads' words equals the XOR of the chunks' words (a chunk read twice
+    would cancel, one skipped would be missing), with a poisoned chunk after them in the buffer."""
+    from pagedvk import kernels
+    from pagedvk.abi import READ_BANDWIDTH
+    from pagedvk.array import asarray, empty
+    from pagedvk.runtime.pipeline import Launch
+    from pagedvk.selection import get_device
+
+    device = get_device()
+    words = np.random.default_rng(chunks).integers(0, 2**32, size=4 * (chunks + 1), dtype=np.uint32)
+    src = asarray(words)
+    dst = empty((groups * 256,), np.uint32)
+    pipeline = kernels.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
+    launch = Launch(device, [(pipeline, (src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=chunks),
+                              (groups, 1, 1))])
+    try:
+        launch.submit()
+        got = np.bitwise_xor.reduce(dst.numpy())
+    finally:
+        launch.close()
+        src.close()
+        dst.close()
+    assert got == np.bitwise_xor.reduce(words[:4 * chunks])
