@@ -404,6 +404,10 @@ DECODE_FP8_BUILD_SPEC_ID = 4
 # The matrix decode's (float16 and bfloat16 modules; fp8 takes one block a step): how many of its blocks a subgroup
 # takes a step, 1 (the default) or 2, set per plan by pagedvk/decode.py (MATRIX_STEP2_MIN_TOKENS).
 DECODE_STEP_SPEC_ID = 5
+# The scalar GPU decode's (shaders/paged_decode.comp, vLLM's layout): 1 where a plan's workgroups take one tile each,
+# set by pagedvk/decode.py (values_with_keys): a tile's values are loaded beside its keys. 0, its default, loads them
+# after the tile's weights, in batches.
+DECODE_VALUES_SPEC_ID = 6
 # The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
 # (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
 # dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.
@@ -439,7 +443,7 @@ PAGED_DECODE = KernelABI(
     q_types=QUERY_TYPES,
     head_sizes=UNROLLED_HEAD_SIZES,
     spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
-                    (DECODE_MERGE_SPEC_ID, "uint32")),
+                    (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_VALUES_SPEC_ID, "uint32")),
     # the CPU kernel (one subgroup a workgroup, no barriers) leaves every split to the reduce
     target_spec_constants=(("cpu", ((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"))),),
     fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,

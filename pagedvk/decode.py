@@ -18,7 +18,8 @@ import numpy as np
 
 from . import checks, config, kernels
 from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, DECODE_MERGE_SPEC_ID,
-                  DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, PAGED_DECODE, PAGED_DECODE_REDUCE)
+                  DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
+                  PAGED_DECODE_REDUCE)
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
@@ -180,6 +181,12 @@ def matrix_step(storage: str, tokens: int) -> int:
     return 2 if storage in ("f16", "bf16") and tokens >= MATRIX_STEP2_MIN_TOKENS else 1
 
 
+def values_with_keys(tokens: int) -> bool:
+    """Whether the scalar GPU decode loads a tile's values beside its keys (abi.DECODE_VALUES_SPEC_ID) where a
+    workgroup takes at most `tokens` tokens: where that is one tile, whose chain of round trips is the workgroup's."""
+    return tokens <= TILE
+
+
 def _signature(arrays) -> tuple | None:
     """What the run checks read of these arrays (None stays None): kind, contiguity, shape, dtype; None
     when one is not an array (the checks reject it)."""
@@ -336,9 +343,11 @@ class DecodePlan(Owned):
                                 and 1 < self.num_partitions <= DECODE_MERGE_PARTITIONS)
         if self.merge_in_decode:
             self.constants[DECODE_MERGE_SPEC_ID] = 1
+        tokens = self.partition_size if split else max_seq_len   # the most a workgroup takes
         if self.matrix:
-            self.constants[DECODE_STEP_SPEC_ID] = matrix_step(self.spec.storage.tag,
-                                                              self.partition_size if split else max_seq_len)
+            self.constants[DECODE_STEP_SPEC_ID] = matrix_step(self.spec.storage.tag, tokens)
+        elif values_with_keys(tokens):
+            self.constants[DECODE_VALUES_SPEC_ID] = 1
         self.key = self._module()
         kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)
         limits = self.device.info.max_workgroup_count

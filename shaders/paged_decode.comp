@@ -72,6 +72,9 @@ const uint V_BATCH = 16u;
 const uint K_BATCH = 16u;
 const uint V_BATCH = 8u;
 #endif
+// Values a thread loads with the keys, where a plan asks for it (VALUES_WITH_KEYS): a whole 128-token tile's of one
+// head dim in float16 (16 chunks), half of it in float32.
+const uint V_BATCH_WITH_KEYS = 16u;
 const uint TILE_BLOCKS = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
 const uint MAX_QUADS = MAX_HEAD_SIZE / 4u;
 // Head dims a thread owns in vLLM's layout (dim tid, then tid + WG): one where the head size is fixed and at most
@@ -90,6 +93,10 @@ const uint SLOTS = 2u;
 // constants, as a pipeline made without specialization must.
 layout(constant_id = 1) const uint VALUE_ORDER = 0u;   // 1: vLLM's layout (a dim's tokens contiguous); 2: nhd
 layout(constant_id = 2) const uint GROUP_LIMIT = 0u;   // 4 or 8: the most query heads a workgroup takes
+// abi.DECODE_VALUES_SPEC_ID, set per plan (pagedvk/decode.py, values_with_keys): 1 issues a tile's first batch of
+// values (vLLM's layout; V_BATCH_WITH_KEYS chunks a head dim) beside its keys, before the tile's max is known. Where
+// a workgroup takes one tile, its cache loads are then one round trip, not three (keys, two batches of values).
+layout(constant_id = 6) const uint VALUES_WITH_KEYS = 0u;
 
 shared vec4 s_q[MAX_QUADS * MAX_GROUP];         // queries * scale: [quad][head]
 shared vec4 s_w[TILE / 4u * MAX_GROUP];         // logits, then weights: [token quad][head], 4 tokens a vec4
@@ -171,6 +178,14 @@ mat4 weights(uint tq, uint h) {
     return mat4(s_w[i], s_w[i + 1u], s_w[i + 2u], s_w[i + 3u]);
 }
 
+// Chunk n of the current tile's values of the head dim whose tokens start at row_d (vLLM's layout: CHUNK_TOKENS
+// tokens a chunk), zeros past the tile's vchunks chunks or in an invalid block.
+uvec4 value_chunk(uint cur, uint row_d, uint n, uint vchunks, uint bs_log2) {
+    const uint t0 = n * CHUNK_TOKENS;
+    const int ph = n < vchunks ? s_phys[cur + (t0 >> bs_log2)] : -1;
+    return ph >= 0 ? value_load(uint(ph), (row_d + (t0 & ((1u << bs_log2) - 1u))) / CHUNK_TOKENS) : uvec4(0u);
+}
+
 void main() {
     const uint tid = gl_LocalInvocationID.x;
 #ifdef HEAD_SIZE
@@ -247,7 +262,7 @@ void main() {
         // Loads first: token tid's key, K_BATCH chunks at a time.
         const int phys = tid < len ? s_phys[cur + (tid >> bs_log2)] : -1;
         const uint t = tid & bs_mask;
-        uvec4 w[K_BATCH + V_BATCH];   // key chunks, then value chunks
+        uvec4 w[K_BATCH + V_BATCH_WITH_KEYS];   // key chunks, then value chunks
         const uint kchunks = hq / CQ;             // whole chunks of a key (see below for part chunks)
         const bool key_chunks = hq % CQ == 0u;
         if (phys >= 0 && key_chunks) {
@@ -256,6 +271,13 @@ void main() {
             }
         }
         const uint vchunks = (len + CHUNK_TOKENS - 1u) / CHUNK_TOKENS;
+        // The values' first batch beside the keys (head dim tid, its first slot), where the plan asks for it.
+        const bool values_early = VALUES_WITH_KEYS != 0u && !dims_contiguous && bs % CHUNK_TOKENS == 0u;
+        const uint v_batch = values_early ? V_BATCH_WITH_KEYS : V_BATCH;
+        if (values_early && tid < hs) {
+            const uint row_d = value_offset(kv_head, 0u, tid);
+            for (uint k = 0u; k < V_BATCH_WITH_KEYS; k++) w[K_BATCH + k] = value_chunk(cur, row_d, k, vchunks, bs_log2);
+        }
 
         // K: the logits of token tid of the tile. (Loops over register arrays run to their constant bound,
         // guarded: a `break` could keep the compiler from unrolling them and put the arrays in memory.)
@@ -322,17 +344,16 @@ void main() {
                 if (d >= hs) continue;
                 const uint row_d = value_offset(kv_head, 0u, d);
                 if (bs % CHUNK_TOKENS == 0u) {
-                    for (uint n0 = 0u; n0 < vchunks; n0 += V_BATCH) {
-                        for (uint k = 0u; k < V_BATCH; k++) {
-                            const uint t0 = (n0 + k) * CHUNK_TOKENS;
-                            const int ph = n0 + k < vchunks ? s_phys[cur + (t0 >> bs_log2)] : -1;
-                            w[K_BATCH + k] = ph >= 0 ? value_load(uint(ph), (row_d + (t0 & bs_mask)) / CHUNK_TOKENS)
-                                                     : uvec4(0u);
+                    for (uint n0 = 0u; n0 < vchunks; n0 += v_batch) {
+                        if (!(values_early && slot == 0u && n0 == 0u)) {   // that batch was loaded with the keys
+                            for (uint k = 0u; k < V_BATCH_WITH_KEYS; k++) {
+                                if (k < v_batch) w[K_BATCH + k] = value_chunk(cur, row_d, n0 + k, vchunks, bs_log2);
+                            }
                         }
-                        for (uint k = 0u; k < V_BATCH; k++) {
+                        for (uint k = 0u; k < V_BATCH_WITH_KEYS; k++) {
                             for (uint i = 0u; i < CQ; i++) {
                                 const uint t0 = (n0 + k) * CHUNK_TOKENS + 4u * i;
-                                if (t0 < len) {
+                                if (k < v_batch && t0 < len) {
                                     const vec4 v = first(chunk_quad(w[K_BATCH + k], i), len - t0);
                                     acc_a[slot] += v * weights(t0 >> 2, 0u);
                                     if (wide) acc_b[slot] += v * weights(t0 >> 2, 1u);

@@ -120,6 +120,33 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, n
                     assert not plan.merge_counters.numpy().any()
 
 
+@pytest.mark.parametrize("block_size", (8, 16, 32))
+@pytest.mark.parametrize("head_size", (80, 128, 256))
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_size):
+    # The GPU kernel with every tile's first batch of values loaded beside its keys (abi.DECODE_VALUES_SPEC_ID),
+    # forced on for every plan, not only where a workgroup takes one tile as the rule says: tiles after the first,
+    # lengths ending mid-chunk, a head dim's second slot (256), fp8 rows shorter than a chunk (8-token blocks), both
+    # layouts (nhd's V stage leaves the constant unused); NaN in unread cache slots and in the outputs beforehand.
+    monkeypatch.setattr(pagedvk.decode, "values_with_keys", lambda tokens: True)
+    case = Case(rng, seq_lens=[1, 13, 128, 130, 300], num_heads=8, num_kv_heads=2, head_size=head_size,
+                block_size=block_size, dtype=dtype)
+    poison_unread_slots(case, block_size)
+    query, tol = query_and_tolerance(case, dtype)
+    for layout in ("vllm", "nhd"):
+        check_split_and_unsplit(case, query, tol, "gpu", layout)
+
+
+def test_the_values_rule_and_the_plans_that_take_it(rng):
+    assert [pagedvk.decode.values_with_keys(n) for n in (1, 127, 128, 129, 4096)] == [True, True, True, False, False]
+    case = Case(rng, seq_lens=[100, 300], num_heads=8, num_kv_heads=2, head_size=64)
+    for partition_size, taken in ((128, 1), (256, None), (64, 1)):
+        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                                block_size=16, num_blocks=case.key_cache.shape[0], partition_size=partition_size,
+                                kernel="gpu", backend="glsl") as plan:
+            assert plan.constants.get(abi.DECODE_VALUES_SPEC_ID) == taken
+
+
 def test_zero_lengths_and_blocks_out_of_range_stay_inside_their_buffers(rng, device, kernel):
     # Unchecked tables: ids at and past num_blocks, negative ids, lengths past the row and negative, with
     # sequences of length 0 between valid ones. The sentinels around the caches must keep their pattern; a
