@@ -404,9 +404,9 @@ DECODE_FP8_BUILD_SPEC_ID = 4
 # The matrix decode's (float16 and bfloat16 modules; fp8 takes one block a step): how many of its blocks a subgroup
 # takes a step, 1 (the default) or 2, set per plan by pagedvk/decode.py (MATRIX_STEP2_MIN_TOKENS).
 DECODE_STEP_SPEC_ID = 5
-# The scalar GPU decode's (shaders/paged_decode.comp, vLLM's layout): 1 where a plan's workgroups take one tile each,
-# set by pagedvk/decode.py (values_with_keys): a tile's values are loaded beside its keys. 0, its default, loads them
-# after the tile's weights, in batches.
+# The scalar GPU decode's (shaders/paged_decode.comp, vLLM's layout): 1 where a float16 or bfloat16 plan's workgroups
+# take one tile each, set by pagedvk/decode.py (values_with_keys): a tile's values are loaded beside its keys. 0, its
+# default, loads them after the tile's weights, in batches.
 DECODE_VALUES_SPEC_ID = 6
 # The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
 # (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32

@@ -181,10 +181,12 @@ def matrix_step(storage: str, tokens: int) -> int:
     return 2 if storage in ("f16", "bf16") and tokens >= MATRIX_STEP2_MIN_TOKENS else 1
 
 
-def values_with_keys(tokens: int) -> bool:
+def values_with_keys(storage: str, tokens: int) -> bool:
     """Whether the scalar GPU decode loads a tile's values beside its keys (abi.DECODE_VALUES_SPEC_ID) where a
-    workgroup takes at most `tokens` tokens: where that is one tile, whose chain of round trips is the workgroup's."""
-    return tokens <= TILE
+    workgroup takes at most `tokens` tokens of a `storage` cache: for float16 and bfloat16 caches where that is one
+    tile, whose chain of round trips is then the workgroup's. On the H200 (BENCHMARKS.md, fifteenth session) 1 x 4096
+    took 16.5 against 17.2 us; fp8, whose tile of values is one batch already, 20.0 against 17.7 us."""
+    return storage in ("f16", "bf16") and tokens <= TILE
 
 
 def _signature(arrays) -> tuple | None:
@@ -346,7 +348,7 @@ class DecodePlan(Owned):
         tokens = self.partition_size if split else max_seq_len   # the most a workgroup takes
         if self.matrix:
             self.constants[DECODE_STEP_SPEC_ID] = matrix_step(self.spec.storage.tag, tokens)
-        elif values_with_keys(tokens):
+        elif values_with_keys(self.spec.storage.tag, tokens):
             self.constants[DECODE_VALUES_SPEC_ID] = 1
         self.key = self._module()
         kernels.pipeline(self.device, PAGED_DECODE, self.key, variants_in_use(self.variants.push()), self.constants)

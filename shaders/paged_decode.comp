@@ -95,7 +95,8 @@ layout(constant_id = 1) const uint VALUE_ORDER = 0u;   // 1: vLLM's layout (a di
 layout(constant_id = 2) const uint GROUP_LIMIT = 0u;   // 4 or 8: the most query heads a workgroup takes
 // abi.DECODE_VALUES_SPEC_ID, set per plan (pagedvk/decode.py, values_with_keys): 1 issues a tile's first batch of
 // values (vLLM's layout; V_BATCH_WITH_KEYS chunks a head dim) beside its keys, before the tile's max is known. Where
-// a workgroup takes one tile, its cache loads are then one round trip, not three (keys, two batches of values).
+// a workgroup takes one tile, its cache loads are then one round trip, not three (keys, two batches of values): 1 x 4096
+// float16 on the H200 16.5 against 17.2 us. fp8, whose tile of values is one batch already, lost (BENCHMARKS.md).
 layout(constant_id = 6) const uint VALUES_WITH_KEYS = 0u;
 
 shared vec4 s_q[MAX_QUADS * MAX_GROUP];         // queries * scale: [quad][head]

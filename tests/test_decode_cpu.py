@@ -128,7 +128,7 @@ def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_s
     # forced on for every plan, not only where a workgroup takes one tile as the rule says: tiles after the first,
     # lengths ending mid-chunk, a head dim's second slot (256), fp8 rows shorter than a chunk (8-token blocks), both
     # layouts (nhd's V stage leaves the constant unused); NaN in unread cache slots and in the outputs beforehand.
-    monkeypatch.setattr(pagedvk.decode, "values_with_keys", lambda tokens: True)
+    monkeypatch.setattr(pagedvk.decode, "values_with_keys", lambda storage, tokens: True)
     case = Case(rng, seq_lens=[1, 13, 128, 130, 300], num_heads=8, num_kv_heads=2, head_size=head_size,
                 block_size=block_size, dtype=dtype)
     poison_unread_slots(case, block_size)
@@ -138,13 +138,17 @@ def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_s
 
 
 def test_the_values_rule_and_the_plans_that_take_it(rng):
-    assert [pagedvk.decode.values_with_keys(n) for n in (1, 127, 128, 129, 4096)] == [True, True, True, False, False]
-    case = Case(rng, seq_lens=[100, 300], num_heads=8, num_kv_heads=2, head_size=64)
-    for partition_size, taken in ((128, 1), (256, None), (64, 1)):
-        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
-                                block_size=16, num_blocks=case.key_cache.shape[0], partition_size=partition_size,
-                                kernel="gpu", backend="glsl") as plan:
-            assert plan.constants.get(abi.DECODE_VALUES_SPEC_ID) == taken
+    rule = pagedvk.decode.values_with_keys
+    assert [rule("f16", n) for n in (1, 127, 128, 129, 4096)] == [True, True, True, False, False]
+    assert [rule(tag, 128) for tag in ("bf16", "f32", "e4m3", "e5m2")] == [True, False, False, False]
+    for dtype in (np.float16, np.float32):
+        case = Case(rng, seq_lens=[100, 300], num_heads=8, num_kv_heads=2, head_size=64, dtype=dtype)
+        for partition_size in (128, 256, 64):
+            with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                                    block_size=16, num_blocks=case.key_cache.shape[0], dtype=dtype,
+                                    partition_size=partition_size, kernel="gpu", backend="glsl") as plan:
+                taken = 1 if dtype == np.float16 and partition_size <= 128 else None
+                assert plan.constants.get(abi.DECODE_VALUES_SPEC_ID) == taken
 
 
 def test_zero_lengths_and_blocks_out_of_range_stay_inside_their_buffers(rng, device, kernel):
