@@ -239,3 +239,24 @@ def test_the_read_kernel_reads_every_chunk_once(chunks, groups):
         src.close()
         dst.close()
     assert got == np.bitwise_xor.reduce(words[:4 * chunks])
+
+
+def test_decode_rules_pins_a_rule_and_puts_it_back(tmp_path, capsys):
+    # benchmarks/decode_rules.py: each answer's plans run and are checked against float64, the rule's own function is
+    # back in pagedvk.decode afterwards, and an answer the rule does not have is refused, named.
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_rules.py"
+    spec = importlib.util.spec_from_file_location("decode_rules", script)
+    rules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rules)
+    import pagedvk.decode
+    own = pagedvk.decode.values_with_keys
+    path = tmp_path / "rules.json"
+    assert rules.main(["values_with_keys", "--shapes", "1x200", "--dtypes", "f16", "--kernel", "gpu", "--iters", "2",
+                       "--rounds", "1", "--json", str(path)]) == 0
+    assert pagedvk.decode.values_with_keys is own
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["answer"] for r in rows] == ["rule", "never", "always"]
+    assert all(r["ok"] and r["kernel"] == "gpu" and r["median_us"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        rules.main(["values_with_keys", "--answers", "rule,3"])
+    assert "answers of values_with_keys are rule, never, always; got 3" in capsys.readouterr().err
