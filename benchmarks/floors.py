@@ -18,25 +18,16 @@ import math
 
 import numpy as np
 
-from pagedvk import bench, kernels
-from pagedvk.abi import READ_BANDWIDTH
+from pagedvk import bench
 from pagedvk.array import empty
-from pagedvk.runtime.pipeline import Launch
 from pagedvk.selection import get_device
 
 RUNS = 50
-THREADS = 256 * 1024   # bench.read_bandwidth's grid: 1024 workgroups of 256
 
 
 def timed(device, steps, per_run: int) -> dict:
-    """Median and p10-p90 of each run's time (a run: per_run consecutive steps, stamped after)."""
-    launch = Launch(device, steps, timestamps=per_run)
-    try:
-        bench.warm_up(launch)
-        times = [t for _ in range(3) for t in launch.submit()]
-    finally:
-        launch.close()
-    return bench.percentiles(times)
+    """Median and p10-p90 of each run's time (a run: per_run consecutive steps, stamped after), 3 submissions."""
+    return bench.percentiles(bench.time_steps(device, steps, per_run, 3))
 
 
 def main(argv=None) -> int:
@@ -46,10 +37,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(float(s) * (1 << 20)) // 16 * 16 for s in args.sizes_mib.split(",")]
     device = get_device()
-    pipeline = kernels.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
-    dst = empty((THREADS,), np.uint32, device)
-    grid = (THREADS // 256, 1, 1)
-    empty_step = (pipeline, (dst.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=0), (1, 1, 1))
+    dst = empty((bench.READ_THREADS,), np.uint32, device)
+    empty_step = bench.read_step(device, dst, dst, 0, workgroups=1)   # nothing to read
     rows = {"device": device.info.name, "empty dispatch": timed(device, [empty_step] * RUNS, 1)}
     print(f"{device.info.name}\nan empty dispatch: {rows['empty dispatch']['median_us']:.2f} us")
     for nbytes in sizes:
@@ -58,8 +47,7 @@ def main(argv=None) -> int:
         try:
             for src in sources:
                 device.fill(src.buffer, 0x3F800000)
-            push = READ_BANDWIDTH.pack_push(num_chunks=nbytes // 16)
-            reads = [(pipeline, (sources[i % count].buffer, dst.buffer), push, grid) for i in range(RUNS)]
+            reads = [bench.read_step(device, sources[i % count], dst, nbytes) for i in range(RUNS)]
             read = timed(device, reads, 1)
             pairs = timed(device, [s for r in reads for s in (r, empty_step)], 2)
         finally:

@@ -132,28 +132,44 @@ def percentiles(ns) -> dict:
             "p90_us": float(np.percentile(a, 90)) / 1e3}
 
 
+READ_THREADS = 256 * 1024   # the read kernel's grid: 1024 workgroups of 256 threads
+
+
+def read_step(device, src, dst, nbytes: int, workgroups: int = READ_THREADS // 256) -> tuple:
+    """A Launch step of the read kernel over the first nbytes of src (device arrays), one word a thread into dst
+    (READ_THREADS uint32s)."""
+    pipeline = kernels.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
+    return (pipeline, (src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=nbytes // 16), (workgroups, 1, 1))
+
+
+def time_steps(device, steps, per_run: int, repeats: int, warmup: int = 1, bar: Progress | None = None) -> list:
+    """GPU time (ns) of each run of `steps` recorded back to back in one command buffer, a run being per_run
+    consecutive steps with a timestamp after them: warmed up (`warm_up`), then submitted `repeats` times."""
+    launch = Launch(device, steps, timestamps=per_run)
+    try:
+        warm_up(launch, warmup)
+        times = []
+        for _ in range(repeats):
+            times.extend(launch.submit())
+            if bar is not None:
+                bar.step()
+    finally:
+        launch.close()
+    return times
+
+
 def read_bandwidth(device=None, nbytes: int = 1 << 30, iters: int = 20, progress: bool = False) -> dict:
     """Bytes per second one plain read kernel achieves over a buffer of nbytes (capped by the binding
     limit): the median of 2 x iters runs, each submission running iters of them back to back."""
     device = get_device(device)
     nbytes = min(nbytes, device.info.max_storage_buffer_range) // 16 * 16
     src = empty((nbytes // 4,), np.uint32, device)
-    device.fill(src.buffer, 0x3F800000)
-    threads = 256 * 1024
-    dst = empty((threads,), np.uint32, device)
-    pipeline = kernels.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
-    step = (pipeline, (src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=nbytes // 16),
-            (threads // 256, 1, 1))
-    launch = Launch(device, [step] * iters, timestamps=1)   # back to back, a timestamp after each
-    bar = Progress(2, "read bandwidth", progress)
+    dst = empty((READ_THREADS,), np.uint32, device)
     try:
-        warm_up(launch)
-        times = []
-        for _ in range(2):
-            times.extend(launch.submit())
-            bar.step()
+        device.fill(src.buffer, 0x3F800000)
+        times = time_steps(device, [read_step(device, src, dst, nbytes)] * iters, 1, 2,
+                           bar=Progress(2, "read bandwidth", progress))
     finally:
-        launch.close()
         src.close()
         dst.close()
     median = float(np.median(times))
@@ -246,15 +262,7 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
         for i in range(iters):
             dk, dv = inputs.caches[i % inputs.layers]
             steps += plan._steps(query, dk, dv, out, inputs.num_blocks)
-        launch = Launch(device, steps, timestamps=len(steps) // iters)
-        try:
-            warm_up(launch, warmup)
-            times = []
-            for _ in range(repeats):
-                times.extend(launch.submit())
-                bar.step()
-        finally:
-            launch.close()
+        times = time_steps(device, steps, len(steps) // iters, repeats, warmup, bar)
     finally:
         plan.close()
     stats = percentiles(times)

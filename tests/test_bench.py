@@ -260,3 +260,20 @@ def test_decode_rules_pins_a_rule_and_puts_it_back(tmp_path, capsys):
     with pytest.raises(SystemExit):
         rules.main(["values_with_keys", "--answers", "rule,3"])
     assert "answers of values_with_keys are rule, never, always; got 3" in capsys.readouterr().err
+
+
+def test_floors_times_an_empty_dispatch_and_each_read(tmp_path):
+    # benchmarks/floors.py on lavapipe, two small sizes: the empty dispatch, and each size's read alone and followed
+    # by an empty dispatch, in the JSON record.
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "floors.py"
+    spec = importlib.util.spec_from_file_location("floors", script)
+    floors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floors)
+    path = tmp_path / "floors.json"
+    assert floors.main(["--sizes-mib", "1,8", "--json", str(path)]) == 0
+    record = json.loads(path.read_text())
+    assert record["device"] and record["empty dispatch"]["median_us"] > 0
+    for nbytes in (1 << 20, 8 << 20):
+        row = record[f"{nbytes} bytes"]
+        assert row["read"]["median_us"] > 0 and row["read then an empty dispatch"]["median_us"] > 0
+        assert row["GBps"] == pytest.approx(nbytes / (row["read"]["median_us"] * 1e3))
