@@ -35,7 +35,12 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes-mib", default="16,128,1024", help="comma-separated bytes to read, in MiB")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    sizes = [int(float(s) * (1 << 20)) // 16 * 16 for s in args.sizes_mib.split(",")]
+    try:
+        sizes = [int(float(s) * (1 << 20)) // 16 * 16 for s in args.sizes_mib.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) <= 0:
+        parser.error(f"--sizes-mib must be comma-separated positive sizes in MiB, got {args.sizes_mib!r}")
     device = get_device()
     dst = empty((bench.READ_THREADS,), np.uint32, device)
     empty_step = bench.read_step(device, dst, dst, 0, workgroups=1)   # nothing to read
