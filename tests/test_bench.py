@@ -20,6 +20,15 @@ bench.SMALL_SWEEP = {TINY!r}   # --small, shrunk further for a test
 sys.exit(main(sys.argv[1:]))
 """
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (they are scripts, not a package), to call its functions in-process."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_suite_small_writes_its_record(tmp_path):
@@ -196,10 +205,7 @@ def test_prefill_benchmark_forward_only(tmp_path):
 def test_coopmat_probe_builds_every_mode_and_times_what_the_device_runs(tmp_path):
     # benchmarks/coopmat_probe.py: every mode's module compiles and passes spirv-val; the device times the modes it
     # runs (lavapipe: the float32 one) and the record names them.
-    probe = Path(__file__).resolve().parent.parent / "benchmarks" / "coopmat_probe.py"
-    spec = importlib.util.spec_from_file_location("coopmat_probe", probe)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("coopmat_probe")
     for mode in module.MODES:
         assert module.build(mode, tmp_path)[:4] == b"\x03\x02\x23\x07"   # the SPIR-V magic number
     out = tmp_path / "probe.json"
@@ -244,10 +250,7 @@ def test_the_read_kernel_reads_every_chunk_once(chunks, groups):
 def test_decode_rules_pins_a_rule_and_puts_it_back(tmp_path, capsys):
     # benchmarks/decode_rules.py: each answer's plans run and are checked against float64, the rule's own function is
     # back in pagedvk.decode afterwards, and an answer the rule does not have is refused, named.
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_rules.py"
-    spec = importlib.util.spec_from_file_location("decode_rules", script)
-    rules = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rules)
+    rules = load_benchmark("decode_rules")
     import pagedvk.decode
     own = pagedvk.decode.values_with_keys
     path = tmp_path / "rules.json"
@@ -265,10 +268,7 @@ def test_decode_rules_pins_a_rule_and_puts_it_back(tmp_path, capsys):
 def test_floors_times_an_empty_dispatch_and_each_read(tmp_path):
     # benchmarks/floors.py on lavapipe, two small sizes: the empty dispatch, and each size's read alone and followed
     # by an empty dispatch, in the JSON record.
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "floors.py"
-    spec = importlib.util.spec_from_file_location("floors", script)
-    floors = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(floors)
+    floors = load_benchmark("floors")
     path = tmp_path / "floors.json"
     assert floors.main(["--sizes-mib", "1,8", "--json", str(path)]) == 0
     record = json.loads(path.read_text())
@@ -277,3 +277,11 @@ def test_floors_times_an_empty_dispatch_and_each_read(tmp_path):
         row = record[f"{nbytes} bytes"]
         assert row["read"]["median_us"] > 0 and row["read then an empty dispatch"]["median_us"] > 0
         assert row["GBps"] == pytest.approx(nbytes / (row["read"]["median_us"] * 1e3))
+
+
+@pytest.mark.parametrize("sizes", ["", "abc", "16,x", "0", "-4", "0.000001"])
+def test_floors_refuses_sizes_it_cannot_read(sizes, capsys):
+    floors = load_benchmark("floors")
+    with pytest.raises(SystemExit):
+        floors.main(["--sizes-mib", sizes])
+    assert f"--sizes-mib must be comma-separated positive sizes in MiB, got {sizes!r}" in capsys.readouterr().err
