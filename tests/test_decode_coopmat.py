@@ -39,6 +39,9 @@ _why_wgsl = _why or ("" if "storageBuffer16BitAccess" in pagedvk.default_device(
 # The backends whose float16 matrix module runs here: a test taking `backend` skips the WGSL one where it cannot.
 MATRIX_BACKENDS = [pytest.param("glsl"), pytest.param("wgsl", marks=pytest.mark.skipif(
     bool(_why_wgsl), reason=f"needs the WGSL matrix decode: {_info.name}: {_why_wgsl}"))]
+# (backend, cache dtype) of the modules that take float16 queries: GLSL's for every such cache, WGSL's for float16.
+F16_QUERY_MODULES = [pytest.param("glsl", d, id=f"glsl-{np.dtype(d).name}") for d in CACHE_DTYPES] + [
+    pytest.param("wgsl", np.float16, id="wgsl-float16", marks=MATRIX_BACKENDS[1].marks)]
 _why_wgsl_bf16 = matrix_unavailable(_info, pagedvk.default_device().features, "bf16", "wgsl")
 BF16_BACKENDS = [pytest.param("glsl"), pytest.param("wgsl", marks=pytest.mark.skipif(
     bool(_why_wgsl_bf16), reason=f"needs the WGSL bfloat16 matrix decode: {_info.name}: {_why_wgsl_bf16}"))]
@@ -279,12 +282,9 @@ def check_split_and_unsplit(case, query, tol=TOL, constants=None, backend="glsl"
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (16, 2), (12, 2), (6, 2)],
                          ids=["g1", "g4", "g8", "g6", "g3"])
 @pytest.mark.parametrize("head_size", (64, 128))
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("backend", MATRIX_BACKENDS)
+@pytest.mark.parametrize("backend,cache_dtype", F16_QUERY_MODULES)
 def test_matches_float64_for_every_group_and_head_size(rng, backend, cache_dtype, head_size, num_heads, num_kv_heads):
     # Empty sequences, lengths that end mid-block and at a partition's edge, a long one; unread slots hold NaN.
-    if backend == "wgsl" and np.dtype(cache_dtype) != np.float16:
-        pytest.skip("the WGSL matrix decode takes float16 caches only")
     case = matrix_case(rng, cache_dtype, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_size=head_size)
     poison_unread_slots(case, 16)
@@ -440,12 +440,9 @@ def test_a_max_that_keeps_rising_rescales_the_sums(rng, backend):
 
 
 @needs_coopmat
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("backend", MATRIX_BACKENDS)
+@pytest.mark.parametrize("backend,cache_dtype", F16_QUERY_MODULES)
 def test_bad_tables_read_nothing_outside_the_caches(device, rng, backend, cache_dtype):
     # Unchecked tables (conftest.check_unchecked_tables): nothing read or written outside the buffers.
-    if backend == "wgsl" and np.dtype(cache_dtype) != np.float16:
-        pytest.skip("the WGSL matrix decode takes float16 caches only")
     case = matrix_case(rng, cache_dtype, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2,
                        head_size=64)
     keys = check_unchecked_tables(device, case, "coopmat", TOL, backend)
