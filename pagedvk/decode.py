@@ -338,6 +338,8 @@ class DecodePlan(Owned):
         # reads of the coherent partials cost about 0.3 us a partition, so past four partitions the reduce dispatch
         # is faster (32: 26.3 against 18.9 us at 1 x 4096); the scalar kernel gains with float32 caches (64 x 4096:
         # 527-533 against 552 us) and loses with float16 (400 against 343 us), so it merges float32 splits only.
+        # Plain loads ordered by the counter's acquire (the Vulkan memory model) cut a 32-partition merge by 3.8 us but
+        # cost every workgroup's release 0.9 us at 8 x 4096, and still lost to the reduce (sixteenth session).
         # WGSL keeps the reduce (its memory model orders nothing between workgroups), and so does the CPU kernel
         # (one subgroup a workgroup, no barriers).
         self.merge_in_decode = (self.backend == "glsl" and self.target != "cpu"
