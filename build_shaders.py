@@ -635,10 +635,11 @@ def validate(spv: Path, key) -> None:
     run([spirv_val, "--target-env", key.target_env, str(spv)], f"spirv-val {spv.name}", env)
 
 
-def build_module(key, out_dir: Path) -> tuple:
-    """Compile one module into out_dir; (name, manifest entry)."""
+def build_module(key, out_dir: Path, source: Path | None = None) -> tuple:
+    """Compile one module into out_dir; (name, manifest entry). `source`: another source to build as `key` is
+    built (an experiment's edit of key.source: benchmarks/decode_ablations.py), its includes still from shaders/."""
     abi = load_abi()
-    source = SHADER_DIR / key.source
+    source = source or SHADER_DIR / key.source
     target = out_dir / (key.name + ".spv")
     # Write to a temporary file first so a failed build never leaves a half-written module.
     with tempfile.TemporaryDirectory() as tmp:

@@ -231,6 +231,18 @@ class DecodeInputs:
         self.close()
 
 
+def decode_plan(inputs: DecodeInputs, backend: str | None = None, partition_size: int | None = None,
+                kernel: str | None = None) -> DecodePlan:
+    """The plan time_decode times for these inputs and arguments (experiments that swap its pipeline make it too,
+    to read the module and specialization it runs)."""
+    shape = inputs.shape
+    return DecodePlan(inputs.block_tables, inputs.seq_lens, num_heads=shape.num_heads,
+                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=shape.block_size,
+                      num_blocks=inputs.num_blocks, dtype=inputs.dtype, query_dtype=inputs.query_dtype,
+                      device=inputs.device, backend=backend, partition_size=partition_size,
+                      window_left=shape.window_left, kernel=kernel)
+
+
 def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 50, warmup: int = 1,
                 repeats: int = 3, progress: bool = False, partition_size: int | None = None,
                 kernel: str | None = None) -> dict:
@@ -240,11 +252,7 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
     shape, device = inputs.shape, inputs.device
     query, out = inputs.query, inputs.out
     bar = Progress(repeats, "decode", progress)
-    plan = DecodePlan(inputs.block_tables, inputs.seq_lens, num_heads=shape.num_heads,
-                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=shape.block_size,
-                      num_blocks=inputs.num_blocks, dtype=inputs.dtype, query_dtype=inputs.query_dtype,
-                      device=device, backend=backend, partition_size=partition_size, window_left=shape.window_left,
-                      kernel=kernel)
+    plan = decode_plan(inputs, backend, partition_size, kernel)
     try:
         dk, dv = inputs.caches[0]
         # poisoned: a plan that writes nothing must not pass on the previous plan's output

@@ -285,3 +285,51 @@ def test_floors_refuses_sizes_it_cannot_read(sizes, capsys):
     with pytest.raises(SystemExit):
         floors.main(["--sizes-mib", sizes])
     assert f"--sizes-mib must be comma-separated positive sizes in MiB, got {sizes!r}" in capsys.readouterr().err
+
+
+def test_decode_ablations_swap_the_module_the_plan_runs(tmp_path):
+    # benchmarks/decode_ablations.py on the scalar kernel: the kept kernel matches float64, an ablation's result does
+    # not (its module took the plan's pipeline, under the plan's own specialization), and the plans after it build
+    # the real module again.
+    ablations = load_benchmark("decode_ablations")
+    path = tmp_path / "ablations.json"
+    assert ablations.main(["--kernel", "gpu", "--shapes", "2x200", "--iters", "2", "--only", "no key loads",
+                           "--json", str(path)]) == 0
+    rows = {r["ablation"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["kept kernel", "no key loads", "kept kernel, identity block tables"]
+    assert rows["kept kernel"]["ok"] and rows["kept kernel, identity block tables"]["ok"]
+    assert rows["no key loads"]["swapped"] and rows["no key loads"]["rel_error"] > 0.1
+    assert all(r["module"] == "paged_decode.kv_f16.q_f16.h128.glsl" and r["kernel"] == "gpu" for r in rows.values())
+    from pagedvk import bench
+    with bench.DecodeInputs(bench.DecodeShape(num_seqs=2, context=200, dtype="float16")) as inputs:
+        assert bench.time_decode(inputs, "glsl", iters=2, repeats=1, kernel="gpu")["ok"]
+
+
+@pytest.mark.parametrize("module", [("f16", "f16", ""), ("f16", "f16", "coopmat"), ("bf16", "bf16", "coopmat"),
+                                    ("e4m3", "f16", "coopmat")], ids=lambda m: f"{m[2] or 'scalar'}-{m[0]}")
+def test_every_decode_ablation_builds(module, tmp_path):
+    # Each ablation's statements are still in its kernel's source, and the edited source compiles and validates
+    # as the module (a kernel edit that moves a statement breaks the script here, not on the next device run).
+    ablations = load_benchmark("decode_ablations")
+    from pagedvk.abi import PAGED_DECODE
+    kv, q, matrix = module
+    key = PAGED_DECODE.key("glsl", kv, q, 128, matrix=matrix)
+    assert key.source == ablations.KERNELS["coopmat" if matrix else "gpu"]
+    names = list(ablations.ablations_for(key))
+    built = ablations.build(key, names, tmp_path / "built")
+    assert list(built) == ["kept kernel", *names]
+    assert len(set(built.values())) == len(built)   # every ablation changed the module
+
+
+def test_decode_ablations_refuse_what_they_cannot_run(capsys):
+    ablations = load_benchmark("decode_ablations")
+    with pytest.raises(SystemExit):
+        ablations.main(["--kernel", "gpu", "--shapes", "1x64", "--iters", "1", "--only", "no such stage"])
+    assert "--only: paged_decode.kv_f16.q_f16.h128.glsl has no ablation 'no such stage'" in capsys.readouterr().err
+    import pagedvk
+    from pagedvk.matrix import matrix_unavailable
+    why = matrix_unavailable(pagedvk.select()[0], pagedvk.default_device().features)
+    if why:   # a device without the matrix decode (lavapipe): refused, with the plan's reason
+        with pytest.raises(SystemExit):
+            ablations.main(["--kernel", "coopmat", "--shapes", "1x64", "--iters", "1"])
+        assert "--kernel coopmat cannot run here: " in capsys.readouterr().err
