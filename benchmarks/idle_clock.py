@@ -9,6 +9,7 @@ it to watch the shader clock.
     python benchmarks/idle_clock.py
 """
 
+import argparse
 import time
 
 import numpy as np
@@ -17,7 +18,8 @@ from pagedvk import bench
 from pagedvk.array import empty
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     bench.WARMUP_SECONDS = 0.0
     t0 = time.monotonic()
     shape = bench.DecodeShape(num_seqs=8, context=4096, dtype="float16")

@@ -6,6 +6,7 @@ and decode's result is checked against float64.
     python benchmarks/large_cache.py 24        # 2 x 24 GiB (the H200 run in BENCHMARKS.md)
 """
 
+import argparse
 import sys
 import time
 
@@ -16,8 +17,11 @@ from pagedvk import reference
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    gib = float(argv[0]) if argv else 24.0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("gib", nargs="?", type=float, default=24.0, help="GiB of each cache (default 24)")
+    gib = p.parse_args(argv).gib
+    if not gib > 0:
+        p.error(f"gib must be a positive size, got {gib}")
     rng = np.random.default_rng(0)
     dtype, num_kv_heads, head_size, block_size, x = np.float16, 8, 128, 16, 8
     block_bytes = num_kv_heads * head_size * block_size * 2

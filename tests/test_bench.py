@@ -333,3 +333,26 @@ def test_decode_ablations_refuse_what_they_cannot_run(capsys):
         with pytest.raises(SystemExit):
             ablations.main(["--kernel", "coopmat", "--shapes", "1x64", "--iters", "1"])
         assert "--kernel coopmat cannot run here: " in capsys.readouterr().err
+
+
+def test_large_cache_checks_a_decode_over_its_cache(capsys):
+    # benchmarks/large_cache.py at 16 MiB a cache (the H200 run takes 24 GiB): decode over 64 scattered blocks, the
+    # last one included, against float64; a size it cannot allocate is refused by name.
+    large = load_benchmark("large_cache")
+    assert large.main(["0.015625"]) == 0
+    assert "rel. error" in capsys.readouterr().out
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            large.main([bad])
+    assert "gib" in capsys.readouterr().err
+
+
+def test_host_overhead_reports_issue_9s_host_rows(capsys):
+    # benchmarks/host_overhead.py, short: run() on device arrays, the Python-only path, and the one-shot call, each
+    # with wall time, GPU time and their difference.
+    host = load_benchmark("host_overhead")
+    assert host.main(["--context", "64", "--oneshot-context", "16", "--iters", "5"]) == 0
+    out = capsys.readouterr().out
+    for row in ("run 1x64 ", "run, Python only", "one-shot 1x16 "):
+        assert row in out
+    assert out.count("wall - GPU") == 2
