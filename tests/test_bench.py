@@ -300,7 +300,6 @@ def test_decode_ablations_swap_the_module_the_plan_runs(tmp_path):
     assert rows["kept kernel"]["ok"] and rows["kept kernel, identity block tables"]["ok"]
     assert rows["no key loads"]["swapped"] and rows["no key loads"]["rel_error"] > 0.1
     assert all(r["module"] == "paged_decode.kv_f16.q_f16.h128.glsl" and r["kernel"] == "gpu" for r in rows.values())
-    from pagedvk import bench
     with bench.DecodeInputs(bench.DecodeShape(num_seqs=2, context=200, dtype="float16")) as inputs:
         assert bench.time_decode(inputs, "glsl", iters=2, repeats=1, kernel="gpu")["ok"]
 
@@ -356,3 +355,33 @@ def test_host_overhead_reports_issue_9s_host_rows(capsys):
     for row in ("run 1x64 ", "run, Python only", "one-shot 1x16 "):
         assert row in out
     assert out.count("wall - GPU") == 2
+
+
+def test_decode_ab_runs_each_sets_modules_in_turn(tmp_path):
+    # benchmarks/decode_ab.py: a set whose folder holds a broken decode module (an ablation's: keys never loaded)
+    # gives wrong results in its rounds only; the package's modules, in the rounds between, stay right.
+    ab, ablations = load_benchmark("decode_ab"), load_benchmark("decode_ablations")
+    from pagedvk import kernels
+    from pagedvk.abi import PAGED_DECODE
+    key = PAGED_DECODE.key("glsl", "f16", "f16", 128)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / f"{key.name}.spv").write_bytes(ablations.build(key, ["no key loads"], tmp_path / "built")["no key loads"])
+    path = tmp_path / "ab.json"
+    assert ab.main([f"main={kernels.SPV_DIR}", f"broken={broken}", "--shapes", "2x200", "--kernel", "gpu",
+                    "--rounds", "2", "--iters", "2", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["set"] for r in rows] == ["main", "broken", "main", "broken"]
+    assert [r["ok"] for r in rows] == [True, False, True, False]
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["pagedvk/spv", "b=pagedvk/spv"], "a set is NAME=DIR, got 'pagedvk/spv'"),
+    (["a=pagedvk/spv", "b=/nonexistent"], "set b: /nonexistent is not a folder of SPIR-V modules"),
+    (["a=pagedvk/spv", "a=pagedvk/spv"], "sets need distinct names")])
+def test_decode_ab_refuses_sets_it_cannot_use(sets, message, capsys, monkeypatch):
+    ab = load_benchmark("decode_ab")
+    monkeypatch.chdir(BENCHMARKS.parent)
+    with pytest.raises(SystemExit):
+        ab.main(sets + ["--shapes", "1x64"])
+    assert message in capsys.readouterr().err
