@@ -1,9 +1,10 @@
 """Property tests: hypothesis draws the shapes, lengths and block tables, and every result must match the
-float64 reference to 1e-5 relative. Examples are bounded so the file runs in well under a minute on
-lavapipe."""
+float64 reference to 1e-5 relative (float32 storage; 16-bit and fp8 caches to their types' precision, on the
+dequantized values). Examples are bounded so the file runs in about a minute on lavapipe."""
 
+import ml_dtypes
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pagedvk
@@ -90,6 +91,83 @@ def test_decode_matches_reference(p, device):
     else:
         result = pagedvk.paged_attention(query, key_cache, value_cache, bt, sl)
     assert_matches(result, ref, sl)
+
+
+STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
+           "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+# Relative error against float64 on the stored (dequantized) values: the queries, weights and outputs round to the
+# 16-bit type (float16 queries for fp8 caches), about 4 units of its last place.
+STORAGE_TOLERANCE = {"float32": TOLERANCE, "float16": 3e-3, "bfloat16": 2e-2, "float8_e4m3fn": 3e-3,
+                     "float8_e5m2": 3e-3}
+
+
+@st.composite
+def decode_plan_problems(draw):
+    """decode_problems over every storage type and cache layout, both kernels and backends, forced splits, fp8
+    scales, the attention variants and lse: combinations the parametrized tests do not each reach."""
+    num_seqs = draw(st.integers(1, 5))
+    num_heads, num_kv_heads, head_size = draw(heads())
+    block_size = draw(st.sampled_from([8, 16, 32]))
+    block_tables, seq_lens, num_blocks = draw(paged_tables(num_seqs, block_size, max_len=400))
+    dtype = draw(st.sampled_from(sorted(STORAGE)))
+    layout = draw(st.sampled_from(["vllm", "nhd"]))
+    # vLLM's key layout packs 16 bytes of a token's dims a chunk: the head size must fill whole chunks
+    assume(layout == "nhd" or head_size % (16 // np.dtype(STORAGE[dtype]).itemsize) == 0)
+    fp8 = dtype.startswith("float8")
+    return dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
+                block_tables=block_tables, seq_lens=seq_lens, num_blocks=num_blocks, dtype=dtype, layout=layout,
+                kernel=draw(st.sampled_from(["gpu", "cpu"])), backend=draw(st.sampled_from(["glsl", "wgsl"])),
+                partition_size=draw(st.one_of(st.none(), st.integers(1, 8).map(lambda k: k * block_size))),
+                scales=draw(st.sampled_from([(1.0, 1.0), (0.5, 2.0), (3.0, 0.25)])) if fp8 else (1.0, 1.0),
+                window_left=draw(st.one_of(st.just(-1), st.integers(0, 300))),
+                logits_soft_cap=draw(st.one_of(st.none(), st.floats(1.0, 50.0))), alibi=draw(st.booleans()),
+                sinks=draw(st.booleans()), lse=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@SETTINGS
+@given(p=decode_plan_problems())
+def test_decode_plans_match_reference_across_storage_kernels_and_variants(p, device):
+    rng = np.random.default_rng(p["seed"])
+    hs, bs, kv, heads_ = p["head_size"], p["block_size"], p["num_kv_heads"], p["num_heads"]
+    storage, (k_scale, v_scale) = STORAGE[p["dtype"]], p["scales"]
+    qdtype = np.float16 if p["dtype"].startswith("float8") else storage
+    nb, x = p["num_blocks"], 16 // np.dtype(storage).itemsize
+    k_nhd = rng.standard_normal((nb, bs, kv, hs)).astype(storage)   # [block, token, kv head, dim]
+    v_nhd = rng.standard_normal((nb, bs, kv, hs)).astype(storage)
+    query = rng.standard_normal((len(p["seq_lens"]), heads_, hs)).astype(qdtype)
+    alibi = rng.uniform(-0.5, 0.0, heads_).astype(np.float32) if p["alibi"] else None
+    sinks = rng.standard_normal(heads_).astype(np.float32) if p["sinks"] else None
+    # The reference reads vLLM's layout (x = 4) of the dequantized values.
+    as_vllm_keys = lambda k, x: k.transpose(0, 2, 3, 1).reshape(nb, kv, hs // x, x, bs).transpose(0, 1, 2, 4, 3)
+    ref, ref_lse = pagedvk.reference.paged_attention(
+        query.astype(np.float64), as_vllm_keys(k_nhd.astype(np.float64) * k_scale, 4),
+        v_nhd.astype(np.float64).transpose(0, 2, 3, 1) * v_scale, p["block_tables"], p["seq_lens"],
+        alibi_slopes=alibi, logits_soft_cap=p["logits_soft_cap"], sinks=sinks, window_left=p["window_left"],
+        return_lse=True)
+    if p["layout"] == "nhd":
+        key_cache, value_cache = k_nhd, v_nhd
+    else:
+        key_cache = np.ascontiguousarray(as_vllm_keys(k_nhd, x))
+        value_cache = np.ascontiguousarray(v_nhd.transpose(0, 2, 3, 1))
+    out = np.full(query.shape, np.nan, qdtype)   # poisoned
+    lse = np.full(query.shape[:2], np.nan, np.float32) if p["lse"] else None
+    with pagedvk.DecodePlan(p["block_tables"], p["seq_lens"], num_heads=heads_, num_kv_heads=kv, head_size=hs,
+                            block_size=bs, num_blocks=nb, dtype=storage, layout=p["layout"], backend=p["backend"],
+                            partition_size=p["partition_size"], kernel=p["kernel"], k_scale=k_scale,
+                            v_scale=v_scale, alibi_slopes=alibi, logits_soft_cap=p["logits_soft_cap"], sinks=sinks,
+                            window_left=p["window_left"]) as plan:
+        plan.run(query, key_cache, value_cache, out=out, lse=lse)
+    got = np.asarray(out, np.float64)
+    for s, n in enumerate(p["seq_lens"]):
+        if not np.linalg.norm(ref[s]):   # no key seen (an empty sequence, or an empty window with no sink)
+            assert (got[s] == 0).all(), f"sequence {s} (length {n}) sees no key but has a non-zero output"
+            continue
+        err = np.linalg.norm(got[s] - ref[s]) / np.linalg.norm(ref[s])
+        assert err <= STORAGE_TOLERANCE[p["dtype"]], f"sequence {s} (length {n}): relative error {err:.2e}"
+    if lse is not None:
+        seen = np.isfinite(ref_lse)
+        np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=1e-3, atol=1e-3)
+        assert np.isneginf(lse[~seen]).all()
 
 
 # -- prefill and its backward ---------------------------------------------------------------------------
