@@ -20,11 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedvk import bench, kernels  # noqa: E402
-from pagedvk.abi import PAGED_DECODE, PAGED_DECODE_REDUCE, VariantKey  # noqa: E402
-
-DECODE_KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE)   # what a set replaces: the decode and its merge dispatch
-DECODE_SOURCES = {key.source for kernel in DECODE_KERNELS for key in kernel.keys()}
+from pagedvk import bench  # noqa: E402
 
 
 def module_sets(p, items: list) -> list:
@@ -54,35 +50,6 @@ def partition_sizes(p, text: str) -> dict:
     return sizes
 
 
-class ModuleSwap:
-    """Decode modules loaded from one folder while `folder` is set (None: the package's own), the device's decode
-    pipelines dropped at each change so that the next plan builds them from the folder's modules."""
-
-    def __init__(self, device):
-        self.device, self.folder, self._load = device, None, kernels.load_spirv
-
-    def __enter__(self):
-        kernels.load_spirv = self.load
-        return self
-
-    def __exit__(self, *exc):
-        kernels.load_spirv = self._load
-        self.use(None)
-
-    def load(self, kernel, key):
-        spv = self.folder / f"{key.name}.spv" if self.folder is not None else None
-        if kernel in DECODE_KERNELS and spv is not None and spv.is_file():
-            return spv.read_bytes()
-        return self._load(kernel, key)
-
-    def use(self, folder) -> None:
-        self.folder = folder
-        pipelines = self.device._pipelines
-        for cached in [c for c in pipelines
-                       if isinstance(c, tuple) and isinstance(c[0], VariantKey) and c[0].source in DECODE_SOURCES]:
-            pipelines.pop(cached).close()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sets", nargs="+", help="NAME=DIR (one alone: its figures, no comparison)")
@@ -103,7 +70,7 @@ def main(argv=None) -> int:
     ceiling = bench.read_bandwidth(device, iters=args.iters)
     print(f"{device.info.name}: read kernel {ceiling['GBps']:.0f} GB/s", flush=True)
     rows = []
-    with ModuleSwap(device) as swap:
+    with bench.DecodeModules(device) as modules:
         for dtype in args.dtypes.split(","):
             for num_seqs, context in bench.parse_shapes(args.shapes):
                 shape = bench.DecodeShape(num_seqs=num_seqs, context=context, dtype=dtype)
@@ -111,7 +78,7 @@ def main(argv=None) -> int:
                     for rnd in range(args.rounds):
                         for name, folder in sets:
                             for size in sizes.get(f"{num_seqs}x{context}", [None]):
-                                swap.use(folder)
+                                modules.use(folder)
                                 r = bench.time_decode(inputs, args.backend, iters=args.iters, partition_size=size,
                                                       kernel=args.kernel)
                                 r.update(set=name, folder=str(folder), round=rnd,

@@ -10,10 +10,10 @@ out"). Run from a source checkout (it compiles the ablated modules with glslangV
 `--kernel` names the kernel ablated, forced in the plans as DecodePlan's `kernel` forces it: "gpu" the scalar kernel
 (shaders/paged_decode.comp, SCALAR_ABLATIONS), "coopmat" the cooperative-matrix one (paged_decode_coopmat.comp,
 MATRIX_ABLATIONS or, for fp8 caches, FP8_MATRIX_ABLATIONS). Each ablation is that source with statements replaced,
-built as the module the plan runs (build_shaders.build_module) and swapped into the plan's pipeline under the plan's
-own specialization; its outputs are wrong by design (`rel. error` shows that the swap took, and a result as close as
-the kept kernel's is flagged). A last pass reruns the kept kernel with identity block tables (each sequence's blocks
-contiguous) to show what page locality is worth.
+built as the module the plan runs (build_shaders.build_module) and loaded in its place (bench.DecodeModules); its
+outputs are wrong by design (`rel. error` shows that the swap took, and a result as close as the kept kernel's is
+flagged). A last pass reruns the kept kernel with identity block tables (each sequence's blocks contiguous) to show
+what page locality is worth.
 """
 
 import argparse
@@ -29,9 +29,6 @@ sys.path.insert(0, str(ROOT))
 
 import build_shaders  # noqa: E402
 from pagedvk import bench  # noqa: E402
-from pagedvk import kernels  # noqa: E402
-from pagedvk.abi import PAGED_DECODE  # noqa: E402
-from pagedvk.runtime.pipeline import Pipeline  # noqa: E402
 
 # -- the scalar kernel (shaders/paged_decode.comp) --
 KEY_MATH = [("s_a += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 0u);", "s_a += chunk_quad(w[k], i);"),
@@ -100,7 +97,7 @@ def ablations_for(key) -> dict:
 
 
 def build(key, names, folder: Path) -> dict:
-    """{name: SPIR-V} of the kept kernel and each named ablation, built as the module `key` is."""
+    """{name: folder holding its module} of the kept kernel and each named ablation, built as the module `key` is."""
     source = (build_shaders.SHADER_DIR / key.source).read_text()
     folder.mkdir(parents=True)
     built = {}
@@ -115,18 +112,8 @@ def build(key, names, folder: Path) -> dict:
         out = folder / str(len(built))
         out.mkdir()
         build_shaders.build_module(key, out, source=src)
-        built[name] = (out / f"{key.name}.spv").read_bytes()
+        built[name] = out
     return built
-
-
-def swap(device, key, constants: dict, spirv: bytes, name: str) -> None:
-    """`spirv` as the pipeline the plan of this module and specialization (without variants) runs."""
-    cached, specialization = kernels.specialized(PAGED_DECODE, key, False, constants)
-    replaced = device._pipelines.pop(cached, None)
-    if replaced is not None:
-        replaced.close()
-    device._pipelines[cached] = Pipeline(device, PAGED_DECODE, spirv, name, PAGED_DECODE.bindings_for(key),
-                                         specialization)
 
 
 def main(argv=None) -> int:
@@ -143,7 +130,7 @@ def main(argv=None) -> int:
     ceiling = bench.read_bandwidth(device, iters=args.iters)
     print(f"{device.info.name}: read kernel {ceiling['GBps']:.0f} GB/s", flush=True)
     rows, built = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, bench.DecodeModules(device) as swap:
         for identity_tables in (False, True):
             for num_seqs, context in bench.parse_shapes(args.shapes):
                 shape = bench.DecodeShape(num_seqs=num_seqs, context=context, dtype=args.dtype)
@@ -151,9 +138,9 @@ def main(argv=None) -> int:
                     if identity_tables:
                         inputs.block_tables = np.arange(inputs.num_blocks, dtype=np.int32).reshape(
                             inputs.block_tables.shape)
-                    try:   # the module and specialization the timed plan runs
+                    try:   # the module the timed plan runs
                         with bench.decode_plan(inputs, "glsl", kernel=args.kernel) as plan:
-                            key, constants = plan.key, dict(plan.constants)
+                            key = plan.key
                     except ValueError as e:
                         p.error(f"--kernel {args.kernel} cannot run here: {e}")
                     names = list(ablations_for(key))
@@ -167,8 +154,8 @@ def main(argv=None) -> int:
                         built[key.name] = build(key, names, Path(tmp) / str(len(built)))
                     modules = built[key.name]
                     kept_error = None
-                    for name, spirv in modules.items() if not identity_tables else [("kept kernel", modules["kept kernel"])]:
-                        swap(device, key, constants, spirv, name)
+                    for name, folder in modules.items() if not identity_tables else [("kept kernel", modules["kept kernel"])]:
+                        swap.use(folder)
                         r = bench.time_decode(inputs, "glsl", iters=args.iters, kernel=args.kernel)
                         label = name + (", identity block tables" if identity_tables else "")
                         r.update(ablation=label, module=key.name, fraction_of_read=r["GBps"] / ceiling["GBps"])
@@ -179,9 +166,6 @@ def main(argv=None) -> int:
                         print(f"{num_seqs:>5} x {context:>6}  {label:<40} {r['median_us']:9.1f} us  "
                               f"({100 * r['fraction_of_read']:.0f}% of read)  rel. error {r['rel_error']:.1e}{flag}",
                               flush=True)
-                    # The plans after this one build the real module again.
-                    cached, _ = kernels.specialized(PAGED_DECODE, key, False, constants)
-                    device._pipelines.pop(cached).close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"read": ceiling, "kernel": args.kernel, "dtype": args.dtype, "rows": rows}, f, indent=1)

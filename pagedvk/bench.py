@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import config, kernels, reference
-from .abi import READ_BANDWIDTH
+from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH, VariantKey
 from .array import asarray, empty
 from .decode import DecodePlan
 from .dtypes import CACHE_TYPES, QUERY_TYPES
@@ -229,6 +229,40 @@ class DecodeInputs:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class DecodeModules:
+    """While in use, plans load their decode and merge-dispatch modules from `folder` (set by `use`; None: the
+    package's own) where it holds one of that name, else the package's: how benchmarks/decode_ab.py times builds
+    against each other and benchmarks/decode_ablations.py its edited kernels, in one process. Each `use` drops the
+    device's pipelines of those modules, so that the next plan builds them from the folder's."""
+
+    KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE)
+
+    def __init__(self, device):
+        self.device, self.folder, self._load = device, None, kernels.load_spirv
+        self._sources = {key.source for kernel in self.KERNELS for key in kernel.keys()}
+
+    def __enter__(self):
+        kernels.load_spirv = self._load_from_folder
+        return self
+
+    def __exit__(self, *exc):
+        kernels.load_spirv = self._load
+        self.use(None)
+
+    def _load_from_folder(self, kernel, key):
+        spv = self.folder / f"{key.name}.spv" if self.folder is not None else None
+        if kernel in self.KERNELS and spv is not None and spv.is_file():
+            return spv.read_bytes()
+        return self._load(kernel, key)
+
+    def use(self, folder) -> None:
+        self.folder = folder
+        pipelines = self.device._pipelines
+        for cached in [c for c in pipelines
+                       if isinstance(c, tuple) and isinstance(c[0], VariantKey) and c[0].source in self._sources]:
+            pipelines.pop(cached).close()
 
 
 def decode_plan(inputs: DecodeInputs, backend: str | None = None, partition_size: int | None = None,
