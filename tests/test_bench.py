@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import run_python
-from pagedvk import bench, suite
+from pagedvk import bench, kernels, suite
+from pagedvk.abi import PAGED_DECODE
 
 TINY = [(1, 40), (2, 24)]   # shapes lavapipe times in a second, context not a multiple of the block
 SUITE = f"""
@@ -224,8 +225,6 @@ def test_the_read_kernel_reads_every_chunk_once(chunks, groups):
     """The ceiling's kernel (shaders/read_bandwidth.comp) reads each of num_chunks 16-byte chunks exactly once and
     nothing past them: the XOR of its threads' words equals the XOR of the chunks' words (a chunk read twice
     would cancel, one skipped would be missing), with a poisoned chunk after them in the buffer."""
-    from pagedvk import kernels
-    from pagedvk.abi import READ_BANDWIDTH
     from pagedvk.array import asarray, empty
     from pagedvk.runtime.pipeline import Launch
     from pagedvk.selection import get_device
@@ -234,9 +233,7 @@ def test_the_read_kernel_reads_every_chunk_once(chunks, groups):
     words = np.random.default_rng(chunks).integers(0, 2**32, size=4 * (chunks + 1), dtype=np.uint32)
     src = asarray(words)
     dst = empty((groups * 256,), np.uint32)
-    pipeline = kernels.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
-    launch = Launch(device, [(pipeline, (src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=chunks),
-                              (groups, 1, 1))])
+    launch = Launch(device, [bench.read_step(device, src, dst, 16 * chunks, workgroups=groups)])   # the ceiling's step
     try:
         launch.submit()
         got = np.bitwise_xor.reduce(dst.numpy())
@@ -310,7 +307,6 @@ def test_every_decode_ablation_builds(module, tmp_path):
     # Each ablation's statements are still in its kernel's source, and the edited source compiles and validates
     # as the module (a kernel edit that moves a statement breaks the script here, not on the next device run).
     ablations = load_benchmark("decode_ablations")
-    from pagedvk.abi import PAGED_DECODE
     kv, q, matrix = module
     key = PAGED_DECODE.key("glsl", kv, q, 128, matrix=matrix)
     assert key.source == ablations.KERNELS["coopmat" if matrix else "gpu"]
@@ -362,8 +358,6 @@ def test_decode_ab_runs_each_sets_modules_in_turn(tmp_path):
     # benchmarks/decode_ab.py: a set whose folder holds a broken decode module (an ablation's: keys never loaded)
     # gives wrong results in its rounds only; the package's modules, in the rounds between, stay right.
     ab, ablations = load_benchmark("decode_ab"), load_benchmark("decode_ablations")
-    from pagedvk import kernels
-    from pagedvk.abi import PAGED_DECODE
     key = PAGED_DECODE.key("glsl", "f16", "f16", 128)
     broken = ablations.build(key, ["no key loads"], tmp_path / "built")["no key loads"]   # a folder of that module
     path = tmp_path / "ab.json"
@@ -380,7 +374,6 @@ def test_decode_ab_runs_each_sets_modules_in_turn(tmp_path):
     (["a={spv}", "a={spv}"], "sets need distinct names")])
 def test_decode_ab_refuses_sets_it_cannot_use(sets, message, capsys):
     # {spv}: the package's own modules (pagedvk/spv in a checkout, the installed package's elsewhere)
-    from pagedvk import kernels
     ab = load_benchmark("decode_ab")
     with pytest.raises(SystemExit):
         ab.main([s.format(spv=kernels.SPV_DIR) for s in sets] + ["--shapes", "1x64"])
