@@ -79,13 +79,22 @@ FP8_CONVERSION = [("const uvec2 a = exact ? fp8_as_f16(lo) : fp8_as_f16_fast(lo)
 # streamed: the intercept of BENCHMARKS.md's fixed-cost analysis, measured.
 ONE_BLOCK = [("const uint blocks = start < end ? (end - start + BS - 1u) / BS : 0u;",
               "const uint blocks = start < end ? min((end - start + BS - 1u) / BS, SUBGROUPS) : 0u;")]
+# The fixed cost taken apart: the split's merge left out (the partials written, no workgroup merges them), and an
+# empty kernel on the same grid (what the launch and its timestamps cost alone).
+NO_MERGE = [("    merge_if_last(seq, head0, group, partitions_holding(window0, seq_len));\n", "")]
+EMPTY = [("void main() {\n", "void main() {\n    if (gl_NumWorkGroups.x > 0u) return;\n")]
+FIXED_COST_PARTS = {"one block a subgroup without the merge": ONE_BLOCK + NO_MERGE, "an empty kernel (the launch)": EMPTY}
 MATRIX_ABLATIONS = {"no key loads": MATRIX_KEY_LOADS, "no value loads": MATRIX_VALUE_LOADS,
                     "no cache loads": MATRIX_KEY_LOADS + MATRIX_VALUE_LOADS, "no softmax exp": SOFTMAX_EXP,
-                    "one block a subgroup (the fixed cost)": ONE_BLOCK}
+                    "one block a subgroup (the fixed cost)": ONE_BLOCK,
+                    "one block a subgroup without cache loads": ONE_BLOCK + MATRIX_KEY_LOADS + MATRIX_VALUE_LOADS,
+                    **FIXED_COST_PARTS}
 FP8_MATRIX_ABLATIONS = {"no key loads": FP8_KEY_LOADS, "no value loads": FP8_VALUE_LOADS,
                         "no cache loads": FP8_KEY_LOADS + FP8_VALUE_LOADS, "no fp8 conversion": FP8_CONVERSION,
                         "no cache loads or conversion": FP8_KEY_LOADS + FP8_VALUE_LOADS + FP8_CONVERSION,
-                        "no softmax exp": SOFTMAX_EXP, "one block a subgroup (the fixed cost)": ONE_BLOCK}
+                        "no softmax exp": SOFTMAX_EXP, "one block a subgroup (the fixed cost)": ONE_BLOCK,
+                        "one block a subgroup without cache loads": ONE_BLOCK + FP8_KEY_LOADS + FP8_VALUE_LOADS,
+                        **FIXED_COST_PARTS}
 KERNELS = {"gpu": "paged_decode.comp", "coopmat": "paged_decode_coopmat.comp"}   # --kernel: the source ablated
 
 
