@@ -84,17 +84,20 @@ ONE_BLOCK = [("const uint blocks = start < end ? (end - start + BS - 1u) / BS : 
 NO_MERGE = [("    merge_if_last(seq, head0, group, partitions_holding(window0, seq_len));\n", "")]
 EMPTY = [("void main() {\n", "void main() {\n    if (gl_NumWorkGroups.x > 0u) return;\n")]
 FIXED_COST_PARTS = {"one block a subgroup without the merge": ONE_BLOCK + NO_MERGE, "an empty kernel (the launch)": EMPTY}
-MATRIX_ABLATIONS = {"no key loads": MATRIX_KEY_LOADS, "no value loads": MATRIX_VALUE_LOADS,
-                    "no cache loads": MATRIX_KEY_LOADS + MATRIX_VALUE_LOADS, "no softmax exp": SOFTMAX_EXP,
-                    "one block a subgroup (the fixed cost)": ONE_BLOCK,
-                    "one block a subgroup without cache loads": ONE_BLOCK + MATRIX_KEY_LOADS + MATRIX_VALUE_LOADS,
-                    **FIXED_COST_PARTS}
-FP8_MATRIX_ABLATIONS = {"no key loads": FP8_KEY_LOADS, "no value loads": FP8_VALUE_LOADS,
-                        "no cache loads": FP8_KEY_LOADS + FP8_VALUE_LOADS, "no fp8 conversion": FP8_CONVERSION,
-                        "no cache loads or conversion": FP8_KEY_LOADS + FP8_VALUE_LOADS + FP8_CONVERSION,
-                        "no softmax exp": SOFTMAX_EXP, "one block a subgroup (the fixed cost)": ONE_BLOCK,
-                        "one block a subgroup without cache loads": ONE_BLOCK + FP8_KEY_LOADS + FP8_VALUE_LOADS,
-                        **FIXED_COST_PARTS}
+
+
+def matrix_ablations(key_loads: list, value_loads: list, **own) -> dict:
+    """A matrix module's ablations: its cache loads left out (each, both, and under one block a subgroup), its `own`
+    after those, then the softmax exp, the fixed cost and its parts: every cache type's table has that shape."""
+    return {"no key loads": key_loads, "no value loads": value_loads, "no cache loads": key_loads + value_loads, **own,
+            "no softmax exp": SOFTMAX_EXP, "one block a subgroup (the fixed cost)": ONE_BLOCK,
+            "one block a subgroup without cache loads": ONE_BLOCK + key_loads + value_loads, **FIXED_COST_PARTS}
+
+
+MATRIX_ABLATIONS = matrix_ablations(MATRIX_KEY_LOADS, MATRIX_VALUE_LOADS)
+FP8_MATRIX_ABLATIONS = matrix_ablations(FP8_KEY_LOADS, FP8_VALUE_LOADS, **{
+    "no fp8 conversion": FP8_CONVERSION,
+    "no cache loads or conversion": FP8_KEY_LOADS + FP8_VALUE_LOADS + FP8_CONVERSION})
 KERNELS = {"gpu": "paged_decode.comp", "coopmat": "paged_decode_coopmat.comp"}   # --kernel: the source ablated
 
 
