@@ -1,8 +1,9 @@
 """Kernel interfaces and module variants, declared once.
 
 Every op's interface to the GPU lives here as data: its descriptor bindings in order, its push-constant
-block, its workgroup size, and the axes its modules vary along (cache storage type, query storage type,
-head sizes compiled with the head size fixed). A module is named by a ``VariantKey``, built by
+block, its workgroup size, and the axes its modules vary along (cache storage type, cache access, kernels for
+a kind of device or matrix unit). The query type is not an axis: kernels read it from the push constants
+(``q_type``), except the cooperative-matrix modules, which are built for one. A module is named by a ``VariantKey``, built by
 ``KernelABI.key`` and nowhere else. The launcher reads these declarations to build pipeline layouts and pack
 push constants; ``build_shaders.py`` reads them (by file path, so this module must stay stdlib-only) to know
 what to compile; a test reflects every compiled module and compares it with what is declared here.
@@ -11,7 +12,7 @@ Where a new thing goes (docs/ARCHITECTURE.md says more):
 - a cache storage type: its tag in STORAGE_TYPES, its load function in shaders/kv_storage.glsl and a
   shaders/kv_<tag>.wgsl, its store function (reshape_and_cache) in shaders/kv_encode.glsl and a
   shaders/kv_write_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
-- a head size compiled with its loops unrolled: UNROLLED_HEAD_SIZES;
+- a head size: nothing (GLSL specializes the head size; WGSL fixes FIXED_WGSL_HEAD_SIZES' at translation);
 - a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/;
 - a cooperative-matrix module of an op: an entry in its KernelABI's matrix_variants and a
   shaders/<op>_<kind>.comp with the op's bindings and push constants (and, with "wgsl" in its matrix_backends,
@@ -71,11 +72,11 @@ BFLOAT16_MATRIX_FEATURES = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatr
 MATRIX_TARGET_ENV = "vulkan1.2"
 WGSL_MATRIX_TYPES = ("f16",)
 TARGET_ENV = "vulkan1.1"   # every other module
-# vLLM's head sizes: decode modules with HEAD_SIZE fixed at compile time (its loops unroll: about 1.4x faster
-# on the H200), in both languages (WGSL: an `override` that build_shaders.py fixes).
-UNROLLED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
-# The GLSL decode kernel's specialization constants (DECODE_*_SPEC_ID) as WGSL modules fix them at translation
-# (VariantKey.fixed; naga emits no specialization constants): for these head sizes only, each module four times.
+# The decode's WGSL modules with the head size, the layout and the head-group width fixed at translation (naga emits
+# no specialization constants; VariantKey.fixed names the last two): vLLM's most common head sizes only, four modules
+# each. Every other head size runs the module that reads them from the push constants. GLSL modules take all three as
+# specialization constants (DECODE_HEAD_SIZE_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_GROUP_SPEC_ID): one module
+# serves every head size, and the driver still compiles its loops with the head size as a constant.
 FIXED_WGSL_HEAD_SIZES = (64, 128)
 DECODE_FIXED = {"vllm_g4": (1, 4), "vllm_g8": (1, 8), "nhd_g4": (2, 4), "nhd_g8": (2, 8)}   # (VALUE_ORDER, GROUP_LIMIT)
 # Kernels of an op shaped for a kind of device, named by their source's suffix, shaders/<op>_<target>.comp (GLSL
@@ -137,7 +138,8 @@ class VariantKey:
         return MATRIX_TARGET_ENV if self.matrix else TARGET_ENV
 
     def defines(self) -> dict:
-        """GLSL: one define per storage axis (KV_F16, Q_BF16, ...) and HEAD_SIZE when fixed."""
+        """GLSL: one define per storage axis (KV_F16, and Q_BF16 for a matrix module; the others read the query
+        type from the push constants) and HEAD_SIZE when fixed."""
         d = {f"KV_{self.kv.upper()}": 1} if self.kv else {}
         d.update({f"Q_{self.q.upper()}": 1} if self.q else {})
         d.update({"HEAD_SIZE": self.head_size} if self.head_size else {})
@@ -151,11 +153,11 @@ class VariantKey:
                "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl"} if self.kv else {}
         if (self.op in CHUNK_READ_OPS or self.matrix and self.backend == "wgsl") and self.kv:
             inc["kv_chunk_access.wgsl"] = "kv_chunk_segmented.wgsl" if self.access else "kv_chunk_bound.wgsl"
-        inc.update({"q_storage.wgsl": f"q_{self.q}.wgsl"} if self.q else {})
+        inc["q_storage.wgsl"] = f"q_{self.q}.wgsl" if self.q else "q_any.wgsl"
         if self.op in SUBGROUP_REDUCE_OPS:
             inc["decode_reduce.wgsl"] = f"decode_reduce_{self.reduce or 'subgroup'}.wgsl"
         if self.op in WRITE_INCLUDES_OPS:   # the cache writers' own files
-            inc.update({"kv_write.wgsl": f"kv_write_{self.kv}.wgsl", "token_input.wgsl": f"token_{self.q}.wgsl",
+            inc.update({"kv_write.wgsl": f"kv_write_{self.kv}.wgsl",
                         "kv_write_access.wgsl": "kv_write_segmented.wgsl" if self.access else "kv_write_bound.wgsl"})
         return inc
 
@@ -184,8 +186,7 @@ class KernelABI:
     workgroup_size: tuple
     backends: tuple = BACKENDS
     kv_types: tuple = ()          # cache storage tags the op is built for; () if it reads no cache
-    q_types: tuple = ()           # query/output storage tags; () if it has none
-    head_sizes: tuple = ()        # head sizes also built with HEAD_SIZE fixed
+    q_types: tuple = ()           # query/output storage tags it takes (push constant q_type); () if it has none
     writes_cache: bool = False    # the caches' bindings (segments included) are written, not read
     # (matrix kind, cache tag, query tag, head size): cooperative-matrix modules, GLSL, head size fixed, one per
     # cache access in matrix_accesses; each has the op's bindings and push constants (its grid may differ: the op
@@ -250,9 +251,11 @@ class KernelABI:
 
     def key(self, backend: str, kv: str = "", q: str = "", head_size: int = 0, access: str = "",
             matrix: str = "", subgroup_arithmetic: bool = True, fixed: str = "", target: str = "") -> VariantKey:
-        """The module that runs this op for these arguments: the one place a module is chosen. A head size
-        with no module of its own runs the generic module (head size from the push constants), and so do
-        caches read in segments. A matrix module exists only for its listed (kind, cache, query, head size).
+        """The module that runs this op for these arguments: the one place a module is chosen. The query
+        storage `q` is checked against the op's q_types and names a module only where it is a matrix module's;
+        the others read it from the push constants (q_type). The head size names a module only where it is a
+        matrix module's or one of WGSL's fixed decode modules'; the others read it from the push constants or a
+        specialization constant. A matrix module exists only for its listed (kind, cache, query, head size).
         subgroup_arithmetic=False (the device lacks it): the generic module reducing in shared memory, for an
         op in SUBGROUP_REDUCE_OPS. fixed (a DECODE_FIXED name): the WGSL module with the layout and head-group
         width fixed, where one is built for the head size (fixed_head_sizes), else the one that reads them.
@@ -279,13 +282,13 @@ class KernelABI:
         for axis, value, allowed in (("cache storage", kv, self.kv_types), ("query storage", q, self.q_types)):
             if (value or allowed) and value not in allowed:
                 raise ValueError(f"{self.op} has no module for {axis} {value!r} (built: {', '.join(allowed)})")
-        unrolled = head_size if head_size in self.head_sizes and not access else 0
         if target and backend == "glsl":
-            return VariantKey(self.op, backend, kv, q, unrolled, access, target=target)
+            return VariantKey(self.op, backend, kv, access=access, target=target)
         if not subgroup_arithmetic and self.reduces_in_subgroups(backend):
-            return VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
-        fixed = fixed if backend == "wgsl" and unrolled and unrolled in self.fixed_head_sizes else ""
-        return VariantKey(self.op, backend, kv, q, unrolled, access, fixed=fixed)
+            return VariantKey(self.op, backend, kv, access=access, reduce="shared")
+        if backend == "wgsl" and fixed and not access and head_size in self.fixed_head_sizes:
+            return VariantKey(self.op, backend, kv, head_size=head_size, fixed=fixed)
+        return VariantKey(self.op, backend, kv, access=access)
 
     def matrix_variants_for(self, backend: str) -> tuple:
         """The matrix_variants built for a backend: all of them for GLSL, those of wgsl_matrix_types for WGSL,
@@ -307,25 +310,20 @@ class KernelABI:
         return CACHE_ACCESS if backend == "glsl" else ("", "seg")
 
     def keys(self):
-        """Every module this op needs built."""
+        """Every module this op needs built: a declared product of its axes (backend, cache storage, cache
+        access, then the shared-memory reduce, the device-shaped targets and WGSL's fixed decode modules), and the
+        matrix modules it lists."""
         for backend in self.backends:
             for kv in self.kv_types or ("",):
-                for q in self.q_types or ("",):
-                    for hs in (0,) + self.head_sizes:
-                        yield VariantKey(self.op, backend, kv, q, hs)
-                        if backend == "wgsl" and hs in self.fixed_head_sizes:
-                            for fixed in DECODE_FIXED:
-                                yield VariantKey(self.op, backend, kv, q, hs, fixed=fixed)
-                    for access in self.accesses(backend)[1:]:
-                        yield VariantKey(self.op, backend, kv, q, 0, access)
+                for access in self.accesses(backend):
+                    yield VariantKey(self.op, backend, kv, access=access)
                     if self.reduces_in_subgroups(backend):
-                        for access in self.accesses(backend):
-                            yield VariantKey(self.op, backend, kv, q, 0, access, reduce="shared")
+                        yield VariantKey(self.op, backend, kv, access=access, reduce="shared")
                     for target in self.targets if backend == "glsl" else ():
-                        for hs in (0,) + self.head_sizes:
-                            yield VariantKey(self.op, backend, kv, q, hs, target=target)
-                        for access in self.accesses(backend)[1:]:
-                            yield VariantKey(self.op, backend, kv, q, 0, access, target=target)
+                        yield VariantKey(self.op, backend, kv, access=access, target=target)
+                for hs in self.fixed_head_sizes if backend == "wgsl" else ():
+                    for fixed in DECODE_FIXED:
+                        yield VariantKey(self.op, backend, kv, head_size=hs, fixed=fixed)
         for backend in self.matrix_backends:
             for matrix, kv, q, hs in self.matrix_variants_for(backend):
                 for access in self.matrix_accesses_for(backend):
@@ -378,6 +376,7 @@ ATTENTION_PUSH = tuple(PushField(name, kind) for name, kind in (
     ("softcap", "f32"),          # logit softcapping c (FlashInfer's logits_soft_cap): c tanh(logit / c); 0: off
     ("window", "u32"),           # a query sees keys at most window - 1 before it (window_left + 1); 0: no window
     ("variants", "u32"),         # VARIANT_* flags: which of the optional bindings below are read or written
+    ("q_type", "u32"),           # storage of query, out and dout: QUERY_TYPES.index(tag) (matrix modules: ignored)
 ))
 # The flags of `variants` (the kernels' VARIANT_* constants).
 VARIANT_ALIBI = 1                # alibi_slopes is read: logit += slope[head] * (key position - query position)
@@ -408,6 +407,10 @@ DECODE_STEP_SPEC_ID = 5
 # take one tile each, set by pagedvk/decode.py (values_with_keys): a tile's values are loaded beside its keys. 0, its
 # default, loads them after the tile's weights, in batches.
 DECODE_VALUES_SPEC_ID = 6
+# The scalar decode kernels' (shaders/paged_decode.comp, paged_decode_cpu.comp) head size, set per plan by
+# pagedvk/decode.py, so the driver unrolls the loops over head dims as it did when the head size was a define
+# (BENCHMARKS.md, "Module count"). 0 (its default) reads the push constant.
+DECODE_HEAD_SIZE_SPEC_ID = 7
 # The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
 # (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
 # dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.
@@ -441,11 +444,12 @@ PAGED_DECODE = KernelABI(
     workgroup_size=(128, 1, 1),
     kv_types=STORAGE_TYPES,
     q_types=QUERY_TYPES,
-    head_sizes=UNROLLED_HEAD_SIZES,
     spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
-                    (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_VALUES_SPEC_ID, "uint32")),
+                    (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_VALUES_SPEC_ID, "uint32"),
+                    (DECODE_HEAD_SIZE_SPEC_ID, "uint32")),
     # the CPU kernel (one subgroup a workgroup, no barriers) leaves every split to the reduce
-    target_spec_constants=(("cpu", ((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"))),),
+    target_spec_constants=(("cpu", ((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
+                                    (DECODE_HEAD_SIZE_SPEC_ID, "uint32"))),),
     fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
     targets=TARGETS,
     # float16 and fp8 caches (float16 queries), bfloat16 caches and queries, in vLLM's layout with 16-token blocks,
@@ -665,6 +669,7 @@ RESHAPE_AND_CACHE = KernelABI(
         ("v_token_stride", "u32"),
         ("v_dim_stride", "u32"),
         ("blocks_per_segment", "u32"),
+        ("token_type", "u32"),          # storage of key and value: QUERY_TYPES.index(tag)
     )),
     workgroup_size=(128, 1, 1),
     kv_types=STORAGE_TYPES,
