@@ -38,6 +38,13 @@ GLSL_INCLUDE_SUFFIX = ".glsl"
 STORAGE_TYPES = ("f32", "f16", "bf16", "e4m3", "e5m2")
 # Queries and outputs: the float types a model computes in.
 QUERY_TYPES = ("f32", "f16", "bf16")
+
+
+def q_type_code(tag: str) -> int:
+    """The push constant (q_type, token_type) that tells a kernel its query storage type."""
+    return QUERY_TYPES.index(tag)
+
+
 # Backward caches: fp8 caches are for inference.
 GRADIENT_CACHE_TYPES = ("f32", "f16", "bf16")
 # How kernels reach a cache larger than one binding (pagedvk.array.DeviceArray splits it into segments of whole

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks, kernels
-from .abi import RESHAPE_AND_CACHE
+from .abi import RESHAPE_AND_CACHE, q_type_code
 from .array import Array, DeviceArray, asarray
 from .opargs import backend_name, device_of
 from .dtypes import QUERY_TYPES, fp8_scale, storage_type
@@ -97,7 +97,7 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
             num_tokens=num_tokens, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
             block_size=spec.block_size, num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes),
             slot_words=np.dtype(slot_mapping.dtype).itemsize // 4, k_scale=k_scale, v_scale=v_scale,
-            blocks_per_segment=caches.blocks_per_segment, **element_strides)
+            blocks_per_segment=caches.blocks_per_segment, token_type=q_type_code(token_type.tag), **element_strides)
         module = RESHAPE_AND_CACHE.key(name, spec.storage.tag, token_type.tag, access=caches.access)
         pipeline = kernels.pipeline(device, RESHAPE_AND_CACHE, module)
         buffers = [arrays["key"].buffer, arrays["value"].buffer, arrays["slot_mapping"].buffer, caches.key,

@@ -17,9 +17,9 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checks, config, kernels
-from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, DECODE_MERGE_SPEC_ID,
-                  DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
-                  PAGED_DECODE_REDUCE)
+from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_MERGE_PARTITIONS,
+                  DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
+                  PAGED_DECODE_REDUCE, q_type_code)
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
@@ -308,7 +308,8 @@ class DecodePlan(Owned):
         self._no_lse = empty((4,), np.float32, self.device)   # the lse binding of runs that return none
         self._owned.append(self._no_lse)
         self.group_size = group_size(num_heads, num_kv_heads)
-        self.constants = kernel_constants(layout, self.group_size)
+        # The head size too: the scalar kernels' loops over head dims unroll on it (abi.DECODE_HEAD_SIZE_SPEC_ID).
+        self.constants = {**kernel_constants(layout, self.group_size), DECODE_HEAD_SIZE_SPEC_ID: head_size}
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
         max_seq_len = self.variants.span(min(int(lens.max(initial=0)), block_tables.shape[1] * block_size),
@@ -579,7 +580,7 @@ class DecodePlan(Owned):
             q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.scale * self.k_scale,
             v_scale=self.v_scale, group_size=self.group_size, partition_size=self.partition_size,
             num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
-            **variant_push)
+            q_type=q_type_code(self.query_type.tag), **variant_push)
         lse_buffer = (lse if lse is not None else self._no_lse).buffer
         decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants, self.constants),
                   (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *self._variant_buffers(sinks),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks, kernels
-from .abi import ATTENTION_PUSH, MERGE_STATES
+from .abi import ATTENTION_PUSH, MERGE_STATES, q_type_code
 from .array import Array, DeviceArray, asarray, empty
 from .dtypes import QUERY_TYPES, storage_type
 from .opargs import backend_name, device_of
@@ -50,7 +50,8 @@ def merge_attention_states(out_a: Array, lse_a: Array, out_b: Array, lse_b: Arra
     backend = backend_name(backend)
     rows, head_size = int(np.prod(shape[:-1])), shape[-1]
     push = MERGE_STATES.pack_push(**{f.name: 0 for f in ATTENTION_PUSH}
-                                  | dict(num_seqs=rows, head_size=head_size, scale=0.0, v_scale=0.0, softcap=0.0))
+                                  | dict(num_seqs=rows, head_size=head_size, scale=0.0, v_scale=0.0, softcap=0.0,
+                                         q_type=q_type_code(query_type.tag)))
     temporaries, results = [], []
     try:
         inputs = []

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import checks, kernels
 from .abi import (DELTA_ROWS_PER_THREAD, PAGED_BACKWARD_DELTA, PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL,
-                  PREFILL_HEAD_SIZE_SPEC_ID, PREFILL_WGSL_SHARED_BYTES)
+                  PREFILL_HEAD_SIZE_SPEC_ID, PREFILL_WGSL_SHARED_BYTES, q_type_code)
 from .array import Array, DeviceArray, asarray, empty
 from .decode import DecodePlan
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
@@ -210,7 +210,8 @@ class _Problem:
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=block_tables.shape[1], num_blocks=self.num_blocks,
             num_seqs=self.num_seqs, causal=int(self.causal), scale=self.scale * k_scale, v_scale=v_scale,
-            group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0, **strides,
+            group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0,
+            q_type=q_type_code(self.query_type.tag), **strides,
             **spec.strides())
         self.query_start_loc_arg = query_start_loc if self.ragged else self.query_start_loc
         # Device buffers a launch allocates for itself and frees with it, name -> (shape, dtype): the backward's
