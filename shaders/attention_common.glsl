@@ -45,6 +45,7 @@ layout(push_constant) uniform Params {
     float softcap;
     uint window;
     uint variants;
+    uint q_type;       // query, out and dout storage (kv_storage.glsl): 0 float32, 1 float16, 2 bfloat16
 } pc;
 
 const uint WG = 128u;              // == local_size_x

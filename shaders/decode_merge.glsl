@@ -117,9 +117,9 @@ void merge_partitions(uint seq, uint head0, uint heads, uint parts) {
         const float sink = variant_on(VARIANT_SINKS) && head < uint(sinks.length()) ? sinks[head] : NEG_INF;
         const vec2 fin = softmax_finish(m, total, sink);
         const uint at = (row * hs >> 1) + 2u * q;
-        if (at + 1u < uint(out_.length())) {
-            out_[at] = out_pair(acc.xy * (fin.x * pc.v_scale));
-            out_[at + 1u] = out_pair(acc.zw * (fin.x * pc.v_scale));
+        if (at + 1u < OUT_PAIRS(out_)) {
+            STORE_OUT_PAIR(out_, at, acc.xy * (fin.x * pc.v_scale))
+            STORE_OUT_PAIR(out_, at + 1u, acc.zw * (fin.x * pc.v_scale))
         }
         if (q == 0u && variant_on(VARIANT_LSE) && row < uint(lse.length())) lse[row] = fin.y;
     }

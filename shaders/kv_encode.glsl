@@ -47,13 +47,9 @@ uint kv_encode(float v) {   // e5m2: largest 57344 (0x7b)
 }
 #endif
 
-// Element i of an input read as 32-bit words.
-#if defined(Q_F32)
-#define TOKEN_ELEMENT(words, i) uintBitsToFloat(words[i])
-#elif defined(Q_F16)
-#define TOKEN_ELEMENT(words, i) unpackHalf2x16(words[(i) >> 1])[(i) & 1u]
-#elif defined(Q_BF16)
-#define TOKEN_ELEMENT(words, i) bf16x2(words[(i) >> 1])[(i) & 1u]
-#endif
+// Element i of an input of the push constants' token_type (abi.q_type_code: 0 float32, 1 float16, 2 bfloat16),
+// read as 32-bit words.
+#define TOKEN_ELEMENT(words, i) (pc.token_type == 0u ? uintBitsToFloat(words[i]) \
+    : pc.token_type == 1u ? unpackHalf2x16(words[(i) >> 1])[(i) & 1u] : bf16x2(words[(i) >> 1])[(i) & 1u])
 
 #endif

@@ -1,6 +1,7 @@
-// Element storage of caches, queries and outputs, selected by one define per axis of the module's variant
-// key (pagedvk/abi.py): KV_F32 | KV_F16 | KV_BF16 | KV_E4M3 | KV_E5M2 for the caches, Q_F32 | Q_F16 | Q_BF16
-// for queries and outputs. The WGSL twins are shaders/kv_<type>.wgsl and q_<type>.wgsl.
+// Element storage of caches, queries and outputs. The caches' type is one define of the module's variant key
+// (pagedvk/abi.py): KV_F32 | KV_F16 | KV_BF16 | KV_E4M3 | KV_E5M2. The queries' and outputs' type is read from the
+// push constants (q_type) by every kernel but the cooperative-matrix ones, which are built for one (Q_F32 | Q_F16 |
+// Q_BF16). The WGSL twins are shaders/kv_<type>.wgsl, q_any.wgsl and q_<type>.wgsl.
 //
 // Every buffer is read through 32-bit words and converted here, so no storage type needs a 16-bit or 8-bit
 // storage feature. Caches are bound as arrays of "quads", 4 consecutive elements (16, 8 or 4 bytes);
@@ -129,7 +130,32 @@ vec4 chunk_quad(uvec4 w, uint i) { return kv_quad(w[i]); }
 
 // Queries and outputs. Outputs are written two consecutive elements at a time (OUT_PAIR), so that no two
 // threads share a 32-bit word of a 16-bit output.
-#if defined(Q_F32)
+#if !defined(Q_F32) && !defined(Q_F16) && !defined(Q_BF16)
+// The type from the push constants: query-typed buffers are arrays of 32-bit words (Q_WORD). Quad i (4 consecutive
+// elements) is words 4i .. 4i+3 of float32, 2i .. 2i+1 of a 16-bit type; output pair p is words 2p, 2p+1 of float32,
+// word p of a 16-bit type. The branches are uniform over a launch, and only the queries' loads and the outputs'
+// stores take them, not the loops over the caches.
+#define Q_WORD uint
+const uint Q_TYPE_F32 = 0u, Q_TYPE_F16 = 1u;   // abi.q_type_code; 2 is bfloat16
+// Words of one quad, of one output pair.
+#define Q_QUAD_WORDS (pc.q_type == Q_TYPE_F32 ? 4u : 2u)
+#define OUT_PAIR_WORDS (pc.q_type == Q_TYPE_F32 ? 2u : 1u)
+vec4 q_half_quad(uint a, uint b, uint type) {   // a 16-bit type's quad from its two words
+    return type == Q_TYPE_F16 ? vec4(unpackHalf2x16(a), unpackHalf2x16(b)) : vec4(bf16x2(a), bf16x2(b));
+}
+// Quad i of a query-typed buffer `words` (an array of Q_WORD).
+#define Q_QUAD_AT(words, i) (pc.q_type == Q_TYPE_F32 \
+    ? uintBitsToFloat(uvec4(words[4u * (i)], words[4u * (i) + 1u], words[4u * (i) + 2u], words[4u * (i) + 3u])) \
+    : q_half_quad(words[2u * (i)], words[2u * (i) + 1u], pc.q_type))
+// Quads in a query-typed buffer, pairs in an output buffer.
+#define Q_QUADS(words) (uint(words.length()) / Q_QUAD_WORDS)
+#define OUT_PAIRS(words) (uint(words.length()) / OUT_PAIR_WORDS)
+// Output pair p of `words` := v.
+#define STORE_OUT_PAIR(words, p, v) { \
+    const vec2 v_ = (v); const uint p_ = (p); \
+    if (pc.q_type == Q_TYPE_F32) { words[2u * p_] = floatBitsToUint(v_.x); words[2u * p_ + 1u] = floatBitsToUint(v_.y); } \
+    else words[p_] = pc.q_type == Q_TYPE_F16 ? packHalf2x16(v_) : pack_bf16x2(v_); }
+#elif defined(Q_F32)
 #define Q_QUAD uvec4
 #define OUT_PAIR uvec2
 vec4 q_quad(uvec4 w) { return uintBitsToFloat(w); }
@@ -144,6 +170,12 @@ uint out_pair(vec2 v) { return packHalf2x16(v); }
 #define OUT_PAIR uint
 vec4 q_quad(uvec2 w) { return vec4(bf16x2(w.x), bf16x2(w.y)); }
 uint out_pair(vec2 v) { return pack_bf16x2(v); }
+#endif
+#if defined(Q_QUAD)   // a fixed type: the same accessors over arrays of Q_QUAD and OUT_PAIR
+#define Q_QUAD_AT(quads, i) q_quad(quads[i])
+#define Q_QUADS(quads) uint(quads.length())
+#define OUT_PAIRS(pairs) uint(pairs.length())
+#define STORE_OUT_PAIR(pairs, p, v) { pairs[p] = out_pair(v); }
 #endif
 
 #endif

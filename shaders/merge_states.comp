@@ -13,11 +13,11 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer OutA { Q_QUAD out_a[]; };   // [rows, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer OutA { Q_WORD out_a[]; };   // [rows, head_size]
 layout(std430, set = 0, binding = 1) readonly buffer LseA { float lse_a[]; };    // [rows]
-layout(std430, set = 0, binding = 2) readonly buffer OutB { Q_QUAD out_b[]; };
+layout(std430, set = 0, binding = 2) readonly buffer OutB { Q_WORD out_b[]; };
 layout(std430, set = 0, binding = 3) readonly buffer LseB { float lse_b[]; };
-layout(std430, set = 0, binding = 4) writeonly buffer Out { OUT_PAIR out_[]; };
+layout(std430, set = 0, binding = 4) writeonly buffer Out { Q_WORD out_[]; };
 layout(std430, set = 0, binding = 5) writeonly buffer Lse { float lse[]; };
 
 #ifndef KV_CHUNK_QUADS
@@ -31,7 +31,7 @@ void main() {
     const uint i = wg * 128u + gl_LocalInvocationID.x;   // quad i of the flattened outputs
     if (hq == 0u || i >= pc.num_seqs * hq) return;
     const uint row = i / hq;
-    if (i >= uint(out_a.length()) || i >= uint(out_b.length()) || 2u * i + 1u >= uint(out_.length())
+    if (i >= Q_QUADS(out_a) || i >= Q_QUADS(out_b) || 2u * i + 1u >= OUT_PAIRS(out_)
         || row >= uint(lse_a.length()) || row >= uint(lse_b.length()) || row >= uint(lse.length())) return;
     const float sa = lse_a[row], sb = lse_b[row];
     const float m = max(sa, sb);
@@ -41,11 +41,11 @@ void main() {
         const float wa = exp(sa - m), wb = exp(sb - m);   // exp(-inf) = 0: an empty part weighs nothing
         const float total = wa + wb;
         // An empty part's output is not read: 0 * NaN would be NaN.
-        if (sa != NEG_INF) o += (wa / total) * q_quad(out_a[i]);
-        if (sb != NEG_INF) o += (wb / total) * q_quad(out_b[i]);
+        if (sa != NEG_INF) o += (wa / total) * Q_QUAD_AT(out_a, i);
+        if (sb != NEG_INF) o += (wb / total) * Q_QUAD_AT(out_b, i);
         s = m + log(total);
     }
-    out_[2u * i] = out_pair(o.xy);
-    out_[2u * i + 1u] = out_pair(o.zw);
+    STORE_OUT_PAIR(out_, 2u * i, o.xy)
+    STORE_OUT_PAIR(out_, 2u * i + 1u, o.zw)
     if (i % hq == 0u) lse[row] = s;
 }

@@ -16,8 +16,8 @@
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
-layout(std430, set = 0, binding = 1) readonly buffer Dout { Q_QUAD dout[]; };            // like query
-layout(std430, set = 0, binding = 2) readonly buffer Out { Q_QUAD out_[]; };             // like query
+layout(std430, set = 0, binding = 1) readonly buffer Dout { Q_WORD dout[]; };            // like query
+layout(std430, set = 0, binding = 2) readonly buffer Out { Q_WORD out_[]; };             // like query
 layout(std430, set = 0, binding = 3) writeonly buffer Delta { float delta_[]; };         // like lse
 
 #ifndef KV_CHUNK_QUADS
@@ -34,7 +34,7 @@ void main() {
     const uint hq = hs / 4u;
     if (hs > MAX_HEAD_SIZE || hq == 0u || hs != pc.head_size || pc.num_heads == 0u) return;
     // The batch's rows (num_tokens * num_heads), bounded by dout's and out's whole rows and by delta.
-    const uint max_rows = min(uint(dout.length()), uint(out_.length())) / hq;
+    const uint max_rows = min(Q_QUADS(dout), Q_QUADS(out_)) / hq;
     const uint tokens = pc.num_seqs < uint(query_start_loc.length()) ? uint(max(query_start_loc[pc.num_seqs], 0)) : 0u;
     const uint rows = min(min(tokens, max_rows / pc.num_heads) * pc.num_heads, uint(delta_.length()));
     const uint r0 = (workgroup_index() * WG + gl_LocalInvocationID.x) * ROWS_PER_THREAD;
@@ -47,8 +47,8 @@ void main() {
         mat4 g;
         vec4 o[4];
         for (uint i = 0u; i < 4u; i++) {
-            g[i] = qb[i] != NO_ROW ? q_quad(dout[qb[i] + c]) : vec4(0.0);
-            o[i] = qb[i] != NO_ROW ? q_quad(out_[qb[i] + c]) : vec4(0.0);
+            g[i] = qb[i] != NO_ROW ? Q_QUAD_AT(dout, qb[i] + c) : vec4(0.0);
+            o[i] = qb[i] != NO_ROW ? Q_QUAD_AT(out_, qb[i] + c) : vec4(0.0);
         }
         delta += vec4((o[0] * g).x, (o[1] * g).y, (o[2] * g).z, (o[3] * g).w);
     }

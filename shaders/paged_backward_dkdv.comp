@@ -24,13 +24,13 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };            // [tokens, heads, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_WORD query[]; };            // [tokens, heads, head_size]
 #define KV_SEGMENT_BINDING 11   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockReaders { int block_readers[]; }; // see PAGED_BACKWARD_DKDV
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };          // [seqs]
 layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
-layout(std430, set = 0, binding = 6) readonly buffer Dout { Q_QUAD dout[]; };              // like query
+layout(std430, set = 0, binding = 6) readonly buffer Dout { Q_WORD dout[]; };              // like query
 layout(std430, set = 0, binding = 7) readonly buffer Delta { float delta_[]; };            // like lse: D of each row
 layout(std430, set = 0, binding = 8) readonly buffer Lse { float lse[]; };                 // [tokens, heads]
 layout(std430, set = 0, binding = 9) writeonly buffer DkCache { float dk_cache[]; };       // float32, key_cache's shape
@@ -85,7 +85,7 @@ void main() {
     const uint k_off = R * QK_STRIDE;
 
     const uint num_blocks = pc.num_blocks;   // held by the caches and by dk_cache, dv_cache (their shapes)
-    const uint row_floats = min(uint(query.length()), uint(dout.length())) * 4u;
+    const uint row_floats = min(Q_QUADS(query), Q_QUADS(dout)) * 4u;
     const uint first_entry = pc.num_blocks + 1u;   // block_readers: num_blocks + 1 offsets, then the pairs
     const uint entries = uint(max(int(block_readers.length()) - int(first_entry), 0));
 
@@ -148,7 +148,7 @@ void main() {
                             const uint r = lane_row + n * row_step;
                             const bool there = r < R && q_src[n] != NO_ROW && in_head;
                             rv[n] = !there ? vec4(0.0)
-                                : phase == 0u ? q_quad(query[q_src[n] + c0]) : q_quad(dout[q_src[n] + c0]);
+                                : phase == 0u ? Q_QUAD_AT(query, q_src[n] + c0) : Q_QUAD_AT(dout, q_src[n] + c0);
                         }
                         [[unroll]] for (uint n = 0u; n < 4u; n++) {
                             const uint r = lane_row + n * row_step;
@@ -190,8 +190,8 @@ void main() {
                     [[unroll]] for (uint n = 0u; n < 4u; n++) {
                         const uint gr = r0 + s0 + sr[n], q = row_base(q_start, kv_head, gr);
                         const bool there = tid + WG * n < VR * hq && s0 + sr[n] < R && gr < rows && q + hs <= row_floats;
-                        qv[n] = there ? q_quad(query[q / 4u + sc[n]]) : vec4(0.0);
-                        gv[n] = there ? q_quad(dout[q / 4u + sc[n]]) : vec4(0.0);
+                        qv[n] = there ? Q_QUAD_AT(query, q / 4u + sc[n]) : vec4(0.0);
+                        gv[n] = there ? Q_QUAD_AT(dout, q / 4u + sc[n]) : vec4(0.0);
                     }
                     [[unroll]] for (uint n = 0u; n < 4u; n++) {
                         if (tid + WG * n >= VR * hq) break;

@@ -22,14 +22,14 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };          // [tokens, heads, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_WORD query[]; };          // [tokens, heads, head_size]
 #define KV_SEGMENT_BINDING 11   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
 layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };             // [tiles, 2]
-layout(std430, set = 0, binding = 7) readonly buffer Dout { Q_QUAD dout[]; };            // like query
+layout(std430, set = 0, binding = 7) readonly buffer Dout { Q_WORD dout[]; };            // like query
 layout(std430, set = 0, binding = 8) readonly buffer Delta { float delta_[]; };          // like lse: D of each row
 layout(std430, set = 0, binding = 9) readonly buffer Lse { float lse[]; };               // [tokens, heads]
 layout(std430, set = 0, binding = 10) writeonly buffer Dq { float dq[]; };               // like query
@@ -60,7 +60,7 @@ void main() {
     if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u
         || hs != pc.head_size) return;
     // query and dout share one shape: a row is in both or the launch is malformed.
-    const uint row_floats = min(uint(query.length()), uint(dout.length())) * 4u;
+    const uint row_floats = min(Q_QUADS(query), Q_QUADS(dout)) * 4u;
     const uvec2 queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));
     const uint q_start = queries.x, q_len = queries.y;
     const uint rows = group * q_len;
@@ -140,7 +140,7 @@ void main() {
                     const uint r = lane_row + n * row_step, b = uint(k_phys[n]), t = r & (bs - 1u);
                     const bool there = r < ROWS && q_src[n] != NO_ROW && in_head;
                     rv[n] = !there ? vec4(0.0)
-                        : phase == 0u ? q_quad(query[q_src[n] + c0]) : q_quad(dout[q_src[n] + c0]);
+                        : phase == 0u ? Q_QUAD_AT(query, q_src[n] + c0) : Q_QUAD_AT(dout, q_src[n] + c0);
                     kv[n] = k_phys[n] < 0 || !in_head ? vec4(0.0)   // k_phys is -1 past the tile
                         : phase == 0u ? kv_quad(key_load(b, key_offset(kv_head, t, c0 + cl)))
                         : value_quad(b, kv_head, t, c0 + cl);

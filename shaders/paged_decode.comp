@@ -38,12 +38,12 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };           // [seqs, heads, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_WORD query[]; };           // [seqs, heads, head_size]
 #define KV_SEGMENT_BINDING 11  // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
-layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, head_size]
+layout(std430, set = 0, binding = 5) writeonly buffer Out { Q_WORD out_[]; };         // [seqs, heads, head_size]
 // Coherent: the last workgroup of a split merged here reads what the others wrote (decode_merge.glsl).
 layout(std430, set = 0, binding = 6) coherent buffer PartialOut { vec2 partial_out[]; };  // [seqs, heads, partitions, head_size]
 // [seqs, heads, partitions]: (max, sum) as float bits; then MERGE_IN_DECODE's counters, one a (sequence, head group) in .x
@@ -81,11 +81,11 @@ const uint MAX_QUADS = MAX_HEAD_SIZE / 4u;
 // WG. A loop to this constant unrolls, so acc_a/acc_b stay in registers; with a bound of 2 and a skipped second
 // pass the H200's compiler kept them in local memory, and the kernel took 1.22x the time (630 against 516 us at
 // 64 x 4096 float16; BENCHMARKS.md).
-#ifdef HEAD_SIZE
-const uint SLOTS = (HEAD_SIZE + WG - 1u) / WG;
-#else
-const uint SLOTS = 2u;
-#endif
+// The head size, specialized per plan (abi.DECODE_HEAD_SIZE_SPEC_ID, pagedvk/decode.py) so that the loops over
+// head dims unroll to it; 0 reads the push constant. A pipeline specialized for another head size than the push
+// constants' writes nothing.
+layout(constant_id = 7) const uint HEAD_SIZE = 0u;
+const uint SLOTS = HEAD_SIZE != 0u ? (HEAD_SIZE + WG - 1u) / WG : 2u;
 
 // Specialized per plan (pagedvk/decode.py; abi.DECODE_VALUE_ORDER_SPEC_ID, abi.DECODE_GROUP_SPEC_ID), so the
 // pipeline holds one layout's V stage and one width of head group: the H200's compiler gave the kernel with
@@ -189,11 +189,7 @@ uvec4 value_chunk(uint cur, uint row_d, uint n, uint vchunks, uint bs_log2) {
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-#ifdef HEAD_SIZE
-    const uint hs = HEAD_SIZE;          // a compile-time head size lets the loops over head dims unroll
-#else
-    const uint hs = pc.head_size;
-#endif
+    const uint hs = HEAD_SIZE != 0u ? HEAD_SIZE : pc.head_size;   // a constant where specialized: loops unroll
     const uint bs = pc.block_size;          // a power of two (8, 16 or 32): divisions by it are shifts
     const uint bs_log2 = uint(findLSB(bs)), bs_mask = bs - 1u;
     const uint group = pc.group_size;
@@ -203,7 +199,7 @@ void main() {
     const uint wg = workgroup_index();
     const uint seq = (wg / head_groups) % max(pc.num_seqs, 1u);
     const uint part = wg / (head_groups * max(pc.num_seqs, 1u));
-    if (group == 0u || group > MAX_GROUP || P == 0u || hs > MAX_HEAD_SIZE || bs < MIN_BLOCK_SIZE
+    if (group == 0u || group > MAX_GROUP || P == 0u || hs > MAX_HEAD_SIZE || hs != pc.head_size || bs < MIN_BLOCK_SIZE
         || bs > TILE || part >= pc.num_partitions) return;
     // A pipeline specialized for other arguments than the push constants' writes nothing (the plan keeps them
     // equal: pagedvk/decode.py).
@@ -213,7 +209,7 @@ void main() {
     const uint kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     const uint hq = hs / 4u;                                     // quads of one head
     const uint q_quad0 = (seq * pc.num_heads + head0) * hq;
-    if (q_quad0 + group * hq > uint(query.length())) return;
+    if (q_quad0 + group * hq > Q_QUADS(query)) return;
 
     const uint row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(row), 0)));
@@ -231,7 +227,7 @@ void main() {
 
     for (uint i = tid; i < MAX_GROUP * hq; i += WG) {
         const uint g = i % MAX_GROUP, c = i / MAX_GROUP;
-        s_q[i] = g < group ? q_quad(query[q_quad0 + g * hq + c]) * pc.scale : vec4(0.0);
+        s_q[i] = g < group ? Q_QUAD_AT(query, q_quad0 + g * hq + c) * pc.scale : vec4(0.0);
     }
     const uvec4 heads_a = head0 + uvec4(0u, 1u, 2u, 3u), heads_b = heads_a + 4u;
     const uvec4 in_a = uvec4(lessThan(uvec4(0u, 1u, 2u, 3u), uvec4(group)));
@@ -438,7 +434,7 @@ void main() {
             const vec2 fin = softmax_finish(m, l, sink_logit(head));
             o *= fin.x;
             const uint pair = ((seq * pc.num_heads + head) * hs + d0) >> 1;
-            if (pair < uint(out_.length())) out_[pair] = out_pair(o * pc.v_scale);
+            if (pair < OUT_PAIRS(out_)) STORE_OUT_PAIR(out_, pair, o * pc.v_scale)
             const uint lse_row = seq * pc.num_heads + head;
             if (d0 == 0u && variant_on(VARIANT_LSE) && lse_row < uint(lse.length())) lse[lse_row] = fin.y;
         } else {

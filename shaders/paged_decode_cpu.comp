@@ -23,7 +23,7 @@
 // many memory instructions do not (dont_unroll, or a bound known only at run time): llvmpipe makes each a loop
 // over the lanes, and its compile time grows with their count (a first version with an accumulator for every
 // head dim in each lane took 16-20 s to compile against 2 s now). The head size is a compile-time constant in
-// the unrolled modules; the generic module runs the loops to MAX_HEAD_SIZE, guarded.
+// pipelines specialized for it (every plan's); without it the loops run to MAX_HEAD_SIZE, guarded.
 //
 // Every index into a buffer is bounded as in paged_decode.comp: block ids outside the cache, lengths beyond
 // the block-table row and rows beyond the table are treated as empty, never read.
@@ -35,12 +35,12 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };           // [seqs, heads, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_WORD query[]; };           // [seqs, heads, head_size]
 #define KV_SEGMENT_BINDING 11  // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // quads (kv_storage.glsl)
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
-layout(std430, set = 0, binding = 5) writeonly buffer Out { OUT_PAIR out_[]; };         // [seqs, heads, head_size]
+layout(std430, set = 0, binding = 5) writeonly buffer Out { Q_WORD out_[]; };         // [seqs, heads, head_size]
 layout(std430, set = 0, binding = 6) writeonly buffer PartialOut { vec2 partial_out[]; }; // [seqs, heads, partitions, head_size]
 layout(std430, set = 0, binding = 7) writeonly buffer PartialStats { vec2 partial_stats[]; }; // [seqs, heads, partitions]: (max, sum)
 layout(std430, set = 0, binding = 8) readonly buffer AlibiSlopes { float alibi_slopes[]; }; // [heads] (VARIANT_ALIBI)
@@ -52,11 +52,9 @@ layout(std430, set = 0, binding = 10) writeonly buffer Lse { float lse[]; };    
 #include "decode_common.glsl"
 
 const uint MAX_GROUP = 8u;   // query heads per workgroup: two vec4s (heads 0-3, heads 4-7), as paged_decode.comp
-#ifdef HEAD_SIZE
-const uint DIMS = HEAD_SIZE;
-#else
-const uint DIMS = MAX_HEAD_SIZE;
-#endif
+// The head size, specialized per plan (abi.DECODE_HEAD_SIZE_SPEC_ID); 0 reads the push constant.
+layout(constant_id = 7) const uint HEAD_SIZE = 0u;
+const uint DIMS = HEAD_SIZE != 0u ? HEAD_SIZE : MAX_HEAD_SIZE;
 const uint QUADS = DIMS / 4u;
 const uint MIN_LANES = 4u;                 // subgroups narrower than this are not given the kernel (pagedvk/decode.py)
 const uint SLOTS = QUADS / MIN_LANES;      // head-dim quads a lane owns at most in the V stage
@@ -78,11 +76,7 @@ vec4 weight(vec4 x, vec4 m) {
 void main() {
     if (gl_SubgroupID != 0u) return;   // one subgroup takes the workgroup's work: no barrier anywhere
     const uint lane = gl_SubgroupInvocationID, lanes = gl_SubgroupSize;
-#ifdef HEAD_SIZE
-    const uint hs = HEAD_SIZE;
-#else
-    const uint hs = pc.head_size;
-#endif
+    const uint hs = HEAD_SIZE != 0u ? HEAD_SIZE : pc.head_size;
     const uint bs = pc.block_size;          // a power of two (8, 16 or 32)
     const uint bs_log2 = uint(findLSB(bs)), bs_mask = bs - 1u;
     const uint group = pc.group_size;
@@ -92,7 +86,7 @@ void main() {
     const uint wg = workgroup_index();
     const uint seq = (wg / head_groups) % max(pc.num_seqs, 1u);
     const uint part = wg / (head_groups * max(pc.num_seqs, 1u));
-    if (group == 0u || group > MAX_GROUP || P == 0u || hs > DIMS || bs < MIN_BLOCK_SIZE || bs > WG
+    if (group == 0u || group > MAX_GROUP || P == 0u || hs > DIMS || hs != pc.head_size || bs < MIN_BLOCK_SIZE || bs > WG
         || part >= pc.num_partitions || lanes < MIN_LANES) return;
     if ((GROUP_LIMIT != 0u && group > GROUP_LIMIT) || (VALUE_ORDER != 0u && (pc.v_dim_stride == 1u) != (VALUE_ORDER == 2u)))
         return;
@@ -100,7 +94,7 @@ void main() {
     const uint kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     const uint hq = hs / 4u;
     const uint q_quad0 = (seq * pc.num_heads + head0) * hq;
-    if (q_quad0 + group * hq > uint(query.length())) return;
+    if (q_quad0 + group * hq > Q_QUADS(query)) return;
 
     const uint row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(row), 0)));
@@ -118,7 +112,7 @@ void main() {
     [[unroll]] for (uint c = 0u; c < QUADS; c++) {
         mat4 a = mat4(0.0), b = mat4(0.0);
         [[unroll]] for (uint g = 0u; g < MAX_GROUP; g++) {
-            const vec4 q = g < group && c < hq ? q_quad(query[q_quad0 + g * hq + c]) * pc.scale : vec4(0.0);
+            const vec4 q = g < group && c < hq ? Q_QUAD_AT(query, q_quad0 + g * hq + c) * pc.scale : vec4(0.0);
             if (g < 4u) a[g] = q; else b[g - 4u] = q;
         }
         qa[c] = a; qb[c] = b;
@@ -241,7 +235,7 @@ void main() {
                                             element(in_b ? acc_b[4u * s + 2u * h + 1u] : acc_a[4u * s + 2u * h + 1u], gi));
                 if (pc.num_partitions == 1u) {
                     const uint pair = ((seq * pc.num_heads + head) * hs + d0) >> 1;
-                    if (pair < uint(out_.length())) out_[pair] = out_pair(o * pc.v_scale);
+                    if (pair < OUT_PAIRS(out_)) STORE_OUT_PAIR(out_, pair, o * pc.v_scale)
                 } else if (partial_fits) {
                     partial_out[(slot * hs + d0) >> 1] = o;
                 }

@@ -11,7 +11,7 @@ layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 layout(std430, set = 0, binding = 0) readonly buffer SeqLens { int seq_lens[]; };              // [seqs]
 layout(std430, set = 0, binding = 1) readonly buffer PartialOut { vec2 partial_out[]; };      // [seqs, heads, partitions, head_size]
 layout(std430, set = 0, binding = 2) readonly buffer PartialStats { uvec2 partial_stats[]; }; // [seqs, heads, partitions]: float bits
-layout(std430, set = 0, binding = 3) writeonly buffer Out { OUT_PAIR out_[]; };               // [seqs, heads, head_size]
+layout(std430, set = 0, binding = 3) writeonly buffer Out { Q_WORD out_[]; };               // [seqs, heads, head_size]
 layout(std430, set = 0, binding = 4) readonly buffer Sinks { float sinks[]; };                // [heads] (VARIANT_SINKS)
 layout(std430, set = 0, binding = 5) writeonly buffer Lse { float lse[]; };                   // [seqs, heads] (VARIANT_LSE)
 

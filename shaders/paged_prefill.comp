@@ -29,14 +29,14 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_QUAD query[]; };         // [tokens, heads, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_WORD query[]; };         // [tokens, heads, head_size]
 #define KV_SEGMENT_BINDING 11  // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
 layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };            // [tiles, 2]
-layout(std430, set = 0, binding = 7) writeonly buffer Out { OUT_PAIR out_[]; };         // like query
+layout(std430, set = 0, binding = 7) writeonly buffer Out { Q_WORD out_[]; };         // like query
 layout(std430, set = 0, binding = 8) writeonly buffer Lse { float lse[]; };             // [tokens, heads]
 layout(std430, set = 0, binding = 9) readonly buffer AlibiSlopes { float alibi_slopes[]; }; // [heads] (VARIANT_ALIBI)
 layout(std430, set = 0, binding = 10) readonly buffer Sinks { float sinks[]; };            // [heads] (VARIANT_SINKS)
@@ -90,7 +90,7 @@ void main() {
     uint kv_head, seq, row0;
     if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u
         || hs != pc.head_size) return;
-    const uint query_elems = uint(query.length()) * 4u;
+    const uint query_elems = Q_QUADS(query) * 4u;
     const uvec2 queries = sequence_queries(seq, query_elems / (hs * pc.num_heads));
     const uint q_start = queries.x, q_len = queries.y;
     const uint rows = group * q_len;
@@ -182,7 +182,7 @@ void main() {
             vec4 qv[4], kv[4];
             [[unroll]] for (uint n = 0u; n < 4u; n++) {
                 const uint r = lane_row + n * row_step;
-                qv[n] = r < ROWS && q_src[n] != NO_ROW && in_head ? q_quad(query[q_src[n] + c0]) : vec4(0.0);
+                qv[n] = r < ROWS && q_src[n] != NO_ROW && in_head ? Q_QUAD_AT(query, q_src[n] + c0) : vec4(0.0);
                 kv[n] = r < KT && k_phys[n] >= 0 && in_head
                     ? kv_quad(key_load(uint(k_phys[n]), k_tok[n] + key_offset(0u, 0u, c0 + cl))) : vec4(0.0);
             }
@@ -262,15 +262,15 @@ void main() {
     for (uint i = 0u; i < 4u; i++) {
         const uint gr = row0 + 4u * rg + i;
         const uint q = row_base(q_start, kv_head, gr);
-        if (gr >= row_end || q + hs > 2u * uint(out_.length())) continue;
+        if (gr >= row_end || q + hs > 2u * OUT_PAIRS(out_)) continue;
         // A row that sees no key gives zeros; the sink (a variant) joins the denominator and the lse.
         const vec2 fin = softmax_finish(m[i], l[i], sink_logit(heads[i]));
         const mat4 o = (i == 0u ? o0 : i == 1u ? o1 : i == 2u ? o2 : o3) * (fin.x * pc.v_scale);
         for (uint j = 0u; j < 4u; j++) {
             if (cols[j] >= hq) break;
             const uint at = (q + 4u * cols[j]) >> 1;
-            out_[at] = out_pair(o[j].xy);
-            out_[at + 1u] = out_pair(o[j].zw);
+            STORE_OUT_PAIR(out_, at, o[j].xy)
+            STORE_OUT_PAIR(out_, at + 1u, o[j].zw)
         }
         if (cg == 0u && q / hs < uint(lse.length())) lse[q / hs] = fin.y;
     }

@@ -56,6 +56,7 @@ layout(push_constant) uniform Params {
     uint v_token_stride;
     uint v_dim_stride;
     uint blocks_per_segment;
+    uint token_type;   // key and value storage: 0 float32, 1 float16, 2 bfloat16 (kv_encode.glsl's TOKEN_ELEMENT)
 } pc;
 
 const uint X = 128u / KV_BITS;                 // vLLM's x: elements per 16-byte key chunk

@@ -18,6 +18,18 @@ import pagedvk
 pagedvk.array.POISON_EMPTY = True
 
 
+# -- tiers: the default run covers every op, cache type, layout, backend, kernel and variant and every rejected input;
+# the rest of each matrix (every head size, block size, group width...) is marked `full` and runs with
+# `pytest -m "full or not full"` (pyproject.toml deselects it by default). Which value goes where is said where
+# the test is parametrized.
+
+def tiered(values, default):
+    """parametrize's argvalues: `values`, those not in `default` marked `full` (the exhaustive tier)."""
+    def param(v):
+        return pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.full)
+    return [v if v in default else param(v) for v in values]
+
+
 def rel_error(out, ref) -> float:
     out = np.asarray(out, dtype=np.float64)
     assert np.isfinite(out).all(), "output has NaN or inf (unwritten, or poisoned and never overwritten)"

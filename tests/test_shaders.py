@@ -1,5 +1,6 @@
 """The SPIR-V modules: present, valid, built from the current sources, and matching their declared ABI."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from conftest import run_python
 REPO = Path(__file__).resolve().parent.parent
 MODULES = [(k, key) for k in abi.KERNELS for key in k.keys()]
 IDS = [key.name for _, key in MODULES]
-DECODE_F32 = abi.PAGED_DECODE.key("glsl", "f32", "f32")
+DECODE_F32 = abi.PAGED_DECODE.key("glsl", "f32", "f32")   # the float32-cache decode module
 
 
 def spirv_val():
@@ -27,33 +28,51 @@ def spirv_val():
     return tool
 
 
-@pytest.mark.parametrize("kernel,key", MODULES, ids=IDS)
-def test_module_installed_and_valid(kernel, key):
+def module_problems(kernel, key) -> list:
+    """What is wrong with one built module: missing, refused by spirv-val, or not the interface abi.py declares."""
     path = kernels.module_path(key.name)
-    assert path.is_file(), f"{path} missing"
+    if not path.is_file():
+        return [f"{path} missing"]
     # cooperative-matrix modules: the newer spirv-val the build found (the system's may not know them)
     tool, env = (build_script().matrix_tools()[1:]) if key.matrix else (spirv_val(), None)
     result = subprocess.run([tool, "--target-env", key.target_env, str(path)], capture_output=True, text=True,
                             env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-@pytest.mark.parametrize("kernel,key", MODULES, ids=IDS)
-def test_module_matches_declared_abi(kernel, key):
-    r = spirv.reflect_file(kernels.module_path(key.name))
-    assert "main" in r.entry_points
-    assert r.local_size == kernel.workgroup_size
+    if result.returncode != 0:
+        return [f"spirv-val: {result.stdout}{result.stderr}"]
+    r = spirv.reflect_file(path)
     bindings = kernel.bindings_for(key)
-    assert [(b.set, b.binding) for b in r.bindings] == [(0, i) for i in range(len(bindings))]
-    assert all(b.kind == "storage_buffer" for b in r.bindings)
-    assert [b.readonly for b in r.bindings] == [b.readonly for b in bindings], \
-        f"read-only flags differ from {[b.name for b in bindings]}"
-    assert r.push_constant_size == kernel.push_size
-    assert [m.offset for m in r.push_constant_members] == list(kernel.push_offsets().values())
-    assert all(m.size == 4 for m in r.push_constant_members)
     # Sizes are fixed at build time; specialization constants turn the attention variants' code off, and pick
-    # the decode kernel's V stage and head-group width (naga emits none: WGSL modules keep push-constant tests).
-    assert r.spec_constants == kernel.specialization_constants(key)
+    # the decode kernel's V stage, head-group width and head size (naga emits none: WGSL modules keep push-constant
+    # tests).
+    checks = {
+        "entry point main": "main" in r.entry_points,
+        "workgroup size": r.local_size == kernel.workgroup_size,
+        "binding numbers": [(b.set, b.binding) for b in r.bindings] == [(0, i) for i in range(len(bindings))],
+        "storage buffers only": all(b.kind == "storage_buffer" for b in r.bindings),
+        f"read-only flags of {[b.name for b in bindings]}": [b.readonly for b in r.bindings]
+        == [b.readonly for b in bindings],
+        "push-constant size": r.push_constant_size == kernel.push_size,
+        "push-constant offsets": [m.offset for m in r.push_constant_members] == list(kernel.push_offsets().values()),
+        "4-byte push constants": all(m.size == 4 for m in r.push_constant_members),
+        "specialization constants": r.spec_constants == kernel.specialization_constants(key),
+    }
+    return [f"{what} differs from abi.py" for what, ok in checks.items() if not ok]
+
+
+def test_every_module_is_valid_and_matches_its_declared_abi():
+    # One test for every built module: spirv-val once each (the build ran it too, on the module before it was
+    # installed), then the module's reflected interface against its declaration.
+    problems = {key.name: p for kernel, key in MODULES if (p := module_problems(kernel, key))}
+    assert not problems, "\n".join(f"{name}: {'; '.join(p)}" for name, p in problems.items())
+
+
+def test_a_module_that_differs_from_its_declaration_is_caught(monkeypatch):
+    # The check above can fail: a declaration with one binding less and a push constant more is two problems.
+    kernel = abi.MERGE_STATES
+    key = kernel.key("glsl", q="f32")
+    wrong = dataclasses.replace(kernel, bindings=kernel.bindings[:-1],
+                                push=kernel.push + (abi.PushField("extra", "u32"),))
+    assert len(module_problems(wrong, key)) >= 3   # binding numbers, read-only flags, push size and offsets
 
 
 def test_modules_are_current():
