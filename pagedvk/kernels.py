@@ -1,8 +1,9 @@
 """Finds the SPIR-V module of an op for a backend and storage variant, and its pipeline on a device.
 
 Modules are built ahead of time (build_shaders.py, run by `pip install`); nothing compiles at run time.
-In a source checkout the module's recorded source digest is compared with the shaders on disk, so a
-module built from older sources is refused instead of silently running stale code.
+In a source checkout the module's recorded source digest is compared with the shaders on disk (its source and
+the includes the build recorded it using), so a module built from older sources is refused instead of silently
+running stale code.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ def module_path(name: str) -> Path:
     return SPV_DIR / f"{name}.spv"
 
 
+def is_current(entry: dict, key: abi_mod.VariantKey) -> bool:
+    """Whether a module's manifest entry matches the shaders in SOURCE_SHADER_DIR: its source and the includes
+    it was built with (entry["includes"]; every include file for entries without that list)."""
+    try:
+        return entry["digest"] == abi_mod.source_digest(SOURCE_SHADER_DIR, key, entry.get("includes"))
+    except OSError:   # a file it was built from is gone
+        return False
+
+
 def load_spirv(kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> bytes:
     if key not in set(kernel.keys()):
         raise ShaderModuleError(f"{kernel.op} has no module {key.name}")
@@ -47,7 +57,7 @@ def load_spirv(kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> bytes:
     if entry is None or not path.is_file():
         raise ShaderModuleError(f"SPIR-V module {key.name} is missing ({path}): {REBUILD_HINT}")
     source = SOURCE_SHADER_DIR / entry["source"]
-    if source.is_file() and entry["digest"] != abi_mod.source_digest(SOURCE_SHADER_DIR, key):
+    if source.is_file() and not is_current(entry, key):
         raise ShaderModuleError(f"SPIR-V module {key.name} is stale: {source} (or a file it includes) changed "
                                 f"after it was built; {REBUILD_HINT}")
     return path.read_bytes()
