@@ -16,13 +16,16 @@ the library refuses one whose sources changed since.
 
     python build_shaders.py                  # into pagedvk/spv/, for development: only what changed
     python build_shaders.py --out DIR        # what CMake calls during `pip install .`
+    python build_shaders.py --list           # the module count per kernel and per axis; builds nothing
 """
 
 from __future__ import annotations
 
 import argparse
 import array
+import collections
 import concurrent.futures
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -822,13 +825,42 @@ def build(out_dir: Path, backends: tuple = ("glsl", "wgsl"), keys=None, verbose:
     return manifest
 
 
+# The axes `--list` counts modules along (VariantKey's fields; a new field shows up under its own name).
+AXIS_NAMES = {"backend": "backend", "kv": "cache storage", "access": "cache access", "q": "query storage",
+              "head_size": "head size", "reduce": "reduce", "target": "target", "fixed": "fixed", "matrix": "matrix"}
+
+
+def module_counts(keys) -> str:
+    """The module count per kernel and per value of each axis, then the total: what each axis costs."""
+    keys = list(keys)
+    lines = ["modules per kernel:"]
+    per_op = collections.Counter(key.op for key in keys)
+    lines += [f"  {op:<24} {n:>5}" for op, n in per_op.items()]
+    lines.append("modules per axis (value count; - where the axis does not apply or takes its default):")
+    for field in dataclasses.fields(keys[0]) if keys else ():
+        if field.name == "op":
+            continue
+        counts = collections.Counter(getattr(key, field.name) for key in keys)
+        values = sorted(counts, key=lambda v: (v != field.default, v))
+        lines.append(f"  {AXIS_NAMES.get(field.name, field.name):<24} "
+                     + "  ".join(f"{v if v != field.default else '-'} {counts[v]}" for v in values))
+    lines.append(f"total {len(keys)} modules")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: pagedvk/spv)")
     parser.add_argument("--backend", choices=("glsl", "wgsl", "all"), default="all")
+    parser.add_argument("--list", action="store_true",
+                        help="print the module count per kernel and per axis; build nothing")
     parser.add_argument("-q", "--quiet", action="store_true", help="no line per module built")
     args = parser.parse_args(argv)
     backends = ("glsl", "wgsl") if args.backend == "all" else (args.backend,)
+    if args.list:
+        abi = load_abi()
+        print(module_counts(key for kernel in abi.KERNELS for key in kernel.keys() if key.backend in backends))
+        return 0
     try:
         build(args.out.resolve(), backends, verbose=not args.quiet)
     except BuildError as e:

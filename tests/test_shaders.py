@@ -1,5 +1,6 @@
 """The SPIR-V modules: present, valid, built from the current sources, and matching their declared ABI."""
 
+import collections
 import json
 import os
 import re
@@ -664,3 +665,20 @@ def test_stale_check_hashes_the_includes_the_build_recorded(built_kernels, shade
     (shaders_copy / "prefill_matrix.glsl").unlink()   # an include it used, gone
     with pytest.raises(pagedvk.ShaderModuleError, match=re.escape(PREFILL_MATRIX_GLSL) + " is stale"):
         kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+
+
+def test_list_counts_every_module_per_kernel_and_axis(tmp_path, capsys):
+    assert build_script().main(["--list", "--out", str(tmp_path / "out")]) == 0
+    assert not (tmp_path / "out").exists()   # built nothing
+    text = capsys.readouterr().out
+    assert int(re.search(r"^total (\d+) modules$", text, re.M)[1]) == len(MODULES)
+    kernel_part, axis_part = text.split("modules per axis")
+    per_kernel = {op: int(n) for op, n in re.findall(r"^  (\w+) +(\d+)$", kernel_part, re.M)}
+    assert per_kernel == collections.Counter(key.op for _, key in MODULES)
+    axes = {line[2:26].strip(): dict(re.findall(r"(\S+) (\d+)", line[26:]))
+            for line in axis_part.splitlines()[1:] if line.startswith("  ")}
+    assert {"backend", "cache storage", "cache access", "reduce", "target", "fixed", "matrix"} <= axes.keys()
+    for axis, counts in axes.items():
+        assert sum(map(int, counts.values())) == len(MODULES), axis
+    assert int(axes["backend"]["wgsl"]) == sum(key.backend == "wgsl" for _, key in MODULES)
+    assert int(axes["matrix"]["coopmat"]) == sum(bool(key.matrix) for _, key in MODULES)
