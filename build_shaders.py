@@ -12,7 +12,8 @@ The build is incremental. manifest.json records, for each module, its source, th
 glslang's --depfile; WGSL: its `//!include` files after the key's substitutions), their digest with the key's
 defines, includes and constants (abi.source_digest), and the toolchain's fingerprint (this script's text, the
 compiler's and validator's versions); a module whose file is there and whose record still holds is kept, and
-the library refuses one whose sources changed since.
+the library refuses one whose sources changed since. Under "backends" it records which backends it holds
+modules of: without naga the default build makes the GLSL modules only, says so in one line and succeeds.
 
     python build_shaders.py                  # into pagedvk/spv/, for development: only what changed
     python build_shaders.py --out DIR        # what CMake calls during `pip install .`
@@ -744,8 +745,10 @@ def read_manifest(out_dir: Path) -> dict:
 
 
 def write_manifest(out_dir: Path, modules: dict) -> dict:
-    """Write the manifest (atomically): each module's entry."""
-    manifest = dict(modules)
+    """Write the manifest (atomically): each module's entry, and under "backends" the backends it holds
+    modules of (pagedvk.kernels refuses the others with a message saying how to build them)."""
+    abi = load_abi()
+    manifest = {**modules, "backends": [b for b in abi.BACKENDS if any(n.endswith("." + b) for n in modules)]}
     partial = out_dir / f".{MANIFEST}.partial"
     partial.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     os.replace(partial, out_dir / MANIFEST)
@@ -763,23 +766,32 @@ def is_current(entry: dict | None, key, out_dir: Path, shader_dir: Path, fingerp
         return False
 
 
+SKIPPED_WGSL = ("build_shaders.py: WGSL modules skipped (no naga: neither a `naga` CLI on PATH nor Node.js with "
+                "node_modules/naga-wasm); run `npm ci` in the source tree (or put a naga CLI on PATH) and build again "
+                "for them")
+
+
 def build(out_dir: Path, backends: tuple = ("glsl", "wgsl"), keys=None, verbose: bool = True,
-          shader_dir: Path | None = None) -> dict:
+          shader_dir: Path | None = None, wgsl_optional: bool = False) -> dict:
     """Build the modules of `backends` into out_dir, those of `keys` only where given (default: every module
     abi.KERNELS declares), from shader_dir (default shaders/); the manifest written and returned, and one line
     printed saying how many modules were built and how many kept (verbose: a line per module built too).
 
     Incremental: a module whose file is there and whose entry records this toolchain and the digest its sources
     have now is kept. Entries (and files) of modules abi no longer declares are dropped; the other backends'
-    modules are kept. A failed build leaves every module whole, and the manifest naming only modules built as it
-    says."""
+    modules are kept. wgsl_optional: without naga, build the GLSL modules and say in one line that the WGSL ones
+    were skipped (else that fails). A failed build leaves every module whole, and the manifest naming only
+    modules built as it says."""
     abi = load_abi()
     shader_dir = Path(shader_dir or SHADER_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     declared = [key for kernel in abi.KERNELS for key in kernel.keys()]
     keys = [key for key in (declared if keys is None else keys) if key.backend in backends]
     if any(key.backend == "wgsl" for key in keys) and naga_tool() is None:
-        raise BuildError(NO_NAGA)
+        if not wgsl_optional:
+            raise BuildError(NO_NAGA)
+        print(SKIPPED_WGSL, file=sys.stderr)
+        keys = [key for key in keys if key.backend != "wgsl"]
     # Every tool first: a missing one fails the build before anything is compiled or the manifest touched.
     fingerprints = {}
     for key in keys:
@@ -851,18 +863,19 @@ def module_counts(keys) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: pagedvk/spv)")
-    parser.add_argument("--backend", choices=("glsl", "wgsl", "all"), default="all")
+    parser.add_argument("--backend", choices=("auto", "glsl", "wgsl", "all"), default="auto",
+                        help="auto (default): GLSL, and WGSL where naga is found; all: both, failing without naga")
     parser.add_argument("--list", action="store_true",
                         help="print the module count per kernel and per axis; build nothing")
     parser.add_argument("-q", "--quiet", action="store_true", help="no line per module built")
     args = parser.parse_args(argv)
-    backends = ("glsl", "wgsl") if args.backend == "all" else (args.backend,)
+    backends = ("glsl", "wgsl") if args.backend in ("auto", "all") else (args.backend,)
     if args.list:
         abi = load_abi()
         print(module_counts(key for kernel in abi.KERNELS for key in kernel.keys() if key.backend in backends))
         return 0
     try:
-        build(args.out.resolve(), backends, verbose=not args.quiet)
+        build(args.out.resolve(), backends, verbose=not args.quiet, wgsl_optional=args.backend == "auto")
     except BuildError as e:
         print(f"build_shaders.py: error: {e}", file=sys.stderr)
         return 1

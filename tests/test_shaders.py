@@ -613,6 +613,7 @@ def test_build_drops_modules_no_longer_declared(tmp_path, shaders_copy, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     assert "paged_decode.kv_f99.glsl" not in manifest and not (out / "paged_decode.kv_f99.glsl.spv").exists()
     assert "merge_states.wgsl" in manifest and (out / "merge_states.wgsl.spv").exists()
+    assert manifest["backends"] == ["glsl", "wgsl"]
 
 
 def test_failed_build_leaves_no_partial_module_nor_a_claim(tmp_path, shaders_copy, capsys):
@@ -629,7 +630,7 @@ def test_failed_build_leaves_no_partial_module_nor_a_claim(tmp_path, shaders_cop
     assert (out / "read_bandwidth.glsl.spv").read_bytes() == module
     assert manifest["read_bandwidth.glsl"] == json.loads(before)["read_bandwidth.glsl"]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
-    assert all((out / (name + ".spv")).is_file() for name in manifest)
+    assert all((out / (name + ".spv")).is_file() for name in manifest if name != "backends")
     if PREFILL_MATRIX_GLSL in manifest:
         build_shaders.validate(out / (PREFILL_MATRIX_GLSL + ".spv"), keys_named(PREFILL_MATRIX_GLSL)[0])
 
@@ -637,7 +638,7 @@ def test_failed_build_leaves_no_partial_module_nor_a_claim(tmp_path, shaders_cop
     with pytest.raises(build_shaders.BuildError, match="undefined_name"):
         build_subset(fresh, shaders_copy, capsys, "read_bandwidth.glsl")
     assert [p.name for p in fresh.iterdir()] == ["manifest.json"]
-    assert json.loads((fresh / "manifest.json").read_text()) == {}
+    assert json.loads((fresh / "manifest.json").read_text()) == {"backends": []}
 
 
 @pytest.fixture
@@ -682,3 +683,32 @@ def test_list_counts_every_module_per_kernel_and_axis(tmp_path, capsys):
         assert sum(map(int, counts.values())) == len(MODULES), axis
     assert int(axes["backend"]["wgsl"]) == sum(key.backend == "wgsl" for _, key in MODULES)
     assert int(axes["matrix"]["coopmat"]) == sum(bool(key.matrix) for _, key in MODULES)
+
+
+def test_build_without_naga_skips_wgsl_in_one_line_and_wgsl_then_names_npm_ci(built_kernels, shaders_copy, capsys,
+                                                                             monkeypatch):
+    build_shaders = build_script()
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name in ("naga", "node") else
+                        which(name, *a, **k))
+    build_shaders.build(built_kernels, keys=keys_named("read_bandwidth.glsl", DECODE_MATRIX_WGSL),
+                        shader_dir=shaders_copy, wgsl_optional=True)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "WGSL modules skipped" in err[0] and "`npm ci`" in err[0] and "naga CLI" in err[0]
+    manifest = json.loads((built_kernels / "manifest.json").read_text())
+    assert manifest["backends"] == ["glsl"] and sorted(manifest) == ["backends", "read_bandwidth.glsl"]
+    # Asked for WGSL explicitly, the build fails as it did.
+    with pytest.raises(build_shaders.BuildError, match="WGSL needs naga.*npm ci"):
+        build_shaders.build(built_kernels, ("wgsl",), keys=keys_named(DECODE_MATRIX_WGSL), shader_dir=shaders_copy)
+    # The default command line skips; --backend all does not.
+    calls = []
+    monkeypatch.setattr(build_shaders, "build", lambda out, backends, **options: calls.append((backends, options)))
+    build_shaders.main([])
+    build_shaders.main(["--backend", "all"])
+    assert [(b, o["wgsl_optional"]) for b, o in calls] == [(("glsl", "wgsl"), True), (("glsl", "wgsl"), False)]
+
+    # At run time the GLSL module loads, and a WGSL one is refused with what to run (not as one module missing).
+    kernels.load_spirv(abi.READ_BANDWIDTH, abi.READ_BANDWIDTH.key("glsl"))
+    with pytest.raises(pagedvk.ShaderModuleError, match=r"this install has no WGSL modules .*run `npm ci` in the "
+                                                        r"source tree and reinstall.*naga CLI on PATH"):
+        kernels.load_spirv(abi.PAGED_DECODE, keys_named(DECODE_MATRIX_WGSL)[0])
