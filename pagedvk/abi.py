@@ -700,18 +700,28 @@ def wgsl_includes(source: Path, key: VariantKey | None = None) -> list:
     return [source.parent / swap.get(name, name) for name in names]
 
 
-def source_files(shader_dir: Path, key: VariantKey) -> list:
-    """The files a module is built from: its op's source, and its include files (for GLSL, every one)."""
+def source_files(shader_dir: Path, key: VariantKey, includes: list | None = None) -> list:
+    """The files a module is built from: its op's source, then the files it includes. `includes`: their paths
+    relative to shader_dir, as build_shaders.py records them in the manifest (GLSL: glslang's dependency
+    output; WGSL: wgsl_includes). Without it: for WGSL the files the source names, and for GLSL, where only
+    glslang can tell, every include file (what manifests without an include list were built against)."""
     source = shader_dir / key.source
+    if includes is not None:
+        return [source] + [shader_dir / name for name in includes]
     if key.backend == "glsl":
         return [source] + sorted(shader_dir.glob("*" + GLSL_INCLUDE_SUFFIX))
     return [source] + wgsl_includes(source, key)
 
 
-def source_digest(shader_dir: Path, key: VariantKey) -> str:
-    """Identifies what a module was built from, so a module built from older sources is detected."""
+def source_digest(shader_dir: Path, key: VariantKey, includes: list | None = None) -> str:
+    """Identifies what a module was built from: its source and the includes it uses (see source_files), and
+    what the key sets (defines, WGSL includes and constants, SPIR-V environment). The build skips a module
+    whose digest is unchanged; the loader refuses one whose digest no longer matches its sources (stale). A
+    file that is gone raises OSError."""
     h = hashlib.sha256()
-    for path in source_files(shader_dir, key):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update(repr(sorted(key.defines().items())).encode() + repr(sorted(key.includes().items())).encode())
+    for path in source_files(shader_dir, key, includes):
+        name = path.relative_to(shader_dir).as_posix() if path.is_relative_to(shader_dir) else path.name
+        h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(repr((sorted(key.defines().items()), sorted(key.includes().items()), sorted(key.constants().items()),
+                   key.target_env)).encode())
     return h.hexdigest()

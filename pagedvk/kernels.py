@@ -1,8 +1,10 @@
 """Finds the SPIR-V module of an op for a backend and storage variant, and its pipeline on a device.
 
 Modules are built ahead of time (build_shaders.py, run by `pip install`); nothing compiles at run time.
-In a source checkout the module's recorded source digest is compared with the shaders on disk, so a
-module built from older sources is refused instead of silently running stale code.
+In a source checkout the module's recorded source digest is compared with the shaders on disk (its source and
+the includes the build recorded it using), so a module built from older sources is refused instead of silently
+running stale code. The manifest also records which backends were built: an install made without naga has
+GLSL modules only, and asking it for WGSL says how to get them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 SPV_DIR = Path(os.environ.get("PAGEDVK_SPV_DIR", PACKAGE_DIR / "spv"))
 SOURCE_SHADER_DIR = PACKAGE_DIR.parent / "shaders"  # present in a source checkout only
 REBUILD_HINT = "rebuild with `python build_shaders.py` (or reinstall with `pip install .`)"
+# What to do when the install has no modules of a backend (the build skips WGSL where it finds no naga).
+MISSING_BACKEND_HINT = {
+    "wgsl": "run `npm ci` in the source tree and reinstall (`pip install .`), or put a naga CLI on PATH and reinstall",
+}
 
 _manifest = None
 _lock = threading.Lock()
@@ -39,15 +45,34 @@ def module_path(name: str) -> Path:
     return SPV_DIR / f"{name}.spv"
 
 
+def require_backend(backend: str) -> None:
+    """Raise ShaderModuleError, saying how to get them, if this install was built without `backend`'s modules
+    (manifests that predate the record of built backends pass)."""
+    built = manifest().get("backends")
+    if built is not None and backend not in built:
+        raise ShaderModuleError(f"this install has no {backend.upper()} modules (built: {', '.join(built) or 'none'}): "
+                                f"{MISSING_BACKEND_HINT.get(backend, REBUILD_HINT)}")
+
+
+def is_current(entry: dict, key: abi_mod.VariantKey) -> bool:
+    """Whether a module's manifest entry matches the shaders in SOURCE_SHADER_DIR: its source and the includes
+    it was built with (entry["includes"]; every include file for entries without that list)."""
+    try:
+        return entry["digest"] == abi_mod.source_digest(SOURCE_SHADER_DIR, key, entry.get("includes"))
+    except OSError:   # a file it was built from is gone
+        return False
+
+
 def load_spirv(kernel: abi_mod.KernelABI, key: abi_mod.VariantKey) -> bytes:
     if key not in set(kernel.keys()):
         raise ShaderModuleError(f"{kernel.op} has no module {key.name}")
+    require_backend(key.backend)
     path = module_path(key.name)
     entry = manifest().get(key.name)
     if entry is None or not path.is_file():
         raise ShaderModuleError(f"SPIR-V module {key.name} is missing ({path}): {REBUILD_HINT}")
     source = SOURCE_SHADER_DIR / entry["source"]
-    if source.is_file() and entry["digest"] != abi_mod.source_digest(SOURCE_SHADER_DIR, key):
+    if source.is_file() and not is_current(entry, key):
         raise ShaderModuleError(f"SPIR-V module {key.name} is stale: {source} (or a file it includes) changed "
                                 f"after it was built; {REBUILD_HINT}")
     return path.read_bytes()

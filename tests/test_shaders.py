@@ -1,8 +1,10 @@
 """The SPIR-V modules: present, valid, built from the current sources, and matching their declared ABI."""
 
+import collections
 import dataclasses
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -79,7 +81,8 @@ def test_modules_are_current():
     """The modules pagedvk loads were built from this checkout's shaders as they are now."""
     manifest = kernels.manifest()
     for kernel, key in MODULES:
-        assert manifest[key.name]["digest"] == abi.source_digest(REPO / "shaders", key), \
+        entry = manifest[key.name]
+        assert entry["digest"] == abi.source_digest(REPO / "shaders", key, entry.get("includes")), \
             f"{key.name} was built from other sources than {REPO / 'shaders'}"
         kernels.load_spirv(kernel, key)
 
@@ -540,3 +543,191 @@ def test_wgsl_build_drops_unused_16bit_storage_capabilities(tmp_path):
         + MATRIX_PRODUCT + "}\n"))
     assert capabilities(raw) & storage16 >= {4433, 4436}
     assert capabilities(in_buffer) & storage16 == {4433}
+
+
+# -- the incremental build, on a few modules that compile quickly, from a copy of the shaders --
+
+# GLSL: two matrix modules of which only the decode includes decode_merge.glsl, and one that includes nothing;
+# WGSL: the decode's float16 and bfloat16 matrix modules, of which only the second pastes kv_bf16.wgsl.
+DECODE_MATRIX_GLSL = "paged_decode.coopmat.kv_f16.q_f16.h64.glsl"
+PREFILL_MATRIX_GLSL = "paged_prefill.coopmat.kv_f16.q_f16.h64.glsl"
+DECODE_MATRIX_WGSL = "paged_decode.coopmat.kv_f16.q_f16.h64.wgsl"
+DECODE_MATRIX_BF16_WGSL = "paged_decode.coopmat.kv_bf16.q_bf16.h64.wgsl"
+SUBSET = ("read_bandwidth.glsl", DECODE_MATRIX_GLSL, PREFILL_MATRIX_GLSL, DECODE_MATRIX_WGSL, DECODE_MATRIX_BF16_WGSL)
+
+
+def keys_named(*names):
+    by_name = {key.name: key for _, key in MODULES}
+    return [by_name[name] for name in names]
+
+
+@pytest.fixture
+def shaders_copy(tmp_path):
+    """A private copy of shaders/, for the tests to edit."""
+    copy = tmp_path / "shaders"
+    shutil.copytree(REPO / "shaders", copy)
+    return copy
+
+
+def edit(path: Path) -> None:
+    path.write_text(path.read_text() + "\n// edited\n")
+
+
+def build_subset(out, shaders, capsys, *names, **options) -> tuple:
+    """Build the named modules into out from shaders: (the names it compiled, its summary line)."""
+    build_script().build(out, keys=keys_named(*names), shader_dir=shaders, **options)
+    lines = capsys.readouterr().out.splitlines()
+    return {line[len("built "):-len(".spv")] for line in lines if line.startswith("built ")}, lines[-1]
+
+
+def file_stamps(out) -> dict:
+    """Each module file's (inode, mtime): a module written again (a new file renamed over it) changes both."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.spv")}
+
+
+def test_incremental_build_rebuilds_only_what_an_edit_reaches(tmp_path, shaders_copy, capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert build_subset(out, shaders_copy, capsys, *SUBSET) == (set(SUBSET), f"build_shaders.py: built 5 modules, "
+                                                                             f"kept 0 unchanged ({out})")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "decode_merge.glsl" in manifest[DECODE_MATRIX_GLSL]["includes"]
+    assert "decode_merge.glsl" not in manifest[PREFILL_MATRIX_GLSL]["includes"]
+    assert manifest["read_bandwidth.glsl"]["includes"] == []
+    assert "kv_bf16.wgsl" in manifest[DECODE_MATRIX_BF16_WGSL]["includes"]   # the key's file, not kv_storage.wgsl
+    assert "kv_bf16.wgsl" not in manifest[DECODE_MATRIX_WGSL]["includes"]
+    stamps = file_stamps(out)
+
+    assert build_subset(out, shaders_copy, capsys, *SUBSET) == (set(), f"build_shaders.py: built 0 modules, kept 5 "
+                                                                       f"unchanged ({out})")
+    # includes none of them uses: the cache writers' GLSL, the prefill's WGSL tiles
+    edit(shaders_copy / "kv_encode.glsl")
+    edit(shaders_copy / "prefill_tiles.wgsl")
+    assert build_subset(out, shaders_copy, capsys, *SUBSET)[0] == set()
+    assert file_stamps(out) == stamps
+
+    edit(shaders_copy / "decode_merge.glsl")
+    edit(shaders_copy / "kv_bf16.wgsl")
+    assert build_subset(out, shaders_copy, capsys, *SUBSET) == ({DECODE_MATRIX_GLSL, DECODE_MATRIX_BF16_WGSL},
+                                                                f"build_shaders.py: built 2 modules, kept 3 unchanged "
+                                                                f"({out})")
+    changed = {name for name, stamp in file_stamps(out).items() if stamps[name] != stamp}
+    assert changed == {DECODE_MATRIX_GLSL + ".spv", DECODE_MATRIX_BF16_WGSL + ".spv"}
+
+    # Another compiler (version) rebuilds what it would compile, sources unchanged.
+    monkeypatch.setattr(build_script(), "tool_version", lambda tool, libs=None: "another compiler 99.0")
+    assert build_subset(out, shaders_copy, capsys, "read_bandwidth.glsl")[0] == {"read_bandwidth.glsl"}
+
+
+def test_build_drops_modules_no_longer_declared(tmp_path, shaders_copy, capsys):
+    out = tmp_path / "out"
+    build_subset(out, shaders_copy, capsys, "read_bandwidth.glsl")
+    manifest = json.loads((out / "manifest.json").read_text())
+    # a module abi no longer declares, and a declared one this build does not make (another backend's)
+    for name in ("paged_decode.kv_f99.glsl", "merge_states.wgsl"):
+        manifest[name] = {"source": "x", "digest": "0" * 64, "includes": [], "toolchain": "0"}
+        (out / (name + ".spv")).write_bytes(b"\3\2\x23\7")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    built, summary = build_subset(out, shaders_copy, capsys, "read_bandwidth.glsl")
+    assert built == set() and "removed 1 no longer declared" in summary
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "paged_decode.kv_f99.glsl" not in manifest and not (out / "paged_decode.kv_f99.glsl.spv").exists()
+    assert "merge_states.wgsl" in manifest and (out / "merge_states.wgsl.spv").exists()
+    assert manifest["backends"] == ["glsl", "wgsl"]
+
+
+def test_failed_build_leaves_no_partial_module_nor_a_claim(tmp_path, shaders_copy, capsys):
+    build_shaders = build_script()
+    out = tmp_path / "out"
+    build_subset(out, shaders_copy, capsys, "read_bandwidth.glsl")
+    before, module = (out / "manifest.json").read_text(), (out / "read_bandwidth.glsl.spv").read_bytes()
+    (shaders_copy / "read_bandwidth.comp").write_text("#version 450\nvoid main() { undefined_name = 1; }\n")
+    with pytest.raises(build_shaders.BuildError, match="undefined_name"):
+        build_subset(out, shaders_copy, capsys, "read_bandwidth.glsl", PREFILL_MATRIX_GLSL)
+    manifest = json.loads((out / "manifest.json").read_text())
+    # the old module and its old record (of the sources it was built from: the loader calls it stale), nothing
+    # half-written beside them, and the other module recorded only if it was built whole
+    assert (out / "read_bandwidth.glsl.spv").read_bytes() == module
+    assert manifest["read_bandwidth.glsl"] == json.loads(before)["read_bandwidth.glsl"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert all((out / (name + ".spv")).is_file() for name in manifest if name != "backends")
+    if PREFILL_MATRIX_GLSL in manifest:
+        build_shaders.validate(out / (PREFILL_MATRIX_GLSL + ".spv"), keys_named(PREFILL_MATRIX_GLSL)[0])
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(build_shaders.BuildError, match="undefined_name"):
+        build_subset(fresh, shaders_copy, capsys, "read_bandwidth.glsl")
+    assert [p.name for p in fresh.iterdir()] == ["manifest.json"]
+    assert json.loads((fresh / "manifest.json").read_text()) == {"backends": []}
+
+
+@pytest.fixture
+def built_kernels(tmp_path, shaders_copy, monkeypatch):
+    """kernels loading modules from tmp_path/out, with shaders_copy as the source checkout's shaders."""
+    monkeypatch.setattr(kernels, "SPV_DIR", tmp_path / "out")
+    monkeypatch.setattr(kernels, "SOURCE_SHADER_DIR", shaders_copy)
+    monkeypatch.setattr(kernels, "_manifest", None)
+    yield tmp_path / "out"
+    kernels._manifest = None
+
+
+def test_stale_check_hashes_the_includes_the_build_recorded(built_kernels, shaders_copy, capsys):
+    build_subset(built_kernels, shaders_copy, capsys, DECODE_MATRIX_GLSL, PREFILL_MATRIX_GLSL)
+    decode, prefill = keys_named(DECODE_MATRIX_GLSL, PREFILL_MATRIX_GLSL)
+    kernels.load_spirv(abi.PAGED_DECODE, decode)
+    kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+    edit(shaders_copy / "kv_encode.glsl")   # included by neither: both still current
+    kernels.load_spirv(abi.PAGED_DECODE, decode)
+    kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+    edit(shaders_copy / "decode_merge.glsl")   # the decode's only
+    with pytest.raises(pagedvk.ShaderModuleError, match=re.escape(DECODE_MATRIX_GLSL) + " is stale"):
+        kernels.load_spirv(abi.PAGED_DECODE, decode)
+    kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+    (shaders_copy / "prefill_matrix.glsl").unlink()   # an include it used, gone
+    with pytest.raises(pagedvk.ShaderModuleError, match=re.escape(PREFILL_MATRIX_GLSL) + " is stale"):
+        kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+
+
+def test_list_counts_every_module_per_kernel_and_axis(tmp_path, capsys):
+    assert build_script().main(["--list", "--out", str(tmp_path / "out")]) == 0
+    assert not (tmp_path / "out").exists()   # built nothing
+    text = capsys.readouterr().out
+    assert int(re.search(r"^total (\d+) modules$", text, re.M)[1]) == len(MODULES)
+    kernel_part, axis_part = text.split("modules per axis")
+    per_kernel = {op: int(n) for op, n in re.findall(r"^  (\w+) +(\d+)$", kernel_part, re.M)}
+    assert per_kernel == collections.Counter(key.op for _, key in MODULES)
+    axes = {line[2:26].strip(): dict(re.findall(r"(\S+) (\d+)", line[26:]))
+            for line in axis_part.splitlines()[1:] if line.startswith("  ")}
+    assert {"backend", "cache storage", "cache access", "reduce", "target", "fixed", "matrix"} <= axes.keys()
+    for axis, counts in axes.items():
+        assert sum(map(int, counts.values())) == len(MODULES), axis
+    assert int(axes["backend"]["wgsl"]) == sum(key.backend == "wgsl" for _, key in MODULES)
+    assert int(axes["matrix"]["coopmat"]) == sum(bool(key.matrix) for _, key in MODULES)
+
+
+def test_build_without_naga_skips_wgsl_in_one_line_and_wgsl_then_names_npm_ci(built_kernels, shaders_copy, capsys,
+                                                                             monkeypatch):
+    build_shaders = build_script()
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name in ("naga", "node") else
+                        which(name, *a, **k))
+    build_shaders.build(built_kernels, keys=keys_named("read_bandwidth.glsl", DECODE_MATRIX_WGSL),
+                        shader_dir=shaders_copy, wgsl_optional=True)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "WGSL modules skipped" in err[0] and "`npm ci`" in err[0] and "naga CLI" in err[0]
+    manifest = json.loads((built_kernels / "manifest.json").read_text())
+    assert manifest["backends"] == ["glsl"] and sorted(manifest) == ["backends", "read_bandwidth.glsl"]
+    # Asked for WGSL explicitly, the build fails as it did.
+    with pytest.raises(build_shaders.BuildError, match="WGSL needs naga.*npm ci"):
+        build_shaders.build(built_kernels, ("wgsl",), keys=keys_named(DECODE_MATRIX_WGSL), shader_dir=shaders_copy)
+    # The default command line skips; --backend all does not.
+    calls = []
+    monkeypatch.setattr(build_shaders, "build", lambda out, backends, **options: calls.append((backends, options)))
+    build_shaders.main([])
+    build_shaders.main(["--backend", "all"])
+    assert [(b, o["wgsl_optional"]) for b, o in calls] == [(("glsl", "wgsl"), True), (("glsl", "wgsl"), False)]
+
+    # At run time the GLSL module loads, and a WGSL one is refused with what to run (not as one module missing).
+    kernels.load_spirv(abi.READ_BANDWIDTH, abi.READ_BANDWIDTH.key("glsl"))
+    with pytest.raises(pagedvk.ShaderModuleError, match=r"this install has no WGSL modules .*run `npm ci` in the "
+                                                        r"source tree and reinstall.*naga CLI on PATH"):
+        kernels.load_spirv(abi.PAGED_DECODE, keys_named(DECODE_MATRIX_WGSL)[0])
