@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import rel_error
-from test_prefill import (HEAD_SIZES, LAYOUTS, Q_LENS, RAGGED, PrefillCase, backend,  # noqa: F401 (fixtures)
+from conftest import rel_error, tiered
+from test_prefill import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, LAYOUTS, RAGGED,  # noqa: F401
+                          PrefillCase, backend,
                           poisoned_outputs, record_launches)
 from test_prefill import check as prefill_check
 
@@ -77,28 +78,24 @@ def test_reference_gradient_matches_finite_differences(rng, layout, causal, ragg
 
 # -- the kernels against the reference -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("q_len", Q_LENS)
-@pytest.mark.parametrize("head_size", HEAD_SIZES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout,head_size,q_len", HEAD_SIZES_AND_QUERY_LENGTHS)
 def test_head_sizes_and_query_lengths(rng, backend, layout, head_size, q_len):
     check(PrefillCase(rng, q_len=q_len, layout=layout, head_size=head_size, shared_prefix_blocks=1), rng, backend)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size,layout,causal", BLOCK_SIZES_CAUSAL_OR_NOT)
 def test_block_sizes_causal_or_not(rng, backend, block_size, layout, causal):
     case = PrefillCase(rng, q_len=9, layout=layout, causal=causal, block_size=block_size, shared_prefix_blocks=1)
     check(case, rng, backend)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (8, 1), (12, 3)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", tiered([(8, 8), (8, 2), (8, 1), (12, 3)], default=[(8, 8), (12, 3)]))
 def test_mha_gqa_mqa(rng, backend, num_heads, num_kv_heads):
     check(PrefillCase(rng, q_len=5, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32), rng, backend)
 
 
-@pytest.mark.parametrize("head_size", [32, 80, 256])
-@pytest.mark.parametrize("specialized", [True, False], ids=["specialized", "push_constant"])
+@pytest.mark.parametrize("head_size,specialized", tiered([(h, s) for h in (32, 80, 256) for s in (True, False)],
+                                                         default=[(32, True), (80, False)]))
 def test_head_size_specialization(rng, monkeypatch, specialized, head_size):
     # The scalar kernels' GLSL pipelines are specialized on the plan's head size (abi.PREFILL_HEAD_SIZE_SPEC_ID);
     # a pipeline made without the constant reads the head size from the push constants. Both give the reference's
@@ -216,14 +213,14 @@ def test_forward_then_backward_on_device(rng, backend, layout, device):
 
 # -- ragged batches ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("batch", RAGGED)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("batch,layout", tiered([(b, layout) for b in RAGGED for layout in LAYOUTS],
+                                                default=[("mixed", "vllm"), ("empty_at_both_ends", "nhd")]))
 def test_ragged_batches(rng, backend, layout, batch):
     check(PrefillCase(rng, q_lens=RAGGED[batch], layout=layout, shared_prefix_blocks=1), rng, backend)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 1), (12, 4)])
+@pytest.mark.parametrize("causal,num_heads,num_kv_heads", tiered(
+    [(c, h, kv) for c in (True, False) for h, kv in ((16, 1), (12, 4))], default=[(True, 16, 1), (False, 12, 4)]))
 def test_ragged_gqa_groups_and_causal(rng, backend, num_heads, num_kv_heads, causal):
     check(PrefillCase(rng, q_lens=[3, 0, 6, 1], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32,
                       causal=causal, block_size=8, shared_prefix_blocks=1), rng, backend)

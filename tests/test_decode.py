@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, poison_unread_slots, rel_error
+from conftest import Case, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
@@ -27,29 +27,31 @@ def check(case, **kw):
     assert rel_error(out, case.reference(kw.get("scale"))) <= TOL
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("head_size", HEAD_SIZES)
+# Default tier: a size with a power-of-two head, one with an odd number of 16-dim chunks, each block size once.
+@pytest.mark.parametrize("head_size,block_size", tiered([(h, b) for h in HEAD_SIZES for b in BLOCK_SIZES],
+                                                        default=[(128, 16), (80, 8), (64, 32)]))
 def test_head_and_block_sizes(rng, head_size, block_size):
     check(Case(rng, head_size=head_size, block_size=block_size, num_seqs=3, max_len=200))
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 4), (8, 2), (8, 1), (32, 8), (12, 3)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", tiered([(8, 8), (8, 4), (8, 2), (8, 1), (32, 8), (12, 3)],
+                                                         default=[(8, 8), (8, 1), (12, 3)]))
 def test_mha_gqa_mqa(rng, num_heads, num_kv_heads):
     check(Case(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64, num_seqs=4, max_len=150))
 
 
-@pytest.mark.parametrize("num_seqs", [1, 2, 7, 64])
+@pytest.mark.parametrize("num_seqs", tiered([1, 2, 7, 64], default=[1, 7]))
 def test_batches(rng, num_seqs):
     check(Case(rng, num_seqs=num_seqs, num_heads=4, num_kv_heads=1, head_size=64, max_len=260))
 
 
-@pytest.mark.parametrize("seq_len", [1, 2, 7, 8, 127, 128, 129, 255, 1000, 4096])
+@pytest.mark.parametrize("seq_len", tiered([1, 2, 7, 8, 127, 128, 129, 255, 1000, 4096], default=[1, 8, 129, 1000]))
 def test_lengths(rng, seq_len):
     check(Case(rng, seq_lens=[seq_len, max(seq_len // 3, 1)], num_heads=4, num_kv_heads=2, head_size=128))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seq_len", [16384, 32768])
+@pytest.mark.parametrize("seq_len", tiered([16384, 32768], default=[16384]))
 def test_long_sequences(rng, seq_len):
     check(Case(rng, seq_lens=[seq_len], num_heads=2, num_kv_heads=1, head_size=128, block_size=32))
 
@@ -146,8 +148,9 @@ def test_vllm_spelling(rng):
     assert rel_error(out, case.reference(0.125)) <= TOL
 
 
-@pytest.mark.parametrize("partition_size", [16, 64, 128, 512, None])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (12, 4), (32, 2)])
+@pytest.mark.parametrize("partition_size,num_heads,num_kv_heads", tiered(
+    [(p, h, kv) for p in (16, 64, 128, 512, None) for h, kv in ((4, 4), (12, 4), (32, 2))],
+    default=[(16, 4, 4), (128, 12, 4), (None, 32, 2)]))
 def test_split_contexts(rng, partition_size, num_heads, num_kv_heads):
     # Partitions merged by the reduce pass, including partitions past a short sequence's end and
     # GQA groups wider than one workgroup (16 heads per kv head: two workgroups of 8).
@@ -162,7 +165,7 @@ def test_split_contexts(rng, partition_size, num_heads, num_kv_heads):
 
 
 @pytest.mark.parametrize("backend", ["glsl", "wgsl"])
-@pytest.mark.parametrize("head_size", [80, 256])
+@pytest.mark.parametrize("head_size", tiered([80, 256], default=[80]))
 def test_many_partitions(rng, backend, head_size):
     # More partitions than a thread of the reduce pass loads in one round (UNROLL), with every number of
     # partition lanes its threads split into (head 80: three lanes of 40 dim pairs; head 256: one).
@@ -259,12 +262,13 @@ def test_partitioning_rule():
 
 # -- the GLSL kernel's specializations (abi.DECODE_*_SPEC_ID) and its reductions without subgroup arithmetic --
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (8, 8)])
-@pytest.mark.parametrize("lacking", [dict(subgroup_arithmetic=False), dict(subgroup_size=2)],
-                         ids=["no_arithmetic", "subgroups_of_2"])
+@pytest.mark.parametrize("layout,num_heads,num_kv_heads,lacking", tiered(
+    [(layout, h, kv, lacking) for layout in ("vllm", "nhd") for h, kv in ((8, 2), (16, 2), (8, 8))
+     for lacking in ("no_arithmetic", "subgroups_of_2")],
+    default=[("vllm", 16, 2, "no_arithmetic"), ("nhd", 8, 2, "subgroups_of_2")]))
 def test_devices_without_subgroup_arithmetic_run_the_shared_memory_reduction(rng, device, monkeypatch, backend,
                                                                              layout, num_heads, num_kv_heads, lacking):
+    lacking = {"no_arithmetic": dict(subgroup_arithmetic=False), "subgroups_of_2": dict(subgroup_size=2)}[lacking]
     monkeypatch.setattr(device, "info", dataclasses.replace(device.info, **lacking))
     case = Case(rng, seq_lens=[1, 130, 700], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128)
 
@@ -305,8 +309,9 @@ def specialized_wrongly_writes_nothing(rng, backend, wrong):
     assert np.isnan(out).all()
 
 
-@pytest.mark.parametrize("layout", ["vllm", "nhd"])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (16, 2), (24, 8)])
+@pytest.mark.parametrize("layout,num_heads,num_kv_heads", tiered(
+    [(layout, h, kv) for layout in ("vllm", "nhd") for h, kv in ((8, 2), (16, 2), (24, 8))],
+    default=[("vllm", 8, 2), ("vllm", 16, 2), ("nhd", 8, 2), ("nhd", 24, 8)]))   # each of the four modules
 def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv_heads):
     # Each of the four fixed WGSL modules of a head size, split and not: the same result as float64.
     case = Case(rng, seq_lens=[1, 130, 700], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128)
@@ -319,7 +324,7 @@ def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv
 
 def test_fixed_wgsl_modules_are_chosen_where_built():
     from pagedvk.abi import PAGED_DECODE
-    assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4").name == "paged_decode.kv_f16.q_f16.h128.nhd_g4.wgsl"
+    assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4").name == "paged_decode.kv_f16.h128.nhd_g4.wgsl"
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 96, fixed="nhd_g4").fixed == ""      # none built for head 96
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, "seg", fixed="nhd_g4").fixed == ""   # segmented caches
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, fixed="nhd_g4").fixed == ""      # GLSL specializes
@@ -329,8 +334,8 @@ def test_fixed_wgsl_modules_are_chosen_where_built():
             PAGED_DECODE.key(other.pop("backend", "wgsl"), "f16", "f16", 128, fixed="nhd_g16", **other)
 
 
-@pytest.mark.parametrize("partition_size", [None, 64, 16])
-@pytest.mark.parametrize("kernel", ["gpu", "cpu"])
+@pytest.mark.parametrize("partition_size,kernel", tiered([(p, k) for p in (None, 64, 16) for k in ("gpu", "cpu")],
+                                                        default=[(None, "cpu"), (64, "gpu"), (16, "cpu")]))
 def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, partition_size, kernel, backend):
     # A NaN in a key the query sees makes that logit NaN, so float64 gives NaN outputs and lse for every head of
     # its kv head in that sequence, and leaves the other heads and sequences alone. A split must not take a

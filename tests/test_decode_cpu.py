@@ -11,7 +11,7 @@ import pytest
 import pagedvk
 from pagedvk import abi, reference
 from pagedvk.decode import decode_target
-from conftest import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error
+from conftest import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error, tiered
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 
@@ -56,10 +56,21 @@ def check_split_and_unsplit(case, query, tol, kernel, layout, **variants):
     np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (16, 2), (12, 2)], ids=["g1", "g4", "g8", "g6"])
-@pytest.mark.parametrize("layout", ("vllm", "nhd"))
-@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
-def test_every_dtype_layout_and_group(rng, kernel, dtype, layout, num_heads, num_kv_heads):
+GROUPS = {"g1": (8, 8), "g4": (8, 2), "g8": (16, 2), "g6": (12, 2)}
+DTYPE_NAMES = {np.dtype(d).name: d for d in CACHE_DTYPES}
+
+
+# Default tier: every cache type in both layouts on both kernels, the group width turning with the type.
+@pytest.mark.parametrize("dtype,layout,group", tiered(
+    [(d, layout, g) for d in DTYPE_NAMES for layout in ("vllm", "nhd") for g in GROUPS],
+    default=[(d, layout, list(GROUPS)[(i + j) % 4]) for i, d in enumerate(DTYPE_NAMES)
+             for j, layout in enumerate(("vllm", "nhd"))]))
+def test_every_dtype_layout_and_group(rng, kernel, dtype, layout, group):
+    (num_heads, num_kv_heads), dtype = GROUPS[group], DTYPE_NAMES[dtype]
+    one_dtype_layout_and_group(rng, kernel, dtype, layout, num_heads, num_kv_heads)
+
+
+def one_dtype_layout_and_group(rng, kernel, dtype, layout, num_heads, num_kv_heads):
     # Lengths that end mid-quad, mid-block and at a partition's edge; unread slots hold NaN.
     case = Case(rng, seq_lens=[1, 6, 130, 300], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64,
                 dtype=dtype)
@@ -68,10 +79,12 @@ def test_every_dtype_layout_and_group(rng, kernel, dtype, layout, num_heads, num
     check_split_and_unsplit(case, query, tol, kernel, layout)
 
 
-@pytest.mark.parametrize("block_size", (8, 16, 32))
-@pytest.mark.parametrize("head_size", (32, 48, 80, 256))   # 48: the generic module (no unrolled one)
-@pytest.mark.parametrize("dtype", (np.float32, ml_dtypes.float8_e4m3fn), ids=lambda d: np.dtype(d).name)
+# 48: a head size none of vLLM's kernels has. Default tier: each block size and three head sizes once.
+@pytest.mark.parametrize("dtype,head_size,block_size", tiered(
+    [(d, h, b) for d in ("float32", "float8_e4m3fn") for h in (32, 48, 80, 256) for b in (8, 16, 32)],
+    default=[("float32", 48, 8), ("float8_e4m3fn", 80, 32), ("float32", 32, 16)]))
 def test_head_and_block_sizes(rng, kernel, dtype, head_size, block_size):
+    dtype = DTYPE_NAMES[dtype]
     case = Case(rng, seq_lens=[3, 77, 200], num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size,
                 dtype=dtype)
     query, tol = query_and_tolerance(case, dtype)
@@ -80,8 +93,10 @@ def test_head_and_block_sizes(rng, kernel, dtype, head_size, block_size):
         assert rel_error(out, reference.paged_attention(query, *case.args()[1:])) <= tol
 
 
-@pytest.mark.parametrize("variant", ("alibi_slopes", "logits_soft_cap", "sinks", "window_left", "all"))
-@pytest.mark.parametrize("layout", ("vllm", "nhd"))
+@pytest.mark.parametrize("variant,layout", tiered(
+    [(v, layout) for v in ("alibi_slopes", "logits_soft_cap", "sinks", "window_left", "all") for layout in ("vllm", "nhd")],
+    default=[("alibi_slopes", "vllm"), ("logits_soft_cap", "nhd"), ("sinks", "vllm"), ("window_left", "nhd"),
+             ("all", "vllm"), ("all", "nhd")]))
 def test_attention_variants(rng, kernel, layout, variant):
     case = Case(rng, seq_lens=[300, 45, 1, 129], num_heads=12, num_kv_heads=2, head_size=64)
     poison_unread_slots(case, 16)
@@ -91,8 +106,8 @@ def test_attention_variants(rng, kernel, layout, variant):
     check_split_and_unsplit(case, case.query, 1e-5, kernel, layout, **variants)
 
 
-@pytest.mark.parametrize("head_size", (80, 128))
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (16, 2)], ids=["g1", "g4", "g8"])
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", tiered(
+    [(h, *g) for h in (80, 128) for g in ((4, 4), (8, 2), (16, 2))], default=[(80, 4, 4), (128, 16, 2)]))
 def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, num_heads, num_kv_heads, head_size):
     # The GPU kernel merges a split of at most abi.DECODE_MERGE_PARTITIONS partitions in its own dispatch (the last
     # workgroup of each (sequence, head group) to finish), a longer one in the reduce dispatch; the CPU kernel leaves
@@ -120,10 +135,13 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, n
                     assert not plan.merge_counters.numpy().any()
 
 
-@pytest.mark.parametrize("block_size", (8, 16, 32))
-@pytest.mark.parametrize("head_size", (80, 128, 256))
-@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+# Default tier: every cache type once, each head and block size among them.
+@pytest.mark.parametrize("dtype,head_size,block_size", tiered(
+    [(d, h, b) for d in DTYPE_NAMES for h in (80, 128, 256) for b in (8, 16, 32)],
+    default=[("float32", 128, 16), ("float16", 256, 8), ("bfloat16", 80, 32), ("float8_e4m3fn", 128, 8),
+             ("float8_e5m2", 80, 16)]))
 def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_size):
+    dtype = DTYPE_NAMES[dtype]
     # The GPU kernel with every tile's first batch of values loaded beside its keys (abi.DECODE_VALUES_SPEC_ID),
     # forced on for every plan, not only where a workgroup takes one tile as the rule says: tiles after the first,
     # lengths ending mid-chunk, a head dim's second slot (256), fp8 rows shorter than a chunk (8-token blocks), both

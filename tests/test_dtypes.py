@@ -7,12 +7,22 @@ import pytest
 
 import pagedvk
 from pagedvk import reference
-from conftest import Case, in_layout, poison_unread_slots, rel_error
+from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 BF16, E4M3, E5M2 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 CACHE_DTYPES = (np.float32, np.float16, BF16, E4M3, E5M2)
 QUERY_DTYPES = (np.float32, np.float16, BF16)
 LAYOUTS = ("vllm", "nhd")
+NAMES = {np.dtype(d).name: d for d in CACHE_DTYPES}
+
+
+def every_storage(cache_types, query_types=QUERY_DTYPES):
+    """(cache type, query type, layout) names: all of them, and in the default tier every cache type in both
+    layouts with the query type turning (the query type is a push constant, not a module of its own)."""
+    names = [np.dtype(d).name for d in cache_types], [np.dtype(d).name for d in query_types]
+    return tiered([(c, q, layout) for c in names[0] for q in names[1] for layout in LAYOUTS],
+                  default=[(c, names[1][(i + j) % len(names[1])], layout) for i, c in enumerate(names[0])
+                           for j, layout in enumerate(LAYOUTS)])
 
 
 def tolerance(cache_dtype, query_dtype) -> float:
@@ -28,10 +38,9 @@ def backend(request):
     return request.param
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("cache_dtype,query_dtype,layout", every_storage(CACHE_DTYPES))
 def test_decode(rng, backend, cache_dtype, query_dtype, layout):
+    cache_dtype, query_dtype = NAMES[cache_dtype], NAMES[query_dtype]
     case = Case(rng, num_seqs=3, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, max_len=300,
                 dtype=cache_dtype)
     poison_unread_slots(case, 16)
@@ -127,10 +136,9 @@ def test_paged_attention_v2_fills_vllm_scratch(rng):
                                        case.value_cache, 2, 0.125, case.block_tables, case.seq_lens, 16, max_seq_len)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("cache_dtype,query_dtype,layout", every_storage(CACHE_DTYPES))
 def test_prefill(rng, backend, cache_dtype, query_dtype, layout):
+    cache_dtype, query_dtype = NAMES[cache_dtype], NAMES[query_dtype]
     # A ragged batch: a whole prompt, a chunk over cached context, an empty sequence and a decode token.
     case = Case(rng, seq_lens=[5, 80, 0, 33], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
                 dtype=cache_dtype)
@@ -146,10 +154,9 @@ def test_prefill(rng, backend, cache_dtype, query_dtype, layout):
     assert rel_error(lse, ref_lse) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("cache_dtype", (np.float32, np.float16, BF16), ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("cache_dtype,query_dtype,layout", every_storage((np.float32, np.float16, BF16)))
 def test_backward(rng, backend, cache_dtype, query_dtype, layout):
+    cache_dtype, query_dtype = NAMES[cache_dtype], NAMES[query_dtype]
     case = Case(rng, seq_lens=[4, 40, 9], num_heads=4, num_kv_heads=2, head_size=32, block_size=8,
                 shared_prefix_blocks=1, dtype=cache_dtype)
     key_cache, value_cache = in_layout(case, layout, cache_dtype)

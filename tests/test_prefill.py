@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, poison_unread_slots, rel_error
+from conftest import Case, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage
 HEAD_SIZES = (32, 64, 80, 128, 256)
@@ -86,21 +86,28 @@ def check(case, backend, **kw):
     return out, lse
 
 
-@pytest.mark.parametrize("q_len", Q_LENS)
-@pytest.mark.parametrize("head_size", HEAD_SIZES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+# Default tier: each layout, head size and query length once.
+HEAD_SIZES_AND_QUERY_LENGTHS = tiered(
+    [(layout, h, q) for layout in LAYOUTS for h in HEAD_SIZES for q in Q_LENS],
+    default=[("nhd", 32, 1), ("vllm", 64, 3), ("nhd", 80, 16), ("vllm", 128, 64), ("nhd", 256, 3)])
+
+
+@pytest.mark.parametrize("layout,head_size,q_len", HEAD_SIZES_AND_QUERY_LENGTHS)
 def test_head_sizes_and_query_lengths(rng, backend, layout, head_size, q_len):
     check(PrefillCase(rng, q_len=q_len, layout=layout, head_size=head_size), backend)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+BLOCK_SIZES_CAUSAL_OR_NOT = tiered(
+    [(b, layout, c) for b in (8, 16, 32) for layout in LAYOUTS for c in (True, False)],
+    default=[(8, "nhd", True), (16, "vllm", False), (32, "vllm", True)])
+
+
+@pytest.mark.parametrize("block_size,layout,causal", BLOCK_SIZES_CAUSAL_OR_NOT)
 def test_block_sizes_causal_or_not(rng, backend, block_size, layout, causal):
     check(PrefillCase(rng, q_len=7, layout=layout, causal=causal, block_size=block_size), backend)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2), (8, 1), (12, 3)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", tiered([(8, 8), (8, 2), (8, 1), (12, 3)], default=[(8, 1), (12, 3)]))
 def test_mha_gqa_mqa(rng, backend, num_heads, num_kv_heads):
     check(PrefillCase(rng, q_len=5, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32), backend)
 
@@ -128,7 +135,7 @@ def test_causal_query_is_the_sequence_end(rng, backend):
         assert rel_error(out[:, :, i], decode) <= TOL
 
 
-@pytest.mark.parametrize("head_size", [64, 256])
+@pytest.mark.parametrize("head_size", tiered([64, 256], default=[64]))
 def test_single_query_equals_decode(rng, backend, head_size):
     case = PrefillCase(rng, q_len=1, layout="vllm", head_size=head_size)
     out, _ = check(case, backend)
@@ -183,14 +190,15 @@ RAGGED = {   # q_len per sequence
 }
 
 
-@pytest.mark.parametrize("batch", RAGGED)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("batch,layout", tiered([(b, layout) for b in RAGGED for layout in LAYOUTS],
+                                                default=[(b, LAYOUTS[i % 2]) for i, b in enumerate(RAGGED)]))
 def test_ragged_batches(rng, backend, layout, batch):
     check(PrefillCase(rng, q_lens=RAGGED[batch], layout=layout), backend)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (16, 1), (12, 4)])
+@pytest.mark.parametrize("causal,num_heads,num_kv_heads", tiered(
+    [(c, h, kv) for c in (True, False) for h, kv in ((4, 4), (16, 1), (12, 4))],
+    default=[(True, 16, 1), (False, 12, 4)]))
 def test_ragged_gqa_groups_and_causal(rng, backend, num_heads, num_kv_heads, causal):
     # A group of 16 heads spans two 8-row tiles per query; 12 / 4 = 3 rows per query straddle tile edges.
     check(PrefillCase(rng, q_lens=[3, 0, 6, 1], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32,
@@ -219,8 +227,8 @@ def test_forward_tile_rows_follow_each_sequence_and_the_head_size():
     assert tiles.tolist() == [[0, 0], [2, 0], [3, 0], [3, 64]]
 
 
-@pytest.mark.parametrize("head_size", [72, 128, 192])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_size,layout", tiered([(h, layout) for h in (72, 128, 192) for layout in LAYOUTS],
+                                                    default=[(72, "vllm"), (128, "nhd")]))
 def test_every_tile_size_over_long_contexts(rng, backend, layout, head_size):
     # Group 3: rows 3, 9, 21, 48, 105 give tiles of 8, 16, 32 and 64 rows (32 at most for head 192: its
     # 105 rows take four), key tiles of 256 down to 32 keys over contexts of several tiles whose lengths are

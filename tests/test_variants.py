@@ -8,7 +8,7 @@ import pytest
 
 import pagedvk
 from pagedvk import reference
-from conftest import Case, in_layout, poison_unread_slots, rel_error
+from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 TOL = 1e-5   # float32 caches and queries
@@ -44,9 +44,10 @@ def decode(case, query, key_cache, value_cache, backend, layout="vllm", partitio
         return out, lse, plan.num_partitions
 
 
-@pytest.mark.parametrize("split", (False, True), ids=("one_partition", "split"))
-@pytest.mark.parametrize("layout", ("vllm", "nhd"))
-@pytest.mark.parametrize("variant", VARIANTS)
+# Default tier: each variant split and not, the layout turning.
+@pytest.mark.parametrize("variant,layout,split", tiered(
+    [(v, layout, split) for v in VARIANTS for layout in ("vllm", "nhd") for split in (False, True)],
+    default=[(v, ("vllm", "nhd")[(i + s) % 2], bool(s)) for i, v in enumerate(VARIANTS) for s in (0, 1)]))
 def test_each_variant_and_all(rng, backend, variant, layout, split):
     case = Case(rng, seq_lens=[300, 45, 1, 129], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
     poison_unread_slots(case, 16)
@@ -59,9 +60,11 @@ def test_each_variant_and_all(rng, backend, variant, layout, split):
     assert rel_error(lse, ref_lse) <= TOL
 
 
-@pytest.mark.parametrize("layout", ("vllm", "nhd"))
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("cache_dtype,layout", tiered(
+    [(np.dtype(d).name, layout) for d in CACHE_DTYPES for layout in ("vllm", "nhd")],
+    default=[(np.dtype(d).name, ("vllm", "nhd")[i % 2]) for i, d in enumerate(CACHE_DTYPES)]))
 def test_all_variants_every_dtype(rng, backend, cache_dtype, layout):
+    cache_dtype = {np.dtype(d).name: d for d in CACHE_DTYPES}[cache_dtype]
     # 16-bit queries with 16-bit and fp8 caches, float32 with float32; split and not, in one case each.
     case = Case(rng, seq_lens=[260, 70], num_heads=8, num_kv_heads=1, head_size=32, block_size=16, dtype=cache_dtype)
     query_dtype = np.float32 if cache_dtype is np.float32 else np.float16
@@ -76,7 +79,7 @@ def test_all_variants_every_dtype(rng, backend, cache_dtype, layout):
         assert rel_error(lse, ref_lse) <= 1e-5
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 1), (12, 3), (16, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", tiered([(4, 4), (8, 1), (12, 3), (16, 2)], default=[(12, 3), (16, 2)]))
 def test_variants_with_gqa(rng, backend, num_heads, num_kv_heads):
     # Per-head slopes and sinks must follow the query head, in groups of up to 8 heads per workgroup.
     case = Case(rng, seq_lens=[150, 77], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64)
@@ -86,7 +89,7 @@ def test_variants_with_gqa(rng, backend, num_heads, num_kv_heads):
     assert rel_error(out, ref_out) <= TOL and rel_error(lse, ref_lse) <= TOL
 
 
-@pytest.mark.parametrize("window_left", [0, 1, 15, 16, 100, 5000])
+@pytest.mark.parametrize("window_left", tiered([0, 1, 15, 16, 100, 5000], default=[0, 16, 5000]))
 def test_window_edges(rng, backend, window_left):
     # Only itself, a block's worth either side of a block boundary, wider than some contexts, wider than all.
     case = Case(rng, seq_lens=[300, 17, 16, 1], num_heads=4, num_kv_heads=2, head_size=32, block_size=16)
@@ -345,8 +348,9 @@ def prefill(case, query, key_cache, value_cache, backend, layout, causal=True, *
     return got, ref
 
 
-@pytest.mark.parametrize("layout", ("vllm", "nhd"))
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant,layout", tiered(
+    [(v, layout) for v in VARIANTS for layout in ("vllm", "nhd")],
+    default=[(v, ("vllm", "nhd")[i % 2]) for i, v in enumerate(VARIANTS)] + [("all", "vllm"), ("all", "nhd")]))
 def test_prefill_each_variant_and_all(rng, backend, variant, layout, poisoned_prefill):
     case = Case(rng, seq_lens=[200, 9, 70], num_heads=8, num_kv_heads=2, head_size=32, block_size=16)
     query = rng.standard_normal((3, 8, 9, 32)).astype(np.float32)
