@@ -8,8 +8,9 @@
 //   * WGSL zero-initializes every `var`: the load batch `w` is declared once, outside the tile loop;
 //   * HEAD_SIZE is an override that build_shaders.py fixes at translation time; 0 means "from the push
 //     constants". So are VALUE_ORDER and GROUP_LIMIT, the GLSL kernel's specialization constants (naga emits
-//     none): modules of the common head sizes are built once per layout and head-group width
-//     (abi.DECODE_FIXED), and 0 reads both from the push constants.
+//     none): modules of head sizes 64 and 128 (abi.FIXED_WGSL_HEAD_SIZES) are built once per layout and head-group
+//     width (abi.DECODE_FIXED); every other head size runs the module with all three 0, read from the push
+//     constants.
 //   * query and out are of the type pc.q_type names, bound as 32-bit words (q_any.wgsl).
 
 //!include kv_storage.wgsl
