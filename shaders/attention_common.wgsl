@@ -33,6 +33,7 @@ struct Params {
     softcap: f32,
     window: u32,
     variants: u32,
+    q_type: u32,   // query, out and dout storage (q_any.wgsl; matrix modules: ignored)
 }
 
 const WG: u32 = 128u;              // == @workgroup_size
@@ -125,7 +126,7 @@ fn value_offset(h: u32, t: u32, d: u32) -> u32 {
     return h * pc.v_head_stride + t * pc.v_token_stride + d * pc.v_dim_stride;
 }
 
-// bfloat16 is the top half of a float32 (kv_bf16.wgsl, q_bf16.wgsl).
+// bfloat16 is the top half of a float32 (kv_bf16.wgsl, q_any.wgsl, q_bf16.wgsl).
 fn bf16x2(w: u32) -> vec2<f32> {
     return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));
 }

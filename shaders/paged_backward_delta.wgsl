@@ -1,20 +1,44 @@
 // Paged-attention backward, its first dispatch, WGSL: shaders/paged_backward_delta.comp translated statement for
 // statement, with the same interface (PAGED_BACKWARD_DELTA in pagedvk/abi.py): D = rowsum(dout * out) of every
 // query row, float32 in lse's order, summed as paged_backward_dq.wgsl sums dP (the GLSL source explains why).
+// dout and out are of the type pc.q_type names, bound as 32-bit words (q_any.wgsl).
 
 //!include q_storage.wgsl
 //!include attention_common.wgsl
 //!include prefill_common.wgsl
 
 @group(0) @binding(0) var<storage, read> query_start_loc: array<i32>;   // [seqs + 1]
-@group(0) @binding(1) var<storage, read> dout: array<QQuad>;            // like query
-@group(0) @binding(2) var<storage, read> out: array<QQuad>;             // like query
+@group(0) @binding(1) var<storage, read> dout: array<u32>;              // like query
+@group(0) @binding(2) var<storage, read> out: array<u32>;               // like query
 @group(0) @binding(3) var<storage, read_write> delta: array<f32>;      // like lse
 var<immediate> pc: Params;
 
 const KV_CHUNK_QUADS: u32 = 1u;   // no cache here: attention_common.wgsl's key addressing goes unused
 const ROWS_PER_THREAD: u32 = 4u;  // abi.DELTA_ROWS_PER_THREAD
 const NO_ROW: u32 = 0xffffffffu;
+
+// Quad i of dout and of out (q_any.wgsl).
+fn dout_quad(i: u32) -> vec4<f32> {
+    let n = q_quad_words();
+    let w = n * i;
+    var x = vec4<u32>(dout[w], dout[w + 1u], 0u, 0u);
+    if (n == 4u) {
+        x.z = dout[w + 2u];
+        x.w = dout[w + 3u];
+    }
+    return q_quad_of(x);
+}
+
+fn out_quad(i: u32) -> vec4<f32> {
+    let n = q_quad_words();
+    let w = n * i;
+    var x = vec4<u32>(out[w], out[w + 1u], 0u, 0u);
+    if (n == 4u) {
+        x.z = out[w + 2u];
+        x.w = out[w + 3u];
+    }
+    return q_quad_of(x);
+}
 
 @compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
@@ -25,7 +49,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         return;
     }
     // The batch's rows (num_tokens * num_heads), bounded by dout's and out's whole rows and by delta.
-    let max_rows = min(arrayLength(&dout), arrayLength(&out)) / hq;
+    let max_rows = min(q_quads(arrayLength(&dout)), q_quads(arrayLength(&out))) / hq;
     var tokens = 0u;
     if (pc.num_seqs < arrayLength(&query_start_loc)) {
         tokens = u32(max(query_start_loc[pc.num_seqs], 0));
@@ -48,8 +72,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         var o = mat4x4<f32>();   // column i: row i's out quad
         for (var i = 0u; i < 4u; i++) {
             if (qb[i] != NO_ROW) {
-                g[i] = q_quad(dout[qb[i] + c]);
-                o[i] = q_quad(out[qb[i] + c]);
+                g[i] = dout_quad(qb[i] + c);
+                o[i] = out_quad(qb[i] + c);
             }
         }
         d += vec4<f32>((o[0] * g).x, (o[1] * g).y, (o[2] * g).z, (o[3] * g).w);

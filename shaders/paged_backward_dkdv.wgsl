@@ -2,7 +2,8 @@
 // translated statement for statement, with the same interface (PAGED_BACKWARD_DKDV in pagedvk/abi.py).
 // The algorithm (per physical block and its readers, the rows' operands staged and shared by the block's
 // keys) is explained there and in attention_common.glsl; build_shaders.py pastes the storage files, the
-// cache access and the common parts.
+// cache access and the common parts. query and dout are of the type pc.q_type names, bound as 32-bit words
+// (q_any.wgsl).
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
@@ -11,13 +12,13 @@
 //!include cache_elements.wgsl
 //!include prefill_common.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<QQuad>;             // [tokens, heads, head_size]
+@group(0) @binding(0) var<storage, read> query: array<u32>;               // [tokens, heads, head_size]
 @group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;        // see key_load()
 @group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;      // see value_load()
 @group(0) @binding(3) var<storage, read> block_readers: array<i32>;        // see PAGED_BACKWARD_DKDV
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;             // [seqs]
 @group(0) @binding(5) var<storage, read> query_start_loc: array<i32>;     // [seqs + 1]
-@group(0) @binding(6) var<storage, read> dout: array<QQuad>;              // like query
+@group(0) @binding(6) var<storage, read> dout: array<u32>;                // like query
 @group(0) @binding(7) var<storage, read> delta: array<f32>;              // like lse: D of each row
 @group(0) @binding(8) var<storage, read> lse: array<f32>;                  // [tokens, heads]
 @group(0) @binding(9) var<storage, read_write> dk_cache: array<f32>;       // float32, key_cache's shape
@@ -39,12 +40,27 @@ const ABSENT_BITS: u32 = 0x7f800000u;   // s_rows' lse of a row past the sequenc
 var<workgroup> s_mem: array<vec4<f32>, S_MEM>;
 var<workgroup> s_rows: array<vec2<f32>, MAX_ROWS>;   // (lse, D) of the step's rows
 
-// Query (phase 0) or dout (phase 1) quad i.
+// Query (phase 0) or dout (phase 1) quad i (q_any.wgsl).
 fn row_quad(phase: u32, i: u32) -> vec4<f32> {
+    let n = q_quad_words();
+    let w = n * i;
+    var x = vec4<u32>(0u);
     if (phase == 0u) {
-        return q_quad(query[i]);
+        x.x = query[w];
+        x.y = query[w + 1u];
+        if (n == 4u) {
+            x.z = query[w + 2u];
+            x.w = query[w + 3u];
+        }
+    } else {
+        x.x = dout[w];
+        x.y = dout[w + 1u];
+        if (n == 4u) {
+            x.z = dout[w + 2u];
+            x.w = dout[w + 3u];
+        }
     }
-    return q_quad(dout[i]);
+    return q_quad_of(x);
 }
 
 // Key (phase 0) or value (phase 1) quad c of token t of block b.
@@ -94,7 +110,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let absent = bitcast<f32>(ABSENT_BITS);
 
     let num_blocks = pc.num_blocks;   // see attention_common.glsl
-    let row_floats = min(arrayLength(&query), arrayLength(&dout)) * 4u;
+    let row_floats = min(q_quads(arrayLength(&query)), q_quads(arrayLength(&dout))) * 4u;
     let first_entry = pc.num_blocks + 1u;
     let entries = u32(max(i32(arrayLength(&block_readers)) - i32(first_entry), 0));
 
@@ -232,8 +248,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                         var x = vec4<f32>(0.0);
                         var g = vec4<f32>(0.0);
                         if (s0 + sr[n] < n_rows && gr < rows && q + hs <= row_floats) {
-                            x = q_quad(query[q / 4u + sc[n]]);
-                            g = q_quad(dout[q / 4u + sc[n]]);
+                            x = row_quad(0u, q / 4u + sc[n]);
+                            g = row_quad(1u, q / 4u + sc[n]);
                         }
                         s_mem[PD_QUADS + tid + WG * n] = x;
                         s_mem[PD_QUADS + vr * hq + tid + WG * n] = g;

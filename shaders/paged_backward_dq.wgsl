@@ -2,7 +2,8 @@
 // statement for statement, with the same interface (PAGED_BACKWARD_DQ in pagedvk/abi.py). The algorithm
 // (the forward's tiles, logits and dP as 4 x 4 register blocks, dS staged in shared memory, dq as rows by head
 // quads) is explained there and in paged_prefill.comp; build_shaders.py pastes the storage files, the cache
-// access and the common parts.
+// access and the common parts. query and dout are of the type pc.q_type names, bound as 32-bit words
+// (q_any.wgsl); dq is float32.
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
@@ -12,14 +13,14 @@
 //!include prefill_common.wgsl
 //!include prefill_tiles.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<QQuad>;           // [tokens, heads, head_size]
+@group(0) @binding(0) var<storage, read> query: array<u32>;             // [tokens, heads, head_size]
 @group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;      // see key_load()
 @group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;    // see value_load()
 @group(0) @binding(3) var<storage, read> block_tables: array<i32>;       // [seqs, max_blocks_per_seq]
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;           // [seqs]
 @group(0) @binding(5) var<storage, read> query_start_loc: array<i32>;   // [seqs + 1]
 @group(0) @binding(6) var<storage, read> tiles: array<i32>;             // [tiles, 2]
-@group(0) @binding(7) var<storage, read> dout: array<QQuad>;            // like query
+@group(0) @binding(7) var<storage, read> dout: array<u32>;              // like query
 @group(0) @binding(8) var<storage, read> delta: array<f32>;             // like lse: D of each row
 @group(0) @binding(9) var<storage, read> lse: array<f32>;                // [tokens, heads]
 @group(0) @binding(10) var<storage, read_write> dq: array<f32>;          // like query
@@ -38,12 +39,27 @@ const NO_ROW: u32 = 0xffffffffu;
 var<workgroup> s_mem: array<vec4<f32>, S_MEM>;
 var<workgroup> s_phys: array<i32, MAX_TILE_BLOCKS>;
 
-// Query (phase 0) or dout (phase 1) quad i.
+// Query (phase 0) or dout (phase 1) quad i (q_any.wgsl).
 fn row_quad(phase: u32, i: u32) -> vec4<f32> {
+    let n = q_quad_words();
+    let w = n * i;
+    var x = vec4<u32>(0u);
     if (phase == 0u) {
-        return q_quad(query[i]);
+        x.x = query[w];
+        x.y = query[w + 1u];
+        if (n == 4u) {
+            x.z = query[w + 2u];
+            x.w = query[w + 3u];
+        }
+    } else {
+        x.x = dout[w];
+        x.y = dout[w + 1u];
+        if (n == 4u) {
+            x.z = dout[w + 2u];
+            x.w = dout[w + 3u];
+        }
     }
-    return q_quad(dout[i]);
+    return q_quad_of(x);
 }
 
 // Key (phase 0) or value (phase 1) quad c of token t of block b.
@@ -69,7 +85,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let kv_head = work.x;
     let seq = work.y;
     let row0 = work.z;
-    let row_floats = min(arrayLength(&query), arrayLength(&dout)) * 4u;
+    let row_floats = min(q_quads(arrayLength(&query)), q_quads(arrayLength(&dout))) * 4u;
     let queries = sequence_queries(seq, row_floats / (hs * pc.num_heads));
     let q_start = queries.x;
     let q_len = queries.y;

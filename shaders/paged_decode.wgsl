@@ -8,8 +8,10 @@
 //   * WGSL zero-initializes every `var`: the load batch `w` is declared once, outside the tile loop;
 //   * HEAD_SIZE is an override that build_shaders.py fixes at translation time; 0 means "from the push
 //     constants". So are VALUE_ORDER and GROUP_LIMIT, the GLSL kernel's specialization constants (naga emits
-//     none): modules of the common head sizes are built once per layout and head-group width
-//     (abi.DECODE_FIXED), and 0 reads both from the push constants.
+//     none): modules of head sizes 64 and 128 (abi.FIXED_WGSL_HEAD_SIZES) are built once per layout and head-group
+//     width (abi.DECODE_FIXED); every other head size runs the module with all three 0, read from the push
+//     constants.
+//   * query and out are of the type pc.q_type names, bound as 32-bit words (q_any.wgsl).
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
@@ -17,12 +19,12 @@
 //!include attention_variants.wgsl
 //!include kv_chunk_access.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<QQuad>;                // [seqs, heads, head_size]
+@group(0) @binding(0) var<storage, read> query: array<u32>;                  // [seqs, heads, head_size]
 @group(0) @binding(1) var<storage, read> key_cache: array<vec4<u32>>;        // see key_load()
 @group(0) @binding(2) var<storage, read> value_cache: array<vec4<u32>>;      // see value_load()
 @group(0) @binding(3) var<storage, read> block_tables: array<i32>;           // [seqs, max_blocks_per_seq]
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;               // [seqs]
-@group(0) @binding(5) var<storage, read_write> out: array<OutPair>;          // [seqs, heads, head_size]
+@group(0) @binding(5) var<storage, read_write> out: array<u32>;              // [seqs, heads, head_size]
 @group(0) @binding(6) var<storage, read_write> partial_out: array<vec2<f32>>; // [seqs, heads, partitions, head_size]
 @group(0) @binding(7) var<storage, read_write> partial_stats: array<vec2<f32>>; // [seqs, heads, partitions]: (max, sum)
 @group(0) @binding(8) var<storage, read> alibi_slopes: array<f32>;         // [heads] (VARIANT_ALIBI)
@@ -66,6 +68,31 @@ fn tile_blocks(base: u32, end: u32, bs_log2: u32) -> u32 {
         return 0u;
     }
     return (min(TILE, end - base) + (1u << bs_log2) - 1u) >> bs_log2;
+}
+
+// Query quad i, out's whole pairs and its pair p stored (decode_output.wgsl), as q_any.wgsl lays them out.
+fn query_quad(i: u32) -> vec4<f32> {
+    let n = q_quad_words();
+    let w = n * i;
+    var x = vec4<u32>(query[w], query[w + 1u], 0u, 0u);
+    if (n == 4u) {
+        x.z = query[w + 2u];
+        x.w = query[w + 3u];
+    }
+    return q_quad_of(x);
+}
+
+fn out_pairs() -> u32 {
+    return q_pairs(arrayLength(&out));
+}
+
+fn out_store(p: u32, v: vec2<f32>) {
+    let n = q_pair_words();
+    let x = q_pair_of(v);
+    out[n * p] = x.x;
+    if (n == 2u) {
+        out[n * p + 1u] = x.y;
+    }
 }
 
 // A block-table entry, -1 where it is not a block of the caches.
@@ -143,7 +170,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     let hq = hs / 4u;                                         // quads of one head
     let q_quad0 = (seq * pc.num_heads + head0) * hq;
-    if (q_quad0 + group * hq > arrayLength(&query)) {
+    if (q_quad0 + group * hq > q_quads(arrayLength(&query))) {
         return;
     }
 
@@ -170,7 +197,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         let c = i / MAX_GROUP;
         var q = vec4<f32>(0.0);
         if (g < group) {
-            q = q_quad(query[q_quad0 + g * hq + c]) * pc.scale;
+            q = query_quad(q_quad0 + g * hq + c) * pc.scale;
         }
         s_q[i] = q;
     }

@@ -46,6 +46,15 @@ var<immediate> pc: Params;
 
 override HEAD_SIZE: u32 = 128u;   // fixed by build_shaders.py: 64 or 128 (abi.PAGED_DECODE.matrix_variants)
 
+// out's whole pairs and its pair p stored (decode_output.wgsl), in the type the module is built for.
+fn out_pairs() -> u32 {
+    return arrayLength(&out);
+}
+
+fn out_store(p: u32, v: vec2<f32>) {
+    out[p] = out_pair(v);
+}
+
 alias MatA = coop_mat16x16<f16, A>;
 alias MatB = coop_mat16x16<f16, B>;
 alias MatC = coop_mat16x16<f32, C>;

@@ -1,6 +1,7 @@
 // Merges the partitions of a split decode, WGSL, with the interface of shaders/paged_decode_reduce.comp
 // (PAGED_DECODE_REDUCE in pagedvk/abi.py) and the algorithm of shaders/decode_merge.glsl, which explains it, with a
 // pair of head dims a thread where the GLSL merge takes a quad (its loops left to the driver to unroll).
+// out is of the type pc.q_type names, bound as 32-bit words (q_any.wgsl).
 
 //!include q_storage.wgsl
 //!include attention_common.wgsl
@@ -8,7 +9,7 @@
 @group(0) @binding(0) var<storage, read> seq_lens: array<i32>;                 // [seqs]
 @group(0) @binding(1) var<storage, read> partial_out: array<vec2<f32>>;        // [seqs, heads, partitions, head_size]
 @group(0) @binding(2) var<storage, read> partial_stats: array<vec2<f32>>;      // [seqs, heads, partitions]
-@group(0) @binding(3) var<storage, read_write> out: array<OutPair>;            // [seqs, heads, head_size]
+@group(0) @binding(3) var<storage, read_write> out: array<u32>;                // [seqs, heads, head_size]
 @group(0) @binding(4) var<storage, read> sinks: array<f32>;                    // [heads] (VARIANT_SINKS)
 @group(0) @binding(5) var<storage, read_write> lse: array<f32>;                // [seqs, heads] (VARIANT_LSE)
 var<immediate> pc: Params;
@@ -18,6 +19,16 @@ const KV_CHUNK_QUADS: u32 = 1u;   // no cache here: attention_common.wgsl's key 
 const UNROLL: u32 = 16u;    // partitions a thread loads before it uses any
 var<workgroup> s_ml: array<vec2<f32>, WG>;     // each thread's (max, sum)
 var<workgroup> s_acc: array<vec2<f32>, WG>;    // and its weighted sum of outputs, scaled to its max
+
+// Output pair p (q_any.wgsl).
+fn out_store(p: u32, v: vec2<f32>) {
+    let n = q_pair_words();
+    let x = q_pair_of(v);
+    out[n * p] = x.x;
+    if (n == 2u) {
+        out[n * p + 1u] = x.y;
+    }
+}
 
 @compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,
@@ -32,7 +43,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     }
     let o = (seq * pc.num_heads + head) * hs;
     let slot0 = (seq * pc.num_heads + head) * pc.num_partitions;
-    if (o + hs > 2u * arrayLength(&out) || slot0 + pc.num_partitions > arrayLength(&partial_stats)
+    if (o + hs > 2u * q_pairs(arrayLength(&out)) || slot0 + pc.num_partitions > arrayLength(&partial_stats)
         || (slot0 + pc.num_partitions) * hs > 2u * arrayLength(&partial_out) || hs > 2u * WG) {
         return;
     }
@@ -118,7 +129,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     }
     let fin = softmax_finish(m, total, sink);
     if (lane == 0u) {
-        out[(o >> 1u) + pair] = out_pair(acc * (fin.x * pc.v_scale));
+        out_store((o >> 1u) + pair, acc * (fin.x * pc.v_scale));
     }
     let row = seq * pc.num_heads + head;
     if (tid == 0u && (pc.variants & VARIANT_LSE) != 0u && row < arrayLength(&lse)) {

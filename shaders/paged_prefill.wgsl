@@ -25,8 +25,9 @@
 //   - a tile every row of a thread sees whole, without softcap, ALiBi or window, takes the scale alone (no logit
 //     hooks), and outputs are rescaled only where a row's max grew.
 // Shared memory: 29.7 KB (lavapipe, the CI device, offers 32 KB; the H200 48 KB).
-// build_shaders.py pastes the module's storage files (kv_<type>.wgsl, q_<type>.wgsl), its cache access
-// (kv_bound.wgsl or kv_segmented.wgsl) and the common parts.
+// query and out are of the type pc.q_type names, bound as 32-bit words (q_any.wgsl): a staged query quad is held as
+// its words until it is stored, converted, in shared memory. build_shaders.py pastes the module's cache storage file
+// (kv_<type>.wgsl), q_any.wgsl, its cache access (kv_bound.wgsl or kv_segmented.wgsl) and the common parts.
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
@@ -37,14 +38,14 @@
 //!include prefill_common.wgsl
 //!include prefill_tiles.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<QQuad>;            // [tokens, heads, head_size]
+@group(0) @binding(0) var<storage, read> query: array<u32>;              // [tokens, heads, head_size]
 @group(0) @binding(1) var<storage, read> key_cache: array<KvQuad>;       // see key_load()
 @group(0) @binding(2) var<storage, read> value_cache: array<KvQuad>;     // see value_load()
 @group(0) @binding(3) var<storage, read> block_tables: array<i32>;       // [seqs, max_blocks_per_seq]
 @group(0) @binding(4) var<storage, read> seq_lens: array<i32>;           // [seqs]
 @group(0) @binding(5) var<storage, read> query_start_loc: array<i32>;    // [seqs + 1]
 @group(0) @binding(6) var<storage, read> tiles: array<i32>;              // [tiles, 2]
-@group(0) @binding(7) var<storage, read_write> out: array<OutPair>;      // like query
+@group(0) @binding(7) var<storage, read_write> out: array<u32>;          // like query
 @group(0) @binding(8) var<storage, read_write> lse: array<f32>;          // [tokens, heads]
 @group(0) @binding(9) var<storage, read> alibi_slopes: array<f32>;     // [heads] (VARIANT_ALIBI)
 @group(0) @binding(10) var<storage, read> sinks: array<f32>;           // [heads] (VARIANT_SINKS)
@@ -95,12 +96,21 @@ fn key_block(t: Tile, k: u32, end: u32) -> i32 {
 }
 
 // Staged element n of a chunk, as stored (converted when staged): query quad c0 of row n's source quad q_src
-// (NO_ROW: none), key quad c0 + cl of a key in block phys (-1: none) at quad k_tok of the block.
-fn q_load(q_src: u32, c0: u32, in_head: bool) -> QQuad {
+// (NO_ROW: none) as its words (q_any.wgsl: .zw unread in the 16-bit types), key quad c0 + cl of a key in block phys
+// (-1: none) at quad k_tok of the block.
+fn q_load(q_src: u32, c0: u32, in_head: bool) -> vec4<u32> {
+    var x = vec4<u32>(0u);
     if (q_src != NO_ROW && in_head) {
-        return query[q_src + c0];
+        let n = q_quad_words();
+        let w = n * (q_src + c0);
+        x.x = query[w];
+        x.y = query[w + 1u];
+        if (n == 4u) {
+            x.z = query[w + 2u];
+            x.w = query[w + 3u];
+        }
     }
-    return QQuad();
+    return x;
 }
 
 fn k_load(phys: i32, k_tok: u32, c: u32, in_head: bool) -> KvQuad {
@@ -112,10 +122,10 @@ fn k_load(phys: i32, k_tok: u32, c: u32, in_head: bool) -> KvQuad {
 
 // A chunk's staged elements as loaded, in flight: 4 rows' query quads and 4 keys' key quads.
 struct Staged {
-    qa: QQuad,
-    qb: QQuad,
-    qc: QQuad,
-    qd: QQuad,
+    qa: vec4<u32>,
+    qb: vec4<u32>,
+    qc: vec4<u32>,
+    qd: vec4<u32>,
     ka: KvQuad,
     kb: KvQuad,
     kc: KvQuad,
@@ -255,7 +265,7 @@ fn weights(x: vec4<f32>, m: vec4<f32>) -> vec4<f32> {
 
 // Whether row gr of the sequence is there: before row_end and inside the query buffer.
 fn row_valid(q_start: u32, kv_head: u32, gr: u32, row_end: u32) -> bool {
-    return gr < row_end && row_base(q_start, kv_head, gr) + pc.head_size <= arrayLength(&query) * 4u;
+    return gr < row_end && row_base(q_start, kv_head, gr) + pc.head_size <= q_quads(arrayLength(&query)) * 4u;
 }
 
 // Row r of the tile's query quad c = 0 for the thread staging head quad cl, or NO_ROW.
@@ -271,7 +281,7 @@ fn write_row(o: mat4x4<f32>, m: f32, l: f32, head: u32, q_start: u32, kv_head: u
              cols: vec4<u32>, hq: u32, cg: u32) {
     let hs = pc.head_size;
     let q = row_base(q_start, kv_head, gr);
-    if (gr >= row_end || q + hs > 2u * arrayLength(&out)) {
+    if (gr >= row_end || q + hs > 2u * q_pairs(arrayLength(&out))) {
         return;
     }
     // A row that sees no key gives zeros; the sink (a variant) joins the denominator and the lse.
@@ -289,8 +299,18 @@ fn write_row(o: mat4x4<f32>, m: f32, l: f32, head: u32, q_start: u32, kv_head: u
 fn write_quad(q: u32, col: u32, hq: u32, v: vec4<f32>) {
     if (col < hq) {
         let at = (q + 4u * col) >> 1u;
-        out[at] = out_pair(v.xy);
-        out[at + 1u] = out_pair(v.zw);
+        out_store(at, v.xy);
+        out_store(at + 1u, v.zw);
+    }
+}
+
+// Output pair p (q_any.wgsl).
+fn out_store(p: u32, v: vec2<f32>) {
+    let n = q_pair_words();
+    let x = q_pair_of(v);
+    out[n * p] = x.x;
+    if (n == 2u) {
+        out[n * p + 1u] = x.y;
     }
 }
 
@@ -307,7 +327,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let kv_head = work.x;
     let seq = work.y;
     let row0 = work.z;
-    let query_elems = arrayLength(&query) * 4u;
+    let query_elems = q_quads(arrayLength(&query)) * 4u;
     let queries = sequence_queries(seq, query_elems / (hs * pc.num_heads));
     let q_start = queries.x;
     let q_len = queries.y;
@@ -339,7 +359,7 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
     let rows = group * q_len;
-    let query_elems = arrayLength(&query) * 4u;
+    let query_elems = q_quads(arrayLength(&query)) * 4u;
     let row_groups = n_rows / 4u;
     let g_count = WG / row_groups;       // threads per row group
     let kt = 4u * g_count;               // keys per tile
@@ -461,10 +481,10 @@ fn attend(tid: u32, kv_head: u32, seq: u32, row0: u32, q_start: u32, q_len: u32,
             // Keys outside the cache or past the tile are staged as zeros: slots past a sequence's length may hold
             // anything, NaN included.
             let rs = buf + cl;
-            if (q_in.x) { s_mem[rs + k_row.x * qk_stride] = q_quad(ld.qa); }
-            if (q_in.y) { s_mem[rs + k_row.y * qk_stride] = q_quad(ld.qb); }
-            if (q_in.z) { s_mem[rs + k_row.z * qk_stride] = q_quad(ld.qc); }
-            if (q_in.w) { s_mem[rs + k_row.w * qk_stride] = q_quad(ld.qd); }
+            if (q_in.x) { s_mem[rs + k_row.x * qk_stride] = q_quad_of(ld.qa); }
+            if (q_in.y) { s_mem[rs + k_row.y * qk_stride] = q_quad_of(ld.qb); }
+            if (q_in.z) { s_mem[rs + k_row.z * qk_stride] = q_quad_of(ld.qc); }
+            if (q_in.w) { s_mem[rs + k_row.w * qk_stride] = q_quad_of(ld.qd); }
             let ks = rs + k_off;
             if (k_in.x) { s_mem[ks + k_row.x * qk_stride] = kv_quad(ld.ka); }
             if (k_in.y) { s_mem[ks + k_row.y * qk_stride] = kv_quad(ld.kb); }

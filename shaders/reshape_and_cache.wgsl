@@ -1,8 +1,9 @@
 // reshape_and_cache, WGSL: shaders/reshape_and_cache.comp statement for statement, with the same interface
 // (RESHAPE_AND_CACHE in pagedvk/abi.py); the GLSL source explains the algorithm and the race-free writes.
 // build_shaders.py pastes the key's files for the includes: kv_write_<type>.wgsl (the cache element's
-// encoding), token_<type>.wgsl (reading an input element), kv_write_bound.wgsl or kv_write_segmented.wgsl
-// (the cache bindings and key_store / value_store).
+// encoding), kv_write_bound.wgsl or kv_write_segmented.wgsl (the cache bindings and key_store / value_store), and
+// token_input.wgsl, which reads an input element of the type pc.token_type names (key and value are bound as
+// 32-bit words whatever their type).
 
 struct Params {
     num_tokens: u32,
@@ -22,6 +23,7 @@ struct Params {
     v_token_stride: u32,
     v_dim_stride: u32,
     blocks_per_segment: u32,
+    token_type: u32,   // key and value storage (token_input.wgsl)
 }
 
 @group(0) @binding(0) var<storage, read> key: array<u32>;            // [tokens, kv_heads, head_size]
@@ -90,8 +92,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     let b = slot / pc.block_size;
     let t = slot % pc.block_size;
 
-    var k = token_element(key[i / TOKEN_PER_WORD], i);
-    var v = token_element(value[i / TOKEN_PER_WORD], i);
+    let word = token_word(i);
+    if (word >= arrayLength(&key) || word >= arrayLength(&value)) {   // a token_type the buffers do not hold
+        return;
+    }
+    var k = token_element(key[word], i);
+    var v = token_element(value[word], i);
     if (KV_SCALED) {
         k = k / pc.k_scale;
         v = v / pc.v_scale;

@@ -64,7 +64,7 @@ def test_storage_files_stand_in_for_the_generic_includes():
     # WGSL has no preprocessor: a module includes generic names, the key picks the files pasted for them.
     key = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg")
     names = [p.name for p in abi.source_files(SHADERS, key)]
-    assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_bf16.wgsl", "attention_common.wgsl",
+    assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_any.wgsl", "attention_common.wgsl",
                      "attention_variants.wgsl", "kv_chunk_segmented.wgsl", "decode_output.wgsl",
                      "decode_reduce_subgroup.wgsl"]
     # and the reduction: subgroup arithmetic, or shared memory only for devices without it
@@ -81,9 +81,15 @@ def test_storage_files_stand_in_for_the_generic_includes():
         assert re.search(r"^const KV_CHUNK_QUADS: u32 = [124]u;$", text, re.M), tag
         assert "fn kv_quad(w: KvQuad) -> vec4<f32>" in text, tag
         assert "fn chunk_quad(w: vec4<u32>, i: u32) -> vec4<f32>" in text, tag
+    # Queries: the type from the push constants (q_any.wgsl), but in the matrix modules, built for one type.
+    text = (SHADERS / "q_any.wgsl").read_text()
+    assert "fn q_quad_of(w: vec4<u32>) -> vec4<f32>" in text and "fn q_pair_of(v: vec2<f32>) -> vec2<u32>" in text
     for tag in abi.QUERY_TYPES:
         text = (SHADERS / f"q_{tag}.wgsl").read_text()
         assert "fn q_quad(w: QQuad) -> vec4<f32>" in text and "fn out_pair(v: vec2<f32>) -> OutPair" in text, tag
+    matrix = abi.PAGED_DECODE.key("wgsl", "f16", "f16", 128, matrix="coopmat")
+    assert matrix.includes()["q_storage.wgsl"] == "q_f16.wgsl"
+    assert "token_input.wgsl" not in abi.RESHAPE_AND_CACHE.key("wgsl", "f16", "bf16").includes()
 
 
 def test_backend_argument_picks_the_wgsl_modules(rng, monkeypatch):
