@@ -5,9 +5,9 @@ lavapipe does not). Registers a thread bound how many workgroups a compute unit 
 means arrays or spills the compiler put in memory: the first things to read when a kernel is slower than
 its loads explain.
 
-    python benchmarks/pipeline_stats.py paged_decode.kv_f16.q_f16.h128.glsl      # modules by name (pagedvk/spv)
-    python benchmarks/pipeline_stats.py --no-variants paged_decode.kv_f16.q_f16.h128.glsl
-    python benchmarks/pipeline_stats.py --no-variants --spec 1=1 --spec 2=4 paged_decode.kv_f16.q_f16.h128.glsl
+    python benchmarks/pipeline_stats.py paged_decode.kv_f16.glsl      # modules by name (pagedvk/spv)
+    python benchmarks/pipeline_stats.py --no-variants paged_decode.kv_f16.glsl
+    python benchmarks/pipeline_stats.py --no-variants --spec 1=1 --spec 2=4 paged_decode.kv_f16.glsl
     python benchmarks/pipeline_stats.py path/to/module.spv                          # or any SPIR-V file
 
 The device is PAGEDVK_DEVICE's, or the one pagedvk would pick. --no-variants specializes VARIANTS false where a

@@ -296,7 +296,7 @@ def test_decode_ablations_swap_the_module_the_plan_runs(tmp_path):
     assert list(rows) == ["kept kernel", "no key loads", "kept kernel, identity block tables"]
     assert rows["kept kernel"]["ok"] and rows["kept kernel, identity block tables"]["ok"]
     assert rows["no key loads"]["swapped"] and rows["no key loads"]["rel_error"] > 0.1
-    assert all(r["module"] == "paged_decode.kv_f16.q_f16.h128.glsl" and r["kernel"] == "gpu" for r in rows.values())
+    assert all(r["module"] == "paged_decode.kv_f16.glsl" and r["kernel"] == "gpu" for r in rows.values())
     with bench.DecodeInputs(bench.DecodeShape(num_seqs=2, context=200, dtype="float16")) as inputs:
         assert bench.time_decode(inputs, "glsl", iters=2, repeats=1, kernel="gpu")["ok"]
 
@@ -321,7 +321,7 @@ def test_decode_ablations_refuse_what_they_cannot_run(capsys):
     ablations = load_benchmark("decode_ablations")
     with pytest.raises(SystemExit):
         ablations.main(["--kernel", "gpu", "--shapes", "1x64", "--iters", "1", "--only", "no such stage"])
-    assert "--only: paged_decode.kv_f16.q_f16.h128.glsl has no ablation 'no such stage'" in capsys.readouterr().err
+    assert "--only: paged_decode.kv_f16.glsl has no ablation 'no such stage'" in capsys.readouterr().err
     import pagedvk
     from pagedvk.matrix import matrix_unavailable
     why = matrix_unavailable(pagedvk.select()[0], pagedvk.default_device().features)

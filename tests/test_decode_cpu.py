@@ -214,10 +214,10 @@ def test_the_one_call_op_follows_the_environment(rng, device, monkeypatch):
 
 def test_cpu_modules_are_chosen_where_built():
     from pagedvk.abi import PAGED_DECODE
-    assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").name == "paged_decode.cpu.kv_f16.q_f16.h128.glsl"
+    assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").name == "paged_decode.cpu.kv_f16.glsl"
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").source == "paged_decode_cpu.comp"
-    assert PAGED_DECODE.key("glsl", "e4m3", "bf16", 100, target="cpu").head_size == 0   # the generic module
-    assert PAGED_DECODE.key("glsl", "f32", "f32", 128, "seg", target="cpu").name == "paged_decode.cpu.kv_f32.seg.q_f32.glsl"
+    assert PAGED_DECODE.key("glsl", "e4m3", "bf16", 100, target="cpu").head_size == 0   # specialized, not built
+    assert PAGED_DECODE.key("glsl", "f32", "f32", 128, "seg", target="cpu").name == "paged_decode.cpu.kv_f32.seg.glsl"
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, target="cpu").target == ""        # no WGSL twin
     with pytest.raises(ValueError, match="has no 'tpu' kernel"):
         PAGED_DECODE.key("glsl", "f16", "f16", 128, target="tpu")

@@ -103,13 +103,13 @@ def test_stale_module_is_refused(spv_copy):
     manifest = json.loads((spv_copy / "manifest.json").read_text())
     manifest[DECODE_F32.name]["digest"] = "0" * 64
     (spv_copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.q_f32\.glsl is stale"):
+    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.glsl is stale"):
         kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
 
 
 def test_missing_module_is_named(spv_copy):
-    (spv_copy / "paged_decode.kv_f32.q_f32.glsl.spv").unlink()
-    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.q_f32\.glsl is missing"):
+    (spv_copy / "paged_decode.kv_f32.glsl.spv").unlink()
+    with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.glsl is missing"):
         kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
 
 
@@ -127,17 +127,24 @@ def test_unknown_variant_is_named():
 
 
 def test_variant_keys_are_built_in_one_place():
-    # Head sizes with a module of their own get it in either language; any other runs the generic module.
-    assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 128).name == "paged_decode.kv_f16.q_bf16.h128.glsl"
-    assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 48).name == "paged_decode.kv_f16.q_bf16.glsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.q_f32.h128.wgsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, access="seg").name == "paged_decode.kv_e4m3.seg.q_f32.wgsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).constants() == {"HEAD_SIZE": 128}
+    # The query type and (GLSL) the head size are not in a module's name: kernels read them at run time or as
+    # specialization constants. WGSL decode modules fix the head size with the layout and group width (fixed).
+    assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 128).name == "paged_decode.kv_f16.glsl"
+    assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 48).name == "paged_decode.kv_f16.glsl"
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.wgsl"
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, fixed="vllm_g8").name == "paged_decode.kv_e4m3.h128.vllm_g8.wgsl"
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, access="seg", fixed="vllm_g8").name == "paged_decode.kv_e4m3.seg.wgsl"
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, fixed="nhd_g4").constants() == {
+        "HEAD_SIZE": 128, "VALUE_ORDER": 2, "GROUP_LIMIT": 4}
+    with pytest.raises(ValueError, match="query storage 'f8'"):
+        abi.PAGED_DECODE.key("glsl", "f16", "f8")
     key = abi.PAGED_PREFILL.key("wgsl", "bf16", "f16")
-    assert key.includes() == {"kv_storage.wgsl": "kv_bf16.wgsl", "q_storage.wgsl": "q_f16.wgsl",
+    assert key.includes() == {"kv_storage.wgsl": "kv_bf16.wgsl", "q_storage.wgsl": "q_any.wgsl",
                               "kv_access.wgsl": "kv_bound.wgsl"}
     assert abi.PAGED_PREFILL.key("wgsl", "bf16", "f16", access="seg").includes()["kv_access.wgsl"] == "kv_segmented.wgsl"
-    assert abi.PAGED_DECODE.key("glsl", "e5m2", "f32", 64).defines() == {"KV_E5M2": 1, "Q_F32": 1, "HEAD_SIZE": 64}
+    assert abi.PAGED_DECODE.key("glsl", "e5m2", "f32", 64).defines() == {"KV_E5M2": 1}
+    assert abi.PAGED_DECODE.key("glsl", "bf16", "bf16", 64, matrix="coopmat").defines() == {
+        "KV_BF16": 1, "Q_BF16": 1, "HEAD_SIZE": 64}
     assert len({k.name for kernel in abi.KERNELS for k in kernel.keys()}) == sum(
         len(list(kernel.keys())) for kernel in abi.KERNELS)
 
