@@ -23,6 +23,7 @@ modules of: without naga the default build makes the GLSL modules only, says so 
 from __future__ import annotations
 
 import argparse
+import atexit
 import array
 import collections
 import concurrent.futures
@@ -32,6 +33,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import queue
 import re
 import shutil
 import struct
@@ -167,6 +169,60 @@ def naga_command(source: Path, out: Path) -> list:
     return tool + [str(source), str(out)]
 
 
+class NagaServer:
+    """Node.js running naga-wasm for many modules (tools/naga_wasm.mjs --serve): a process per module paid Node's
+    start and naga's unoptimized first run each time, 0.6 s a module against 0.05-0.1 s warm."""
+
+    def __init__(self, tool: list):
+        self.process = subprocess.Popen(tool + ["--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+
+    def translate(self, source: Path, out: Path) -> None:
+        self.process.stdin.write(json.dumps({"in": str(source), "out": str(out)}) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise BuildError(f"naga {source.name} failed: naga-wasm stopped\n{self.process.stderr.read()}")
+        answer = json.loads(line)
+        if not answer["ok"]:
+            raise BuildError(f"naga {source.name} failed:\n{answer['error']}")
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+_naga_servers = queue.SimpleQueue()   # idle NagaServers; a thread takes one, or starts one, for each module
+_naga_started = []
+
+
+def translate_wgsl(source: Path, out: Path) -> None:
+    """naga's SPIR-V of a WGSL file: the naga CLI where it is on PATH, else a NagaServer of this build."""
+    tool = naga_tool()
+    if tool is None:
+        raise BuildError(NO_NAGA)
+    if Path(tool[0]).name == "naga":
+        return run(tool + [str(source), str(out)], f"naga {source.name}")
+    try:
+        server = _naga_servers.get_nowait()
+    except queue.Empty:
+        server = NagaServer(tool)
+        _naga_started.append(server)
+    try:
+        server.translate(source, out)
+    finally:
+        if server.process.poll() is None:   # a server that stopped is not used again
+            _naga_servers.put(server)
+
+
+@atexit.register
+def close_naga_servers() -> None:
+    while _naga_started:
+        _naga_started.pop().close()
+    while not _naga_servers.empty():
+        _naga_servers.get_nowait()
+
+
 OVERRIDE = re.compile(r"(?:@id\(\d+\)\s*)?override\s+(\w+)\s*:\s*(\w+)\s*=\s*([^;]+);")
 
 
@@ -205,7 +261,7 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
-        run(naga_command(fixed, out), f"naga {source.name}")
+        translate_wgsl(fixed, out)
     spirv = drop_loop_bounding(drop_workgroup_zero_init(unordered_not_equal(out.read_bytes())))
     spirv = declare_cooperative_matrix(drop_unlaid_layouts(spirv))
     out.write_bytes(workgroup_accesses_nonprivate(naga_matrix_fixes(spirv)))
@@ -825,6 +881,7 @@ def build(out_dir: Path, backends: tuple = ("glsl", "wgsl"), keys=None, verbose:
                 if verbose:
                     print(f"built {name}.spv")
     finally:
+        close_naga_servers()
         manifest = write_manifest(out_dir, modules)
         for name in removed:   # after the manifest stops naming them
             (out_dir / (name + ".spv")).unlink(missing_ok=True)

@@ -418,6 +418,11 @@ DECODE_VALUES_SPEC_ID = 6
 # pagedvk/decode.py, so the driver unrolls the loops over head dims as it did when the head size was a define
 # (BENCHMARKS.md, "Module count"). 0 (its default) reads the push constant.
 DECODE_HEAD_SIZE_SPEC_ID = 7
+# The head sizes the scalar decode and prefill pipelines are specialized on (DECODE_HEAD_SIZE_SPEC_ID,
+# PREFILL_HEAD_SIZE_SPEC_ID): vLLM's. A pipeline is compiled per head size in use, which a model pays once; any other
+# head size runs the pipeline that reads the push constant, so that a sweep over many head sizes (the property
+# tests) compiles one pipeline, not one each (seconds each on lavapipe).
+SPECIALIZED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 # The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
 # (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
 # dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.

@@ -19,7 +19,7 @@ import numpy as np
 from . import checks, config, kernels
 from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_MERGE_PARTITIONS,
                   DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
-                  PAGED_DECODE_REDUCE, q_type_code)
+                  PAGED_DECODE_REDUCE, SPECIALIZED_HEAD_SIZES, q_type_code)
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
@@ -308,8 +308,9 @@ class DecodePlan(Owned):
         self._no_lse = empty((4,), np.float32, self.device)   # the lse binding of runs that return none
         self._owned.append(self._no_lse)
         self.group_size = group_size(num_heads, num_kv_heads)
-        # The head size too: the scalar kernels' loops over head dims unroll on it (abi.DECODE_HEAD_SIZE_SPEC_ID).
-        self.constants = {**kernel_constants(layout, self.group_size), DECODE_HEAD_SIZE_SPEC_ID: head_size}
+        # The head size too, where it is one of vLLM's: the scalar kernels' loops over head dims unroll on it.
+        self.constants = {**kernel_constants(layout, self.group_size),
+                          **({DECODE_HEAD_SIZE_SPEC_ID: head_size} if head_size in SPECIALIZED_HEAD_SIZES else {})}
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
         max_seq_len = self.variants.span(min(int(lens.max(initial=0)), block_tables.shape[1] * block_size),

@@ -57,7 +57,9 @@ layout(constant_id = 7) const uint HEAD_SIZE = 0u;
 const uint DIMS = HEAD_SIZE != 0u ? HEAD_SIZE : MAX_HEAD_SIZE;
 const uint QUADS = DIMS / 4u;
 const uint MIN_LANES = 4u;                 // subgroups narrower than this are not given the kernel (pagedvk/decode.py)
-const uint SLOTS = QUADS / MIN_LANES;      // head-dim quads a lane owns at most in the V stage
+// Head-dim quads a lane owns at most in the V stage, rounded up: every head size is specialized, 4 and 120 included
+// (30 quads over 4 lanes are 8 a lane, not 7).
+const uint SLOTS = (QUADS + MIN_LANES - 1u) / MIN_LANES;
 
 // paged_decode.comp's specialization (pagedvk/decode.py sets both per plan; 0 reads the push constants).
 layout(constant_id = 1) const uint VALUE_ORDER = 0u;   // 1: vLLM's layout (a dim's tokens contiguous); 2: nhd

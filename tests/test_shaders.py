@@ -738,3 +738,25 @@ def test_build_without_naga_skips_wgsl_in_one_line_and_wgsl_then_names_npm_ci(bu
     with pytest.raises(pagedvk.ShaderModuleError, match=r"this install has no WGSL modules .*run `npm ci` in the "
                                                         r"source tree and reinstall.*naga CLI on PATH"):
         kernels.load_spirv(abi.PAGED_DECODE, keys_named(DECODE_MATRIX_WGSL)[0])
+
+
+def test_one_naga_process_translates_many_modules_and_reports_each_error(tmp_path, monkeypatch):
+    # naga-wasm runs as one Node.js process a build thread (tools/naga_wasm.mjs --serve), not one a module: an
+    # error names its file and the process goes on translating.
+    build = build_script()
+    monkeypatch.setattr(build.shutil, "which", lambda name, _which=shutil.which: None if name == "naga" else _which(name))
+    if build.naga_tool() is None:
+        pytest.fail("Node.js with node_modules/naga-wasm is needed: run `npm ci`")
+    good, bad = tmp_path / "good.wgsl", tmp_path / "bad.wgsl"
+    good.write_text("@compute @workgroup_size(1) fn main() {}\n")
+    bad.write_text("@compute @workgroup_size(1) fn main() { let x: u32 = 1.5; }\n")
+    try:
+        build.translate_wgsl(good, tmp_path / "a.spv")
+        with pytest.raises(build.BuildError, match=r"(?s)naga bad\.wgsl failed.*bad\.wgsl:1"):
+            build.translate_wgsl(bad, tmp_path / "b.spv")
+        build.translate_wgsl(good, tmp_path / "c.spv")
+        assert len(build._naga_started) == 1   # one process did all three
+        assert (tmp_path / "a.spv").read_bytes() == (tmp_path / "c.spv").read_bytes()
+        assert not (tmp_path / "b.spv").exists()
+    finally:
+        build.close_naga_servers()
