@@ -45,6 +45,12 @@ def q_type_code(tag: str) -> int:
     return QUERY_TYPES.index(tag)
 
 
+def q_type_constant(tag: str) -> dict:
+    """The specialization that fixes the query storage type in an attention kernel's GLSL pipeline
+    (Q_TYPE_SPEC_ID; its value is the code plus one, 0 reading the push constant)."""
+    return {Q_TYPE_SPEC_ID: q_type_code(tag) + 1}
+
+
 # Backward caches: fp8 caches are for inference.
 GRADIENT_CACHE_TYPES = ("f32", "f16", "bf16")
 # How kernels reach a cache larger than one binding (pagedvk.array.DeviceArray splits it into segments of whole
@@ -223,7 +229,8 @@ class KernelABI:
             return {}
         own = dict(self.matrix_spec_constants if key.matrix else
                    dict(self.target_spec_constants).get(key.target, self.spec_constants))
-        return {**({VARIANTS_SPEC_ID: "bool"} if self.specializes_variants(key) else {}), **own}
+        query = {Q_TYPE_SPEC_ID: "uint32"} if self.push == ATTENTION_PUSH and self.q_types and not key.matrix else {}
+        return {**({VARIANTS_SPEC_ID: "bool"} if self.specializes_variants(key) else {}), **own, **query}
 
     def specializes_variants(self, key: VariantKey) -> bool:
         """Whether the module declares VARIANTS_SPEC_ID: the GLSL modules of the attention kernels, which
@@ -418,6 +425,9 @@ DECODE_VALUES_SPEC_ID = 6
 # pagedvk/decode.py, so the driver unrolls the loops over head dims as it did when the head size was a define
 # (BENCHMARKS.md, "Module count"). 0 (its default) reads the push constant.
 DECODE_HEAD_SIZE_SPEC_ID = 7
+# The query storage type in every attention kernel's GLSL modules but the matrix ones (shaders/kv_storage.glsl), set
+# per plan (q_type_constant): the query's loads and the output's stores then take no branch on the push constant q_type.
+Q_TYPE_SPEC_ID = 8
 # The head sizes the scalar decode and prefill pipelines are specialized on (DECODE_HEAD_SIZE_SPEC_ID,
 # PREFILL_HEAD_SIZE_SPEC_ID): vLLM's. A pipeline is compiled per head size in use, which a model pays once; any other
 # head size runs the pipeline that reads the push constant, so that a sweep over many head sizes (the property

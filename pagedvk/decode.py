@@ -19,7 +19,7 @@ import numpy as np
 from . import checks, config, kernels
 from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_MERGE_PARTITIONS,
                   DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
-                  PAGED_DECODE_REDUCE, SPECIALIZED_HEAD_SIZES, q_type_code)
+                  PAGED_DECODE_REDUCE, SPECIALIZED_HEAD_SIZES, q_type_code, q_type_constant)
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
 from .errors import ClosedError
@@ -309,7 +309,7 @@ class DecodePlan(Owned):
         self._owned.append(self._no_lse)
         self.group_size = group_size(num_heads, num_kv_heads)
         # The head size too, where it is one of vLLM's: the scalar kernels' loops over head dims unroll on it.
-        self.constants = {**kernel_constants(layout, self.group_size),
+        self.constants = {**kernel_constants(layout, self.group_size), **q_type_constant(self.query_type.tag),
                           **({DECODE_HEAD_SIZE_SPEC_ID: head_size} if head_size in SPECIALIZED_HEAD_SIZES else {})}
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
@@ -588,7 +588,8 @@ class DecodePlan(Owned):
                    lse_buffer, *caches.extra), push, self.grid)
         if self.reduce_key is None or self.merge_in_decode:
             return [decode]
-        reduce = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, self.reduce_key, variants),
+        reduce = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, self.reduce_key, variants,
+                                   q_type_constant(self.query_type.tag)),
                   (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1], lse_buffer), push,
                   self.reduce_grid)
         return [decode, reduce]

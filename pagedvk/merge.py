@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import checks, kernels
-from .abi import ATTENTION_PUSH, MERGE_STATES, q_type_code
+from .abi import ATTENTION_PUSH, MERGE_STATES, q_type_code, q_type_constant
 from .array import Array, DeviceArray, asarray, empty
 from .dtypes import QUERY_TYPES, storage_type
 from .opargs import backend_name, device_of
@@ -62,7 +62,8 @@ def merge_attention_states(out_a: Array, lse_a: Array, out_b: Array, lse_b: Arra
                 temporaries.append(d)
         results = [empty(shape, out_a.dtype, device), empty(shape[:-1], np.float32, device)]
         if rows:
-            pipeline = kernels.pipeline(device, MERGE_STATES, MERGE_STATES.key(backend, q=query_type.tag))
+            pipeline = kernels.pipeline(device, MERGE_STATES, MERGE_STATES.key(backend, q=query_type.tag),
+                                        constants=q_type_constant(query_type.tag))
             grid = fold_grid(-(-rows * head_size // 4 // WG), device.info.max_workgroup_count)
             launch = pipeline.launch([a.buffer for a in inputs + results], push, grid)
             try:

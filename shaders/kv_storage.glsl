@@ -130,31 +130,36 @@ vec4 chunk_quad(uvec4 w, uint i) { return kv_quad(w[i]); }
 
 // Queries and outputs. Outputs are written two consecutive elements at a time (OUT_PAIR), so that no two
 // threads share a 32-bit word of a 16-bit output.
-#if !defined(Q_F32) && !defined(Q_F16) && !defined(Q_BF16)
-// The type from the push constants: query-typed buffers are arrays of 32-bit words (Q_WORD). Quad i (4 consecutive
-// elements) is words 4i .. 4i+3 of float32, 2i .. 2i+1 of a 16-bit type; output pair p is words 2p, 2p+1 of float32,
-// word p of a 16-bit type. The branches are uniform over a launch, and only the queries' loads and the outputs'
-// stores take them, not the loops over the caches.
+#if defined(NO_QUERY_STORAGE)
+#elif !defined(Q_F32) && !defined(Q_F16) && !defined(Q_BF16)
+// The type from the push constants (q_type), or from the pipeline's specialization where it has one (Q_TYPE_SPEC, the
+// code plus one, set per plan: abi.Q_TYPE_SPEC_ID), which folds the choice away. Query-typed inputs are arrays of
+// 8-byte pairs of words (Q_IN: one 16-bit quad, half a float32 one, so a quad is still read with one or two vector
+// loads), outputs arrays of words (Q_WORD): quad i is Q_IN elements 2i, 2i + 1 of float32, element i of a 16-bit
+// type; output pair p is words 2p, 2p + 1 of float32, word p of a 16-bit type. Reading the type from the push
+// constants with 4-byte loads made the H200's 1 x 4096 float16 decode 7% slower (BENCHMARKS.md, "Module count").
+layout(constant_id = 8) const uint Q_TYPE_SPEC = 0u;
+#define Q_TYPE (Q_TYPE_SPEC != 0u ? Q_TYPE_SPEC - 1u : pc.q_type)
+#define Q_IN uvec2
 #define Q_WORD uint
 const uint Q_TYPE_F32 = 0u, Q_TYPE_F16 = 1u;   // abi.q_type_code; 2 is bfloat16
-// Words of one quad, of one output pair.
-#define Q_QUAD_WORDS (pc.q_type == Q_TYPE_F32 ? 4u : 2u)
-#define OUT_PAIR_WORDS (pc.q_type == Q_TYPE_F32 ? 2u : 1u)
-vec4 q_half_quad(uint a, uint b, uint type) {   // a 16-bit type's quad from its two words
-    return type == Q_TYPE_F16 ? vec4(unpackHalf2x16(a), unpackHalf2x16(b)) : vec4(bf16x2(a), bf16x2(b));
+// Q_IN elements of one quad, words of one output pair.
+#define Q_QUAD_UNITS (Q_TYPE == Q_TYPE_F32 ? 2u : 1u)
+#define OUT_PAIR_WORDS (Q_TYPE == Q_TYPE_F32 ? 2u : 1u)
+vec4 q_half_quad(uvec2 w, uint type) {   // a 16-bit type's quad
+    return type == Q_TYPE_F16 ? vec4(unpackHalf2x16(w.x), unpackHalf2x16(w.y)) : vec4(bf16x2(w.x), bf16x2(w.y));
 }
-// Quad i of a query-typed buffer `words` (an array of Q_WORD).
-#define Q_QUAD_AT(words, i) (pc.q_type == Q_TYPE_F32 \
-    ? uintBitsToFloat(uvec4(words[4u * (i)], words[4u * (i) + 1u], words[4u * (i) + 2u], words[4u * (i) + 3u])) \
-    : q_half_quad(words[2u * (i)], words[2u * (i) + 1u], pc.q_type))
-// Quads in a query-typed buffer, pairs in an output buffer.
-#define Q_QUADS(words) (uint(words.length()) / Q_QUAD_WORDS)
+// Quad i of a query-typed input `pairs` (an array of Q_IN).
+#define Q_QUAD_AT(pairs, i) (Q_TYPE == Q_TYPE_F32 \
+    ? uintBitsToFloat(uvec4(pairs[2u * (i)], pairs[2u * (i) + 1u])) : q_half_quad(pairs[i], Q_TYPE))
+// Quads in a query-typed input, pairs in an output.
+#define Q_QUADS(pairs) (uint(pairs.length()) / Q_QUAD_UNITS)
 #define OUT_PAIRS(words) (uint(words.length()) / OUT_PAIR_WORDS)
 // Output pair p of `words` := v.
 #define STORE_OUT_PAIR(words, p, v) { \
     const vec2 v_ = (v); const uint p_ = (p); \
-    if (pc.q_type == Q_TYPE_F32) { words[2u * p_] = floatBitsToUint(v_.x); words[2u * p_ + 1u] = floatBitsToUint(v_.y); } \
-    else words[p_] = pc.q_type == Q_TYPE_F16 ? packHalf2x16(v_) : pack_bf16x2(v_); }
+    if (Q_TYPE == Q_TYPE_F32) { words[2u * p_] = floatBitsToUint(v_.x); words[2u * p_ + 1u] = floatBitsToUint(v_.y); } \
+    else words[p_] = Q_TYPE == Q_TYPE_F16 ? packHalf2x16(v_) : pack_bf16x2(v_); }
 #elif defined(Q_F32)
 #define Q_QUAD uvec4
 #define OUT_PAIR uvec2

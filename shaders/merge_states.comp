@@ -13,9 +13,9 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer OutA { Q_WORD out_a[]; };   // [rows, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer OutA { Q_IN out_a[]; };   // [rows, head_size]
 layout(std430, set = 0, binding = 1) readonly buffer LseA { float lse_a[]; };    // [rows]
-layout(std430, set = 0, binding = 2) readonly buffer OutB { Q_WORD out_b[]; };
+layout(std430, set = 0, binding = 2) readonly buffer OutB { Q_IN out_b[]; };
 layout(std430, set = 0, binding = 3) readonly buffer LseB { float lse_b[]; };
 layout(std430, set = 0, binding = 4) writeonly buffer Out { Q_WORD out_[]; };
 layout(std430, set = 0, binding = 5) writeonly buffer Lse { float lse[]; };

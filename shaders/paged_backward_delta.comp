@@ -16,8 +16,8 @@
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 layout(std430, set = 0, binding = 0) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
-layout(std430, set = 0, binding = 1) readonly buffer Dout { Q_WORD dout[]; };            // like query
-layout(std430, set = 0, binding = 2) readonly buffer Out { Q_WORD out_[]; };             // like query
+layout(std430, set = 0, binding = 1) readonly buffer Dout { Q_IN dout[]; };            // like query
+layout(std430, set = 0, binding = 2) readonly buffer Out { Q_IN out_[]; };             // like query
 layout(std430, set = 0, binding = 3) writeonly buffer Delta { float delta_[]; };         // like lse
 
 #ifndef KV_CHUNK_QUADS

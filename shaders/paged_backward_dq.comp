@@ -22,14 +22,14 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_WORD query[]; };          // [tokens, heads, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_IN query[]; };          // [tokens, heads, head_size]
 #define KV_SEGMENT_BINDING 11   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]
 layout(std430, set = 0, binding = 4) readonly buffer SeqLens { int seq_lens[]; };        // [seqs]
 layout(std430, set = 0, binding = 5) readonly buffer QueryStartLoc { int query_start_loc[]; }; // [seqs + 1]
 layout(std430, set = 0, binding = 6) readonly buffer Tiles { int tiles[]; };             // [tiles, 2]
-layout(std430, set = 0, binding = 7) readonly buffer Dout { Q_WORD dout[]; };            // like query
+layout(std430, set = 0, binding = 7) readonly buffer Dout { Q_IN dout[]; };            // like query
 layout(std430, set = 0, binding = 8) readonly buffer Delta { float delta_[]; };          // like lse: D of each row
 layout(std430, set = 0, binding = 9) readonly buffer Lse { float lse[]; };               // [tokens, heads]
 layout(std430, set = 0, binding = 10) writeonly buffer Dq { float dq[]; };               // like query

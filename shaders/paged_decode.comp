@@ -38,7 +38,7 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Query { Q_WORD query[]; };           // [seqs, heads, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer Query { Q_IN query[]; };           // [seqs, heads, head_size]
 #define KV_SEGMENT_BINDING 11  // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 CACHE_BINDINGS                                                                      // see key_load()
 layout(std430, set = 0, binding = 3) readonly buffer BlockTables { int block_tables[]; }; // [seqs, max_blocks_per_seq]

@@ -19,7 +19,7 @@
 //!include attention_variants.wgsl
 //!include kv_chunk_access.wgsl
 
-@group(0) @binding(0) var<storage, read> query: array<u32>;                  // [seqs, heads, head_size]
+@group(0) @binding(0) var<storage, read> query: array<vec2<u32>>;            // [seqs, heads, head_size]
 @group(0) @binding(1) var<storage, read> key_cache: array<vec4<u32>>;        // see key_load()
 @group(0) @binding(2) var<storage, read> value_cache: array<vec4<u32>>;      // see value_load()
 @group(0) @binding(3) var<storage, read> block_tables: array<i32>;           // [seqs, max_blocks_per_seq]
@@ -70,16 +70,13 @@ fn tile_blocks(base: u32, end: u32, bs_log2: u32) -> u32 {
     return (min(TILE, end - base) + (1u << bs_log2) - 1u) >> bs_log2;
 }
 
-// Query quad i, out's whole pairs and its pair p stored (decode_output.wgsl), as q_any.wgsl lays them out.
+// Query quad i, out's whole pairs and its pair p stored (decode_output.wgsl), as q_any.wgsl lays them out. The
+// queries are read as pairs of words (8-byte loads, as the GLSL kernel's): one a 16-bit quad, two a float32 one.
 fn query_quad(i: u32) -> vec4<f32> {
-    let n = q_quad_words();
-    let w = n * i;
-    var x = vec4<u32>(query[w], query[w + 1u], 0u, 0u);
-    if (n == 4u) {
-        x.z = query[w + 2u];
-        x.w = query[w + 3u];
+    if (q_half()) {
+        return q_quad_of(vec4<u32>(query[i], 0u, 0u));
     }
-    return q_quad_of(x);
+    return q_quad_of(vec4<u32>(query[2u * i], query[2u * i + 1u]));
 }
 
 fn out_pairs() -> u32 {
@@ -170,7 +167,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     let hq = hs / 4u;                                         // quads of one head
     let q_quad0 = (seq * pc.num_heads + head0) * hq;
-    if (q_quad0 + group * hq > q_quads(arrayLength(&query))) {
+    if (q_quad0 + group * hq > 2u * arrayLength(&query) / q_quad_words()) {
         return;
     }
 

@@ -13,6 +13,7 @@
 // Slots below 0 are padding; slots at or past num_blocks * block_size (possible only with validate=False)
 // are skipped too, so the kernel never writes outside the caches.
 #extension GL_GOOGLE_include_directive : require
+#define NO_QUERY_STORAGE   // its inputs' type is token_type (kv_encode.glsl), not the attention kernels' q_type
 #include "kv_storage.glsl"
 #include "kv_encode.glsl"
 

@@ -277,7 +277,7 @@ def test_bfloat16_matrix_kernels_match_reference(rng, direction, layout, head_si
     # has no matrix module: paged_backward_delta)
     attention = [name for name in modules if not name.startswith("paged_backward_delta.")]
     assert attention and all(".coopmat.kv_bf16." in name for name in attention)
-    assert (direction == "backward") == any(name.startswith("paged_backward_delta.q_bf16.") for name in modules)
+    assert (direction == "backward") == any(name.startswith("paged_backward_delta.") for name in modules)
 
 
 @needs_bf16_coopmat
@@ -354,11 +354,11 @@ def test_auto_runs_short_sequences_on_the_scalar_kernel_in_the_same_launch(rng, 
     case = PrefillCase(rng, q_lens=[1, 70, 0, 1, 3, 130, 1], layout=layout, head_size=128, num_heads=8, num_kv_heads=2)
     out_err, lse_err = run_f16(case, "auto", backend=backend)
     assert out_err <= TOL and lse_err <= TOL
-    assert modules == [f"paged_prefill.coopmat.kv_f16.q_f16.h128.{backend}", f"paged_prefill.kv_f16.q_f16.{backend}"]
+    assert modules == [f"paged_prefill.coopmat.kv_f16.q_f16.h128.{backend}", f"paged_prefill.kv_f16.{backend}"]
     modules.clear()
     run_f16(PrefillCase(rng, q_lens=[1, 2, 1], layout=layout, head_size=128, num_heads=8, num_kv_heads=2), "auto",
             backend=backend)
-    assert modules == [f"paged_prefill.kv_f16.q_f16.{backend}"]   # only short sequences: the matrix dispatch is empty
+    assert modules == [f"paged_prefill.kv_f16.{backend}"]   # only short sequences: the matrix dispatch is empty
     modules.clear()
     run_f16(case, "coopmat", backend=backend)                    # forced: every row on the matrix kernel
     assert modules == [f"paged_prefill.coopmat.kv_f16.q_f16.h128.{backend}"]
