@@ -83,39 +83,42 @@ class Buffer(Owned):
         addressable = device.buffer_device_address and not host_visible
         if addressable:   # kernels may reach it through its address (caches larger than one binding)
             usage |= BUFFER_USAGE_SHADER_DEVICE_ADDRESS
-        d = device.handle
-        try:
-            self.handle = vk.vkCreateBuffer(d, vk.VkBufferCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=self.size, usage=usage,
-                sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
-            req = vk.vkGetBufferMemoryRequirements(d, self.handle)
-            type_index, mappable = device.memory_type(req.memoryTypeBits, host_visible)
-            heap = device.memory_properties.memoryTypes[type_index].heapIndex
-            if req.size > device.memory_properties.memoryHeaps[heap].size:
-                # Asking Vulkan for more than the heap is invalid usage (VUID-vkAllocateMemory-pAllocateInfo-01713),
-                # not an error code: refuse it here as the out-of-memory it is.
-                vk.vkDestroyBuffer(d, self.handle, None)
-                self.handle = None
-                budget = device.memory_budget(heap)
-                raise OutOfMemoryError(f"allocating a buffer: {gib(nbytes)} ({nbytes} bytes) is more than the "
-                                       f"whole memory heap; {budget}", nbytes, budget)
-            chain = None
-            if DEDICATED_MIN_BYTES is not None and self.size >= DEDICATED_MIN_BYTES:
-                chain = vk.VkMemoryDedicatedAllocateInfo(
-                    sType=vk.VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO, buffer=self.handle)
-            if addressable:
-                chain = vk.VkMemoryAllocateFlagsInfo(sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
-                                                     flags=MEMORY_ALLOCATE_DEVICE_ADDRESS, pNext=chain or vk.ffi.NULL)
-            self.memory = vk.vkAllocateMemory(d, vk.VkMemoryAllocateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=chain or vk.ffi.NULL,
-                allocationSize=req.size, memoryTypeIndex=type_index), None)
-            vk.vkBindBufferMemory(d, self.handle, self.memory, 0)
-            if mappable:
-                self.mapped = vk.vkMapMemory(d, self.memory, 0, self.size, 0)
-        except vk.VkError as e:
-            _free_buffer(d, self.handle, self.memory)
-            raise_vk(e, "allocating a buffer", nbytes, _budget_or_none(device, host_visible), device)
-        self._finalizer = device.own(self, functools.partial(_free_buffer, d, self.handle, self.memory))
+        # Made while no close() of the device can run (Device.creating): made on a device being destroyed, the
+        # buffer aborted the process in vkCreateBuffer, vkAllocateMemory, vkBindBufferMemory or vkMapMemory.
+        with device.creating() as d:
+            try:
+                self.handle = vk.vkCreateBuffer(d, vk.VkBufferCreateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=self.size, usage=usage,
+                    sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
+                req = vk.vkGetBufferMemoryRequirements(d, self.handle)
+                type_index, mappable = device.memory_type(req.memoryTypeBits, host_visible)
+                heap = device.memory_properties.memoryTypes[type_index].heapIndex
+                if req.size > device.memory_properties.memoryHeaps[heap].size:
+                    # Asking Vulkan for more than the heap is invalid usage
+                    # (VUID-vkAllocateMemory-pAllocateInfo-01713), not an error code: refuse it as out-of-memory.
+                    vk.vkDestroyBuffer(d, self.handle, None)
+                    self.handle = None
+                    budget = device.memory_budget(heap)
+                    raise OutOfMemoryError(f"allocating a buffer: {gib(nbytes)} ({nbytes} bytes) is more than the "
+                                           f"whole memory heap; {budget}", nbytes, budget)
+                chain = None
+                if DEDICATED_MIN_BYTES is not None and self.size >= DEDICATED_MIN_BYTES:
+                    chain = vk.VkMemoryDedicatedAllocateInfo(
+                        sType=vk.VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO, buffer=self.handle)
+                if addressable:
+                    chain = vk.VkMemoryAllocateFlagsInfo(
+                        sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO, flags=MEMORY_ALLOCATE_DEVICE_ADDRESS,
+                        pNext=chain or vk.ffi.NULL)
+                self.memory = vk.vkAllocateMemory(d, vk.VkMemoryAllocateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=chain or vk.ffi.NULL,
+                    allocationSize=req.size, memoryTypeIndex=type_index), None)
+                vk.vkBindBufferMemory(d, self.handle, self.memory, 0)
+                if mappable:
+                    self.mapped = vk.vkMapMemory(d, self.memory, 0, self.size, 0)
+            except vk.VkError as e:
+                _free_buffer(d, self.handle, self.memory)
+                raise_vk(e, "allocating a buffer", nbytes, _budget_or_none(device, host_visible), device)
+            self._finalizer = device.own(self, functools.partial(_free_buffer, d, self.handle, self.memory))
 
     def device_address(self) -> int:
         """The buffer's address, for kernels that read through buffer references (Vulkan 1.2)."""
