@@ -8,16 +8,16 @@ module built from older sources is refused instead of silently running stale cod
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 
 from . import abi as abi_mod
+from . import config
 from .errors import ShaderModuleError, UnsupportedFeatureError
 from .runtime.pipeline import Pipeline
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-SPV_DIR = Path(os.environ.get("PAGEDVK_SPV_DIR", PACKAGE_DIR / "spv"))
+SPV_DIR = config.spv_dir(PACKAGE_DIR / "spv")
 SOURCE_SHADER_DIR = PACKAGE_DIR.parent / "shaders"  # present in a source checkout only
 REBUILD_HINT = "rebuild with `python build_shaders.py` (or reinstall with `pip install .`)"
 

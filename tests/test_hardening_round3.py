@@ -106,6 +106,52 @@ def test_exit_with_daemon_threads_mid_call():
         assert passed(result, "exiting"), (run, result.returncode, result.stderr[-3000:])
 
 
+@pytest.mark.parametrize("value", ["abc", "nan", "2e6", "9" * 30])
+def test_bad_spin_refused_at_startup(value):
+    # PAGEDVK_SPIN_US was read inside the wait, after the submission: a bad value raised with the work running
+    # untracked, and freeing its command buffer (a new pipeline's first dispatch, say) segfaulted. It is parsed
+    # with the other variables, before a device opens; changed while running, it is refused before a
+    # submission, and the process goes on. Each head size below makes a new pipeline.
+    result = run_python(program(PROBLEM, f"""
+    import os
+    from pagedvk import selection
+    try:
+        pagedvk.zeros(4)
+    except ValueError as e:
+        assert not selection._open, "a device was opened first"
+        print("refused at start-up:", e)
+    os.environ["PAGEDVK_SPIN_US"] = "0"
+    assert right(attend())
+    os.environ["PAGEDVK_SPIN_US"] = {value!r}
+    for h in (16, 48, 64, 80, 96, 128):
+        kh = rng.standard_normal((6, 2, h // 4, 16, 4)).astype(np.float32)
+        vh = rng.standard_normal((6, 2, h, 16)).astype(np.float32)
+        qh = rng.standard_normal((2, 4, h)).astype(np.float32)
+        try:
+            pagedvk.paged_attention(qh, kh, vh, bt, sl)
+        except ValueError as e:
+            assert "PAGEDVK_SPIN_US" in str(e), e
+        else:
+            raise AssertionError("accepted")
+    os.environ["PAGEDVK_SPIN_US"] = "10"
+    assert right(attend())
+    print("ok")
+    """), PAGEDVK_SPIN_US=value)
+    assert passed(result), (result.returncode, result.stdout + result.stderr[-3000:])
+    assert "refused at start-up: PAGEDVK_SPIN_US must be a number of microseconds" in result.stdout
+
+
+def test_bad_spv_dir_refused_at_startup(tmp_path):
+    result = run_python("""
+        import pagedvk
+        try:
+            pagedvk.zeros(4)
+        except ValueError as e:
+            print("refused:", e)
+        """, PAGEDVK_SPV_DIR=str(tmp_path / "missing"))
+    assert passed(result, "refused: PAGEDVK_SPV_DIR must be a folder"), result.stdout + result.stderr
+
+
 def validation_layer_installed() -> bool:
     return any(layer.layerName == "VK_LAYER_KHRONOS_validation" for layer in vk.vkEnumerateInstanceLayerProperties())
 
