@@ -21,11 +21,11 @@ from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_MERGE_PARTITIONS, D
                   DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
                   PAGED_DECODE_REDUCE)
 from .array import Array, DeviceArray, asarray, empty, zeros
-from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
+from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
 from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
 from .matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type, with_operands
-from .opargs import backend_name, device_of, softmax_scale
+from .opargs import backend_name, check_scale, device_of, softmax_scale
 from .runtime.instance import MatrixShape
 from .runtime.owned import Owned
 from .runtime.pipeline import Launch, Transfers, fold_grid
@@ -229,13 +229,7 @@ def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks
     _integer("block_size", block_size, 1)
     checks.one_of("block_size", block_size, BLOCK_SIZES)
     _integer("num_blocks", num_blocks, 0)
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
-            raise TypeError(f"scale must be a real number or None, not {type(scale).__name__} ({scale!r})")
-        limit = float(np.finfo(np.float32).max)
-        if not (math.isfinite(float(scale)) and abs(float(scale)) <= limit):
-            raise ValueError(f"scale must be finite and representable as float32 (|scale| <= {limit:.4g}), "
-                             f"got {scale}")
+    check_scale(scale)
     return dt
 
 
@@ -251,7 +245,8 @@ class DecodePlan(Owned):
     query_dtype   float32, float16 or bfloat16; the output has it too. Default: dtype where it is one of
                   those, else float16 (fp8 caches serve 16-bit models).
     layout        "vllm" or "nhd" (see pagedvk.layouts).
-    k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back.
+    k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back. Other
+                  caches ignore them, as vLLM does.
     validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
     tables back to the host. The kernel bounds every index itself, so bad values then give wrong
     attention for the sequences that hold them, never a read outside the caches. Lengths may grow after
@@ -293,7 +288,10 @@ class DecodePlan(Owned):
                            if query_dtype is not None else QUERY_TYPES.get(dtype, QUERY_TYPES[np.dtype(np.float16)]))
         self.dtype, self.query_dtype = dtype, self.query_type.dtype
         self.scale = softmax_scale(scale, head_size)
-        self.k_scale, self.v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
+        k_scale, v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
+        # Other caches ignore the scales, as vLLM does (kv_cache_dtype "auto"): applied, they gave wrong answers.
+        self.k_scale, self.v_scale = (k_scale, v_scale) if is_fp8(self.spec.storage) else (1.0, 1.0)
+        self.logit_scale = scaled("k_scale", self.scale, self.k_scale)
         if config.decode_kernel(kernel) == MATRIX_KIND:   # refused before anything is made for the plan
             decode_matrix(self.device.info, self.device.features, self.backend, self.spec.storage.tag,
                           self.query_type.tag, self.head_size, layout, self.block_size, 0, kernel)
@@ -576,7 +574,7 @@ class DecodePlan(Owned):
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
             num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs,
-            q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.scale * self.k_scale,
+            q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.logit_scale,
             v_scale=self.v_scale, group_size=self.group_size, partition_size=self.partition_size,
             num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
             **variant_push)

@@ -6,12 +6,13 @@ one of the process (exit, a bad variable)."""
 import textwrap
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 import vulkan as vk
 
 import pagedvk
-from conftest import Case, run_python
+from conftest import Case, rel_error, run_python
 from pagedvk.errors import GPUTimeoutError
 
 # A small decode problem every subprocess below runs: the device, its pipeline and objects exist before the
@@ -248,3 +249,118 @@ def test_close_and_exit_on_a_hung_gpu_return(how):
     else:
         assert "pagedvk: at exit: " in result.stderr and "left to the end of the process" in result.stderr
     assert time.perf_counter() - started < 30
+
+
+# -- 2. silent wrong answers ---------------------------------------------------------------------------------
+
+FLOAT_CACHES = (np.float32, np.float16, ml_dtypes.bfloat16)
+
+
+def float_tolerance(dtype) -> float:
+    return 1e-5 if np.dtype(dtype) == np.float32 else 2e-3
+
+
+@pytest.mark.parametrize("op", ["paged_attention", "prefill", "paged_attention_v1", "paged_attention_v2"])
+@pytest.mark.parametrize("dtype", FLOAT_CACHES, ids=lambda d: np.dtype(d).name)
+def test_scales_are_ignored_for_float_caches(rng, dtype, op):
+    # vLLM applies k_scale / v_scale to fp8 caches only (kv_cache_dtype "auto" ignores them), as pagedvk's own
+    # reshape_and_cache and unified_attention did; paged_attention, prefill and ops.paged_attention_v1/v2 applied
+    # them to float caches too: with scales 2 and 3, a relative error of about 4.
+    case = Case(rng, num_seqs=3, num_heads=4, num_kv_heads=2, head_size=32, block_size=16, max_len=600, dtype=dtype)
+    query = case.query.astype(np.float32)
+    k, v, bt, sl = case.key_cache, case.value_cache, case.block_tables, case.seq_lens
+    scales = dict(k_scale=2.0, v_scale=3.0)
+    if op == "prefill":
+        q = np.ascontiguousarray(np.repeat(query[:, :, None], 1, axis=2))   # [num_seqs, num_heads, q_len 1, ...]
+        out = np.full(q.shape, np.nan, np.float32)
+        pagedvk.paged_attention_prefill(q, k, v, bt, sl, layout="vllm", out=out, **scales)
+        ref, _ = pagedvk.reference.paged_attention_prefill(q, k, v, bt, sl, layout="vllm")
+    else:
+        out = np.full(query.shape, np.nan, np.float32)
+        ref = pagedvk.reference.paged_attention(query, k, v, bt, sl)
+        if op == "paged_attention":
+            pagedvk.paged_attention(query, k, v, bt, sl, out=out, **scales)
+        elif op == "paged_attention_v1":
+            pagedvk.ops.paged_attention_v1(out, query, k, v, 2, 32 ** -0.5, bt, sl, 16, 600, **scales)
+        else:
+            parts = -(-600 // 512)
+            stats = [np.full((3, 4, parts), np.nan, np.float32) for _ in range(2)]
+            tmp = np.full((3, 4, parts, 32), np.nan, np.float32)
+            pagedvk.ops.paged_attention_v2(out, *stats, tmp, query, k, v, 2, 32 ** -0.5, bt, sl, 16, 600, **scales)
+    assert rel_error(out, ref) <= float_tolerance(dtype)
+
+
+@pytest.mark.parametrize("name, value", [("k_scale", 1e39), ("v_scale", 1e39), ("k_scale", 1e-300),
+                                         ("v_scale", 1e-46), ("v_scale", 1e-40)])
+def test_fp8_scales_are_checked_in_float32(rng, name, value):
+    # Checked in float64, k_scale=1e39 gave NaN and v_scale=1e39 an OverflowError at launch; 1e-300 is 0 in float32
+    # and 1e-40 a subnormal a GPU may flush to 0. Each is refused by name before anything runs.
+    case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, max_len=40, dtype=ml_dtypes.float8_e4m3fn)
+    q = case.query.astype(np.float16)
+    out = np.full(q.shape, np.nan, np.float16)
+    k, v, bt, sl = case.key_cache, case.value_cache, case.block_tables, case.seq_lens
+    match = f"{name} must be one positive finite number within float32's normal range"
+    with pytest.raises(ValueError, match=match):
+        pagedvk.paged_attention(q, k, v, bt, sl, out=out, **{name: value})
+    with pytest.raises(ValueError, match=match):
+        pagedvk.paged_attention_prefill(q[:, :, None], k, v, bt, sl, layout="vllm", **{name: value})
+    new = rng.standard_normal((2, 2, 32)).astype(np.float32)
+    before = k.copy(), v.copy()
+    with pytest.raises(ValueError, match=match):
+        pagedvk.reshape_and_cache(new, new, k, v, np.array([0, 1], np.int32), **{name: value})
+    assert np.isnan(out).all() and (k.view(np.uint8) == before[0].view(np.uint8)).all()
+    assert (v.view(np.uint8) == before[1].view(np.uint8)).all()
+    # The logits' scale is the softmax scale times k_scale: their product must fit float32 too.
+    with pytest.raises(ValueError, match=r"k_scale \(1e\+30\) times the softmax scale \(1e\+20\)"):
+        pagedvk.paged_attention(q, k, v, bt, sl, out=out, scale=1e20, k_scale=1e30)
+    assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("cap", [1e-300, 1e-40, 1e4, 3e38, float("inf"), -1.0])
+def test_soft_cap_is_checked_in_float32(rng, cap):
+    # 1e-300 rounds to 0 in float32, the kernels' "off": the result was uncapped. Large caps lost accuracy in the
+    # kernels' tanh (lavapipe: 2.3e-4 at 1e4, 0.74 from 1e10 on). Refused by name, before anything runs.
+    case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, max_len=40)
+    out = case.poisoned_out()
+    with pytest.raises(ValueError, match=r"logits_soft_cap must be 0 or None \(no softcapping\), or in \["):
+        pagedvk.paged_attention(*case.args(), out=out, logits_soft_cap=cap)
+    with pytest.raises(ValueError, match=r"logits_soft_cap must be 0 or None"):
+        pagedvk.paged_attention_prefill(case.query[:, :, None], case.key_cache, case.value_cache, case.block_tables,
+                                        case.seq_lens, layout="vllm", logits_soft_cap=cap)
+    assert np.isnan(out).all()
+
+
+@pytest.mark.parametrize("cap", [0, 0.0, 1e-30, 30.0, 100.0])
+def test_soft_caps_the_kernels_keep_accurate(rng, cap):
+    # 0 means off, as in FlashInfer (it was refused); the largest and smallest caps allowed are right to float32.
+    case = Case(rng, num_seqs=3, num_heads=4, num_kv_heads=2, head_size=64, max_len=200)
+    ref = pagedvk.reference.paged_attention(*case.args(), logits_soft_cap=cap or None)
+    out = case.poisoned_out()
+    pagedvk.paged_attention(*case.args(), out=out, logits_soft_cap=cap)
+    assert rel_error(out, ref) <= 1e-5
+    q = case.query[:, :, None]
+    ref, _ = pagedvk.reference.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables,
+                                                       case.seq_lens, layout="vllm", logits_soft_cap=cap or None)
+    out = np.full(q.shape, np.nan, np.float32)
+    pagedvk.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                    layout="vllm", out=out, logits_soft_cap=cap)
+    assert rel_error(out, ref) <= 1e-5
+
+
+# -- 4. late and unclear errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale, error, match", [
+    ("0.5", TypeError, "scale must be a real number or None, not str"),
+    (True, TypeError, "scale must be a real number or None, not bool"),
+    (1e39, ValueError, "scale must be finite and representable as float32"),
+    (float("nan"), ValueError, "scale must be finite and representable as float32")])
+def test_prefill_scale_checked_by_name(rng, scale, error, match):
+    # Prefill took scale='0.5' and True, and 1e39 ended in OverflowError at launch (DecodePlan already refused them).
+    case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, max_len=40)
+    q = case.query[:, :, None]
+    out = np.full(q.shape, np.nan, np.float32)
+    with pytest.raises(error, match=match):
+        pagedvk.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                        layout="vllm", scale=scale, out=out)
+    assert np.isnan(out).all()
