@@ -63,7 +63,7 @@ class KVCache(Owned):
         host = CacheSpec(layout, storage, num_host_blocks, num_kv_heads, head_size, block_size)
         self.host_key = [np.zeros(host.key_shape, self.dtype) for _ in range(num_layers)]
         self.host_value = [np.zeros(host.value_shape, self.dtype) for _ in range(num_layers)]
-        self._plan, self._plan_batch = None, None
+        self._plan, self._plan_key = None, None
 
     @property
     def block_size(self) -> int:
@@ -117,22 +117,25 @@ class KVCache(Owned):
         return out
 
     def _decode_plan(self, batch, rows, num_heads: int) -> DecodePlan:
-        # One plan per step: every layer's decode uses the same block tables and lengths.
-        if self._plan_batch is not batch:
+        # One plan per step: every layer's decode uses the same block tables and lengths. Keyed on their values,
+        # not on the Batch object: a Batch updated in place for the next step got the previous step's plan.
+        tables = np.ascontiguousarray(batch.block_tables[rows], np.int32)
+        lens = np.ascontiguousarray(batch.seq_lens[rows], np.int32)
+        key = (num_heads, tables.shape, tables.tobytes(), lens.tobytes())
+        if self._plan_key != key:
             self._close_plan()
             s = self.spec
-            self._plan = DecodePlan(np.ascontiguousarray(batch.block_tables[rows]),
-                                    np.ascontiguousarray(batch.seq_lens[rows]), num_heads=num_heads,
-                                    num_kv_heads=s.num_kv_heads, head_size=s.head_size, block_size=s.block_size,
-                                    num_blocks=s.num_blocks, dtype=self.dtype, query_dtype=np.float32,
-                                    layout=self.layout, device=self.device, backend=self.backend)
-            self._plan_batch = batch
+            self._plan = DecodePlan(tables, lens, num_heads=num_heads, num_kv_heads=s.num_kv_heads,
+                                    head_size=s.head_size, block_size=s.block_size, num_blocks=s.num_blocks,
+                                    dtype=self.dtype, query_dtype=np.float32, layout=self.layout, device=self.device,
+                                    backend=self.backend)
+            self._plan_key = key
         return self._plan
 
     def _close_plan(self) -> None:
         if self._plan is not None:
             self._plan.close()
-        self._plan, self._plan_batch = None, None
+        self._plan, self._plan_key = None, None
 
     @property
     def closed(self) -> bool:

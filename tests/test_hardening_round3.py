@@ -5,6 +5,7 @@ one of the process (exit, a bad variable)."""
 
 import textwrap
 import time
+from copy import deepcopy
 
 import ml_dtypes
 import numpy as np
@@ -13,7 +14,9 @@ import vulkan as vk
 
 import pagedvk
 from conftest import Case, rel_error, run_python
+from pagedvk.blocks import BlockManager
 from pagedvk.errors import GPUTimeoutError
+from pagedvk.serve import Batch
 
 # A small decode problem every subprocess below runs: the device, its pipeline and objects exist before the
 # part under test.
@@ -290,6 +293,27 @@ def test_scales_are_ignored_for_float_caches(rng, dtype, op):
     assert rel_error(out, ref) <= float_tolerance(dtype)
 
 
+def test_kv_cache_plan_follows_the_batch_content(rng, device):
+    # KVCache.attend kept its decode plan for the Batch object: a Batch updated in place for the next step (new
+    # lengths and tables) got the previous step's attention. The plan is keyed on the tables' values now.
+    cache = pagedvk.KVCache(num_layers=1, num_kv_heads=2, head_size=32, block_size=16, dtype=np.float32,
+                            num_blocks=12)
+    keys = rng.standard_normal(cache.spec.key_shape).astype(np.float32)
+    values = rng.standard_normal(cache.spec.value_shape).astype(np.float32)
+    cache.key[0].write(keys)
+    cache.value[0].write(values)
+    batch = Batch(q_lens=[1, 1], slots=np.zeros(2, np.int32),
+                  block_tables=np.array([[0, 1, 2], [3, 4, 5]], np.int32), seq_lens=np.array([40, 17], np.int32))
+    for step in range(3):
+        q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+        out = cache.attend(0, q, batch)
+        ref = pagedvk.reference.paged_attention(q, keys, values, batch.block_tables, batch.seq_lens)
+        assert rel_error(out, ref) <= 1e-5, step
+        batch.seq_lens += 1                                     # the next step, in place
+        batch.block_tables[:] = rng.permutation(12)[:6].reshape(2, 3)
+    cache.close()
+
+
 @pytest.mark.parametrize("name, value", [("k_scale", 1e39), ("v_scale", 1e39), ("k_scale", 1e-300),
                                          ("v_scale", 1e-46), ("v_scale", 1e-40)])
 def test_fp8_scales_are_checked_in_float32(rng, name, value):
@@ -345,6 +369,27 @@ def test_soft_caps_the_kernels_keep_accurate(rng, cap):
     pagedvk.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
                                     layout="vllm", out=out, logits_soft_cap=cap)
     assert rel_error(out, ref) <= 1e-5
+
+
+def manager_state(m):
+    return (deepcopy(m.seqs), list(m.device.refs), list(m.device.free), dict(m.device.cached), dict(m.stats))
+
+
+@pytest.mark.parametrize("tokens", [np.array([7, 2**63], np.uint64), np.array([2**64 - 1], np.uint64),
+                                    [5, 2**63], [3, -1]], ids=["uint64_2^63", "uint64_max", "list_2^63", "negative"])
+def test_append_tokens_is_atomic(tokens):
+    # uint64 ids >= 2^63 passed the check, then the prefix hash (int64) raised OverflowError after the call had
+    # taken the copy-on-write block and appended: the copy pair was lost. Every token is checked first now; a
+    # refused call changes nothing, and the next call works.
+    m = BlockManager(num_blocks=8, block_size=4)
+    m.add_sequence(0, list(range(6)))
+    m.fork(0, 1)                                   # the partial last block is shared: an append copies it
+    before = manager_state(m)
+    with pytest.raises(ValueError, match=r"tokens must be (<= 9223372036854775807|>= 0)"):
+        m.append_tokens(1, tokens)
+    assert manager_state(m) == before
+    w = m.append_tokens(1, np.array([8, 2**63 - 1], np.uint64))   # the largest id allowed
+    assert len(w.copies) == 1 and m.tokens(1)[-2:] == [8, 2**63 - 1]
 
 
 # -- 4. late and unclear errors ------------------------------------------------------------------------------
