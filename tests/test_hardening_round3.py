@@ -409,3 +409,69 @@ def test_prefill_scale_checked_by_name(rng, scale, error, match):
         pagedvk.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
                                         layout="vllm", scale=scale, out=out)
     assert np.isnan(out).all()
+
+
+# -- 3. sizes ------------------------------------------------------------------------------------------------
+
+
+def test_allocations_past_what_the_heap_can_still_give(device):
+    # Each allocation was checked against the whole heap alone: forty 1 GiB arrays were accepted on lavapipe's
+    # 2 GiB heap. What the heap can still give (the driver's budget less its usage; without VK_EXT_memory_budget
+    # the heap, for a CPU device the host's memory where larger, less what this device's buffers hold) is
+    # checked before anything is made; freeing gives it back. The arrays are made unpoisoned and never written:
+    # their memory is not touched.
+    heap = device.heap_of()
+    free, _ = device.room(heap)
+    chunk = free // 4 + (1 << 20)
+    live = device.live_objects()
+    held = []
+    with pytest.raises(pagedvk.OutOfMemoryError, match=rf"out of device memory: .*\({chunk} bytes\) is more than "
+                                                       rf"heap {heap} can still give") as e:
+        for _ in range(5):
+            held.append(pagedvk.DeviceArray((chunk,), np.uint8, device))
+    assert len(held) == 3 and e.value.nbytes == chunk
+    assert device.live_objects() == live + sum(len(a.buffers) for a in held)
+    for a in held:
+        a.close()
+    assert device.room(heap)[0] == free and device.live_objects() == live
+    pagedvk.DeviceArray((chunk,), np.uint8, device).close()
+
+
+def test_an_array_larger_than_the_heap_is_refused_whole(device):
+    # 256 GiB as 2048 lazily committed segments was accepted at once on a 24 GiB machine. The whole array is
+    # checked before its first segment is made.
+    live = device.live_objects()
+    with pytest.raises(pagedvk.OutOfMemoryError, match=r"allocating an array of shape \(68719476736,\) \(float32\): "
+                                                       r"out of device memory: 256.00 GiB"):
+        pagedvk.empty((1 << 36,), np.float32)
+    assert device.live_objects() == live
+
+
+@pytest.mark.parametrize("shape", [(2**33, 2**31), (np.uint64(2**63),), (2**62, 2)],
+                         ids=["int64_wraps_to_0", "uint64_2^63", "2^63_elements"])
+def test_sizes_that_overflow_are_refused(device, shape):
+    # numpy's int64 product wrapped: (2**33, 2**31) was an array of 0 bytes, (np.uint64(2**63),) one of negative
+    # nbytes.
+    with pytest.raises(ValueError, match=r"more than any array can hold"):
+        pagedvk.empty(shape, np.float32)
+
+
+def test_copy_blocks_records_no_empty_copy(rng, device, monkeypatch):
+    # Caches whose blocks have no bytes recorded a copy of size 0 (VUID-VkBufferCopy-size-01988 under validation).
+    sizes = []
+    record = vk.vkCmdCopyBuffer
+
+    def recorded(cmd, src, dst, count, regions):
+        sizes.extend(r.size for r in regions)
+        return record(cmd, src, dst, count, regions)
+
+    empty_k, empty_v = pagedvk.zeros((4, 0, 8)), pagedvk.zeros((4, 0, 8))
+    host = rng.standard_normal((4, 2, 8)).astype(np.float32)
+    k, v = pagedvk.asarray(host), pagedvk.asarray(-host)
+    monkeypatch.setattr(vk, "vkCmdCopyBuffer", recorded)
+    pagedvk.copy_blocks([empty_k, k], [empty_v, v], np.array([[0, 3], [1, 2]]))
+    assert sizes and 0 not in sizes
+    expected = host.copy()
+    expected[3], expected[2] = host[0], host[1]
+    np.testing.assert_array_equal(k.numpy(), expected)
+    np.testing.assert_array_equal(v.numpy(), -expected)

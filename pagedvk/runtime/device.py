@@ -46,6 +46,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         self._keys = itertools.count()
         self._in_flight = []   # fences of timed-out submissions that may still be running
         self._deferred = []    # destroy() calls waiting for those submissions to finish
+        self._reserved = {}    # heap -> bytes its live buffers hold (DeviceMemory.reserve)
         self.abandoned = False  # closed with work still running: its objects were left, not destroyed
         self.lost = None       # the message of the VK_ERROR_DEVICE_LOST that ended this device, if one did
         self.handle = None
