@@ -53,6 +53,8 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
     if tuple(value.shape) != tuple(key.shape):
         raise ValueError(f"value must have shape {tuple(key.shape)} (key's), got {tuple(value.shape)}")
     spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype)
+    checks.writable("key_cache", key_cache)
+    checks.writable("value_cache", value_cache)
     checks.dim("key", key, 1, spec.num_kv_heads, "num_kv_heads, from the caches")
     checks.dim("key", key, 2, spec.head_size, "head_size, from the caches")
     num_tokens = key.shape[0]

@@ -32,6 +32,7 @@ from .runtime.pipeline import Launch, Transfers, fold_grid
 from .selection import get_device
 from .variants import Variants, in_use as variants_in_use, per_head
 
+MAX_PARTITION_SIZE = 2**31 - 1              # tokens: partition_size travels as a u32 push constant
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
@@ -190,24 +191,17 @@ def values_with_keys(storage: str, tokens: int) -> bool:
 
 
 def _signature(arrays) -> tuple | None:
-    """What the run checks read of these arrays (None stays None): kind, contiguity, shape, dtype; None
+    """What the run checks read of these arrays (None stays None): kind, contiguity, writability, shape, dtype; None
     when one is not an array (the checks reject it)."""
     signature = []
     for a in arrays:
         if a is None or type(a) is DeviceArray:
             signature.append(a if a is None else (DeviceArray, a.shape, a.dtype))
         elif isinstance(a, np.ndarray):
-            signature.append((type(a), a.shape, a.dtype, a.flags.c_contiguous))
+            signature.append((type(a), a.shape, a.dtype, a.flags.c_contiguous, a.flags.writeable))
         else:
             return None
     return tuple(signature)
-
-
-def _integer(name: str, value, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
 
 
 def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks, dtype, scale) -> np.dtype:
@@ -219,16 +213,16 @@ def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks
     if dt not in CACHE_TYPES:
         raise TypeError(f"dtype must be one of the supported cache dtypes ({', '.join(map(str, CACHE_TYPES))}), "
                         f"got {dtype!r}")
-    _integer("num_kv_heads", num_kv_heads, 1)
-    _integer("num_heads", num_heads, 1)
+    checks.integer("num_kv_heads", num_kv_heads, 1)
+    checks.integer("num_heads", num_heads, 1)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    _integer("head_size", head_size, 4, MAX_HEAD_SIZE)
+    checks.integer("head_size", head_size, 4, MAX_HEAD_SIZE)
     if head_size % 4:   # the kernels read 4 head dims at a time
         raise ValueError(f"head_size must be a multiple of 4 in [4, {MAX_HEAD_SIZE}], got {head_size}")
-    _integer("block_size", block_size, 1)
+    checks.integer("block_size", block_size, 1)
     checks.one_of("block_size", block_size, BLOCK_SIZES)
-    _integer("num_blocks", num_blocks, 0)
+    checks.integer("num_blocks", num_blocks, 0)
     check_scale(scale)
     return dt
 
@@ -317,7 +311,8 @@ class DecodePlan(Owned):
             splits = [matrix_partitioning(self.num_seqs, workgroups_per_seq, max_seq_len, units),
                       partitioning(self.num_seqs, workgroups_per_seq, max_seq_len, units)]
         else:
-            _integer("partition_size", partition_size, 1)
+            # a u32 push constant; a partition longer than any block-table row splits nothing
+            checks.integer("partition_size", partition_size, 1, MAX_PARTITION_SIZE)
             if partition_size % block_size:
                 raise ValueError(f"partition_size must be a multiple of block_size ({block_size}), got {partition_size}")
             splits = [(partition_size, max(1, -(-max_seq_len // partition_size)))] * 2
@@ -382,6 +377,7 @@ class DecodePlan(Owned):
 
     def _check_lse(self, lse, out) -> None:
         checks.kind("lse", lse)
+        checks.writable("lse", lse)
         checks.dtype("lse", lse, [np.float32])
         if tuple(lse.shape) != (self.num_seqs, self.num_heads):
             raise ValueError(f"lse must have shape [num_seqs, num_heads] = {(self.num_seqs, self.num_heads)}, "
@@ -422,6 +418,7 @@ class DecodePlan(Owned):
             checks.dim("query", query, axis, n, what)
         if out is not None:
             checks.kind("out", out)
+            checks.writable("out", out)
             checks.dtype("out", out, [self.query_dtype])
             if tuple(out.shape) != tuple(query.shape):
                 raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
@@ -670,6 +667,9 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     checks.kind("query", query)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     query_type = storage_type("query", query, QUERY_TYPES)
+    if out is not None:   # before a plan is made for the call (which uploads its tables)
+        checks.kind("out", out)
+        checks.writable("out", out)
     device = device_of(query, key_cache, value_cache, block_tables, seq_lens, out, alibi_slopes, sinks)
     options = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, layout=layout, kv_cache_dtype=kv_cache_dtype,
                    backend=backend, logits_soft_cap=logits_soft_cap, window_left=window_left)

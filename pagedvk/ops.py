@@ -84,6 +84,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     for name, a, shape in (("exp_sums", exp_sums, stats_shape), ("max_logits", max_logits, stats_shape),
                            ("tmp_out", tmp_out, stats_shape + (query.shape[2],))):
         checks.kind(name, a)
+        checks.writable(name, a)
         checks.dtype(name, a, [np.float32])
         if tuple(a.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} (max_num_partitions = ceil(max_seq_len / "

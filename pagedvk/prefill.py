@@ -209,8 +209,8 @@ class _Problem:
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=block_tables.shape[1], num_blocks=self.num_blocks,
             num_seqs=self.num_seqs, causal=int(self.causal), scale=scaled("k_scale", self.scale, k_scale),
-            v_scale=v_scale, group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0, **strides,
-            **spec.strides())
+            v_scale=v_scale, group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0,
+            **strides, **spec.strides())
         self.query_start_loc_arg = query_start_loc if self.ragged else self.query_start_loc
         # Device buffers a launch allocates for itself and frees with it, name -> (shape, dtype): the backward's
         # delta (PAGED_BACKWARD_DELTA), written by one dispatch and read by the next.
@@ -250,6 +250,8 @@ class _Problem:
 
     def check_like(self, name: str, a, shape: tuple, layout: str, dtype) -> None:
         checks.kind(name, a)
+        if name == "out":
+            checks.writable(name, a)
         checks.ndim(name, a, len(shape), layout)
         checks.dtype(name, a, [dtype])
         if tuple(a.shape) != shape:

@@ -16,6 +16,7 @@ import pagedvk
 from conftest import Case, rel_error, run_python
 from pagedvk.blocks import BlockManager
 from pagedvk.errors import GPUTimeoutError
+from pagedvk.runtime import commands
 from pagedvk.serve import Batch
 
 # A small decode problem every subprocess below runs: the device, its pipeline and objects exist before the
@@ -475,3 +476,82 @@ def test_copy_blocks_records_no_empty_copy(rng, device, monkeypatch):
     expected[3], expected[2] = host[0], host[1]
     np.testing.assert_array_equal(k.numpy(), expected)
     np.testing.assert_array_equal(v.numpy(), -expected)
+
+
+@pytest.mark.parametrize("arguments, error, match", [
+    (dict(head_size=0), ValueError, r"head_size must be in \[1, 256\], got 0"),
+    (dict(head_size=18), ValueError, r"head_size must be a multiple of 8 in \[8, 256\] for float16 caches"),
+    (dict(head_size=512), ValueError, r"head_size must be in \[1, 256\], got 512"),
+    (dict(head_size=18, layout="nhd"), ValueError, r"head_size must be a multiple of 4 in \[4, 256\] for float16"),
+    (dict(num_kv_heads=0), ValueError, r"num_kv_heads must be in \[1, inf\], got 0"),
+    (dict(num_blocks=2.5), TypeError, r"num_blocks must be an int, not float"),
+    (dict(num_blocks="4"), TypeError, r"num_blocks must be an int, not str"),
+    (dict(num_blocks=0), ValueError, r"num_blocks must be in \[1, inf\], got 0"),
+    (dict(num_layers=True), TypeError, r"num_layers must be an int, not bool"),
+    (dict(num_host_blocks=-1), ValueError, r"num_host_blocks must be in \[0, inf\], got -1"),
+    (dict(backend="cuda"), ValueError, r"backend must be one of glsl, wgsl"),
+    (dict(num_blocks=None, memory_fraction="0.5"), ValueError, r"memory_fraction must be in \(0, 1\], got '0.5'"),
+])
+def test_kv_cache_arguments_checked_at_construction(device, arguments, error, match):
+    # KVCache allocated its caches for head_size 0/18/512, num_kv_heads=0, num_blocks=2.5 or "4" and backend="cuda",
+    # then failed at the first write. Each is refused by name before anything is allocated.
+    live = device.live_objects()
+    given = dict(num_layers=2, num_kv_heads=2, head_size=32, block_size=16, dtype=np.float16, num_blocks=8)
+    with pytest.raises(error, match=match):
+        pagedvk.KVCache(**(given | arguments))
+    assert device.live_objects() == live
+
+
+@pytest.mark.parametrize("partition_size", [2**40, 2**32])
+def test_partition_size_bounded_at_construction(rng, partition_size):
+    # partition_size=2**40 passed the plan's checks and ended in struct.error when the launch packed it (a u32).
+    case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, max_len=40)
+    with pytest.raises(ValueError, match=r"partition_size must be in \[1, 2147483647\]"):
+        pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=4, num_kv_heads=2, head_size=32, block_size=16,
+                           num_blocks=case.key_cache.shape[0], partition_size=partition_size)
+
+
+def test_device_variable_that_is_no_index_names_the_devices():
+    # PAGEDVK_DEVICE='²' is a digit to str.isdigit, and int() refused it with a bare message.
+    result = run_python("""
+        import pagedvk
+        try:
+            pagedvk.default_device()
+        except pagedvk.DeviceNotFoundError as e:
+            print("refused:", e)
+        """, PAGEDVK_DEVICE="²")
+    assert passed(result, "refused: PAGEDVK_DEVICE='²' matches no device name; devices:"), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("op", ["paged_attention", "prefill", "paged_attention_v2", "reshape_and_cache"])
+def test_read_only_out_refused_before_the_gpu_runs(rng, op, monkeypatch):
+    # A read-only numpy out failed with numpy's message after the GPU had run. Refused by name first now: no
+    # submission is made. (paged_attention is called once with a writable out first: a kept plan must not let the
+    # read-only one through its cache.)
+    case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, max_len=40)
+    q, k, v, bt, sl = case.args()
+    if op == "paged_attention":
+        pagedvk.paged_attention(q, k, v, bt, sl, out=case.poisoned_out())
+    submissions = []
+    monkeypatch.setattr(commands, "queue_submit", lambda *args: submissions.append(args))
+    out = case.poisoned_out()
+    out.flags.writeable = False
+    if op == "paged_attention":
+        with pytest.raises(ValueError, match=r"out must be writable"):
+            pagedvk.paged_attention(q, k, v, bt, sl, out=out)
+    elif op == "prefill":
+        out = out[:, :, None]
+        with pytest.raises(ValueError, match=r"out must be writable"):
+            pagedvk.paged_attention_prefill(q[:, :, None], k, v, bt, sl, layout="vllm", out=out)
+    elif op == "paged_attention_v2":
+        tmp = np.full((2, 4, 1, 32), np.nan, np.float32)
+        tmp.flags.writeable = False
+        with pytest.raises(ValueError, match=r"tmp_out must be writable"):
+            pagedvk.ops.paged_attention_v2(case.poisoned_out(), np.zeros((2, 4, 1), np.float32),
+                                           np.zeros((2, 4, 1), np.float32), tmp, q, k, v, 2, 0.2, bt, sl, 16, 40)
+    else:
+        k.flags.writeable = False
+        with pytest.raises(ValueError, match=r"key_cache must be writable"):
+            new = np.ascontiguousarray(q[:, :2])
+            pagedvk.reshape_and_cache(new, new, k, v, np.array([0, 1], np.int32))
+    assert not submissions

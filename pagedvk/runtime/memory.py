@@ -257,7 +257,8 @@ class DeviceMemory:
             gc.collect()
             free, budget = self.room(heap)
         if nbytes > free:
-            held = "" if budget.usage is not None else f"; this device's buffers hold {self._reserved.get(heap, 0)} bytes"
+            held = ("" if budget.usage is not None
+                    else f"; this device's buffers hold {self._reserved.get(heap, 0)} bytes")
             if budget.usage is None and self.info.type == "cpu":
                 held += f" of the heap or the host's {host_memory()} bytes of memory, whichever is larger"
             raise OutOfMemoryError(f"{what}: out of device memory: {gib(nbytes)} ({nbytes} bytes) is more than heap "

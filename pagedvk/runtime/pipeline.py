@@ -149,7 +149,8 @@ class DescriptorSet(Owned):
             self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
             writes = [vk.VkWriteDescriptorSet(
                 sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=self.handle, dstBinding=i, descriptorCount=1,
-                descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[info]) for i, info in enumerate(infos)]
+                descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[info])
+                for i, info in enumerate(infos)]
             vk.vkUpdateDescriptorSets(device.handle, len(writes), writes, 0, None)
             self._finalizer = device.own(self, functools.partial(
                 vk.vkFreeDescriptorSets, device.handle, self.pool, 1, [self.handle]))
