@@ -112,6 +112,8 @@ def refuse(op: str, **variants) -> None:
     """ValueError naming the first variant argument that is not off, for ops that support none yet."""
     for name, value in variants.items():
         off = -1 if name == "window_left" else None
+        if name == "logits_soft_cap" and soft_cap(value) == 0.0:   # None or 0: off (FlashInfer's 0)
+            continue
         if not (value is None if off is None else (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
                                                    and value == -1)):
             raise ValueError(f"{op} does not support attention variants: {name} must be {off} (its default), "

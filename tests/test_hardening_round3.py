@@ -555,3 +555,122 @@ def test_read_only_out_refused_before_the_gpu_runs(rng, op, monkeypatch):
             new = np.ascontiguousarray(q[:, :2])
             pagedvk.reshape_and_cache(new, new, k, v, np.array([0, 1], np.int32))
     assert not submissions
+
+
+# -- 5. calls vLLM and FlashInfer make -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_paged_attention_v2_takes_tmp_out_in_the_output_dtype(rng, dtype):
+    # vLLM allocates tmp_out in the output's dtype; pagedvk required float32, which refused every fp16/bf16 engine
+    # and all 48 bfloat16 cases of vLLM's test.
+    case = Case(rng, seq_lens=[1300, 40], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=dtype)
+    parts = 3
+    out = np.full(case.query.shape, np.nan, dtype)
+    exp_sums, max_logits = (np.full((2, 4, parts), np.nan, np.float32) for _ in range(2))
+    tmp_out = np.full((2, 4, parts, 64), np.nan, dtype)
+    pagedvk.ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, case.query, case.key_cache, case.value_cache,
+                                   2, 0.125, case.block_tables, case.seq_lens, 16, 1300)
+    assert rel_error(out, case.reference(0.125)) <= 4e-3
+    # partition 1 of sequence 0 (tokens 512..1023), normalized, rounded to tmp_out's dtype
+    k, v = pagedvk.reference.gather_kv(case.key_cache, case.value_cache, case.block_tables[0], 1300)
+    logits = 0.125 * case.query[0, :2].astype(np.float64) @ k[512:1024, 0].T
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    assert rel_error(tmp_out[0, :2, 1], (p / p.sum(axis=1, keepdims=True)) @ v[512:1024, 0]) <= 4e-3
+    with pytest.raises(TypeError, match=r"tmp_out must have dtype float32 or "):
+        pagedvk.ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out.astype(np.float64), case.query,
+                                       case.key_cache, case.value_cache, 2, 0.125, case.block_tables, case.seq_lens,
+                                       16, 1300)
+
+
+def test_backward_takes_soft_cap_zero_as_off(rng):
+    # FlashInfer passes logits_soft_cap=0.0 for "off"; the backward, which supports no variant yet, refused it.
+    case = Case(rng, seq_lens=[20], num_heads=4, num_kv_heads=2, head_size=32)
+    k, v = pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
+    k, v = np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32)
+    q = rng.standard_normal((1, 4, 3, 32)).astype(np.float32)
+    out, lse = pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, logits_soft_cap=0.0)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    plain = pagedvk.paged_attention_backward(dout, q, k, v, case.block_tables, case.seq_lens, out, lse)
+    capped = pagedvk.paged_attention_backward(dout, q, k, v, case.block_tables, case.seq_lens, out, lse,
+                                              logits_soft_cap=0.0)
+    for a, b in zip(plain, capped):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="does not support attention variants: logits_soft_cap"):
+        pagedvk.paged_attention_backward(dout, q, k, v, case.block_tables, case.seq_lens, out, lse,
+                                         logits_soft_cap=5.0)
+
+
+def test_copy_blocks_takes_numpy_caches(rng, device):
+    # vLLM's CPU backend calls copy_blocks on host caches; pagedvk refused numpy. Numpy caches are copied in place,
+    # device ones on the device, in one call; a refused mapping changes neither.
+    host_k, host_v = rng.standard_normal((6, 2, 8)).astype(np.float32), rng.standard_normal((6, 8, 2)).astype(np.float16)
+    dev_k = pagedvk.asarray(rng.standard_normal((6, 4)).astype(np.float32))
+    before = host_k.copy(), host_v.copy(), dev_k.numpy()
+    with pytest.raises(ValueError, match=r"block_mapping\[0, 1\] = 2 is also a source"):
+        pagedvk.copy_blocks([host_k, dev_k], [host_v, host_v.copy()], np.array([[1, 2], [2, 3]]))
+    for a, b in zip((host_k, host_v, dev_k.numpy()), before):
+        np.testing.assert_array_equal(a, b)
+    mapping = np.array([[0, 4], [1, 5], [3, 2]], np.int64)
+    pagedvk.copy_blocks([host_k, dev_k], [host_v, host_v.copy()], mapping)
+    for a, b in zip((host_k, host_v, dev_k.numpy()), before):
+        expected = b.copy()
+        expected[mapping[:, 1]] = b[mapping[:, 0]]
+        np.testing.assert_array_equal(a, expected)
+    frozen = host_k.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"key_caches\[0\] must be writable"):
+        pagedvk.copy_blocks([frozen], [host_v], mapping)
+
+
+def merged_reference(v, s, mask=None):
+    """Float64 n-way merge over axis -3 of v (-2 of s), natural-log s; masked-out states left out."""
+    s = np.asarray(s, np.float64)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    top = s.max(axis=-2, keepdims=True)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    w = np.exp(s - safe)
+    total = w.sum(axis=-2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = np.einsum("...sh,...shd->...hd", w, np.where(np.isfinite(s)[..., None], v, 0).astype(np.float64))
+        out = np.where((total > 0)[..., None], out / np.where(total > 0, total, 1)[..., None], 0.0)
+        lse = np.where(total > 0, safe[..., 0, :] + np.log(total), -np.inf)
+    return out, lse
+
+
+@pytest.mark.parametrize("base", ["e", 2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+def test_n_way_merge_with_a_mask_and_a_base(rng, base, dtype):
+    # FlashInfer merges n states (merge_states), with a mask (merge_state_in_place), and its lse are base 2; pagedvk
+    # merged two natural-log states only, and a base-2 state was silently wrong. `base` says which, both ways.
+    seq_len, states, heads, head_size = 7, 5, 4, 32
+    v = rng.standard_normal((seq_len, states, heads, head_size)).astype(dtype)
+    s = rng.normal(0, 3, (seq_len, states, heads)).astype(np.float32)
+    s[0, :, 0] = -np.inf                       # a row no state saw keys for
+    s[1, 2] = -np.inf
+    v[1, 2] = np.nan                           # an empty state's output is never read
+    mask = rng.random((seq_len, states, heads)) < 0.8
+    mask[2] = False                            # a row with every state left out
+    ln = np.log(2.0) if base == 2 else 1.0
+    for m in (None, mask):
+        out, lse = pagedvk.merge_states(v, s, base=base, mask=m)
+        ref_out, ref_lse = merged_reference(v, s * ln, m)
+        assert out.dtype == np.dtype(dtype) and out.shape == (seq_len, heads, head_size)
+        assert rel_error(out, ref_out) <= (1e-5 if dtype == np.float32 else 2e-3)
+        assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
+        finite = np.isfinite(ref_lse)
+        assert rel_error(lse[finite], ref_lse[finite] / ln) <= 1e-6
+    # Two-way, as merge_state_in_place: where the mask is False the row is a's.
+    row_mask = rng.random((seq_len, heads)) < 0.5
+    a, b = (np.ascontiguousarray(x) for x in (v[:, 0], v[:, 3]))
+    lse_a, lse_b = (np.ascontiguousarray(x) for x in (s[:, 0], s[:, 3]))
+    out, lse = pagedvk.merge_attention_states(a, lse_a, b, lse_b, base=base, mask=row_mask)
+    ref_out, ref_lse = merged_reference(v[:, [0, 3]], s[:, [0, 3]] * ln, np.stack([np.ones_like(row_mask), row_mask], 1))
+    assert rel_error(out, ref_out) <= (1e-5 if dtype == np.float32 else 2e-3)
+    finite = np.isfinite(ref_lse)
+    assert rel_error(lse[finite], ref_lse[finite] / ln) <= 1e-6
+    with pytest.raises(ValueError, match=r"base must be 'e' \(natural-log lse, as pagedvk's ops give\) or 2"):
+        pagedvk.merge_states(v, s, base=10)
+    with pytest.raises(ValueError, match=r"mask must be a bool array of shape \(7, 5, 4\) or \(7, 5\)"):
+        pagedvk.merge_states(v, s, mask=mask.astype(np.int8))
