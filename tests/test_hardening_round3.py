@@ -46,7 +46,7 @@ def passed(result, marker="ok") -> bool:
     return result.returncode == 0 and marker in result.stdout
 
 
-# -- 1. crashes ----------------------------------------------------------------------------------------------
+# -- 1. crashes ------------------------------------------------------------------------------------------------------
 
 
 def test_device_close_racing_allocation_never_aborts():
@@ -187,75 +187,7 @@ def test_exit_destroys_every_object_before_its_device():
     assert "messages at exit: 0" in result.stdout, result.stdout + result.stderr[-3000:]
 
 
-# -- 3. waits and sizes --------------------------------------------------------------------------------------
-
-
-def test_close_after_a_timeout_waits_with_a_limit(rng, monkeypatch):
-    # close() called vkDeviceWaitIdle, which has no limit (5-19 s after PAGEDVK_TIMEOUT=1 here; forever on a hung
-    # GPU). It waits on the timed-out submissions' fences, up to PAGEDVK_TIMEOUT, and then destroys everything.
-    dev = pagedvk.Device(pagedvk.select()[0])
-    case = Case(rng, num_seqs=4, num_heads=8, num_kv_heads=2, head_size=128, block_size=32, seq_lens=[2048] * 4)
-    q, k, v = (pagedvk.asarray(a, device=dev) for a in (case.query, case.key_cache, case.value_cache))
-    monkeypatch.setenv("PAGEDVK_TIMEOUT", "1e-9")
-    with pytest.raises(GPUTimeoutError):
-        pagedvk.paged_attention(q, k, v, case.block_tables, case.seq_lens)
-    monkeypatch.setenv("PAGEDVK_TIMEOUT", "30")
-
-    def unbounded(*args):
-        raise AssertionError("vkDeviceWaitIdle has no limit")
-
-    monkeypatch.setattr(vk, "vkDeviceWaitIdle", unbounded)
-    dev.close()
-    assert dev.closed and dev.live_objects() == 0 and not dev.abandoned and q.closed
-
-
-HUNG_GPU = """
-    import os, time, vulkan as vk
-    from pagedvk.runtime import commands
-    # A GPU that never finishes: every fence wait times out (after its limit), every fence reads not ready,
-    # vkDeviceWaitIdle never returns.
-    commands.wait_for_fences = lambda *args: vk.VK_TIMEOUT
-    commands.get_fence_status = lambda *args: vk.VK_NOT_READY
-    def not_ready(*args):
-        raise vk.VkNotReady()
-    vk.vkGetFenceStatus = not_ready
-    def wait_for_fences(device, count, fences, wait_all, timeout):
-        time.sleep(timeout / 1e9)
-        raise vk.VkTimeout()
-    vk.vkWaitForFences = wait_for_fences
-    vk.vkDeviceWaitIdle = lambda device: time.sleep(3600)
-    try:
-        attend()
-    except pagedvk.GPUTimeoutError:
-        print("timed out")
-"""
-
-
-@pytest.mark.parametrize("how", ["close", "exit"])
-def test_close_and_exit_on_a_hung_gpu_return(how):
-    # On a GPU that never finishes, close() and the exit gave up after PAGEDVK_TIMEOUT: the device is closed,
-    # its objects left to the end of the process (never destroyed under running work), and the instance kept
-    # for it. Before, both called vkDeviceWaitIdle: this program never ended.
-    close = """
-    dev = pagedvk.default_device()
-    start = time.perf_counter()
-    try:
-        dev.close()
-    except pagedvk.GPUTimeoutError as e:
-        print("close gave up after", round(time.perf_counter() - start), "s:", e)
-    assert dev.closed and dev.abandoned
-    """
-    started = time.perf_counter()
-    result = run_python(program(PROBLEM, HUNG_GPU, close if how == "close" else ""), PAGEDVK_TIMEOUT="1")
-    assert result.returncode == 0 and "timed out" in result.stdout, result.stdout + result.stderr[-3000:]
-    if how == "close":
-        assert "close gave up after 1 s: " in result.stdout and "left to the end of the process" in result.stdout
-    else:
-        assert "pagedvk: at exit: " in result.stderr and "left to the end of the process" in result.stderr
-    assert time.perf_counter() - started < 30
-
-
-# -- 2. silent wrong answers ---------------------------------------------------------------------------------
+# -- 2. silent wrong answers -----------------------------------------------------------------------------------------
 
 FLOAT_CACHES = (np.float32, np.float16, ml_dtypes.bfloat16)
 
@@ -393,26 +325,72 @@ def test_append_tokens_is_atomic(tokens):
     assert len(w.copies) == 1 and m.tokens(1)[-2:] == [8, 2**63 - 1]
 
 
-# -- 4. late and unclear errors ------------------------------------------------------------------------------
+# -- 3. waits and sizes ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale, error, match", [
-    ("0.5", TypeError, "scale must be a real number or None, not str"),
-    (True, TypeError, "scale must be a real number or None, not bool"),
-    (1e39, ValueError, "scale must be finite and representable as float32"),
-    (float("nan"), ValueError, "scale must be finite and representable as float32")])
-def test_prefill_scale_checked_by_name(rng, scale, error, match):
-    # Prefill took scale='0.5' and True, and 1e39 ended in OverflowError at launch (DecodePlan already refused them).
-    case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, max_len=40)
-    q = case.query[:, :, None]
-    out = np.full(q.shape, np.nan, np.float32)
-    with pytest.raises(error, match=match):
-        pagedvk.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                                        layout="vllm", scale=scale, out=out)
-    assert np.isnan(out).all()
+def test_close_after_a_timeout_waits_with_a_limit(rng, monkeypatch):
+    # close() called vkDeviceWaitIdle, which has no limit (5-19 s after PAGEDVK_TIMEOUT=1 here; forever on a hung
+    # GPU). It waits on the timed-out submissions' fences, up to PAGEDVK_TIMEOUT, and then destroys everything.
+    dev = pagedvk.Device(pagedvk.select()[0])
+    case = Case(rng, num_seqs=4, num_heads=8, num_kv_heads=2, head_size=128, block_size=32, seq_lens=[2048] * 4)
+    q, k, v = (pagedvk.asarray(a, device=dev) for a in (case.query, case.key_cache, case.value_cache))
+    monkeypatch.setenv("PAGEDVK_TIMEOUT", "1e-9")
+    with pytest.raises(GPUTimeoutError):
+        pagedvk.paged_attention(q, k, v, case.block_tables, case.seq_lens)
+    monkeypatch.setenv("PAGEDVK_TIMEOUT", "30")
+
+    def unbounded(*args):
+        raise AssertionError("vkDeviceWaitIdle has no limit")
+
+    monkeypatch.setattr(vk, "vkDeviceWaitIdle", unbounded)
+    dev.close()
+    assert dev.closed and dev.live_objects() == 0 and not dev.abandoned and q.closed
 
 
-# -- 3. sizes ------------------------------------------------------------------------------------------------
+HUNG_GPU = """
+    import os, time, vulkan as vk
+    from pagedvk.runtime import commands
+    # A GPU that never finishes: every fence wait times out (after its limit), every fence reads not ready,
+    # vkDeviceWaitIdle never returns.
+    commands.wait_for_fences = lambda *args: vk.VK_TIMEOUT
+    commands.get_fence_status = lambda *args: vk.VK_NOT_READY
+    def not_ready(*args):
+        raise vk.VkNotReady()
+    vk.vkGetFenceStatus = not_ready
+    def wait_for_fences(device, count, fences, wait_all, timeout):
+        time.sleep(timeout / 1e9)
+        raise vk.VkTimeout()
+    vk.vkWaitForFences = wait_for_fences
+    vk.vkDeviceWaitIdle = lambda device: time.sleep(3600)
+    try:
+        attend()
+    except pagedvk.GPUTimeoutError:
+        print("timed out")
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_close_and_exit_on_a_hung_gpu_return(how):
+    # On a GPU that never finishes, close() and the exit gave up after PAGEDVK_TIMEOUT: the device is closed,
+    # its objects left to the end of the process (never destroyed under running work), and the instance kept
+    # for it. Before, both called vkDeviceWaitIdle: this program never ended.
+    close = """
+    dev = pagedvk.default_device()
+    start = time.perf_counter()
+    try:
+        dev.close()
+    except pagedvk.GPUTimeoutError as e:
+        print("close gave up after", round(time.perf_counter() - start), "s:", e)
+    assert dev.closed and dev.abandoned
+    """
+    started = time.perf_counter()
+    result = run_python(program(PROBLEM, HUNG_GPU, close if how == "close" else ""), PAGEDVK_TIMEOUT="1")
+    assert result.returncode == 0 and "timed out" in result.stdout, result.stdout + result.stderr[-3000:]
+    if how == "close":
+        assert "close gave up after 1 s: " in result.stdout and "left to the end of the process" in result.stdout
+    else:
+        assert "pagedvk: at exit: " in result.stderr and "left to the end of the process" in result.stderr
+    assert time.perf_counter() - started < 30
 
 
 def test_allocations_past_what_the_heap_can_still_give(device):
@@ -478,6 +456,25 @@ def test_copy_blocks_records_no_empty_copy(rng, device, monkeypatch):
     np.testing.assert_array_equal(v.numpy(), -expected)
 
 
+# -- 4. late and unclear errors (the CLI's: tests/test_cli.py::test_usage_errors_before_any_work) --------------------
+
+
+@pytest.mark.parametrize("scale, error, match", [
+    ("0.5", TypeError, "scale must be a real number or None, not str"),
+    (True, TypeError, "scale must be a real number or None, not bool"),
+    (1e39, ValueError, "scale must be finite and representable as float32"),
+    (float("nan"), ValueError, "scale must be finite and representable as float32")])
+def test_prefill_scale_checked_by_name(rng, scale, error, match):
+    # Prefill took scale='0.5' and True, and 1e39 ended in OverflowError at launch (DecodePlan already refused them).
+    case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, max_len=40)
+    q = case.query[:, :, None]
+    out = np.full(q.shape, np.nan, np.float32)
+    with pytest.raises(error, match=match):
+        pagedvk.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                        layout="vllm", scale=scale, out=out)
+    assert np.isnan(out).all()
+
+
 @pytest.mark.parametrize("arguments, error, match", [
     (dict(head_size=0), ValueError, r"head_size must be in \[1, 256\], got 0"),
     (dict(head_size=18), ValueError, r"head_size must be a multiple of 8 in \[8, 256\] for float16 caches"),
@@ -520,7 +517,8 @@ def test_device_variable_that_is_no_index_names_the_devices():
         except pagedvk.DeviceNotFoundError as e:
             print("refused:", e)
         """, PAGEDVK_DEVICE="²")
-    assert passed(result, "refused: PAGEDVK_DEVICE='²' matches no device name; devices:"), result.stdout + result.stderr
+    assert passed(result, "refused: PAGEDVK_DEVICE='²' matches no device name; devices:"), \
+        result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("op", ["paged_attention", "prefill", "paged_attention_v2", "reshape_and_cache"])
@@ -557,7 +555,7 @@ def test_read_only_out_refused_before_the_gpu_runs(rng, op, monkeypatch):
     assert not submissions
 
 
-# -- 5. calls vLLM and FlashInfer make -----------------------------------------------------------------------
+# -- 5. calls vLLM and FlashInfer make -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
@@ -604,7 +602,8 @@ def test_backward_takes_soft_cap_zero_as_off(rng):
 def test_copy_blocks_takes_numpy_caches(rng, device):
     # vLLM's CPU backend calls copy_blocks on host caches; pagedvk refused numpy. Numpy caches are copied in place,
     # device ones on the device, in one call; a refused mapping changes neither.
-    host_k, host_v = rng.standard_normal((6, 2, 8)).astype(np.float32), rng.standard_normal((6, 8, 2)).astype(np.float16)
+    host_k = rng.standard_normal((6, 2, 8)).astype(np.float32)
+    host_v = rng.standard_normal((6, 8, 2)).astype(np.float16)
     dev_k = pagedvk.asarray(rng.standard_normal((6, 4)).astype(np.float32))
     before = host_k.copy(), host_v.copy(), dev_k.numpy()
     with pytest.raises(ValueError, match=r"block_mapping\[0, 1\] = 2 is also a source"):
@@ -666,7 +665,8 @@ def test_n_way_merge_with_a_mask_and_a_base(rng, base, dtype):
     a, b = (np.ascontiguousarray(x) for x in (v[:, 0], v[:, 3]))
     lse_a, lse_b = (np.ascontiguousarray(x) for x in (s[:, 0], s[:, 3]))
     out, lse = pagedvk.merge_attention_states(a, lse_a, b, lse_b, base=base, mask=row_mask)
-    ref_out, ref_lse = merged_reference(v[:, [0, 3]], s[:, [0, 3]] * ln, np.stack([np.ones_like(row_mask), row_mask], 1))
+    pair_mask = np.stack([np.ones_like(row_mask), row_mask], 1)
+    ref_out, ref_lse = merged_reference(v[:, [0, 3]], s[:, [0, 3]] * ln, pair_mask)
     assert rel_error(out, ref_out) <= (1e-5 if dtype == np.float32 else 2e-3)
     finite = np.isfinite(ref_lse)
     assert rel_error(lse[finite], ref_lse[finite] / ln) <= 1e-6
