@@ -5,7 +5,7 @@ from .array import DeviceArray, asarray, empty, zeros
 from .cache import KVCache
 from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from .decode import DecodePlan, paged_attention
-from .merge import merge_attention_states
+from .merge import merge_attention_states, merge_states
 from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeoutError, NoFreeBlocksError,
                      OutOfMemoryError, PagedVKError, ShaderModuleError, UnsupportedFeatureError, ValidationError,
                      VulkanError)
@@ -21,7 +21,7 @@ __all__ = [
     "DeviceNotFoundError", "GPUTimeoutError", "KVCache", "NoFreeBlocksError", "OutOfMemoryError", "PagedVKError",
     "ShaderModuleError", "UnsupportedFeatureError", "ValidationError", "VulkanError", "abi", "asarray",
     "config", "copy_blocks", "default_device", "devices", "dtypes", "empty", "get_device", "kernels", "layouts",
-    "merge_attention_states", "ops", "paged_attention", "paged_attention_backward", "paged_attention_prefill",
+    "merge_attention_states", "merge_states", "ops", "paged_attention", "paged_attention_backward", "paged_attention_prefill",
     "prefill", "reference",
     "reshape_and_cache", "select", "swap_blocks", "zeros",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import ml_dtypes
@@ -23,6 +24,9 @@ def _dtype(dtype) -> np.dtype:
     return dt
 
 
+MAX_BYTES = 2**63 - 1   # numpy's sizes are int64
+
+
 def _shape(shape) -> tuple:
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     if any(not isinstance(n, (int, np.integer)) or n < 0 for n in shape):
@@ -42,8 +46,13 @@ class DeviceArray(Owned):
     def __init__(self, shape, dtype, device=None):
         self.shape = _shape(shape)
         self.dtype = _dtype(dtype)
-        self.device = get_device(device)
         nbytes = self.nbytes
+        if nbytes > MAX_BYTES:   # numpy's int64 sizes wrapped: (2**33, 2**31) was 0 bytes, (2**63,) negative
+            raise ValueError(f"shape {self.shape} of {self.dtype} is {nbytes} bytes, more than any array can hold "
+                             f"({MAX_BYTES}, 2^63 - 1)")
+        self.device = get_device(device)
+        # The whole array, before the first segment: a lazily committed 256 GiB array was accepted on a 24 GiB host.
+        self.device.require_room(nbytes, what=f"allocating an array of shape {self.shape} ({self.dtype})")
         limit = segment_limit(self.device)
         rows = self.shape[0] if self.shape else 1
         self.segment_rows = rows   # rows of axis 0 per buffer
@@ -108,7 +117,7 @@ class DeviceArray(Owned):
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)   # Python ints: numpy's int64 product wraps
 
     @property
     def ndim(self) -> int:

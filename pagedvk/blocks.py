@@ -16,6 +16,8 @@ import numpy as np
 
 from .errors import NoFreeBlocksError
 
+TOKEN_MAX = 2**63 - 1   # token ids are hashed as int64
+
 
 @dataclass
 class Writes:
@@ -178,6 +180,11 @@ class BlockManager:
         if need > self.num_free_blocks:
             raise NoFreeBlocksError(f"append_tokens({seq_id!r}, {len(tokens)} tokens) needs {need} free blocks; "
                                     f"{self.num_free_blocks} free")
+        # Everything that can fail is done before the first change (the hashes among it), so a failure changes
+        # nothing: a late failure once kept the copy-on-write block taken and its copy pair lost.
+        start = len(s.tokens)
+        parent = s.hashes[-1] if s.hashes else b""
+        hashes = s.hashes + self._hashes(parent, (s.tokens + tokens)[len(s.hashes) * self.block_size:])
         copies = []
         if cow:
             src, dst = s.table[-1], self.device.take()
@@ -185,11 +192,9 @@ class BlockManager:
             s.table[-1] = dst
             copies.append((src, dst))
             self.stats["cow_copies"] += 1
-        start = len(s.tokens)
         s.tokens.extend(tokens)
         s.table.extend(self.device.take() for _ in range(need - cow))
-        parent = s.hashes[-1] if s.hashes else b""
-        self._register_full_blocks(s, s.hashes + self._hashes(parent, s.tokens[len(s.hashes) * self.block_size:]))
+        self._register_full_blocks(s, hashes)
         return Writes(self._slots(s.table, start, len(s.tokens)), copies)
 
     def fork(self, parent_id, child_id) -> None:
@@ -291,14 +296,21 @@ class BlockManager:
 
     @staticmethod
     def _check_tokens(tokens, name: str, allow_empty: bool) -> list[int]:
-        arr = np.asarray(tokens)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise TypeError(f"{name} must be a 1-d sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
-        if not allow_empty and arr.size == 0:
+        if isinstance(tokens, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                     for t in tokens):
+            values = [int(t) for t in tokens]   # numpy would make [5, 2**63] float64
+        else:
+            arr = np.asarray(tokens)
+            if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+                raise TypeError(f"{name} must be a 1-d sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+            values = [int(t) for t in arr]
+        if not allow_empty and not values:
             raise ValueError(f"{name} must hold at least 1 token")
-        if arr.size and arr.min() < 0:
-            raise ValueError(f"{name} must be >= 0, got {int(arr.min())}")
-        return [int(t) for t in arr]
+        if values and min(values) < 0:
+            raise ValueError(f"{name} must be >= 0, got {min(values)}")
+        if values and max(values) > TOKEN_MAX:   # ids past int64 would not hash (_hashes packs int64)
+            raise ValueError(f"{name} must be <= {TOKEN_MAX} (2^63 - 1), got {max(values)}")
+        return values
 
     def _append_plan(self, s: _Seq, n: int) -> tuple[int, bool]:
         """(device blocks needed, whether the partial last block is shared and must be copied first)."""

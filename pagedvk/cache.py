@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cache_ops, checks
+from . import cache_ops, checks, config
 from .array import empty
 from .blocks import BlockManager
 from .decode import DecodePlan
 from .dtypes import CACHE_TYPES, storage_type
-from .layouts import BLOCK_SIZES, LAYOUTS, CacheSpec
+from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec
 from .opargs import device_of
 from .prefill import paged_attention_prefill
 from .runtime.owned import Owned
@@ -35,19 +35,35 @@ class KVCache(Owned):
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16, dtype=np.float16,
                  layout: str = "vllm", num_blocks: int | None = None, memory_fraction: float | None = None,
                  num_host_blocks: int = 0, prefix_caching: bool = True, device=None, backend: str | None = None):
+        # Every argument is checked here, by name, before anything is allocated: bad ones were accepted and
+        # failed at the first write.
         if (num_blocks is None) == (memory_fraction is None):
             raise ValueError("give exactly one of num_blocks and memory_fraction")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+        checks.integer("num_layers", num_layers, 1)
+        checks.integer("num_kv_heads", num_kv_heads, 1)
+        checks.integer("block_size", block_size, 1)
         checks.one_of("block_size", block_size, BLOCK_SIZES)
-        if not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        checks.integer("num_host_blocks", num_host_blocks, 0)
+        if num_blocks is not None:
+            checks.integer("num_blocks", num_blocks, 1)
         storage = storage_type("dtype", np.empty(0, dtype), CACHE_TYPES)
+        checks.integer("head_size", head_size, 1, MAX_HEAD_SIZE)
+        # the kernels read 4 head dims at a time; vLLM's key layout packs x = 16 // itemsize
+        multiple = storage.x if layout == "vllm" else 4
+        if head_size % multiple:
+            raise ValueError(f"head_size must be a multiple of {multiple} in [{multiple}, {MAX_HEAD_SIZE}] for "
+                             f"{storage} caches in layout {layout!r}, got {head_size}")
+        if backend is not None:
+            backend = config.backend(backend)
         self.device = device_of(device=device)
         spec = CacheSpec(layout, storage, 1, num_kv_heads, head_size, block_size)
         if memory_fraction is not None:
-            if not 0 < memory_fraction <= 1:
-                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+            if (isinstance(memory_fraction, bool) or not isinstance(memory_fraction, (int, float, np.integer,
+                                                                                     np.floating))
+                    or not 0 < memory_fraction <= 1):
+                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
             budget = self.device.memory_budget()
             free = budget.budget - (budget.usage or 0)
             num_blocks = int(memory_fraction * free) // (2 * num_layers * spec.block_bytes)
@@ -63,7 +79,7 @@ class KVCache(Owned):
         host = CacheSpec(layout, storage, num_host_blocks, num_kv_heads, head_size, block_size)
         self.host_key = [np.zeros(host.key_shape, self.dtype) for _ in range(num_layers)]
         self.host_value = [np.zeros(host.value_shape, self.dtype) for _ in range(num_layers)]
-        self._plan, self._plan_batch = None, None
+        self._plan, self._plan_key = None, None
 
     @property
     def block_size(self) -> int:
@@ -117,22 +133,25 @@ class KVCache(Owned):
         return out
 
     def _decode_plan(self, batch, rows, num_heads: int) -> DecodePlan:
-        # One plan per step: every layer's decode uses the same block tables and lengths.
-        if self._plan_batch is not batch:
+        # One plan per step: every layer's decode uses the same block tables and lengths. Keyed on their values,
+        # not on the Batch object: a Batch updated in place for the next step got the previous step's plan.
+        tables = np.ascontiguousarray(batch.block_tables[rows], np.int32)
+        lens = np.ascontiguousarray(batch.seq_lens[rows], np.int32)
+        key = (num_heads, tables.shape, tables.tobytes(), lens.tobytes())
+        if self._plan_key != key:
             self._close_plan()
             s = self.spec
-            self._plan = DecodePlan(np.ascontiguousarray(batch.block_tables[rows]),
-                                    np.ascontiguousarray(batch.seq_lens[rows]), num_heads=num_heads,
-                                    num_kv_heads=s.num_kv_heads, head_size=s.head_size, block_size=s.block_size,
-                                    num_blocks=s.num_blocks, dtype=self.dtype, query_dtype=np.float32,
-                                    layout=self.layout, device=self.device, backend=self.backend)
-            self._plan_batch = batch
+            self._plan = DecodePlan(tables, lens, num_heads=num_heads, num_kv_heads=s.num_kv_heads,
+                                    head_size=s.head_size, block_size=s.block_size, num_blocks=s.num_blocks,
+                                    dtype=self.dtype, query_dtype=np.float32, layout=self.layout, device=self.device,
+                                    backend=self.backend)
+            self._plan_key = key
         return self._plan
 
     def _close_plan(self) -> None:
         if self._plan is not None:
             self._plan.close()
-        self._plan, self._plan_batch = None, None
+        self._plan, self._plan_key = None, None
 
     @property
     def closed(self) -> bool:

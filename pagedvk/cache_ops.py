@@ -53,6 +53,8 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
     if tuple(value.shape) != tuple(key.shape):
         raise ValueError(f"value must have shape {tuple(key.shape)} (key's), got {tuple(value.shape)}")
     spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype)
+    checks.writable("key_cache", key_cache)
+    checks.writable("value_cache", value_cache)
     checks.dim("key", key, 1, spec.num_kv_heads, "num_kv_heads, from the caches")
     checks.dim("key", key, 2, spec.head_size, "head_size, from the caches")
     num_tokens = key.shape[0]
@@ -151,8 +153,9 @@ def _grouped(copies) -> list:
 def copy_blocks(key_caches: list, value_caches: list, block_mapping: Array) -> None:
     """Copy blocks within each layer's caches, every layer in one submission (vLLM's copy_blocks).
 
-    key_caches, value_caches  sequences of DeviceArray caches, one per layer, any layout and dtype, all with
-                 the same num_blocks (shape[0]) and on one device
+    key_caches, value_caches  sequences of caches, one per layer, any layout and dtype, all with the same
+                 num_blocks (shape[0]): DeviceArrays (on one device), copied on it in one submission, or numpy
+                 arrays (C-contiguous, writable), copied in place on the host, as vLLM's CPU backend does
     block_mapping int32 or int64 [num_pairs, 2]: block src is copied to block dst in every cache. No block may
                  be written twice, nor written and read in one call (the copies run at once).
 
@@ -160,12 +163,12 @@ def copy_blocks(key_caches: list, value_caches: list, block_mapping: Array) -> N
     """
     for name, seq in (("key_caches", key_caches), ("value_caches", value_caches)):
         if not isinstance(seq, (list, tuple)):
-            raise TypeError(f"{name} must be a list of DeviceArrays (one per layer), not {type(seq).__name__}")
+            raise TypeError(f"{name} must be a list of caches (one per layer), not {type(seq).__name__}")
         for i, a in enumerate(seq):
-            if not isinstance(a, DeviceArray):
-                raise TypeError(f"{name}[{i}] must be a pagedvk.DeviceArray, not {type(a).__name__}")
-            if a.ndim < 2:
-                raise ValueError(f"{name}[{i}] must have a block axis and more, got shape {a.shape}")
+            checks.kind(f"{name}[{i}]", a)
+            checks.writable(f"{name}[{i}]", a)
+            if len(a.shape) < 2:
+                raise ValueError(f"{name}[{i}] must have a block axis and more, got shape {tuple(a.shape)}")
     if len(key_caches) != len(value_caches):
         raise ValueError(f"value_caches must hold one cache per layer as key_caches ({len(key_caches)}), "
                          f"got {len(value_caches)}")
@@ -179,16 +182,21 @@ def copy_blocks(key_caches: list, value_caches: list, block_mapping: Array) -> N
             if a.shape[0] != num_blocks:
                 raise ValueError(f"{name}[{i}].shape[0] (num_blocks) must be {num_blocks} (key_caches[0]'s), "
                                  f"got {a.shape[0]}")
-    device = device_of(*caches)
+    on_device = [a for a in caches if isinstance(a, DeviceArray)]
+    device = device_of(*on_device) if on_device else None
     _ids_within(pairs, 0, num_blocks, "the caches")
     _ids_within(pairs, 1, num_blocks, "the caches")
     _distinct_targets(pairs)
-    copies = []
     for a in caches:
+        if isinstance(a, np.ndarray):   # no target is a source: one gather-scatter is the simultaneous copies
+            a[pairs[:, 1]] = a[pairs[:, 0]]
+    copies = []
+    for a in on_device:
         row = a.nbytes // num_blocks
         for (src, s_off), (dst, d_off) in zip(_block_places(a, pairs[:, 0]), _block_places(a, pairs[:, 1])):
             copies.append((src, dst, (s_off, d_off, row)))
-    device.copy_regions(_grouped(copies))
+    if copies:
+        device.copy_regions(_grouped(copies))
 
 
 def _distinct_targets(pairs: np.ndarray) -> None:

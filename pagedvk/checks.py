@@ -14,6 +14,21 @@ def kind(name: str, a) -> None:
         raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
 
 
+def writable(name: str, a) -> None:
+    """A numpy array an op writes its result into: refused before the GPU runs, not by numpy after it."""
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{name} must be writable (a read-only numpy array cannot take the result)")
+
+
+def integer(name: str, value, low: int, high: int | None = None) -> int:
+    """An int argument (numpy integers too, bool not) in [low, high]; TypeError or ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    return int(value)
+
+
 def ndim(name: str, a, n: int, layout: str) -> None:
     if len(a.shape) != n:
         raise ValueError(f"{name} must have {n} dimensions {layout}, got shape {tuple(a.shape)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 
@@ -17,7 +18,8 @@ from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
 from .matrix import matrix_unavailable
 from .errors import PagedVKError
 from .prefill import describe_choice
-from .selection import devices, select
+from .runtime.memory import host_memory
+from .selection import devices, get_device, select
 
 
 def gib(n: int) -> str:
@@ -142,15 +144,20 @@ def cmd_suite(args) -> int:
         log(f"plot skipped: matplotlib is not installed ({suite.PLOT_HINT} adds it)")
     return 0 if all(r["ok"] for r in record["rows"]) else 1
 
-def positive(text: str) -> int:
-    """An argparse type: an integer of at least 1 (a usage error otherwise, never a traceback later)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {value}")
-    return value
+def at_least(low: int):
+    """An argparse type: an integer of at least `low` (a usage error otherwise, never a traceback later)."""
+    def argument_type(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer of at least {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer of at least {low}, got {value}")
+        return value
+    return argument_type
+
+
+positive = at_least(1)
 
 
 def backend(text: str) -> str:
@@ -207,6 +214,69 @@ def check_shape(parser, args) -> None:
                      f"got {args.num_heads}")
 
 
+def check_output(parser, option: str, path: str) -> None:
+    """A file the command writes at its end (--json, --plot): refused before any work when it cannot be
+    written, where a finished sweep was lost to a traceback."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"argument {option}: {path!r} is a folder, not a file")
+    if not os.path.isdir(folder):
+        parser.error(f"argument {option}: cannot write {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        parser.error(f"argument {option}: cannot write {path!r}: permission denied")
+
+
+def host_available() -> int:
+    """Bytes of host memory available now (MemAvailable), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return host_memory()
+
+
+def check_sizes(parser, args) -> None:
+    """Shapes whose caches the device (or the host, which draws one layer's) cannot hold are usage errors naming
+    the option, before anything is made; they ended in a MemoryError traceback."""
+    device = get_device(args.device)
+    room, _ = device.room(device.heap_of())
+    available = host_available()
+    runs = ([(b, c, dtype) for b, c in (args.shapes or (bench.SMALL_SWEEP if args.small else bench.SWEEP))
+             for dtype in (args.dtypes or list(bench.TOLERANCE))] if args.suite
+            else [(args.num_seqs, args.context, args.dtype)])
+    shape_option = "--shapes" if args.suite else "--num-seqs/--context"
+    for num_seqs, context, dtype in runs:
+        itemsize = np.dtype(dtype).itemsize
+        elements = 2 * num_seqs * -(-context // args.block_size) * args.block_size * args.num_kv_heads * args.head_size
+        layer = elements * itemsize                             # one layer's keys and values on the device
+        host = elements * 4 + (layer if itemsize != 4 else 0)   # drawn as float32 on the host, then cast
+        layers = args.layers or max(1, min(8, -(-bench.ROTATE_BYTES // layer)))
+        # a CPU device's memory is the host's: its caches and the host's draw share it
+        host_need = host + (layers * layer if device.info.type == "cpu" else 0)
+        what = f"{num_seqs} sequences x {context} tokens of {dtype} caches ({gib(layer)} a layer)"
+        if layer > room:
+            parser.error(f"argument {shape_option}: {what} are more than {device.info.name} can still give "
+                         f"({gib(max(room, 0))})")
+        if layers * layer > room:
+            parser.error(f"argument --layers: {layers} layers of {what} are {gib(layers * layer)}, more than "
+                         f"{device.info.name} can still give ({gib(max(room, 0))})")
+        if host_need > available:
+            option = "--layers" if host > available / 2 and device.info.type == "cpu" and layers > 1 else shape_option
+            parser.error(f"argument {option}: {what} need {gib(host_need)} of host memory, more than is available "
+                         f"({gib(available)})")
+
+
+def check_demo(parser, args) -> None:
+    """The demo's shape options that must agree with each other and with the cache dtype and layout."""
+    if args.heads % args.kv_heads:
+        parser.error(f"argument --heads: must be a multiple of --kv-heads ({args.kv_heads}), got {args.heads}")
+    multiple = 16 // np.dtype(args.dtype).itemsize if args.layout == "vllm" else 4
+    if args.head_size % multiple or args.head_size > MAX_HEAD_SIZE:
+        parser.error(f"argument --head-size: must be a multiple of {multiple} up to {MAX_HEAD_SIZE} for {args.dtype} "
+                     f"caches in layout {args.layout}, got {args.head_size}")
+
+
 def cmd_demo(args) -> int:
     from .serve import demo
     return demo(args.requests, args.layers, args.heads, args.kv_heads, args.head_size, args.num_blocks,
@@ -260,14 +330,14 @@ def main(argv=None) -> int:
     b.set_defaults(run=cmd_bench)
     m = sub.add_parser("demo", help="serve a stream of requests with a small model over a paged KV cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m.add_argument("--requests", type=int, default=24)
-    m.add_argument("--layers", type=int, default=2)
-    m.add_argument("--heads", type=int, default=4)
-    m.add_argument("--kv-heads", type=int, default=2)
-    m.add_argument("--head-size", type=int, default=16)
-    m.add_argument("--num-blocks", type=int, default=48, help="device blocks (few enough to preempt)")
-    m.add_argument("--block-size", type=int, default=8)
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--requests", type=positive, default=24)
+    m.add_argument("--layers", type=positive, default=2)
+    m.add_argument("--heads", type=positive, default=4)
+    m.add_argument("--kv-heads", type=positive, default=2)
+    m.add_argument("--head-size", type=positive, default=16, help=f"per head, at most {MAX_HEAD_SIZE}")
+    m.add_argument("--num-blocks", type=positive, default=48, help="device blocks (few enough to preempt)")
+    m.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=8)
+    m.add_argument("--seed", type=at_least(0), default=0)
     m.add_argument("--dtype", choices=sorted(bench.TOLERANCE), default="float32", help="cache dtype")
     m.add_argument("--layout", choices=("vllm", "nhd"), default="vllm", help="cache layout")
     m.add_argument("--check", action="store_true",
@@ -276,12 +346,20 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv
-    if args.command == "bench":
-        check_options(b, args)
-        check_shape(b, args)
     try:
+        if args.command == "bench":
+            check_options(b, args)
+            check_shape(b, args)
+            json_path = "bench_suite.json" if args.suite and args.json is None else args.json
+            if json_path not in (None, "-"):
+                check_output(b, "--json", json_path)
+            if args.suite:
+                check_output(b, "--plot", args.plot or "bench_suite.png")
+            check_sizes(b, args)
+        elif args.command == "demo":
+            check_demo(m, args)
         return args.run(args)
-    except (PagedVKError, ValueError, TypeError) as e:
+    except (PagedVKError, ValueError, TypeError, MemoryError) as e:
         print(f"pagedvk: error: {e}", file=sys.stderr)
         return 2
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from pathlib import Path
 
 from .abi import BACKENDS
 
@@ -110,10 +111,28 @@ def device() -> str | None:
     return _get("PAGEDVK_DEVICE") or None
 
 
+def spv_dir(default: Path) -> Path:
+    """PAGEDVK_SPV_DIR: the folder of SPIR-V modules (build_shaders.py --out), `default` (the package's) when
+    unset or blank. Read when pagedvk.kernels is imported; a folder that is not there is refused by check_all()."""
+    text = _get("PAGEDVK_SPV_DIR")
+    return Path(text) if text else default
+
+
+def check_spv_dir() -> None:
+    text = _get("PAGEDVK_SPV_DIR")
+    if text and not Path(text).is_dir():
+        raise ValueError(f"PAGEDVK_SPV_DIR must be a folder of SPIR-V modules (build_shaders.py --out), got {text!r}, "
+                         "which is not a folder")
+
+
 def check_all() -> None:
-    """Parse every variable, so a bad one is reported before anything is made or submitted."""
+    """Parse every variable, so a bad one is reported before anything is made or submitted (a bad
+    PAGEDVK_SPIN_US read at the first wait once segfaulted: the wait raised with the work still running)."""
     timeout_ns()
     compile_timeout_ns()
+    spin_ns(cpu_device=False)
     backend()
     validation()
     device()
+    decode_kernel()
+    check_spv_dir()

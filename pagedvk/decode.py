@@ -21,17 +21,18 @@ from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, 
                   DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
                   PAGED_DECODE_REDUCE, SPECIALIZED_HEAD_SIZES, q_type_code, q_type_constant)
 from .array import Array, DeviceArray, asarray, empty, zeros
-from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, storage_type
+from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
 from .errors import ClosedError
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
 from .matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type, with_operands
-from .opargs import backend_name, device_of, softmax_scale
+from .opargs import backend_name, check_scale, device_of, softmax_scale
 from .runtime.instance import MatrixShape
 from .runtime.owned import Owned
 from .runtime.pipeline import Launch, Transfers, fold_grid
 from .selection import get_device
 from .variants import Variants, in_use as variants_in_use, per_head
 
+MAX_PARTITION_SIZE = 2**31 - 1              # tokens: partition_size travels as a u32 push constant
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
@@ -190,24 +191,17 @@ def values_with_keys(storage: str, tokens: int) -> bool:
 
 
 def _signature(arrays) -> tuple | None:
-    """What the run checks read of these arrays (None stays None): kind, contiguity, shape, dtype; None
+    """What the run checks read of these arrays (None stays None): kind, contiguity, writability, shape, dtype; None
     when one is not an array (the checks reject it)."""
     signature = []
     for a in arrays:
         if a is None or type(a) is DeviceArray:
             signature.append(a if a is None else (DeviceArray, a.shape, a.dtype))
         elif isinstance(a, np.ndarray):
-            signature.append((type(a), a.shape, a.dtype, a.flags.c_contiguous))
+            signature.append((type(a), a.shape, a.dtype, a.flags.c_contiguous, a.flags.writeable))
         else:
             return None
     return tuple(signature)
-
-
-def _integer(name: str, value, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
 
 
 def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks, dtype, scale) -> np.dtype:
@@ -219,23 +213,17 @@ def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks
     if dt not in CACHE_TYPES:
         raise TypeError(f"dtype must be one of the supported cache dtypes ({', '.join(map(str, CACHE_TYPES))}), "
                         f"got {dtype!r}")
-    _integer("num_kv_heads", num_kv_heads, 1)
-    _integer("num_heads", num_heads, 1)
+    checks.integer("num_kv_heads", num_kv_heads, 1)
+    checks.integer("num_heads", num_heads, 1)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    _integer("head_size", head_size, 4, MAX_HEAD_SIZE)
+    checks.integer("head_size", head_size, 4, MAX_HEAD_SIZE)
     if head_size % 4:   # the kernels read 4 head dims at a time
         raise ValueError(f"head_size must be a multiple of 4 in [4, {MAX_HEAD_SIZE}], got {head_size}")
-    _integer("block_size", block_size, 1)
+    checks.integer("block_size", block_size, 1)
     checks.one_of("block_size", block_size, BLOCK_SIZES)
-    _integer("num_blocks", num_blocks, 0)
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
-            raise TypeError(f"scale must be a real number or None, not {type(scale).__name__} ({scale!r})")
-        limit = float(np.finfo(np.float32).max)
-        if not (math.isfinite(float(scale)) and abs(float(scale)) <= limit):
-            raise ValueError(f"scale must be finite and representable as float32 (|scale| <= {limit:.4g}), "
-                             f"got {scale}")
+    checks.integer("num_blocks", num_blocks, 0)
+    check_scale(scale)
     return dt
 
 
@@ -251,7 +239,8 @@ class DecodePlan(Owned):
     query_dtype   float32, float16 or bfloat16; the output has it too. Default: dtype where it is one of
                   those, else float16 (fp8 caches serve 16-bit models).
     layout        "vllm" or "nhd" (see pagedvk.layouts).
-    k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back.
+    k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back. Other
+                  caches ignore them, as vLLM does.
     validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
     tables back to the host. The kernel bounds every index itself, so bad values then give wrong
     attention for the sequences that hold them, never a read outside the caches. Lengths may grow after
@@ -293,7 +282,10 @@ class DecodePlan(Owned):
                            if query_dtype is not None else QUERY_TYPES.get(dtype, QUERY_TYPES[np.dtype(np.float16)]))
         self.dtype, self.query_dtype = dtype, self.query_type.dtype
         self.scale = softmax_scale(scale, head_size)
-        self.k_scale, self.v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
+        k_scale, v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
+        # Other caches ignore the scales, as vLLM does (kv_cache_dtype "auto"): applied, they gave wrong answers.
+        self.k_scale, self.v_scale = (k_scale, v_scale) if is_fp8(self.spec.storage) else (1.0, 1.0)
+        self.logit_scale = scaled("k_scale", self.scale, self.k_scale)
         if config.decode_kernel(kernel) == MATRIX_KIND:   # refused before anything is made for the plan
             decode_matrix(self.device.info, self.device.features, self.backend, self.spec.storage.tag,
                           self.query_type.tag, self.head_size, layout, self.block_size, 0, kernel)
@@ -321,7 +313,8 @@ class DecodePlan(Owned):
             splits = [matrix_partitioning(self.num_seqs, workgroups_per_seq, max_seq_len, units),
                       partitioning(self.num_seqs, workgroups_per_seq, max_seq_len, units)]
         else:
-            _integer("partition_size", partition_size, 1)
+            # a u32 push constant; a partition longer than any block-table row splits nothing
+            checks.integer("partition_size", partition_size, 1, MAX_PARTITION_SIZE)
             if partition_size % block_size:
                 raise ValueError(f"partition_size must be a multiple of block_size ({block_size}), got {partition_size}")
             splits = [(partition_size, max(1, -(-max_seq_len // partition_size)))] * 2
@@ -386,6 +379,7 @@ class DecodePlan(Owned):
 
     def _check_lse(self, lse, out) -> None:
         checks.kind("lse", lse)
+        checks.writable("lse", lse)
         checks.dtype("lse", lse, [np.float32])
         if tuple(lse.shape) != (self.num_seqs, self.num_heads):
             raise ValueError(f"lse must have shape [num_seqs, num_heads] = {(self.num_seqs, self.num_heads)}, "
@@ -426,6 +420,7 @@ class DecodePlan(Owned):
             checks.dim("query", query, axis, n, what)
         if out is not None:
             checks.kind("out", out)
+            checks.writable("out", out)
             checks.dtype("out", out, [self.query_dtype])
             if tuple(out.shape) != tuple(query.shape):
                 raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
@@ -578,7 +573,7 @@ class DecodePlan(Owned):
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
             num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs,
-            q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.scale * self.k_scale,
+            q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.logit_scale,
             v_scale=self.v_scale, group_size=self.group_size, partition_size=self.partition_size,
             num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
             q_type=q_type_code(self.query_type.tag), **variant_push)
@@ -675,6 +670,9 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     checks.kind("query", query)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     query_type = storage_type("query", query, QUERY_TYPES)
+    if out is not None:   # before a plan is made for the call (which uploads its tables)
+        checks.kind("out", out)
+        checks.writable("out", out)
     device = device_of(query, key_cache, value_cache, block_tables, seq_lens, out, alibi_slopes, sinks)
     options = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, layout=layout, kv_cache_dtype=kv_cache_dtype,
                    backend=backend, logits_soft_cap=logits_soft_cap, window_left=window_left)

@@ -7,6 +7,7 @@ for any of them: every Vulkan device runs every type.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -76,12 +77,38 @@ def cache_type(name: str, a, kv_cache_dtype: str = "auto", table=CACHE_TYPES) ->
     return stype
 
 
+# The kernels compute in float32: a scale or cap is checked there, not in float64, where 1e39 is finite and 1e-300
+# is not zero. Normal numbers only: GPUs may flush subnormals to zero.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def is_fp8(storage: StorageType) -> bool:
+    """Whether a cache stores fp8, whose k_scale / v_scale the kernels apply; other caches ignore them (vLLM)."""
+    return storage.itemsize == 1
+
+
 def fp8_scale(name: str, value) -> float:
-    """vLLM's k_scale / v_scale: one positive finite float (a 1-element array is taken too)."""
-    v = np.asarray(value, dtype=np.float64) if not isinstance(value, str) else None
-    if v is None or v.size != 1 or not np.isfinite(v).all() or float(v.reshape(())) <= 0:
+    """vLLM's k_scale / v_scale: one positive number (a 1-element array is taken too) that float32 holds as a
+    normal number, as the kernels use it."""
+    v = np.asarray(value, dtype=np.float64) if not isinstance(value, (str, bytes)) and value is not None else None
+    if v is None or v.dtype == object or v.size != 1:
         raise ValueError(f"{name} must be one positive finite number, got {value!r}")
-    return float(v.reshape(()))
+    x = float(v.reshape(()))
+    if not (math.isfinite(x) and FLOAT32_TINY <= x <= FLOAT32_MAX):
+        raise ValueError(f"{name} must be one positive finite number within float32's normal range "
+                         f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the kernels compute in float32), got {value!r}")
+    return x
+
+
+def scaled(name: str, scale: float, factor: float) -> float:
+    """scale * factor as the kernels take it (the softmax scale times k_scale): ValueError naming `name` when the
+    product overflows float32."""
+    product = scale * factor
+    if not abs(product) <= FLOAT32_MAX:
+        raise ValueError(f"{name} ({factor:g}) times the softmax scale ({scale:g}) is {product:g}, more than float32 "
+                         f"holds ({FLOAT32_MAX:.4g}); the kernels multiply the logits by it")
+    return product
 
 
 def device_dtypes(info) -> list:

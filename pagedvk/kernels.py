@@ -10,16 +10,16 @@ GLSL modules only, and asking it for WGSL says how to get them.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 
 from . import abi as abi_mod
+from . import config
 from .errors import ShaderModuleError, UnsupportedFeatureError
 from .runtime.pipeline import Pipeline
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-SPV_DIR = Path(os.environ.get("PAGEDVK_SPV_DIR", PACKAGE_DIR / "spv"))
+SPV_DIR = config.spv_dir(PACKAGE_DIR / "spv")
 SOURCE_SHADER_DIR = PACKAGE_DIR.parent / "shaders"  # present in a source checkout only
 REBUILD_HINT = "rebuild with `python build_shaders.py` (or reinstall with `pip install .`)"
 # What to do when the install has no modules of a backend (the build skips WGSL where it finds no naga).

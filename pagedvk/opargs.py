@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from . import config
 from .array import DeviceArray
+from .dtypes import FLOAT32_MAX
 from .selection import get_device
 
 
@@ -27,6 +30,18 @@ def backend_name(backend: str | None) -> str:
     return config.backend(backend)
 
 
+def check_scale(scale) -> None:
+    """A softmax scale argument: None or a real number float32 holds (the kernels' precision)."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a real number or None, not {type(scale).__name__} ({scale!r})")
+    if not (math.isfinite(float(scale)) and abs(float(scale)) <= FLOAT32_MAX):
+        raise ValueError(f"scale must be finite and representable as float32 (|scale| <= {FLOAT32_MAX:.4g}), "
+                         f"got {scale}")
+
+
 def softmax_scale(scale, head_size: int) -> float:
-    """The softmax scale: `scale`, or 1 / sqrt(head_size) when it is None."""
+    """The softmax scale: `scale` (checked), or 1 / sqrt(head_size) when it is None."""
+    check_scale(scale)
     return 1.0 / math.sqrt(head_size) if scale is None else float(scale)

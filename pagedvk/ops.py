@@ -74,17 +74,21 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
                        blocksparse_vert_stride=0, blocksparse_block_size=64, blocksparse_head_sliding_step=0):
     """vLLM's ``paged_attention_v2``: as v1, with the context split into 512-token partitions merged by a
     second pass. exp_sums and max_logits (float32 [num_seqs, num_heads, max_num_partitions]) and tmp_out
-    (float32 [num_seqs, num_heads, max_num_partitions, head_size]), max_num_partitions = ceil(max_seq_len /
-    512), are vLLM's scratch: their shapes are checked, and numpy ones are filled as vLLM fills them (each
-    partition's sum of exp(logit - max), its max logit and its normalized output)."""
+    ([num_seqs, num_heads, max_num_partitions, head_size], float32 or the output's dtype, as vLLM allocates it),
+    max_num_partitions = ceil(max_seq_len / 512), are vLLM's scratch: their shapes are checked, and numpy ones
+    are filled as vLLM fills them (each partition's sum of exp(logit - max), its max logit and its normalized
+    output)."""
     checks.kind("query", query)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     partitions = max(1, -(-int(max_seq_len) // V2_PARTITION_SIZE))
     stats_shape = tuple(query.shape[:2]) + (partitions,)
-    for name, a, shape in (("exp_sums", exp_sums, stats_shape), ("max_logits", max_logits, stats_shape),
-                           ("tmp_out", tmp_out, stats_shape + (query.shape[2],))):
+    for name, a, shape, dtypes in (("exp_sums", exp_sums, stats_shape, [np.float32]),
+                                   ("max_logits", max_logits, stats_shape, [np.float32]),
+                                   ("tmp_out", tmp_out, stats_shape + (query.shape[2],),
+                                    [np.float32] + ([query.dtype] if query.dtype != np.float32 else []))):
         checks.kind(name, a)
-        checks.dtype(name, a, [np.float32])
+        checks.writable(name, a)
+        checks.dtype(name, a, dtypes)
         if tuple(a.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} (max_num_partitions = ceil(max_seq_len / "
                              f"{V2_PARTITION_SIZE}) = {partitions}), got {tuple(a.shape)}")
@@ -98,7 +102,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
             for a, values in ((max_logits, stats[..., 0]), (exp_sums, stats[..., 1]),
                               (tmp_out, plan.partial_out.numpy())):
                 if isinstance(a, np.ndarray):
-                    a[:, :, :n] = values
+                    a[:, :, :n] = values   # rounded to tmp_out's dtype where it is the output's
         return result
 
 

@@ -26,7 +26,7 @@ from .abi import (DELTA_ROWS_PER_THREAD, PAGED_BACKWARD_DELTA, PAGED_BACKWARD_DK
                   q_type_constant)
 from .array import Array, DeviceArray, asarray, empty
 from .decode import DecodePlan
-from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, storage_type
+from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
 from .errors import UnsupportedFeatureError
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
@@ -191,10 +191,9 @@ class _Problem:
         self.block_tables, self.seq_lens = block_tables, seq_lens
 
         self.scale = softmax_scale(scale, self.head_size)
-        if not math.isfinite(self.scale):
-            raise ValueError(f"scale must be finite, got {scale}")
         k_scale, v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
-        self.k_scale, self.v_scale = k_scale, v_scale
+        # Other caches ignore the scales, as vLLM does (kv_cache_dtype "auto").
+        self.k_scale, self.v_scale = k_scale, v_scale = (k_scale, v_scale) if is_fp8(spec.storage) else (1.0, 1.0)
         self.decode_part = None   # the forward's decode tokens, where the decode kernel takes them (_DecodePart)
         self.causal = bool(causal)
         self.backend = backend_name(backend)
@@ -210,10 +209,9 @@ class _Problem:
         self.push_fields = dict(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=block_tables.shape[1], num_blocks=self.num_blocks,
-            num_seqs=self.num_seqs, causal=int(self.causal), scale=self.scale * k_scale, v_scale=v_scale,
-            group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0,
-            q_type=q_type_code(self.query_type.tag), **strides,
-            **spec.strides())
+            num_seqs=self.num_seqs, causal=int(self.causal), scale=scaled("k_scale", self.scale, k_scale),
+            v_scale=v_scale, group_size=1, partition_size=0, num_partitions=1, softcap=0.0, window=0, variants=0,
+            q_type=q_type_code(self.query_type.tag), **strides, **spec.strides())
         self.query_start_loc_arg = query_start_loc if self.ragged else self.query_start_loc
         # Device buffers a launch allocates for itself and frees with it, name -> (shape, dtype): the backward's
         # delta (PAGED_BACKWARD_DELTA), written by one dispatch and read by the next.
@@ -253,6 +251,8 @@ class _Problem:
 
     def check_like(self, name: str, a, shape: tuple, layout: str, dtype) -> None:
         checks.kind(name, a)
+        if name == "out":
+            checks.writable(name, a)
         checks.ndim(name, a, len(shape), layout)
         checks.dtype(name, a, [dtype])
         if tuple(a.shape) != shape:

@@ -29,7 +29,7 @@ def logits(q, k, scale, query_pos, key_pos, slope=None, logits_soft_cap=None, wi
     key is not visible: scaled, softcapped (c tanh(x / c)), plus ALiBi's slope * (key_pos - query_pos);
     visible: key_pos <= query_pos when causal, and query_pos - key_pos <= window_left when window_left >= 0."""
     x = scale * (q @ k.T)
-    if logits_soft_cap is not None:
+    if logits_soft_cap:   # None or 0: off
         x = logits_soft_cap * np.tanh(x / logits_soft_cap)
     distance = np.asarray(query_pos, np.float64)[:, None] - np.asarray(key_pos, np.float64)[None, :]
     if slope is not None:

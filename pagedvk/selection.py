@@ -36,7 +36,7 @@ def select(spec: str | int | None = None) -> tuple:
         best = min(infos, key=lambda i: (TYPE_PREFERENCE.index(i.type), i.index))
         return best, f"most preferred type ({' > '.join(TYPE_PREFERENCE)})"
     text = str(spec).strip()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():   # '²' is a digit to str.isdigit, and int() refuses it
         index = int(text)
         if index < len(infos):
             return infos[index], f"{source} index {index}"

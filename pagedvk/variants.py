@@ -4,7 +4,8 @@ The arguments are named as FlashInfer's plan arguments name them (``logits_soft_
 vLLM's ops (``alibi_slopes``); ``sinks`` as gpt-oss and vLLM's FlashAttention backend name them:
 
 alibi_slopes     float32 [num_heads]: logit += slope[head] * (key position - query position) (vLLM's ALiBi)
-logits_soft_cap  c > 0: logit = c * tanh(logit / c) of the scaled logit, before ALiBi (Gemma 2's order)
+logits_soft_cap  c > 0: logit = c * tanh(logit / c) of the scaled logit, before ALiBi (Gemma 2's order); 0 or None
+                 is off (FlashInfer's 0); at most MAX_SOFT_CAP (100)
 sinks            float32 [num_heads]: one more logit per head in the softmax denominator that contributes no
                  value (gpt-oss); the log-sum-exp includes it
 window_left      a query at position p sees keys p - window_left .. p only (FlashInfer's window_left; vLLM's
@@ -27,6 +28,7 @@ import numpy as np
 
 from . import checks
 from .abi import VARIANT_ALIBI, VARIANT_LSE, VARIANT_SINKS
+from .dtypes import FLOAT32_TINY
 
 MAX_WINDOW_LEFT = 2**31 - 2   # the window (window_left + 1) travels as a u32 push constant; kept well inside it
 
@@ -44,17 +46,26 @@ def per_head(name: str, a, num_heads: int):
     return a
 
 
+# The kernels' c * tanh(x / c) loses accuracy as c grows: the float32 tanh of a small argument is off by about
+# 3e-8 absolutely, so each logit by c times that (lavapipe, 2026-12-03: relative error 2.7e-6 at c = 100, 2.9e-5 at
+# 1e3, 2.3e-4 at 1e4, and 0.74 from 1e10 on, where x / c is flushed to zero). Models cap at 30 or 50 (Gemma 2).
+MAX_SOFT_CAP = 100.0
+
+
 def soft_cap(value) -> float:
-    """The push constant for logits_soft_cap: 0.0 (off) for None, else the checked cap."""
+    """The push constant for logits_soft_cap: 0.0 (off) for None or 0 (FlashInfer's "off"), else the checked cap."""
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"logits_soft_cap must be a real number or None, not {type(value).__name__} ({value!r})")
-    limit = float(np.finfo(np.float32).max)
-    if not (math.isfinite(float(value)) and 0.0 < float(value) <= limit):
-        raise ValueError(f"logits_soft_cap must be finite and in (0, {limit:.4g}] (None for no softcapping), "
-                         f"got {value}")
-    return float(value)
+    cap = float(value)
+    if cap == 0.0:
+        return 0.0
+    if not (math.isfinite(cap) and FLOAT32_TINY <= cap <= MAX_SOFT_CAP):
+        raise ValueError(f"logits_soft_cap must be 0 or None (no softcapping), or in [{FLOAT32_TINY:.4g}, "
+                         f"{MAX_SOFT_CAP:g}] (float32's normal numbers, and the caps the kernels' tanh keeps to "
+                         f"float32 accuracy), got {value}")
+    return cap
 
 
 def window(window_left) -> int:
@@ -101,6 +112,8 @@ def refuse(op: str, **variants) -> None:
     """ValueError naming the first variant argument that is not off, for ops that support none yet."""
     for name, value in variants.items():
         off = -1 if name == "window_left" else None
+        if name == "logits_soft_cap" and soft_cap(value) == 0.0:   # None or 0: off (FlashInfer's 0)
+            continue
         if not (value is None if off is None else (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
                                                    and value == -1)):
             raise ValueError(f"{op} does not support attention variants: {name} must be {off} (its default), "

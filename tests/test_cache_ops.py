@@ -225,8 +225,8 @@ def test_copy_blocks_segmented(rng, device, monkeypatch):
     (dict(block_mapping=np.array([[1, 2, 3]])), ValueError, r"block_mapping.shape\[1\] \(\(src, dst\)\) must be 2"),
     (dict(value_caches=[]), ValueError, "value_caches must hold one cache per layer"),
     (dict(key_caches="k"), TypeError, "key_caches must be a list"),
-    (dict(key_caches=[np.zeros((10, 4))]), TypeError, r"key_caches\[0\] must be a pagedvk.DeviceArray"),
-    (dict(value_caches=["short"]), TypeError, r"value_caches\[0\] must be a pagedvk.DeviceArray"),
+    (dict(key_caches=[np.zeros((10, 4))[:, ::2]]), ValueError, r"key_caches\[0\] must be C-contiguous"),
+    (dict(value_caches=["short"]), TypeError, r"value_caches\[0\] must be a numpy array or a pagedvk.DeviceArray"),
 ])
 def test_copy_blocks_rejects(rng, device, changes, error, pattern):
     s = spec("nhd", np.float32, num_blocks=10)

@@ -72,3 +72,31 @@ def test_benchmark_shapes_are_parsed_or_refused():
     for bad in ("64x", "64x4096x2", "0x16", "a,b", ""):
         with pytest.raises(ValueError, match="shapes must be comma-separated BATCHxCONTEXT"):
             bench.parse_shapes(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--json", "/nonexistent/x.json"], "argument --json: cannot write '/nonexistent/x.json': the folder "
+                                                  "'/nonexistent' does not exist"),
+    (["bench", "--suite", "--small", "--json", "/nonexistent/x.json"], "argument --json: cannot write"),
+    (["bench", "--suite", "--small", "--plot", "/nonexistent/x.png"], "argument --plot: cannot write"),
+    (["bench", "--json", "/tmp"], "argument --json: '/tmp' is a folder, not a file"),
+    (["bench", "--layers", "100000000"], "argument --layers: 100000000 layers of 8 sequences x 1024 tokens"),
+    (["bench", "--num-seqs", "10000000000"], "argument --num-seqs/--context: 10000000000 sequences x 1024 tokens"),
+    (["bench", "--context", "100000000000"], "argument --num-seqs/--context: 8 sequences x 100000000000 tokens"),
+    (["bench", "--suite", "--shapes", "100000000x100000"], "argument --shapes: 100000000 sequences x 100000 tokens"),
+    (["demo", "--requests", "-1"], "argument --requests: must be an integer of at least 1, got -1"),
+    (["demo", "--block-size", "0"], "argument --block-size: invalid choice: 0"),
+    (["demo", "--seed", "-1"], "argument --seed: must be an integer of at least 0, got -1"),
+    (["demo", "--heads", "3"], "argument --heads: must be a multiple of --kv-heads (2), got 3"),
+    (["demo", "--head-size", "18"], "argument --head-size: must be a multiple of 4 up to 256"),
+    (["demo", "--layers", "0"], "argument --layers: must be an integer of at least 1, got 0"),
+])
+def test_usage_errors_before_any_work(argv, message):
+    # Each of these ran (or allocated) first and then ended in a traceback: the whole sweep lost to an unwritable
+    # --json, a MemoryError for huge shapes; the demo took -1 requests, said "low >= high" for --block-size 0 and
+    # gave numpy's message for --seed -1. Each is a usage error naming the option now, exit code 2, before any
+    # work (the sweep would take minutes: these return at once).
+    result = pagedvk_cli(*argv)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in " ".join(result.stderr.split()) and "Traceback" not in result.stderr, result.stderr
+    assert "read bandwidth" not in result.stderr + result.stdout

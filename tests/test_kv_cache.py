@@ -67,5 +67,5 @@ def test_kv_cache_rejects_bad_arguments():
         pagedvk.KVCache(1, 2, 32, num_blocks=4, dtype=np.int8)
     with pytest.raises(ValueError, match="block_size must be one of 8, 16, 32, got 4"):
         pagedvk.KVCache(1, 2, 32, block_size=4, num_blocks=4)
-    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, inf\], got 0"):
         pagedvk.KVCache(0, 2, 32, num_blocks=4)

@@ -163,8 +163,10 @@ class CommandBuffer(Owned):
     def submit(self, wait: bool = True, timeout: int | None = None) -> None:
         """Submit; with wait, wait for it at most `timeout` ns (default PAGEDVK_TIMEOUT)."""
         dev = self.device
-        # A bad PAGEDVK_TIMEOUT is refused before anything is submitted.
+        # A bad PAGEDVK_TIMEOUT or PAGEDVK_SPIN_US is refused before anything is submitted: raised by the wait,
+        # it left the work running untracked, and freeing its command buffer segfaulted.
         timeout = timeout_ns() if timeout is None else timeout
+        spin = spin_ns(dev.info.type == "cpu")
         with dev.lock:
             self._require_idle()
             if dev._in_flight or dev._deferred:
@@ -174,7 +176,7 @@ class CommandBuffer(Owned):
                 raise_vk(vk_error(result), "vkQueueSubmit", device=dev)
             self.pending = True
             if wait:
-                self.wait(timeout)
+                self.wait(timeout, spin)
         dev.check()
 
     def _spin(self, ns: int) -> None:
@@ -187,15 +189,20 @@ class CommandBuffer(Owned):
         while get_fence_status(handle, fence) == vk.VK_NOT_READY and time.perf_counter_ns() < deadline:
             pass
 
-    def wait(self, timeout: int | None = None) -> None:
+    def wait(self, timeout: int | None = None, spin: int | None = None) -> None:
         """Wait for the last submission, at most PAGEDVK_TIMEOUT seconds; GPUTimeoutError past that (the
         submission then stays pending: nothing it uses is freed or reused until it has finished)."""
         dev = self.device
         with dev.lock:
             if not self.pending:
                 return
-            timeout = timeout_ns() if timeout is None else timeout
-            self._spin(min(spin_ns(dev.info.type == "cpu"), timeout))
+            try:
+                timeout = timeout_ns() if timeout is None else timeout
+                spin = spin_ns(dev.info.type == "cpu") if spin is None else spin
+            except ValueError:
+                self._keep_in_flight()   # a variable gone bad: the work is still tracked, freed only once done
+                raise
+            self._spin(min(spin, timeout))
             result = wait_for_fences(dev.handle, 1, self._fences, vk.VK_TRUE, timeout)
             if result == vk.VK_TIMEOUT:
                 self._keep_in_flight()

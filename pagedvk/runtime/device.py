@@ -9,11 +9,12 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from contextlib import contextmanager
 
 import vulkan as vk
 
-from ..config import timeout_ns
-from ..errors import ClosedError, DeviceLostError, GPUTimeoutError, VulkanError
+from ..config import DEFAULT_TIMEOUT_S, compile_timeout_ns, timeout_ns
+from ..errors import ClosedError, DeviceLostError, GPUTimeoutError, PagedVKError, VulkanError
 from .commands import DeviceCommands
 from .instance import (BFLOAT16_EXTENSION, COOPERATIVE_MATRIX_EXTENSION, Bfloat16Features, DeviceInfo, get_instance,
                        layer_knows_bfloat16, layer_knows_cooperative_matrix, query_features, register_closer)
@@ -38,10 +39,15 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         self.serial = next(_serials)
         self.instance = get_instance()
         self.lock = threading.RLock()
-        self._live = {}  # key -> weakref.finalize that destroys one object made on this device
+        # Threads creating objects outside the lock (creating()); close() waits for them to finish.
+        self._creators, self._closing = 0, False
+        self._idle = threading.Condition(self.lock)
+        self._live = {}  # key -> (weakref.finalize, destroy) of one object made on this device
         self._keys = itertools.count()
         self._in_flight = []   # fences of timed-out submissions that may still be running
         self._deferred = []    # destroy() calls waiting for those submissions to finish
+        self._reserved = {}    # heap -> bytes its live buffers hold (DeviceMemory.reserve)
+        self.abandoned = False  # closed with work still running: its objects were left, not destroyed
         self.lost = None       # the message of the VK_ERROR_DEVICE_LOST that ended this device, if one did
         self.handle = None
         pd = info.handle
@@ -138,6 +144,22 @@ class Device(DeviceMemory, DeviceCommands, Owned):
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
+    @contextmanager
+    def creating(self):
+        """Make Vulkan objects on this device without holding its lock (a pipeline may compile for seconds):
+        ClosedError if it is closed, and close() waits until the block is left, so nothing is made on a
+        device being destroyed (that aborted the process in the driver)."""
+        with self.lock:
+            self.require_open()
+            self._creators += 1
+        try:
+            yield self.handle
+        finally:
+            with self.lock:
+                self._creators -= 1
+                if not self._creators:
+                    self._idle.notify_all()
+
     def own(self, obj, destroy) -> weakref.finalize:
         """Tie destroy() (which must not refer to obj) to obj: it runs once, at the first of the returned
         finalizer being called (obj.close()), obj being garbage collected, or this device closing."""
@@ -145,15 +167,14 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         finalizer = weakref.finalize(obj, self._release, key, destroy)
         finalizer.atexit = False  # the device's own close at exit runs it, before the device goes
         with self.lock:
-            self._live[key] = finalizer
+            self._live[key] = (finalizer, destroy)
         return finalizer
 
     def _release(self, key, destroy) -> None:
         with self.lock:
             count_close()   # first: a launch binding this buffer checks its bindings again (Launch.submit)
-            self._live.pop(key, None)
-            if self.handle is None:
-                return
+            if self._live.pop(key, None) is None or self.handle is None:
+                return   # close() destroyed it already
             if self._in_flight and not self._settle(wait=False):
                 self._deferred.append(destroy)   # a timed-out submission may still use it
             else:
@@ -204,7 +225,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         return f"Device({self.name!r}, index={self.info.index}, serial={self.serial}{state})"
 
     def require_open(self) -> None:
-        if self.handle is None:
+        if self.handle is None or self._closing:
             raise ClosedError(f"device {self.info.name} is closed")
         if self.lost is not None:
             raise DeviceLostError(f"device {self.info.name} was lost earlier: {self.lost}")
@@ -222,22 +243,70 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             return len(self._live) + len(self._deferred)
 
     def close(self) -> None:
-        """Destroy everything made on this device. Safe to call twice."""
+        """Destroy everything made on this device. Safe to call twice. Objects still being made in other
+        threads are waited for; timed-out submissions are waited for up to PAGEDVK_TIMEOUT, never without a
+        limit: if they still run, nothing is destroyed under them (the objects are left to the process's
+        end) and GPUTimeoutError says so, the device being closed all the same."""
         with self.lock:
+            self._idle.wait_for(lambda: not self._closing)   # another thread's close() finishes first
             if self.handle is None:
                 return
+            self._closing = True
             try:
-                vk.vkDeviceWaitIdle(self.handle)   # timed-out submissions too: nothing is destroyed under them
-            except vk.VkError:
-                pass   # a lost device runs nothing: destroying its objects is allowed
-            self._in_flight.clear()
-            self._run_deferred()
-            for finalizer in list(self._live.values()):
-                finalizer()
-            for pool in self._descriptor_pools:
-                vk.vkDestroyDescriptorPool(self.handle, pool, None)
-            self._descriptor_pools.clear()
-            vk.vkDestroyPipelineCache(self.handle, self.pipeline_cache, None)
-            vk.vkDestroyCommandPool(self.handle, self.command_pool, None)
-            vk.vkDestroyDevice(self.handle, None)
-            self.handle = None
+                if not self._idle.wait_for(lambda: not self._creators, timeout=_seconds(compile_timeout_ns)):
+                    raise PagedVKError(f"{self.info.name}: objects were still being made after "
+                                       "PAGEDVK_COMPILE_TIMEOUT; the device stays open")
+                self._destroy()
+            finally:
+                self._closing = False
+                self._idle.notify_all()
+
+    def _destroy(self) -> None:
+        """close()'s work, under the lock with no object being made."""
+        running = self._wait_in_flight()
+        handle, self.handle = self.handle, None
+        live, self._live = self._live, {}
+        for finalizer, _ in live.values():
+            finalizer.detach()   # closed now: `closed` is true, and nothing runs it again
+        if running:
+            self.abandoned = True   # the instance must outlive it too (instance._shutdown)
+            raise GPUTimeoutError(f"{self.info.name}: work whose wait timed out still runs after another "
+                                  f"PAGEDVK_TIMEOUT={_seconds(timeout_ns):g} s; the device is closed and its "
+                                  "objects are left to the end of the process, not destroyed under it")
+        # Destroyed here, not through the finalizers: at interpreter exit Python's weakref.finalize hook may
+        # have run first, after which calling a finalizer does nothing (VUID-vkDestroyDevice-device-00378).
+        self._run_deferred()
+        for _, destroy in live.values():
+            destroy()
+        for pool in self._descriptor_pools:
+            vk.vkDestroyDescriptorPool(handle, pool, None)
+        self._descriptor_pools.clear()
+        vk.vkDestroyPipelineCache(handle, self.pipeline_cache, None)
+        vk.vkDestroyCommandPool(handle, self.command_pool, None)
+        vk.vkDestroyDevice(handle, None)
+
+    def _wait_in_flight(self) -> bool:
+        """Wait up to PAGEDVK_TIMEOUT for the submissions whose wait timed out (every other submission finished
+        under the lock close() holds). Whether some still run. Never vkDeviceWaitIdle: it has no limit."""
+        if not self._in_flight:
+            return False
+        try:
+            vk.vkWaitForFences(self.handle, len(self._in_flight), self._in_flight, vk.VK_TRUE, _ns(timeout_ns))
+        except vk.VkTimeout:
+            return True
+        except vk.VkError:
+            pass   # a lost device runs nothing: destroying its objects is allowed
+        self._in_flight.clear()
+        return False
+
+
+def _ns(setting) -> int:
+    """A PAGEDVK_* wait in ns; its default where the variable went bad after start-up (close must not fail on it)."""
+    try:
+        return setting()
+    except ValueError:
+        return int(DEFAULT_TIMEOUT_S * 1e9)
+
+
+def _seconds(setting) -> float:
+    return _ns(setting) / 1e9

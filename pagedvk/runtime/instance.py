@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import atexit
-
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -11,7 +11,7 @@ import vulkan as vk
 
 from .. import config
 
-from ..errors import PagedVKError, ValidationError, VulkanError
+from ..errors import ClosedError, PagedVKError, ValidationError, VulkanError
 
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 # The first Vulkan header that knows VK_KHR_cooperative_matrix (1.3.255). A validation layer built from an older
@@ -345,11 +345,14 @@ def query_features(pd, f11=None, f12=None, chain=None):
 _instance: Instance | None = None
 _instance_lock = threading.Lock()
 _closers = []  # devices register here so they go before the instance at exit
+_shut_down = False
 
 
 def get_instance() -> Instance:
     global _instance
     with _instance_lock:
+        if _shut_down:   # daemon threads still calling in after the exit hook: nothing new is made
+            raise ClosedError("pagedvk has shut down (the interpreter is exiting)")
         if _instance is None:
             config.check_all()   # every PAGEDVK_* variable, before anything is made
             _instance = Instance(validation=config.validation())
@@ -362,10 +365,18 @@ def register_closer(close) -> None:
 
 @atexit.register
 def _shutdown() -> None:
-    global _instance
+    """Close every device, then the instance. A device left open because its work still runs (close raised
+    GPUTimeoutError) keeps the instance too: destroying it first would be invalid."""
+    global _instance, _shut_down
+    with _instance_lock:
+        _shut_down = True
     for close in reversed(_closers):
-        close()
+        try:
+            close()
+        except Exception as e:   # noqa: BLE001 - the other devices still close; say why this one did not
+            print(f"pagedvk: at exit: {e}", file=sys.stderr)
+    abandoned = any(getattr(close.__self__, "abandoned", False) for close in _closers)
     _closers.clear()
-    if _instance is not None:
+    if _instance is not None and not abandoned:
         _instance.close()
         _instance = None

@@ -4,7 +4,9 @@ the pagedvk error for a failed Vulkan call."""
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,39 +85,48 @@ class Buffer(Owned):
         addressable = device.buffer_device_address and not host_visible
         if addressable:   # kernels may reach it through its address (caches larger than one binding)
             usage |= BUFFER_USAGE_SHADER_DEVICE_ADDRESS
-        d = device.handle
-        try:
-            self.handle = vk.vkCreateBuffer(d, vk.VkBufferCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=self.size, usage=usage,
-                sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
-            req = vk.vkGetBufferMemoryRequirements(d, self.handle)
-            type_index, mappable = device.memory_type(req.memoryTypeBits, host_visible)
-            heap = device.memory_properties.memoryTypes[type_index].heapIndex
-            if req.size > device.memory_properties.memoryHeaps[heap].size:
-                # Asking Vulkan for more than the heap is invalid usage (VUID-vkAllocateMemory-pAllocateInfo-01713),
-                # not an error code: refuse it here as the out-of-memory it is.
-                vk.vkDestroyBuffer(d, self.handle, None)
-                self.handle = None
-                budget = device.memory_budget(heap)
-                raise OutOfMemoryError(f"allocating a buffer: {gib(nbytes)} ({nbytes} bytes) is more than the "
-                                       f"whole memory heap; {budget}", nbytes, budget)
-            chain = None
-            if DEDICATED_MIN_BYTES is not None and self.size >= DEDICATED_MIN_BYTES:
-                chain = vk.VkMemoryDedicatedAllocateInfo(
-                    sType=vk.VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO, buffer=self.handle)
-            if addressable:
-                chain = vk.VkMemoryAllocateFlagsInfo(sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO,
-                                                     flags=MEMORY_ALLOCATE_DEVICE_ADDRESS, pNext=chain or vk.ffi.NULL)
-            self.memory = vk.vkAllocateMemory(d, vk.VkMemoryAllocateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=chain or vk.ffi.NULL,
-                allocationSize=req.size, memoryTypeIndex=type_index), None)
-            vk.vkBindBufferMemory(d, self.handle, self.memory, 0)
-            if mappable:
-                self.mapped = vk.vkMapMemory(d, self.memory, 0, self.size, 0)
-        except vk.VkError as e:
-            _free_buffer(d, self.handle, self.memory)
-            raise_vk(e, "allocating a buffer", nbytes, _budget_or_none(device, host_visible), device)
-        self._finalizer = device.own(self, functools.partial(_free_buffer, d, self.handle, self.memory))
+        # Made while no close() of the device can run (Device.creating): made on a device being destroyed, the
+        # buffer aborted the process in vkCreateBuffer, vkAllocateMemory, vkBindBufferMemory or vkMapMemory.
+        with device.creating() as d:
+            heap = device.heap_of(host_visible)
+            device.reserve(heap, self.size, nbytes)   # OutOfMemoryError before anything is made
+            try:
+                self.handle = vk.vkCreateBuffer(d, vk.VkBufferCreateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=self.size, usage=usage,
+                    sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
+                req = vk.vkGetBufferMemoryRequirements(d, self.handle)
+                type_index, mappable = device.memory_type(req.memoryTypeBits, host_visible)
+                type_heap = device.memory_properties.memoryTypes[type_index].heapIndex
+                if req.size > device.memory_properties.memoryHeaps[type_heap].size:
+                    # Asking Vulkan for more than the heap is invalid usage
+                    # (VUID-vkAllocateMemory-pAllocateInfo-01713), not an error code: refuse it as out-of-memory.
+                    vk.vkDestroyBuffer(d, self.handle, None)
+                    self.handle = None
+                    budget = device.memory_budget(type_heap)
+                    raise OutOfMemoryError(f"allocating a buffer: {gib(nbytes)} ({nbytes} bytes) is more than the "
+                                           f"whole memory heap; {budget}", nbytes, budget)
+                chain = None
+                if DEDICATED_MIN_BYTES is not None and self.size >= DEDICATED_MIN_BYTES:
+                    chain = vk.VkMemoryDedicatedAllocateInfo(
+                        sType=vk.VK_STRUCTURE_TYPE_MEMORY_DEDICATED_ALLOCATE_INFO, buffer=self.handle)
+                if addressable:
+                    chain = vk.VkMemoryAllocateFlagsInfo(
+                        sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO, flags=MEMORY_ALLOCATE_DEVICE_ADDRESS,
+                        pNext=chain or vk.ffi.NULL)
+                self.memory = vk.vkAllocateMemory(d, vk.VkMemoryAllocateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, pNext=chain or vk.ffi.NULL,
+                    allocationSize=req.size, memoryTypeIndex=type_index), None)
+                vk.vkBindBufferMemory(d, self.handle, self.memory, 0)
+                if mappable:
+                    self.mapped = vk.vkMapMemory(d, self.memory, 0, self.size, 0)
+            except BaseException as e:
+                _free_buffer(d, self.handle, self.memory)
+                device.unreserve(heap, self.size)
+                if isinstance(e, vk.VkError):
+                    raise_vk(e, "allocating a buffer", nbytes, _budget_or_none(device, host_visible), device)
+                raise
+            self._finalizer = device.own(self, functools.partial(_free_reserved, device, heap, self.size, d,
+                                                                 self.handle, self.memory))
 
     def device_address(self) -> int:
         """The buffer's address, for kernels that read through buffer references (Vulkan 1.2)."""
@@ -173,6 +184,17 @@ def _budget_or_none(device, host_visible: bool) -> HeapBudget | None:
         return None
 
 
+def host_memory() -> int:
+    """The host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _free_reserved(device, heap: int, size: int, d, handle, memory) -> None:
+    """A buffer's destroy (run under the device lock): free it and give its bytes back to the heap's count."""
+    _free_buffer(d, handle, memory)
+    device.unreserve(heap, size)
+
+
 def _free_buffer(d, handle, memory) -> None:
     # Freeing mapped memory unmaps it.
     if handle is not None:
@@ -183,8 +205,10 @@ def _free_buffer(d, handle, memory) -> None:
 
 def record_copies(cmd, copies) -> None:
     """Record buffer-to-buffer copies: copies is [(src, dst, [(src_offset, dst_offset, nbytes), ...])], one
-    vkCmdCopyBuffer each; offsets count from each buffer's own start (a BufferRange's offset is added)."""
+    vkCmdCopyBuffer each; offsets count from each buffer's own start (a BufferRange's offset is added). Regions
+    of 0 bytes are left out."""
     for src, dst, regions in copies:
+        regions = [r for r in regions if r[2]]   # a copy of 0 bytes is invalid (VUID-VkBufferCopy-size-01988)
         if regions:
             vk.vkCmdCopyBuffer(cmd, src.handle, dst.handle, len(regions), [
                 vk.VkBufferCopy(srcOffset=src.offset + s, dstOffset=dst.offset + d, size=n) for s, d, n in regions])
@@ -212,6 +236,48 @@ class DeviceMemory:
         vk.vkGetPhysicalDeviceMemoryProperties2(self.info.handle, vk.VkPhysicalDeviceMemoryProperties2(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2, pNext=budget))
         return HeapBudget(heap, size, budget.heapBudget[heap], budget.heapUsage[heap], MEMORY_BUDGET_EXTENSION)
+
+    def room(self, heap: int) -> tuple:
+        """(bytes the heap can still give, its HeapBudget): the driver's budget less its usage with
+        VK_EXT_memory_budget, else the heap's size less what this device's buffers hold (reserve()). A CPU
+        device's heap is the host's memory: lavapipe reports 2 GiB whatever the host has, and runs caches past
+        it, so there the host's physical memory counts where it is larger."""
+        budget = self.memory_budget(heap)
+        if budget.usage is not None:
+            return budget.budget - budget.usage, budget
+        size = max(budget.size, host_memory()) if self.info.type == "cpu" else budget.size
+        return size - self._reserved.get(heap, 0), budget
+
+    def require_room(self, nbytes: int, heap: int | None = None, what: str = "allocating a buffer") -> None:
+        """OutOfMemoryError unless the heap (default: device arrays') can still give nbytes. Memory held by
+        objects that are garbage but not yet collected counts as free: a collection runs before refusing."""
+        heap = self.heap_of() if heap is None else heap
+        free, budget = self.room(heap)
+        if nbytes > free:
+            gc.collect()
+            free, budget = self.room(heap)
+        if nbytes > free:
+            held = ("" if budget.usage is not None
+                    else f"; this device's buffers hold {self._reserved.get(heap, 0)} bytes")
+            if budget.usage is None and self.info.type == "cpu":
+                held += f" of the heap or the host's {host_memory()} bytes of memory, whichever is larger"
+            raise OutOfMemoryError(f"{what}: out of device memory: {gib(nbytes)} ({nbytes} bytes) is more than heap "
+                                   f"{heap} can still give, {gib(max(free, 0))} ({max(free, 0)} bytes){held}; {budget}",
+                                   nbytes, budget)
+
+    def reserve(self, heap: int, size: int, nbytes: int) -> None:
+        """Count `size` bytes against the heap, or raise OutOfMemoryError (naming nbytes, the size asked for)
+        when it cannot give them: lavapipe and others accept allocations past their heap (forty 1 GiB arrays
+        on a 2 GiB heap), which then fail, or take the host down, when used."""
+        with self.lock:
+            free, _ = self.room(heap)
+            if size > free:
+                self.require_room(size, heap)
+            self._reserved[heap] = self._reserved.get(heap, 0) + size
+
+    def unreserve(self, heap: int, size: int) -> None:
+        with self.lock:
+            self._reserved[heap] -= size
 
     def memory_type(self, type_bits: int, host_visible: bool) -> tuple:
         """(memory type index, whether to map it) for a buffer; device-local unless host_visible."""

@@ -44,31 +44,31 @@ class Pipeline(Owned):
         self.specialization = dict(specialization or {})
         self.bindings = abi.bindings if bindings is None else bindings   # the module's, in binding order
         self.handle = self.layout = self.set_layout = self.module = None
-        d = device.handle
-        try:
-            bindings = [vk.VkDescriptorSetLayoutBinding(
-                binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, descriptorCount=1,
-                stageFlags=STAGE) for i in range(len(self.bindings))]
-            self.set_layout = vk.vkCreateDescriptorSetLayout(d, vk.VkDescriptorSetLayoutCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=len(bindings),
-                pBindings=bindings), None)
-            ranges = [vk.VkPushConstantRange(stageFlags=STAGE, offset=0, size=abi.push_size)] if abi.push else []
-            self.layout = vk.vkCreatePipelineLayout(d, vk.VkPipelineLayoutCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1,
-                pSetLayouts=[self.set_layout], pushConstantRangeCount=len(ranges),
-                pPushConstantRanges=ranges or None), None)
-            self.module = vk.vkCreateShaderModule(d, vk.VkShaderModuleCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(spirv), pCode=spirv), None)
-            stage = vk.VkPipelineShaderStageCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, stage=STAGE, module=self.module,
-                pName="main", pSpecializationInfo=specialization_info(self.specialization))
-            self.handle = vk.vkCreateComputePipelines(d, device.pipeline_cache, 1, [vk.VkComputePipelineCreateInfo(
-                sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=self.layout)], None)[0]
-        except vk.VkError as e:
-            _destroy_pipeline(d, self.handle, self.module, self.layout, self.set_layout)
-            raise_vk(e, f"creating the pipeline of {name}")
-        self._finalizer = device.own(self, functools.partial(
-            _destroy_pipeline, d, self.handle, self.module, self.layout, self.set_layout))
+        with device.creating() as d:   # no close() of the device meanwhile (Device.creating)
+            try:
+                bindings = [vk.VkDescriptorSetLayoutBinding(
+                    binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, descriptorCount=1,
+                    stageFlags=STAGE) for i in range(len(self.bindings))]
+                self.set_layout = vk.vkCreateDescriptorSetLayout(d, vk.VkDescriptorSetLayoutCreateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=len(bindings),
+                    pBindings=bindings), None)
+                ranges = [vk.VkPushConstantRange(stageFlags=STAGE, offset=0, size=abi.push_size)] if abi.push else []
+                self.layout = vk.vkCreatePipelineLayout(d, vk.VkPipelineLayoutCreateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, setLayoutCount=1,
+                    pSetLayouts=[self.set_layout], pushConstantRangeCount=len(ranges),
+                    pPushConstantRanges=ranges or None), None)
+                self.module = vk.vkCreateShaderModule(d, vk.VkShaderModuleCreateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(spirv), pCode=spirv), None)
+                stage = vk.VkPipelineShaderStageCreateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, stage=STAGE, module=self.module,
+                    pName="main", pSpecializationInfo=specialization_info(self.specialization))
+                self.handle = vk.vkCreateComputePipelines(d, device.pipeline_cache, 1, [vk.VkComputePipelineCreateInfo(
+                    sType=vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO, stage=stage, layout=self.layout)], None)[0]
+            except vk.VkError as e:
+                _destroy_pipeline(d, self.handle, self.module, self.layout, self.set_layout)
+                raise_vk(e, f"creating the pipeline of {name}")
+            self._finalizer = device.own(self, functools.partial(
+                _destroy_pipeline, d, self.handle, self.module, self.layout, self.set_layout))
         device.check()
         self._compile_now()
 
@@ -144,14 +144,16 @@ class DescriptorSet(Owned):
                                  f"got offset {b.offset}")
         self.device = device
         self._buffers = tuple(weakref.ref(b) for b in buffers)
-        self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
         infos = [vk.VkDescriptorBufferInfo(buffer=b.handle, offset=b.offset, range=b.size) for b in buffers]
-        writes = [vk.VkWriteDescriptorSet(
-            sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=self.handle, dstBinding=i, descriptorCount=1,
-            descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[info]) for i, info in enumerate(infos)]
-        vk.vkUpdateDescriptorSets(device.handle, len(writes), writes, 0, None)
-        self._finalizer = device.own(self, functools.partial(
-            vk.vkFreeDescriptorSets, device.handle, self.pool, 1, [self.handle]))
+        with device.lock:   # the pool, and no close() between the allocation and the write
+            self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
+            writes = [vk.VkWriteDescriptorSet(
+                sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=self.handle, dstBinding=i, descriptorCount=1,
+                descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[info])
+                for i, info in enumerate(infos)]
+            vk.vkUpdateDescriptorSets(device.handle, len(writes), writes, 0, None)
+            self._finalizer = device.own(self, functools.partial(
+                vk.vkFreeDescriptorSets, device.handle, self.pool, 1, [self.handle]))
 
     @property
     def buffers(self) -> tuple:
