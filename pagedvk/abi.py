@@ -30,7 +30,8 @@ from pathlib import Path
 
 BACKENDS = ("glsl", "wgsl")
 SOURCE_SUFFIX = {"glsl": ".comp", "wgsl": ".wgsl"}
-# Files that GLSL sources may #include; a change to any of them makes every GLSL module stale.
+# Files that GLSL sources may #include: what a module was built from where its manifest entry lists no includes
+# (build_shaders.py records the ones glslang reports, so an edit rebuilds only the modules that include the file).
 GLSL_INCLUDE_SUFFIX = ".glsl"
 
 # Element storage of caches (tags name modules, defines and WGSL includes). Every type is read through

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 import pagedvk
 
@@ -22,6 +23,12 @@ pagedvk.array.POISON_EMPTY = True
 # the rest of each matrix (every head size, block size, group width...) is marked `full` and runs with
 # `pytest -m "full or not full"` (pyproject.toml deselects it by default). Which value goes where is said where
 # the test is parametrized.
+
+# Property tests draw fewer examples in the default tier: `--hypothesis-profile=full` draws the exhaustive tier's.
+settings.register_profile("default-tier", max_examples=12, deadline=None)
+settings.register_profile("full", max_examples=40, deadline=None)
+settings.load_profile("default-tier")   # the plugin loads --hypothesis-profile's after this, where it is given
+
 
 def tiered(values, default):
     """parametrize's argvalues: `values`, those not in `default` marked `full` (the exhaustive tier)."""

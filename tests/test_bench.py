@@ -32,6 +32,9 @@ def load_benchmark(name: str):
     return module
 
 
+# The full tier: the sweep runs every cache type on both backends in a subprocess (a minute on lavapipe with a cold
+# shader cache, a tenth of the default tier's budget); the default tier's bench tests cover its options.
+@pytest.mark.full
 def test_suite_small_writes_its_record(tmp_path):
     path, png = tmp_path / "suite.json", tmp_path / "suite.png"
     result = run_python(SUITE, argv=["bench", "--suite", "--small", "--iters", "2", "--repeats", "1", "--layers",

@@ -60,11 +60,13 @@ GROUPS = {"g1": (8, 8), "g4": (8, 2), "g8": (16, 2), "g6": (12, 2)}
 DTYPE_NAMES = {np.dtype(d).name: d for d in CACHE_DTYPES}
 
 
-# Default tier: every cache type in both layouts on both kernels, the group width turning with the type.
-@pytest.mark.parametrize("dtype,layout,group", tiered(
-    [(d, layout, g) for d in DTYPE_NAMES for layout in ("vllm", "nhd") for g in GROUPS],
-    default=[(d, layout, list(GROUPS)[(i + j) % 4]) for i, d in enumerate(DTYPE_NAMES)
-             for j, layout in enumerate(("vllm", "nhd"))]))
+# Default tier: every cache type in both layouts on the GPU kernel, the group width turning; on the CPU kernel every
+# type once in groups of 4 (tests/test_dtypes.py runs it in both layouts, as lavapipe's default kernel).
+@pytest.mark.parametrize("kernel,dtype,layout,group", tiered(
+    [(k, d, layout, g) for k in ("cpu", "gpu") for d in DTYPE_NAMES for layout in ("vllm", "nhd") for g in GROUPS],
+    default=[("gpu", d, layout, list(GROUPS)[(i + j) % 4]) for i, d in enumerate(DTYPE_NAMES)
+             for j, layout in enumerate(("vllm", "nhd"))]
+    + [("cpu", d, ("vllm", "nhd")[i % 2], "g4") for i, d in enumerate(DTYPE_NAMES)]))
 def test_every_dtype_layout_and_group(rng, kernel, dtype, layout, group):
     (num_heads, num_kv_heads), dtype = GROUPS[group], DTYPE_NAMES[dtype]
     one_dtype_layout_and_group(rng, kernel, dtype, layout, num_heads, num_kv_heads)
