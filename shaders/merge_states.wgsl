@@ -3,6 +3,7 @@
 // out_a, out_b and out are of the type pc.q_type names, bound as 32-bit words (q_any.wgsl).
 
 //!include q_storage.wgsl
+//!include q_output.wgsl
 //!include attention_common.wgsl
 
 @group(0) @binding(0) var<storage, read> out_a: array<u32>;            // [rows, head_size]
@@ -38,14 +39,6 @@ fn out_b_quad(i: u32) -> vec4<f32> {
     return q_quad_of(x);
 }
 
-fn out_store(p: u32, v: vec2<f32>) {
-    let n = q_pair_words();
-    let x = q_pair_of(v);
-    out[n * p] = x.x;
-    if (n == 2u) {
-        out[n * p + 1u] = x.y;
-    }
-}
 
 @compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,

@@ -7,6 +7,7 @@
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
+//!include q_rows.wgsl
 //!include attention_common.wgsl
 //!include kv_access.wgsl
 //!include cache_elements.wgsl
@@ -39,29 +40,6 @@ const ABSENT_BITS: u32 = 0x7f800000u;   // s_rows' lse of a row past the sequenc
 
 var<workgroup> s_mem: array<vec4<f32>, S_MEM>;
 var<workgroup> s_rows: array<vec2<f32>, MAX_ROWS>;   // (lse, D) of the step's rows
-
-// Query (phase 0) or dout (phase 1) quad i (q_any.wgsl).
-fn row_quad(phase: u32, i: u32) -> vec4<f32> {
-    let n = q_quad_words();
-    let w = n * i;
-    var x = vec4<u32>(0u);
-    if (phase == 0u) {
-        x.x = query[w];
-        x.y = query[w + 1u];
-        if (n == 4u) {
-            x.z = query[w + 2u];
-            x.w = query[w + 3u];
-        }
-    } else {
-        x.x = dout[w];
-        x.y = dout[w + 1u];
-        if (n == 4u) {
-            x.z = dout[w + 2u];
-            x.w = dout[w + 3u];
-        }
-    }
-    return q_quad_of(x);
-}
 
 // Key (phase 0) or value (phase 1) quad c of token t of block b.
 fn key_quad(phase: u32, b: u32, h: u32, t: u32, c: u32) -> vec4<f32> {

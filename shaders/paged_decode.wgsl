@@ -15,6 +15,7 @@
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
+//!include q_output.wgsl
 //!include attention_common.wgsl
 //!include attention_variants.wgsl
 //!include kv_chunk_access.wgsl
@@ -70,26 +71,12 @@ fn tile_blocks(base: u32, end: u32, bs_log2: u32) -> u32 {
     return (min(TILE, end - base) + (1u << bs_log2) - 1u) >> bs_log2;
 }
 
-// Query quad i, out's whole pairs and its pair p stored (decode_output.wgsl), as q_any.wgsl lays them out. The
-// queries are read as pairs of words (8-byte loads, as the GLSL kernel's): one a 16-bit quad, two a float32 one.
+// Query quad i, as q_any.wgsl lays them out (out's pairs: q_output.wgsl). The queries are read as pairs of words (8-byte loads, as the GLSL kernel's): one a 16-bit quad, two a float32 one.
 fn query_quad(i: u32) -> vec4<f32> {
     if (q_half()) {
         return q_quad_of(vec4<u32>(query[i], 0u, 0u));
     }
     return q_quad_of(vec4<u32>(query[2u * i], query[2u * i + 1u]));
-}
-
-fn out_pairs() -> u32 {
-    return q_pairs(arrayLength(&out));
-}
-
-fn out_store(p: u32, v: vec2<f32>) {
-    let n = q_pair_words();
-    let x = q_pair_of(v);
-    out[n * p] = x.x;
-    if (n == 2u) {
-        out[n * p + 1u] = x.y;
-    }
 }
 
 // A block-table entry, -1 where it is not a block of the caches.

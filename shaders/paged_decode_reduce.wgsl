@@ -4,6 +4,7 @@
 // out is of the type pc.q_type names, bound as 32-bit words (q_any.wgsl).
 
 //!include q_storage.wgsl
+//!include q_output.wgsl
 //!include attention_common.wgsl
 
 @group(0) @binding(0) var<storage, read> seq_lens: array<i32>;                 // [seqs]
@@ -20,15 +21,6 @@ const UNROLL: u32 = 16u;    // partitions a thread loads before it uses any
 var<workgroup> s_ml: array<vec2<f32>, WG>;     // each thread's (max, sum)
 var<workgroup> s_acc: array<vec2<f32>, WG>;    // and its weighted sum of outputs, scaled to its max
 
-// Output pair p (q_any.wgsl).
-fn out_store(p: u32, v: vec2<f32>) {
-    let n = q_pair_words();
-    let x = q_pair_of(v);
-    out[n * p] = x.x;
-    if (n == 2u) {
-        out[n * p + 1u] = x.y;
-    }
-}
 
 @compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,

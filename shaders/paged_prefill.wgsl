@@ -31,6 +31,7 @@
 
 //!include kv_storage.wgsl
 //!include q_storage.wgsl
+//!include q_output.wgsl
 //!include attention_common.wgsl
 //!include attention_variants.wgsl
 //!include kv_access.wgsl
@@ -304,15 +305,6 @@ fn write_quad(q: u32, col: u32, hq: u32, v: vec4<f32>) {
     }
 }
 
-// Output pair p (q_any.wgsl).
-fn out_store(p: u32, v: vec2<f32>) {
-    let n = q_pair_words();
-    let x = q_pair_of(v);
-    out[n * p] = x.x;
-    if (n == 2u) {
-        out[n * p + 1u] = x.y;
-    }
-}
 
 @compute @workgroup_size(128, 1, 1)
 fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>,

@@ -64,7 +64,7 @@ def test_storage_files_stand_in_for_the_generic_includes():
     # WGSL has no preprocessor: a module includes generic names, the key picks the files pasted for them.
     key = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg")
     names = [p.name for p in abi.source_files(SHADERS, key)]
-    assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_any.wgsl", "attention_common.wgsl",
+    assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_any.wgsl", "q_output.wgsl", "attention_common.wgsl",
                      "attention_variants.wgsl", "kv_chunk_segmented.wgsl", "decode_output.wgsl",
                      "decode_reduce_subgroup.wgsl"]
     # and the reduction: subgroup arithmetic, or shared memory only for devices without it
