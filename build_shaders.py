@@ -162,13 +162,6 @@ def naga_tool() -> list | None:
     return [node, str(NAGA_WASM_SCRIPT)]
 
 
-def naga_command(source: Path, out: Path) -> list:
-    tool = naga_tool()
-    if tool is None:
-        raise BuildError(NO_NAGA)
-    return tool + [str(source), str(out)]
-
-
 class NagaServer:
     """Node.js running naga-wasm for many modules (tools/naga_wasm.mjs --serve): a process per module paid Node's
     start and naga's unoptimized first run each time, 0.6 s a module against 0.05-0.1 s warm."""
@@ -201,7 +194,7 @@ def translate_wgsl(source: Path, out: Path) -> None:
     tool = naga_tool()
     if tool is None:
         raise BuildError(NO_NAGA)
-    if Path(tool[0]).name == "naga":
+    if len(tool) == 1:   # the naga CLI: a native process a module costs little
         return run(tool + [str(source), str(out)], f"naga {source.name}")
     try:
         server = _naga_servers.get_nowait()

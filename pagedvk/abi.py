@@ -434,6 +434,12 @@ Q_TYPE_SPEC_ID = 8
 # head size runs the pipeline that reads the push constant, so that a sweep over many head sizes (the property
 # tests) compiles one pipeline, not one each (seconds each on lavapipe).
 SPECIALIZED_HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
+
+
+def head_size_constant(spec_id: int, head_size: int) -> dict:
+    """The specialization on the head size (spec_id: DECODE_ or PREFILL_HEAD_SIZE_SPEC_ID) where it is one of
+    SPECIALIZED_HEAD_SIZES; none (the push constant read) otherwise."""
+    return {spec_id: head_size} if head_size in SPECIALIZED_HEAD_SIZES else {}
 # The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
 # (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
 # dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.

@@ -19,7 +19,7 @@ import numpy as np
 from . import checks, config, kernels
 from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_MERGE_PARTITIONS,
                   DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
-                  PAGED_DECODE_REDUCE, SPECIALIZED_HEAD_SIZES, q_type_code, q_type_constant)
+                  PAGED_DECODE_REDUCE, head_size_constant, q_type_code, q_type_constant)
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
 from .errors import ClosedError
@@ -302,7 +302,7 @@ class DecodePlan(Owned):
         self.group_size = group_size(num_heads, num_kv_heads)
         # The head size too, where it is one of vLLM's: the scalar kernels' loops over head dims unroll on it.
         self.constants = {**kernel_constants(layout, self.group_size), **q_type_constant(self.query_type.tag),
-                          **({DECODE_HEAD_SIZE_SPEC_ID: head_size} if head_size in SPECIALIZED_HEAD_SIZES else {})}
+                          **head_size_constant(DECODE_HEAD_SIZE_SPEC_ID, head_size)}
         lens = checks.host(seq_lens)
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
         max_seq_len = self.variants.span(min(int(lens.max(initial=0)), block_tables.shape[1] * block_size),

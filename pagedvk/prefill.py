@@ -22,7 +22,7 @@ import numpy as np
 
 from . import checks, kernels
 from .abi import (DELTA_ROWS_PER_THREAD, PAGED_BACKWARD_DELTA, PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL,
-                  PREFILL_HEAD_SIZE_SPEC_ID, PREFILL_WGSL_SHARED_BYTES, SPECIALIZED_HEAD_SIZES, q_type_code,
+                  PREFILL_HEAD_SIZE_SPEC_ID, PREFILL_WGSL_SHARED_BYTES, head_size_constant, q_type_code,
                   q_type_constant)
 from .array import Array, DeviceArray, asarray, empty
 from .decode import DecodePlan
@@ -317,8 +317,7 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> tuple:
                    for b in abi.bindings_for(key)]
         pipeline = kernels.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields),
                                     {**q_type_constant(problem.query_type.tag),
-                                     **({PREFILL_HEAD_SIZE_SPEC_ID: problem.head_size}
-                                        if problem.head_size in SPECIALIZED_HEAD_SIZES else {})})
+                                     **head_size_constant(PREFILL_HEAD_SIZE_SPEC_ID, problem.head_size)})
         steps.append((pipeline, buffers, problem.push(caches), grid))
     return steps, frozenset(independent)
 

@@ -185,7 +185,7 @@ def naga_and_build(tmp_path, source: str) -> tuple:
     build_shaders = build_script()
     src, raw, built = tmp_path / "m.wgsl", tmp_path / "raw.spv", tmp_path / "built.spv"
     src.write_text(source)
-    build_shaders.run(build_shaders.naga_command(src, raw), "naga")
+    build_shaders.translate_wgsl(src, raw)
     build_shaders.compile_wgsl(src, built, {})
     matrix = "coopmat" if "wgpu_cooperative_matrix" in source else ""   # validated as the matrix modules are
     build_shaders.validate(built, abi.VariantKey("m", "wgsl", matrix=matrix))
@@ -338,7 +338,7 @@ def test_wgsl_matrix_modules_get_the_extension_and_memory_model_naga_leaves_out(
                    "  let y = coopLoad<coop_mat16x16<f16, B>>(&a[0], 16u);\n"
                    "  let z = coopLoad<coop_mat16x16<f32, C>>(&c[0], 16u);\n"   # naga then declares no model
                    "  coopStore(coopMultiplyAdd(x, y, z), &c[0], 16u);\n}\n")
-    build.run(build.naga_command(src, raw), "naga")
+    build.translate_wgsl(src, raw)
     build.compile_wgsl(src, built, {})
     _, newest_val, env = build.matrix_tools()
     def check(path):
