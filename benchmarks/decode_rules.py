@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A decode plan rule against fixed answers, in one process, on the same inputs: each plan is made with the rule
-replaced (its function in pagedvk.decode), checked against float64 and timed, rounds alternating.
+replaced (its function in pagedvk.decode_rules), checked against float64 and timed, rounds alternating.
 
     python benchmarks/decode_rules.py values_with_keys --shapes 1x4096,2x4096 --dtypes f16,bf16,e5m2
     python benchmarks/decode_rules.py matrix_step --answers rule,1,2 --shapes 64x4096,8x4096
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedvk import bench, decode  # noqa: E402
+from pagedvk import bench, decode_rules  # noqa: E402
 
 RULES = {
     "values_with_keys": {"never": False, "always": True},
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n != "rule" and n not in fixed]
     if unknown:
         p.error(f"answers of {args.rule} are rule, {', '.join(fixed)}; got {', '.join(unknown)}")
-    own = getattr(decode, args.rule)
+    own = getattr(decode_rules, args.rule)
     device = bench.get_device()
     ceiling = bench.read_bandwidth(device)
     print(f"{device.info.name}: read kernel {ceiling['GBps']:.0f} GB/s", flush=True)
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                 with bench.DecodeInputs(shape, device=device) as inputs:
                     for rnd in range(args.rounds):
                         for name in names:
-                            setattr(decode, args.rule, own if name == "rule" else (lambda *_, a=fixed[name]: a))
+                            setattr(decode_rules, args.rule, own if name == "rule" else (lambda *_, a=fixed[name]: a))
                             r = bench.time_decode(inputs, "glsl", iters=args.iters, kernel=args.kernel)
                             r.update(rule=args.rule, answer=name, round=rnd, fraction_of_read=r["GBps"] / ceiling["GBps"])
                             rows.append(r)
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                                   f"{r['partition_size']}: {r['median_us']:.2f} us (p10 {r['p10_us']:.2f}, p90 "
                                   f"{r['p90_us']:.2f}), rel. error {r['rel_error']:.1e}", flush=True)
     finally:
-        setattr(decode, args.rule, own)
+        setattr(decode_rules, args.rule, own)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device.info.name, "read": ceiling, "rows": rows}, f, indent=1)

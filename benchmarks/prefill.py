@@ -30,7 +30,7 @@ import numpy as np
 import pagedvk
 from pagedvk import bench, reference
 from pagedvk.cli import parsed, positive
-from pagedvk.decode import DecodePlan
+from pagedvk.decode_plan import DecodePlan
 from pagedvk.prefill import PREFILL_KERNELS, Recorded
 from pagedvk.runtime.pipeline import Launch
 

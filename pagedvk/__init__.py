@@ -4,7 +4,8 @@ from . import abi, config, dtypes, kernels, layouts, ops, prefill, reference, va
 from .array import DeviceArray, asarray, empty, zeros
 from .cache import KVCache
 from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks
-from .decode import DecodePlan, paged_attention
+from .decode import paged_attention
+from .decode_plan import DecodePlan
 from .merge import merge_attention_states, merge_states
 from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeoutError, NoFreeBlocksError,
                      OutOfMemoryError, PagedVKError, ShaderModuleError, UnsupportedFeatureError, ValidationError,

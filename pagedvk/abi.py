@@ -482,7 +482,7 @@ PAGED_DECODE = KernelABI(
     fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
     targets=TARGETS,
     # float16 and fp8 caches (float16 queries), bfloat16 caches and queries, in vLLM's layout with 16-token blocks,
-    # read by binding (pagedvk.decode.decode_matrix)
+    # read by binding (pagedvk.decode_rules.decode_matrix)
     matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128))
     + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
     matrix_accesses=("",),

@@ -77,7 +77,7 @@ class DeviceArray(Owned):
         self._address_table = None
 
     @classmethod
-    def _over(cls, buffer, offset: int, shape, dtype) -> "DeviceArray":
+    def over_buffer(cls, buffer, offset: int, shape, dtype) -> "DeviceArray":
         """An array over bytes [offset, offset + nbytes) of an existing runtime Buffer (a BufferRange of it),
         allocating nothing; it binds only its own range, and does not own the buffer. The decode plan keeps its
         split's counters after partial_stats this way; tests use it to put sentinels right beside the arrays

@@ -17,7 +17,7 @@ import numpy as np
 from . import config, kernels, reference
 from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH, VariantKey
 from .array import asarray, empty
-from .decode import DecodePlan
+from .decode_plan import DecodePlan
 from .dtypes import CACHE_TYPES, QUERY_TYPES
 from .runtime.pipeline import Launch
 from .selection import get_device
@@ -259,7 +259,7 @@ class DecodeModules:
 
     def use(self, folder) -> None:
         self.folder = folder
-        pipelines = self.device._pipelines
+        pipelines = self.device.pipelines
         for cached in [c for c in pipelines
                        if isinstance(c, tuple) and isinstance(c[0], VariantKey) and c[0].source in self._sources]:
             pipelines.pop(cached).close()
@@ -303,7 +303,7 @@ def time_decode(inputs: DecodeInputs, backend: str | None = None, iters: int = 5
         steps = []
         for i in range(iters):
             dk, dv = inputs.caches[i % inputs.layers]
-            steps += plan._steps(query, dk, dv, out, inputs.num_blocks)
+            steps += plan.steps(query, dk, dv, out, inputs.num_blocks)
         times = time_steps(device, steps, len(steps) // iters, repeats, warmup, bar)
     finally:
         plan.close()

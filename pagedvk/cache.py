@@ -15,7 +15,7 @@ import numpy as np
 from . import cache_ops, checks, config
 from .array import empty
 from .blocks import BlockManager
-from .decode import DecodePlan
+from .decode_plan import DecodePlan
 from .dtypes import CACHE_TYPES, storage_type
 from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec
 from .opargs import device_of

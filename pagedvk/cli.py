@@ -12,7 +12,7 @@ import numpy as np
 
 from . import bench, config, suite
 from .abi import PAGED_DECODE
-from .decode import MATRIX_BLOCK_SIZE, MATRIX_MIN_TOKENS, decode_target, subgroup_reductions
+from .decode_rules import MATRIX_BLOCK_SIZE, MATRIX_MIN_TOKENS, decode_target, subgroup_reductions
 from .dtypes import CACHE_TYPES, device_dtypes
 from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
 from .matrix import matrix_unavailable

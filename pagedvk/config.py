@@ -77,7 +77,7 @@ def decode_kernel(argument: str | None = None) -> str | None:
     """The decode kernel's shape: the `kernel` argument if given, else PAGEDVK_DECODE_KERNEL ("cpu": the kernel
     for CPU devices, shaders/paged_decode_cpu.comp; "gpu": shaders/paged_decode.comp; "coopmat":
     shaders/paged_decode_coopmat.comp; any case), else None: by the device and the plan
-    (pagedvk.decode.decode_target, pagedvk.decode.decode_matrix)."""
+    (pagedvk.decode_rules.decode_target, pagedvk.decode_rules.decode_matrix)."""
     source, text = ("kernel", argument) if argument is not None else ("PAGEDVK_DECODE_KERNEL",
                                                                      _get("PAGEDVK_DECODE_KERNEL"))
     if not text and argument is None:

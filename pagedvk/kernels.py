@@ -105,9 +105,9 @@ def pipeline(device, kernel: abi_mod.KernelABI, key: abi_mod.VariantKey, variant
     cache_key, specialization = specialized(kernel, key, variants, constants)
     plain = cache_key[1] == "plain"
     with _lock:
-        cached = device._pipelines.get(cache_key)
+        cached = device.pipelines.get(cache_key)
         if cached is None or cached.closed:
-            cached = device._pipelines[cache_key] = Pipeline(
+            cached = device.pipelines[cache_key] = Pipeline(
                 device, kernel, load_spirv(kernel, key), key.name + (" (no variants)" if plain else ""),
                 kernel.bindings_for(key), specialization or None)
         return cached

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import cache_ops, checks
-from .decode import DecodePlan
+from .decode_plan import DecodePlan
 from .decode import paged_attention as _paged_attention
 from .dtypes import QUERY_TYPES, storage_type
 from .layouts import cache_spec

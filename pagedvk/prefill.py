@@ -25,7 +25,7 @@ from .abi import (DELTA_ROWS_PER_THREAD, PAGED_BACKWARD_DELTA, PAGED_BACKWARD_DK
                   PREFILL_HEAD_SIZE_SPEC_ID, PREFILL_WGSL_SHARED_BYTES, head_size_constant, q_type_code,
                   q_type_constant)
 from .array import Array, DeviceArray, asarray, empty
-from .decode import DecodePlan
+from .decode_plan import DecodePlan
 from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
 from .errors import UnsupportedFeatureError
 from .layouts import bind_caches, cache_spec
@@ -515,13 +515,13 @@ class _DecodePart:
         row = self.row_bytes
 
         def rows(name, nbytes, shape, dtype):
-            return DeviceArray._over(arrays[name].buffer, r0 * nbytes, shape, dtype)
+            return DeviceArray.over_buffer(arrays[name].buffer, r0 * nbytes, shape, dtype)
 
         shape = (n, self.num_heads, self.head_size)
         query, out = (rows(name, row, shape, self.query_type.dtype) for name in ("query", "out"))
         lse = rows("lse", self.num_heads * 4, (n, self.num_heads), np.float32)
         self.views = (query, out, lse)   # a launch binds its arrays weakly: these must outlive it
-        return self.plan._steps(query, arrays["key_cache"], arrays["value_cache"], out,
+        return self.plan.steps(query, arrays["key_cache"], arrays["value_cache"], out,
                                 arrays["key_cache"].shape[0], lse=lse)
 
     def close(self) -> None:

@@ -152,7 +152,7 @@ def fenced(device, *host_arrays):
         end = start + up(max(a.nbytes, 1), 16)   # a copy binds its bytes rounded up to 16, like a buffer
     guards.append((end, GUARD_BYTES))
     buffer = device.buffer(end + GUARD_BYTES)   # kept alive by the arrays over it, freed when they close
-    over = pagedvk.DeviceArray._over
+    over = pagedvk.DeviceArray.over_buffer
     guards = [over(buffer, off, n // 4, np.float32).write(np.full(n // 4, SENTINEL)) for off, n in guards]
     copies = [over(buffer, off, a.shape, a.dtype).write(a) for off, a in zip(copies, host_arrays)]
     return copies, guards

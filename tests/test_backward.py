@@ -109,7 +109,7 @@ def test_head_size_specialization(rng, monkeypatch, specialized, head_size):
     prefill_check(case, "glsl")
     check(case, rng, "glsl")
     constants = ((PREFILL_HEAD_SIZE_SPEC_ID, head_size),) if specialized else ()
-    made = {key.op for key, _, own in pagedvk.default_device()._pipelines
+    made = {key.op for key, _, own in pagedvk.default_device().pipelines
             if not key.matrix and key.backend == "glsl"
             and tuple(c for c in own if c[0] == PREFILL_HEAD_SIZE_SPEC_ID) == constants}
     assert {"paged_prefill", "paged_backward_dq", "paged_backward_dkdv"} <= made

@@ -249,14 +249,14 @@ def test_the_read_kernel_reads_every_chunk_once(chunks, groups):
 
 def test_decode_rules_pins_a_rule_and_puts_it_back(tmp_path, capsys):
     # benchmarks/decode_rules.py: each answer's plans run and are checked against float64, the rule's own function is
-    # back in pagedvk.decode afterwards, and an answer the rule does not have is refused, named.
+    # back in pagedvk.decode_rules afterwards, and an answer the rule does not have is refused, named.
     rules = load_benchmark("decode_rules")
-    import pagedvk.decode
-    own = pagedvk.decode.values_with_keys
+    import pagedvk.decode_rules
+    own = pagedvk.decode_rules.values_with_keys
     path = tmp_path / "rules.json"
     assert rules.main(["values_with_keys", "--shapes", "1x200", "--dtypes", "f16", "--kernel", "gpu", "--iters", "2",
                        "--rounds", "1", "--json", str(path)]) == 0
-    assert pagedvk.decode.values_with_keys is own
+    assert pagedvk.decode_rules.values_with_keys is own
     rows = json.loads(path.read_text())["rows"]
     assert [r["answer"] for r in rows] == ["rule", "never", "always"]
     assert all(r["ok"] and r["kernel"] == "gpu" and r["median_us"] > 0 for r in rows)

@@ -24,7 +24,7 @@ def test_devices_lists_the_selected_device():
     # and which prefill kernels each device gets, the reason included
     for info in pagedvk.devices():
         assert f"prefill kernels on [{info.index}]: {pagedvk.prefill.describe_choice(info)}" in result.stdout
-        way = "subgroup arithmetic" if pagedvk.decode.subgroup_reductions(info) else "shared memory"
+        way = "subgroup arithmetic" if pagedvk.decode_rules.subgroup_reductions(info) else "shared memory"
         assert f"decode reductions on [{info.index}]: {way}" in result.stdout
         # lavapipe has the subgroup operations the cpu kernel needs; devices with matrices get the matrix kernel
         kernel = ("cpu (" if info.type == "cpu" else "gpu (" if matrix_unavailable(info)

@@ -247,7 +247,7 @@ def test_partition_size_is_checked(rng):
 
 
 def test_partitioning_rule():
-    from pagedvk.decode import group_size, partitioning
+    from pagedvk.decode_rules import group_size, partitioning
     assert group_size(32, 8) == 4 and group_size(64, 4) == 8 and group_size(12, 1) == 6 and group_size(7, 7) == 1
     # (num_seqs, workgroups per sequence, longest context, compute units) -> (partition size, partitions)
     assert partitioning(256, 8, 2048, 132) == (2048, 1)     # a grid that fills the device is not split
@@ -300,10 +300,10 @@ def specialized_wrongly_writes_nothing(rng, backend, wrong):
         assert plan.constants == {DECODE_VALUE_ORDER_SPEC_ID: 1, DECODE_GROUP_SPEC_ID: 8, DECODE_HEAD_SIZE_SPEC_ID: 64,
                                   Q_TYPE_SPEC_ID: 1}   # float32 queries
         assert plan.key.fixed == ("vllm_g8" if backend == "wgsl" else "")
-        plan.constants = {**plan.constants, **{"group": {DECODE_GROUP_SPEC_ID: 4},
-                                               "layout": {DECODE_VALUE_ORDER_SPEC_ID: 2},
-                                               "head_size": {DECODE_HEAD_SIZE_SPEC_ID: 32}}[wrong]}
-        plan.key = plan._module()
+        wrong_constants = {**plan.constants, **{"group": {DECODE_GROUP_SPEC_ID: 4},
+                                                "layout": {DECODE_VALUE_ORDER_SPEC_ID: 2},
+                                                "head_size": {DECODE_HEAD_SIZE_SPEC_ID: 32}}[wrong]}
+        plan.choice = dataclasses.replace(plan.choice, constants=tuple(sorted(wrong_constants.items())))
         assert plan.key.fixed == ({"group": "vllm_g4", "layout": "nhd_g8"}[wrong] if backend == "wgsl" else "")
         out = pagedvk.asarray(case.poisoned_out())   # on the device: what the kernel leaves stays NaN
         out = plan.run(case.query, case.key_cache, case.value_cache, out=out).numpy()
@@ -343,7 +343,7 @@ def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, partition_size, ke
     # partition whose weights sum to NaN for an empty one (the merge once kept only sums above zero): unsplit,
     # split in a few partitions (merged in the decode on some kernels) and in many (the reduce dispatch). (WGSL's
     # reduce once skipped such a partition too: naga writes `!=` as an ordered comparison, false for NaN.)
-    # WGSL has no CPU kernel: asked for it, WGSL plans run the generic one (decode.decode_target), checked here too.
+    # WGSL has no CPU kernel: asked for it, WGSL plans run the generic one (decode_rules.decode_target), checked here too.
     case = Case(rng, seq_lens=[300, 200, 130], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
     poison_unread_slots(case, 16)
     x = case.key_cache.shape[-1]
@@ -361,3 +361,22 @@ def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, partition_size, ke
     np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
     assert rel_error(np.nan_to_num(out), np.nan_to_num(ref)) <= TOL
     np.testing.assert_allclose(lse[~np.isnan(lse)], ref_lse[~np.isnan(ref_lse)], rtol=1e-5, atol=1e-5)
+
+
+def test_the_rules_answer_without_a_plan(rng, device):
+    # decode_choice is what a plan runs: asked with the plan's dims, it gives the plan's own choice, and nothing is
+    # made on the device to answer.
+    from pagedvk.decode_rules import decode_choice
+    case = Case(rng, seq_lens=[5, 300, 1000], num_heads=16, num_kv_heads=2, head_size=64)
+    for partition_size in (None, 128):
+        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=16, num_kv_heads=2, head_size=64,
+                                block_size=16, num_blocks=case.key_cache.shape[0], partition_size=partition_size,
+                                device=device) as plan:
+            choice = decode_choice(device.info, device.features, plan.backend, storage="f32", query="f32",
+                                   num_seqs=3, num_heads=16, num_kv_heads=2, head_size=64, layout="vllm",
+                                   block_size=16, max_seq_len=1000, partition_size=partition_size)
+            assert choice == plan.choice
+            assert plan.key == choice.module() and plan.num_partitions == choice.num_partitions
+    assert decode_choice(device.info, device.features, "glsl", storage="f32", query="f32", num_seqs=1, num_heads=4,
+                         num_kv_heads=4, head_size=64, layout="vllm", block_size=16, max_seq_len=1000,
+                         partition_size=128).num_partitions == 8

@@ -14,7 +14,7 @@ import pytest
 
 import pagedvk
 from pagedvk import abi, cli, config, decode, reference
-from pagedvk.decode import MATRIX_PV_SHAPE
+from pagedvk.decode_rules import MATRIX_PV_SHAPE
 from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
 from conftest import Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error
 from test_variants import VARIANTS, variant_args

@@ -10,7 +10,7 @@ import pytest
 
 import pagedvk
 from pagedvk import abi, reference
-from pagedvk.decode import decode_target
+from pagedvk.decode_rules import decode_target
 from conftest import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error, tiered
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
@@ -148,7 +148,7 @@ def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_s
     # forced on for every plan, not only where a workgroup takes one tile as the rule says: tiles after the first,
     # lengths ending mid-chunk, a head dim's second slot (256), fp8 rows shorter than a chunk (8-token blocks), both
     # layouts (nhd's V stage leaves the constant unused); NaN in unread cache slots and in the outputs beforehand.
-    monkeypatch.setattr(pagedvk.decode, "values_with_keys", lambda storage, tokens: True)
+    monkeypatch.setattr(pagedvk.decode_rules, "values_with_keys", lambda storage, tokens: True)
     case = Case(rng, seq_lens=[1, 13, 128, 130, 300], num_heads=8, num_kv_heads=2, head_size=head_size,
                 block_size=block_size, dtype=dtype)
     poison_unread_slots(case, block_size)
@@ -158,7 +158,7 @@ def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_s
 
 
 def test_the_values_rule_and_the_plans_that_take_it(rng):
-    rule = pagedvk.decode.values_with_keys
+    rule = pagedvk.decode_rules.values_with_keys
     assert [rule("f16", n) for n in (1, 127, 128, 129, 4096)] == [True, True, True, False, False]
     assert [rule(tag, 128) for tag in ("bf16", "f32", "e4m3", "e5m2")] == [True, False, False, False]
     for dtype in (np.float16, np.float32):

@@ -28,7 +28,7 @@ def close_all(*arrays):
 def lasting(device) -> int:
     """Live Vulkan objects other than pipelines. A pipeline is made at its kernel's first use and lives as long
     as its device, so what a test leaves behind is counted the same whether or not an earlier test made them."""
-    return device.live_objects() - len(device._pipelines)
+    return device.live_objects() - len(device.pipelines)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ def test_devices_describe_each_device():
 
 
 def test_compute_units_reported_or_estimated():
-    from pagedvk.decode import UNITS_ESTIMATE, compute_units
+    from pagedvk.decode_rules import UNITS_ESTIMATE, compute_units
     info = pagedvk.devices()[0]
     units = compute_units(info)
     assert units == (info.compute_units or (os.cpu_count() if info.type == "cpu" else UNITS_ESTIMATE[info.type]))
@@ -234,8 +234,8 @@ def test_arrays_over_ranges_of_one_buffer(rng, device):
     buffer = device.buffer(4096)
     device.fill(buffer, 0x7F7F7F7F)
     a_host, b_host = rng.standard_normal(10).astype(np.float32), rng.standard_normal(64).astype(np.float32)
-    a = DeviceArray._over(buffer, 1024, a_host.shape, np.float32).write(a_host)
-    b = DeviceArray._over(buffer, 2048, b_host.shape, np.float32).write(b_host)
+    a = DeviceArray.over_buffer(buffer, 1024, a_host.shape, np.float32).write(a_host)
+    b = DeviceArray.over_buffer(buffer, 2048, b_host.shape, np.float32).write(b_host)
     assert (a.buffer.size, a.buffer.offset) == (48, 1024)   # its own range, rounded up to 16 bytes
     np.testing.assert_array_equal(a.numpy(), a_host)
     np.testing.assert_array_equal(b.numpy(), b_host)
@@ -266,13 +266,13 @@ def test_buffer_range_offsets_are_checked(device):
     # A kernel binding must start at minStorageBufferOffsetAlignment: refused before anything is bound.
     align = device.info.min_storage_buffer_offset_alignment
     case = Case(np.random.default_rng(0), num_seqs=1, head_size=32, max_len=20)
-    q = DeviceArray._over(device.buffer(case.query.nbytes + 2 * align), align // 2 // 4 * 4 or align,
+    q = DeviceArray.over_buffer(device.buffer(case.query.nbytes + 2 * align), align // 2 // 4 * 4 or align,
                           case.query.shape, np.float32).write(case.query)
     if q.buffer.offset % align:   # a device that takes any multiple of 4 has nothing to refuse
         with pytest.raises(ValueError, match=rf"must start at a multiple of {align} bytes "
                                              r"\(minStorageBufferOffsetAlignment"):
             pagedvk.paged_attention(q, *case.args()[1:])
-    q = DeviceArray._over(q.buffer.buffer, align, case.query.shape, np.float32).write(case.query)
+    q = DeviceArray.over_buffer(q.buffer.buffer, align, case.query.shape, np.float32).write(case.query)
     assert rel_error(pagedvk.paged_attention(q, *case.args()[1:]).numpy(), case.reference()) < 1e-5
 
 

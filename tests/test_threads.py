@@ -129,7 +129,7 @@ def test_thread_results_do_not_depend_on_the_thread_count(rng, device, n):
 def test_threads_sharing_a_plan_with_many_arrays(rng):
     # More distinct (query, out) pairs than a plan keeps recorded launches (32): eviction under load
     # must never close a launch another thread is about to submit.
-    from pagedvk.decode import RECORDED_LAUNCHES
+    from pagedvk.decode_plan import RECORDED_LAUNCHES
     case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, block_size=8, max_len=40)
     k, v = pagedvk.asarray(case.key_cache), pagedvk.asarray(case.value_cache)
     plan = pagedvk.DecodePlan.for_caches(k, v, case.block_tables, case.seq_lens, num_heads=4)

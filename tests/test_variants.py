@@ -456,7 +456,7 @@ def test_runs_without_variants_take_the_pipeline_without_their_code(rng, backend
     with pagedvk.DecodePlan.for_caches(key_cache, value_cache, case.block_tables, case.seq_lens, 8, backend=backend,
                                        window_left=40, partition_size=32 if split else 512) as plan:
         assert (plan.num_partitions > 1) == split
-        monkeypatch.setattr(pagedvk.decode, "variants_in_use", lambda push: False)   # the window, the plain pipeline
+        monkeypatch.setattr(pagedvk.decode_plan, "variants_in_use", lambda push: False)   # the window, the plain pipeline
         plan.run(case.query, key_cache, value_cache, out=out)
     window_left = -1 if backend == "glsl" else 40
     assert rel_error(out, reference.paged_attention(*case.args(), window_left=window_left)) <= TOL

@@ -135,7 +135,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO), None)
         self._descriptor_pools = []
         self._staging = None
-        self._pipelines = {}
+        self.pipelines = {}   # pagedvk.kernels.pipeline's, by its cache key: made once, closed with the device
         # Where device memory is the host's (CPU drivers, integrated GPUs), buffers are mapped directly
         # and need no staging copy.
         self.unified_memory = info.type in ("cpu", "integrated")

@@ -165,7 +165,7 @@ class DeviceInfo:
     min_storage_buffer_offset_alignment: int   # where a bound sub-range of a buffer may start
     max_workgroup_count: tuple   # maxComputeWorkGroupCount: workgroups per grid dimension
     compute_units: int           # SMs / CUs where the driver says (VK_NV_shader_sm_builtins,
-                                 # VK_AMD_shader_core_properties), else 0 (see decode.partitioning)
+                                 # VK_AMD_shader_core_properties), else 0 (see decode_rules.partitioning)
     extensions: frozenset = field(repr=False)
     # subgroupAdd/Max in compute shaders (VK_SUBGROUP_FEATURE_ARITHMETIC_BIT), optional in Vulkan: the decode
     # kernel's reductions use it where present (abi.SUBGROUP_REDUCE_OPS)

@@ -1,0 +1,419 @@
+"""The decode plan: FlashInfer's plan/run split. A decode step runs the same attention for every layer with the same
+block tables, so ``DecodePlan`` does the per-step work once (checks, block tables and lengths on the device, the
+choice of kernel and split, the pipeline) and ``run`` does the per-layer work: bind that layer's cache and submit a
+command buffer recorded the first time those buffers were seen.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from . import checks, config, kernels
+from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE, q_type_code, q_type_constant
+from .array import Array, DeviceArray, asarray, empty, zeros
+from .decode_rules import decode_choice, decode_matrix, plan_arguments
+from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
+from .errors import ClosedError
+from .layouts import LAYOUTS, CacheSpec, bind_caches, cache_spec
+from .matrix import MATRIX_KIND
+from .opargs import backend_name, device_of, softmax_scale
+from .runtime.owned import Owned
+from .runtime.pipeline import Launch, Transfers, fold_grid
+from .variants import Variants, in_use as variants_in_use, per_head
+
+RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
+CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
+
+
+def argument_signature(arrays) -> tuple | None:
+    """What the run checks read of these arrays (None stays None): kind, contiguity, writability, shape, dtype; None
+    when one is not an array (the checks reject it)."""
+    signature = []
+    for a in arrays:
+        if a is None or type(a) is DeviceArray:
+            signature.append(a if a is None else (DeviceArray, a.shape, a.dtype))
+        elif isinstance(a, np.ndarray):
+            signature.append((type(a), a.shape, a.dtype, a.flags.c_contiguous, a.flags.writeable))
+        else:
+            return None
+    return tuple(signature)
+
+
+class DecodePlan(Owned):
+    """The per-step part of decode attention, reused by every layer's ``run``.
+
+    block_tables  int32 [num_seqs, max_blocks_per_seq]: physical block ids; only each sequence's first
+                  ceil(seq_len / block_size) entries are read.
+    seq_lens      int32 [num_seqs]: tokens cached per sequence (0 gives an output of zeros).
+    num_heads, num_kv_heads, head_size, block_size, num_blocks: the model's and the caches' dims; the
+                  caches passed to ``run`` must match them and hold at least num_blocks blocks.
+    dtype         the caches' dtype: float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2.
+    query_dtype   float32, float16 or bfloat16; the output has it too. Default: dtype where it is one of
+                  those, else float16 (fp8 caches serve 16-bit models).
+    layout        "vllm" or "nhd" (see pagedvk.layouts).
+    k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back. Other
+                  caches ignore them, as vLLM does.
+    validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
+    tables back to the host. The kernel bounds every index itself, so bad values then give wrong
+    attention for the sequences that hold them, never a read outside the caches. Lengths may grow after
+    the plan is made (the last partition takes every token past its start), up to the block-table row.
+    partition_size (tokens) overrides the split-K rule (``partitioning``; ``matrix_partitioning`` for the
+    cooperative-matrix kernel); it must be a multiple of block_size.
+    alibi_slopes, logits_soft_cap, sinks, window_left: the attention variants (pagedvk.variants), the same for
+    every run of the plan. With a window, the partitions cover each sequence's window only.
+    kernel        "cpu" or "gpu": the decode kernel shaped for CPU devices or the scalar one for GPUs, whatever
+                  the device; "coopmat": the cooperative-matrix kernel (ValueError where it cannot run). Default:
+                  PAGEDVK_DECODE_KERNEL, else by the device's type, with the cooperative-matrix kernel where the
+                  device has it and the plan suits it (see ``decode_target`` and ``decode_matrix``). WGSL plans
+                  run the WGSL matrix kernel (float16 caches and queries) or the scalar GPU kernel, never "cpu".
+    """
+
+    def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
+                 block_size: int, num_blocks: int, dtype=np.float32, query_dtype=None, layout: str = "vllm",
+                 scale: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0, device=None,
+                 backend: str | None = None, validate: bool = True, partition_size: int | None = None,
+                 alibi_slopes=None, logits_soft_cap: float | None = None, sinks=None, window_left: int = -1,
+                 kernel: str | None = None):
+        self._closed, self._lock = True, threading.Lock()   # until constructed: close() works on a half-made plan
+        checks.tables(block_tables, seq_lens)
+        dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                               block_size=block_size, num_blocks=num_blocks, dtype=dtype, scale=scale)
+        if validate:  # reads device-resident tables back; engines that trust their tables can skip it
+            checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
+        self.backend = backend_name(backend)
+        self.device = device_of(block_tables, seq_lens, alibi_slopes, sinks, device=device)
+        self.num_seqs = block_tables.shape[0]
+        self.num_heads, self.num_kv_heads, self.head_size = int(num_heads), int(num_kv_heads), int(head_size)
+        self.block_size, self.num_blocks = int(block_size), int(num_blocks)
+        checks.one_of("layout", layout, LAYOUTS)
+        self.layout = layout
+        self.spec = CacheSpec(layout, CACHE_TYPES[dtype], self.num_blocks, self.num_kv_heads, self.head_size,
+                              self.block_size)
+        self.query_type = (storage_type("query_dtype", np.empty(0, query_dtype), QUERY_TYPES)
+                           if query_dtype is not None else QUERY_TYPES.get(dtype, QUERY_TYPES[np.dtype(np.float16)]))
+        self.dtype, self.query_dtype = dtype, self.query_type.dtype
+        self.scale = softmax_scale(scale, head_size)
+        k_scale, v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
+        # Other caches ignore the scales, as vLLM does (kv_cache_dtype "auto"): applied, they gave wrong answers.
+        self.k_scale, self.v_scale = (k_scale, v_scale) if is_fp8(self.spec.storage) else (1.0, 1.0)
+        self.logit_scale = scaled("k_scale", self.scale, self.k_scale)
+        if config.decode_kernel(kernel) == MATRIX_KIND:   # refused before anything is made for the plan
+            decode_matrix(self.device.info, self.device.features, self.backend, self.spec.storage.tag,
+                          self.query_type.tag, self.head_size, layout, self.block_size, 0, kernel)
+        self.block_tables = asarray(block_tables, device=self.device)
+        self.seq_lens = asarray(seq_lens, device=self.device)
+        self._owned = [a for a, given in ((self.block_tables, block_tables), (self.seq_lens, seq_lens))
+                       if a is not given]
+        self.variants = Variants(self.num_heads, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
+                                 sinks=sinks, window_left=window_left)
+        self.variant_arrays = {name: asarray(a, device=self.device) for name, a in self.variants.inputs.items()}
+        self._owned += [a for name, a in self.variant_arrays.items() if a is not self.variants.inputs[name]]
+        self._no_lse = empty((4,), np.float32, self.device)   # the lse binding of runs that return none
+        self._owned.append(self._no_lse)
+        lens = checks.host(seq_lens)
+        # Tokens the partitions cover: the longest context, or the window where it is shorter.
+        max_seq_len = self.variants.span(min(int(lens.max(initial=0)), block_tables.shape[1] * block_size),
+                                         block_size)
+        self.choice = decode_choice(self.device.info, self.device.features, self.backend,
+                                    storage=self.spec.storage.tag, query=self.query_type.tag, num_seqs=self.num_seqs,
+                                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                    head_size=self.head_size, layout=layout, block_size=self.block_size,
+                                    max_seq_len=max_seq_len, partition_size=partition_size, kernel=kernel)
+        # The pipeline for the plan's variants is made now; a run that adds lse or sinks, or reads segmented caches,
+        # gets its own at first use (kernels.pipeline keeps them).
+        kernels.pipeline(self.device, PAGED_DECODE, self.choice.module(), variants_in_use(self.variants.push()),
+                         self.choice.spec_constants)
+        limits = self.device.info.max_workgroup_count
+        self.grid = fold_grid(num_heads // self.choice.group_size * self.num_seqs * self.num_partitions, limits)
+        # Scratch for split contexts; 16-byte placeholders keep the bindings valid when there is no split. A merge
+        # in the decode counts on the uint32 pairs after partial_stats' (abi.PAGED_DECODE), zeroed here once.
+        split = self.choice.split
+        self.partial_out = empty((self.num_seqs, num_heads, self.num_partitions, head_size) if split else (4,),
+                                 np.float32, self.device)
+        stats_shape = (self.num_seqs, num_heads, self.num_partitions, 2) if split else (4,)
+        units = self.num_seqs * (num_heads // self.choice.group_size) if self.merge_in_decode else 0
+        self._stats_and_counters = zeros((math.prod(stats_shape) // 2 + units, 2), np.float32, self.device)
+        self.partial_stats = DeviceArray.over_buffer(self._stats_and_counters.buffer, 0, stats_shape, np.float32)
+        self.merge_counters = (DeviceArray.over_buffer(self._stats_and_counters.buffer, self.partial_stats.nbytes,
+                                                 (units, 2), np.uint32) if units else None)
+        self._owned += [self.partial_out, self._stats_and_counters]
+        self.reduce_grid = fold_grid(num_heads * self.num_seqs, limits)
+        self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
+        self._checked = set()           # argument signatures _check_run has passed
+        self._closed = False
+
+    # The choice's parts, as a plan's attributes (pagedvk.decode_rules.DecodeChoice).
+    target = property(lambda self: self.choice.target)
+    matrix = property(lambda self: self.choice.matrix)
+    group_size = property(lambda self: self.choice.group_size)
+    partition_size = property(lambda self: self.choice.partition_size)
+    num_partitions = property(lambda self: self.choice.num_partitions)
+    merge_in_decode = property(lambda self: self.choice.merge_in_decode)
+    constants = property(lambda self: self.choice.spec_constants)
+    key = property(lambda self: self.choice.module())
+
+    @classmethod
+    def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, *, layout="vllm",
+                   kv_cache_dtype="auto", query_dtype=None, **kw) -> "DecodePlan":
+        spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype)
+        device = device_of(key_cache, value_cache, block_tables, seq_lens, device=kw.pop("device", None))
+        return cls(block_tables, seq_lens, num_heads=num_heads, num_kv_heads=spec.num_kv_heads,
+                   head_size=spec.head_size, block_size=spec.block_size, num_blocks=spec.num_blocks,
+                   dtype=spec.storage.dtype, query_dtype=query_dtype, layout=layout, device=device, **kw)
+
+    def _check_lse(self, lse, out) -> None:
+        checks.kind("lse", lse)
+        checks.writable("lse", lse)
+        checks.dtype("lse", lse, [np.float32])
+        if tuple(lse.shape) != (self.num_seqs, self.num_heads):
+            raise ValueError(f"lse must have shape [num_seqs, num_heads] = {(self.num_seqs, self.num_heads)}, "
+                             f"got {tuple(lse.shape)}")
+        if out is None or type(lse) is not type(out):
+            raise TypeError("lse must be given with out, and be the same kind of array (numpy or DeviceArray)")
+        device_of(lse, device=self.device)
+
+    def check_run(self, query, key_cache, value_cache, out) -> None:
+        """The run arguments' checks. They read only kinds, shapes and dtypes, so arguments that look like
+        ones already passed pass again without them (a layer's run repeats the last layer's shapes)."""
+        signature = argument_signature((query, key_cache, value_cache, out))
+        if signature is not None and signature in self._checked:
+            return
+        self._check_run_arguments(query, key_cache, value_cache, out)
+        if signature is not None:
+            if len(self._checked) >= CHECKED_SIGNATURES:
+                self._checked.clear()
+            self._checked.add(signature)
+
+    def _check_run_arguments(self, query, key_cache, value_cache, out) -> None:
+        checks.kind("query", query)
+        checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
+        # A uint8 cache (vLLM's fp8) is read as the plan's storage type.
+        kv_cache_dtype = "auto" if np.dtype(key_cache.dtype) != np.dtype(np.uint8) else next(
+            (name for name, t in KV_CACHE_DTYPES.items() if t == self.spec.storage), "auto")
+        spec = cache_spec(key_cache, value_cache, self.layout, kv_cache_dtype)
+        for name in ("num_kv_heads", "head_size", "block_size", "storage"):
+            if getattr(spec, name) != getattr(self.spec, name):
+                raise ValueError(f"key_cache {name} is {getattr(spec, name)} but the plan was made for "
+                                 f"{getattr(self.spec, name)}")
+        if spec.num_blocks < self.num_blocks:
+            raise ValueError(f"key_cache num_blocks is {spec.num_blocks}, but the plan's block_tables "
+                             f"were checked against {self.num_blocks} blocks")
+        checks.dtype("query", query, [self.query_dtype])
+        for axis, (n, what) in enumerate([(self.num_seqs, "num_seqs"), (self.num_heads, "num_heads"),
+                                          (self.head_size, "head_size")]):
+            checks.dim("query", query, axis, n, what)
+        if out is not None:
+            checks.kind("out", out)
+            checks.writable("out", out)
+            checks.dtype("out", out, [self.query_dtype])
+            if tuple(out.shape) != tuple(query.shape):
+                raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+
+    def run(self, query: Array, key_cache: Array, value_cache: Array, out: Array | None = None,
+            lse: Array | None = None, return_lse: bool = False, sinks: Array | None = None):
+        """Attention of each sequence's query over its cached tokens. query [num_seqs, num_heads,
+        head_size] -> [num_seqs, num_heads, head_size]; numpy query in gives numpy out, DeviceArray in
+        gives DeviceArray out (``out`` is written and returned when given).
+
+        return_lse=True (or an ``lse`` to write, given with ``out``) returns (out, lse): lse float32
+        [num_seqs, num_heads], the natural-log log-sum-exp of each head's logits (the sink's included),
+        -inf for a sequence with no visible key; pagedvk.merge_attention_states merges such results.
+
+        sinks (float32 [num_heads]) stand in for the plan's for this run: models whose layers have their own
+        sinks (gpt-oss) share one plan. Give them as a DeviceArray: a numpy one is copied at every run."""
+        self._require_open()
+        self.check_run(query, key_cache, value_cache, out)
+        if not isinstance(return_lse, (bool, np.bool_)):
+            raise TypeError(f"return_lse must be a bool, not {type(return_lse).__name__}")
+        if lse is not None:
+            self._check_lse(lse, out)
+        if sinks is not None:
+            per_head("sinks", sinks, self.num_heads)
+            device_of(sinks, device=self.device)
+        sinks_d = asarray(sinks, device=self.device) if sinks is not None else None
+        try:
+            # A copied sinks array is the run's own: its launch is not kept.
+            return self._run(query, key_cache, value_cache, out, lse, return_lse, sinks_d, sinks_d is sinks)
+        finally:
+            if sinks_d is not None and sinks_d is not sinks:
+                sinks_d.close()
+
+    def _run(self, query, key_cache, value_cache, out, lse, return_lse, sinks, keep: bool):
+        if return_lse or lse is not None:
+            return self._run_with_lse(query, key_cache, value_cache, out, lse, sinks, keep)
+        dev = self.device
+        if (type(query) is type(key_cache) is type(value_cache) is type(out) is DeviceArray
+                and query.device is key_cache.device is value_cache.device is out.device is dev):
+            # A decode step's per-layer call: nothing to copy, the launch is recorded once.
+            self._launch(query, key_cache, value_cache, out, num_blocks=key_cache.shape[0], cache=keep, sinks=sinks)
+            return out
+        return self._run_copied(query, key_cache, value_cache, out, None, sinks, keep)
+
+    def _run_with_lse(self, query, key_cache, value_cache, out, lse, sinks, keep: bool) -> tuple:
+        """run() returning (out, lse): lse as given, else numpy for a numpy result, a DeviceArray for a DeviceArray."""
+        lse_d = lse if isinstance(lse, DeviceArray) else empty((self.num_seqs, self.num_heads), np.float32, self.device)
+        try:
+            result = self._run_copied(query, key_cache, value_cache, out, lse_d, sinks, keep)
+            if isinstance(lse, np.ndarray):
+                lse[...] = lse_d.numpy()
+                return result, lse
+            if lse is None and not isinstance(result, DeviceArray):
+                return result, lse_d.numpy()
+            handed, lse_d = lse_d, None
+            return result, handed
+        finally:
+            if lse_d is not None and lse_d is not lse:
+                lse_d.close()
+
+    def _run_copied(self, query, key_cache, value_cache, out, lse, sinks, keep: bool):
+        dev = self.device
+        device_of(query, key_cache, value_cache, out, device=dev)
+        temporaries = []
+
+        def on_device(a):
+            d = asarray(a, device=self.device)
+            if d is not a:
+                temporaries.append(d)
+            return d
+
+        try:
+            q, k, v = on_device(query), on_device(key_cache), on_device(value_cache)
+            o = out if isinstance(out, DeviceArray) else empty(query.shape, self.query_dtype, self.device)
+            if o is not out:
+                temporaries.append(o)
+            self._launch(q, k, v, o, num_blocks=key_cache.shape[0], cache=keep and not temporaries, lse=lse,
+                         sinks=sinks)
+            if isinstance(out, np.ndarray):
+                out[...] = o.numpy()
+                return out
+            if out is not None:
+                return out
+            if isinstance(query, np.ndarray):
+                return o.numpy()
+            temporaries.remove(o)
+            return o
+        finally:
+            for a in temporaries:
+                a.close()
+
+    def _launch(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool = False,
+                transfers: Transfers | None = None, lse: DeviceArray | None = None, sinks: DeviceArray | None = None):
+        # One thread at a time per plan: its recorded launches are looked up, evicted and submitted under
+        # the lock, so no thread submits a launch another has just evicted (the device serializes
+        # submissions anyway), and close(), which frees the plan's arrays under the same lock, either
+        # waits for a run or makes it raise.
+        with self._lock:
+            self._require_open()
+            return self._launch_locked(q, k, v, o, num_blocks, cache, timed, transfers, lse, sinks)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self!r} is closed")
+
+    def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool, transfers, lse, sinks):
+        # The plan's own tables and scratch are the same in every launch: the key holds the callers' buffers.
+        key = (q.buffer.uid, *[b.uid for b in k.buffers], *[b.uid for b in v.buffers], o.buffer.uid, timed,
+               transfers.uids if transfers is not None else (), *[a.buffer.uid if a is not None else None
+                                                                   for a in (lse, sinks)])
+        launch = self._launches.get(key)
+        if launch is not None:
+            self._launches.move_to_end(key)
+            try:
+                return launch.submit()
+            except ClosedError:
+                # A buffer it binds was closed or collected (its uid is never reused, so only a plan
+                # table given by the caller can be): record anew, which raises if one still is.
+                self._forget(key)
+        launch = Launch(self.device, self.steps(q, k, v, o, num_blocks, lse, sinks), timestamps=timed,
+                        transfers=transfers)
+        if cache:
+            self._launches[key] = launch
+            while len(self._launches) > RECORDED_LAUNCHES:
+                self._forget(next(iter(self._launches)))
+        try:
+            return launch.submit()
+        finally:
+            if not cache:
+                launch.close()
+
+    def steps(self, q, k, v, o, num_blocks: int, lse: DeviceArray | None = None,
+              sinks: DeviceArray | None = None) -> list:
+        """The dispatches of one run over device arrays, for a caller that records them into its own submission
+        (pagedvk.runtime.pipeline.Launch): decode, and the reduce of its partitions when split (unless the decode
+        kernel merges them in its own dispatch: merge_in_decode). Both take the same push constants; lse, when
+        given, is written; sinks, when given, stand in for the plan's. The arrays must outlive the launch."""
+        tables = (self.block_tables.buffer, self.seq_lens.buffer)
+        partials = (self.partial_out.buffer, self._stats_and_counters.buffer)
+        spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,
+                         self.block_size)
+        caches = bind_caches(k, v, self.backend)
+        key = self.choice.module(caches.access)
+        variant_push = self.variants.push(lse=lse is not None, sinks=sinks is not None)
+        variants = variants_in_use(variant_push)
+        push = PAGED_DECODE.pack_push(
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+            block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
+            num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs,
+            q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.logit_scale,
+            v_scale=self.v_scale, group_size=self.group_size, partition_size=self.partition_size,
+            num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
+            q_type=q_type_code(self.query_type.tag), **variant_push)
+        lse_buffer = (lse if lse is not None else self._no_lse).buffer
+        decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants, self.choice.spec_constants),
+                  (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *self._variant_buffers(sinks),
+                   lse_buffer, *caches.extra), push, self.grid)
+        if self.choice.reduce_module is None:
+            return [decode]
+        reduce = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, self.choice.reduce_module, variants,
+                                   q_type_constant(self.query_type.tag)),
+                  (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1], lse_buffer), push,
+                  self.reduce_grid)
+        return [decode, reduce]
+
+    def _variant_buffers(self, sinks: DeviceArray | None) -> tuple:
+        """The alibi_slopes and sinks bindings (ATTENTION_VARIANT_INPUTS' order); `sinks` in place of the plan's."""
+        return (self.variant_arrays["alibi_slopes"].buffer,
+                (sinks if sinks is not None else self.variant_arrays["sinks"]).buffer)
+
+    def run_staged(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, o: DeviceArray, transfers: Transfers):
+        """A run over device arrays whose recorded submission also makes `transfers`' copies (host arguments
+        staged in, the result staged out: pagedvk.decode's one-call path); the launch is kept for the next call."""
+        return self._launch(q, k, v, o, num_blocks=k.shape[0], cache=True, transfers=transfers)
+
+    def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
+        """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""
+        self._require_open()
+        self.check_run(query, key_cache, value_cache, out)
+        if not all(isinstance(a, DeviceArray) for a in (query, key_cache, value_cache, out)):
+            raise TypeError("time_ns takes device arrays only")
+        return self._launch(query, key_cache, value_cache, out, key_cache.shape[0], cache=True, timed=True)
+
+    def _forget(self, key) -> None:
+        self._launches.pop(key).close()
+
+    def close(self) -> None:
+        """Free the plan's recorded launches and device arrays; a run after (or racing) it raises
+        ClosedError. Safe to call twice."""
+        with self._lock:
+            self._closed = True
+            for key in list(getattr(self, "_launches", ())):
+                self._forget(key)
+            for a in getattr(self, "_owned", ()):
+                a.close()
+            self._owned = []
+
+    def __repr__(self) -> str:
+        if not hasattr(self, "device"):
+            return "DecodePlan(<not constructed>)"
+        state = ", closed" if self._closed else ""
+        return (f"DecodePlan(num_seqs={self.num_seqs}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_size={self.head_size}, block_size={self.block_size}, dtype={self.dtype}, "
+                f"backend={self.backend!r}, partitions={self.num_partitions}, device={self.device!r}{state})")
