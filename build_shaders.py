@@ -266,7 +266,7 @@ OP_FORD_NOT_EQUAL, OP_FUNORD_NOT_EQUAL = 182, 183
 def unordered_not_equal(spirv: bytes) -> bytes:
     """naga's SPIR-V with its float `!=` made unordered, as IEEE 754 (and GLSL's `!=`) has it: naga 30 writes
     `a != b` as OpFOrdNotEqual, false where either side is NaN, so `sum != 0.0` let a NaN sum pass for a zero
-    one (the decode reduce dropped a NaN partition: BENCHMARKS.md, thirteenth session) and `x != x` is never
+    one (the decode reduce dropped a NaN partition: docs/benchmarks-log.md, 2026-12-02 "NaN keys") and `x != x` is never
     true. OpFUnordNotEqual takes the same operands."""
     words = array.array("I", spirv)
     i = 5

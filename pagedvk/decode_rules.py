@@ -36,7 +36,7 @@ MATRIX_WORKGROUPS_PER_UNIT = 2
 # The fewest tokens a matrix-decode workgroup must take (its partition's, or the whole context's) for its float16 and
 # bfloat16 subgroups to take two blocks a step (abi.DECODE_STEP_SPEC_ID): on the H200 two were faster from 2048
 # (256 x 2048 531.7 -> 518.2 us, 8 x 32768 in 8192-token partitions 262.0 -> 257.6) and slower at 1024 (8 x 4096
-# 44.5 -> 46.5 us, 1 x 32768 45.7 -> 47.4; BENCHMARKS.md, 2026-12-03).
+# 44.5 -> 46.5 us, 1 x 32768 45.7 -> 47.4; docs/benchmarks-log.md, 2026-12-03 "Two blocks a subgroup step").
 MATRIX_STEP2_MIN_TOKENS = 2048
 MATRIX_BLOCK_SIZE = 16                       # the block size paged_decode_coopmat reads
 # Workgroup memory the matrix decode modules declare at most (the bfloat16 ones at head size 128, GLSL and WGSL: the
@@ -172,8 +172,9 @@ def matrix_step(storage: str, tokens: int) -> int:
 def values_with_keys(storage: str, tokens: int) -> bool:
     """Whether the scalar GPU decode loads a tile's values beside its keys (abi.DECODE_VALUES_SPEC_ID) where a
     workgroup takes at most `tokens` tokens of a `storage` cache: for float16 and bfloat16 caches where that is one
-    tile, whose chain of round trips is then the workgroup's. On the H200 (BENCHMARKS.md, 2026-12-03) 1 x 4096
-    took 16.5 against 17.2 us; fp8, whose tile of values is one batch already, 20.0 against 17.7 us."""
+    tile, whose chain of round trips is then the workgroup's. On the H200 (docs/benchmarks-log.md, 2026-12-03 "A
+    truer ceiling") 1 x 4096 took 16.5 against 17.2 us; fp8, whose tile of values is one batch already, 20.0 against
+    17.7 us."""
     return storage in ("f16", "bf16") and tokens <= TILE
 
 
@@ -286,12 +287,14 @@ def decode_choice(info, features, backend: str, *, storage: str, query: str, num
     partition_size, num_partitions = splits[0 if matrix else 1]
     # A split of a few partitions is merged in the decode dispatch: the last workgroup of each (sequence, head
     # group) to finish does (shaders/decode_merge.glsl), so the split costs no second dispatch and no barrier
-    # (3.6 us at least on the H200). Measured there (BENCHMARKS.md, 2026-12-02): the merging workgroup's
-    # reads of the coherent partials cost about 0.3 us a partition, so past four partitions the reduce dispatch
-    # is faster (32: 26.3 against 18.9 us at 1 x 4096); the scalar kernel gains with float32 caches (64 x 4096:
-    # 527-533 against 552 us) and loses with float16 (400 against 343 us), so it merges float32 splits only.
+    # (3.6 us at least on the H200). Measured there (docs/decisions.md, "Long splits merged in the decode
+    # dispatch"): the merging workgroup's reads of the coherent partials cost about 0.3 us a partition, so past
+    # four partitions the reduce dispatch is faster (32: 26.3 against 18.9 us at 1 x 4096); the scalar kernel
+    # gains with float32 caches (64 x 4096: 527-533 against 552 us) and loses with float16 (400 against 343 us),
+    # so it merges float32 splits only.
     # Plain loads ordered by the counter's acquire (the Vulkan memory model) cut a 32-partition merge by 3.8 us but
-    # cost every workgroup's release 0.9 us at 8 x 4096, and still lost to the reduce (2026-12-03).
+    # cost every workgroup's release 0.9 us at 8 x 4096, and still lost to the reduce (docs/decisions.md, "The
+    # merge under the Vulkan memory model").
     # WGSL keeps the reduce (its memory model orders nothing between workgroups), and so does the CPU kernel
     # (one subgroup a workgroup, no barriers).
     merge_in_decode = (backend == "glsl" and target != "cpu" and (bool(matrix) or storage == "f32")

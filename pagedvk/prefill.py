@@ -580,7 +580,7 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
                   block_readers=p.block_readers())
     dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // min(p.block_size, DKDV_KEYS))
     # dq and dk/dv read what delta wrote (one barrier after it) and nothing of each other's: side by side (3630
-    # against 3704 us with a barrier between them on the H200 at issue 12's shape; BENCHMARKS.md, fourteenth session).
+    # against 3704 us with a barrier between them on the H200 at issue 12's shape; docs/benchmarks-log.md, 2026-12-03).
     return (p, [delta_dispatch] + dq_dispatches + [(PAGED_BACKWARD_DKDV, dkdv_grid, dict(group="tiles"))], inputs,
             dict(dq=(tuple(query.shape), np.float32), dk_cache=(tuple(key_cache.shape), np.float32),
                  dv_cache=(tuple(value_cache.shape), np.float32)))

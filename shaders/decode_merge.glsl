@@ -129,7 +129,7 @@ void merge_partitions(uint seq, uint head0, uint heads, uint parts) {
 // MERGE_IN_DECODE. A split's partitions merged in the decode dispatch: each workgroup, its partials written, counts
 // itself in on its (sequence, head group)'s counter, and the one that finds itself last merges the group's
 // partitions into out (the "last block" reduction of CUDA's threadFenceReduction sample), so no second dispatch and
-// no barrier before it (a dispatch costs the H200 3.6 us at least; BENCHMARKS.md, ninth session). The counters are
+// no barrier before it (a dispatch costs the H200 3.6 us at least; docs/benchmarks-log.md, 2026-12-02). The counters are
 // uint32s after partial_stats' pairs (one a (sequence, head group), in .x), zeroed when the plan allocates them;
 // the last workgroup takes its counter back down by num_partitions, so that it is zero again after every run.
 // Ordering, in GLSL's memory model with coherent buffers: each invocation's partial writes are made visible by

@@ -169,7 +169,7 @@ void main() {
 
                 // 2. S and dP for this subgroup's rows, multiplied in one loop (two independent chains of products in
                 //    flight, not S's D / 16 and then dP's, each waiting for the one before: dk/dv 2516 against 2555 us
-                //    on the H200, BENCHMARKS.md, thirteenth session); then, pass by pass, to this lane's keys
+                //    on the H200, docs/benchmarks-log.md, 2026-12-02); then, pass by pass, to this lane's keys
                 //    8 half_ .. 8 half_ + 7.
                 MAT_C s_acc = MAT_C(0.0);   // one declaration each: glslang 13 drops the use of a second declarator
                 MAT_C dp_acc = MAT_C(0.0);

@@ -2,7 +2,7 @@
 // The device's read bandwidth, the ceiling decode attention is measured against. Each workgroup reads tiles of
 // UNROLL x 256 consecutive 16-byte chunks, grid-strided: every thread issues its UNROLL loads of a tile before it
 // uses any (coalesced across neighbouring threads), XORs each into an accumulator of its own, and writes one word so the reads cannot be optimized
-// away. One load a thread in flight read 1.3% slower on the H200 at 1 GiB (BENCHMARKS.md, fifteenth session).
+// away. One load a thread in flight read 1.3% slower on the H200 at 1 GiB (docs/benchmarks-log.md, 2026-12-03 "A truer ceiling").
 #extension GL_EXT_control_flow_attributes : require
 layout(local_size_x = 256, local_size_y = 1, local_size_z = 1) in;
 
