@@ -92,6 +92,10 @@ TARGET_ENV = "vulkan1.1"   # every other module
 # specialization constants (DECODE_HEAD_SIZE_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_GROUP_SPEC_ID): one module
 # serves every head size, and the driver still compiles its loops with the head size as a constant.
 FIXED_WGSL_HEAD_SIZES = (64, 128)
+# ... and the query type fixed too: each cache type's usual one (DecodePlan's default query dtype; vLLM's fp8 caches
+# serve float16 and bfloat16 models). Read from the push constant, WGSL's fp8 decode was 2.0-2.2% slower on the H200
+# than with the type in the module (2026-12-03). Other query types run the module that reads the layout too.
+FIXED_QUERY = {"f32": "f32", "f16": "f16", "bf16": "bf16", "e4m3": "f16", "e5m2": "f16"}
 DECODE_FIXED = {"vllm_g4": (1, 4), "vllm_g8": (1, 8), "nhd_g4": (2, 4), "nhd_g8": (2, 8)}   # (VALUE_ORDER, GROUP_LIMIT)
 # Kernels of an op shaped for a kind of device, named by their source's suffix, shaders/<op>_<target>.comp (GLSL
 # only): "cpu", paged_decode for devices that run a subgroup as one SIMD register's lanes (lavapipe), with no
@@ -167,7 +171,8 @@ class VariantKey:
                "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl"} if self.kv else {}
         if (self.op in CHUNK_READ_OPS or self.matrix and self.backend == "wgsl") and self.kv:
             inc["kv_chunk_access.wgsl"] = "kv_chunk_segmented.wgsl" if self.access else "kv_chunk_bound.wgsl"
-        inc["q_storage.wgsl"] = f"q_{self.q}.wgsl" if self.q else "q_any.wgsl"
+        # a fixed decode module's query type is q_any.wgsl's, fixed by constants()
+        inc["q_storage.wgsl"] = f"q_{self.q}.wgsl" if self.q and not self.fixed else "q_any.wgsl"
         if self.op in SUBGROUP_REDUCE_OPS:
             inc["decode_reduce.wgsl"] = f"decode_reduce_{self.reduce or 'subgroup'}.wgsl"
         if self.op in WRITE_INCLUDES_OPS:   # the cache writers' own files
@@ -189,6 +194,8 @@ class VariantKey:
     def constants(self) -> dict:
         """WGSL `override`s fixed at translation (naga emits no specialization constants)."""
         fixed = dict(zip(("VALUE_ORDER", "GROUP_LIMIT"), DECODE_FIXED[self.fixed])) if self.fixed else {}
+        if self.fixed and self.q:
+            fixed["Q_TYPE_FIXED"] = q_type_code(self.q)
         return {**({"HEAD_SIZE": self.head_size} if self.head_size else {}), **fixed}
 
 
@@ -301,8 +308,9 @@ class KernelABI:
             return VariantKey(self.op, backend, kv, access=access, target=target)
         if not subgroup_arithmetic and self.reduces_in_subgroups(backend):
             return VariantKey(self.op, backend, kv, access=access, reduce="shared")
-        if backend == "wgsl" and fixed and not access and head_size in self.fixed_head_sizes:
-            return VariantKey(self.op, backend, kv, head_size=head_size, fixed=fixed)
+        if (backend == "wgsl" and fixed and not access and head_size in self.fixed_head_sizes
+                and q == FIXED_QUERY.get(kv)):
+            return VariantKey(self.op, backend, kv, q, head_size, fixed=fixed)
         return VariantKey(self.op, backend, kv, access=access)
 
     def matrix_variants_for(self, backend: str) -> tuple:
@@ -338,7 +346,7 @@ class KernelABI:
                         yield VariantKey(self.op, backend, kv, access=access, target=target)
                 for hs in self.fixed_head_sizes if backend == "wgsl" else ():
                     for fixed in DECODE_FIXED:
-                        yield VariantKey(self.op, backend, kv, head_size=hs, fixed=fixed)
+                        yield VariantKey(self.op, backend, kv, FIXED_QUERY[kv], hs, fixed=fixed)
         for backend in self.matrix_backends:
             for matrix, kv, q, hs in self.matrix_variants_for(backend):
                 for access in self.matrix_accesses_for(backend):

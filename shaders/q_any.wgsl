@@ -11,10 +11,18 @@ const Q_F32: u32 = 0u;
 const Q_F16: u32 = 1u;
 const Q_BF16: u32 = 2u;
 
+// The type fixed at translation where the module is built for one (WGSL's fixed decode modules, VariantKey.constants:
+// the cache type's usual query, so the loads and stores take no branch on it); 3, the default, reads pc.q_type.
+override Q_TYPE_FIXED: u32 = 3u;
+
+fn q_code() -> u32 {
+    return select(pc.q_type, Q_TYPE_FIXED, Q_TYPE_FIXED < 3u);
+}
+
 // Whether the elements are 16-bit. Any other code reads float32, conversions and bounds alike, so a wrong code
 // still reads and writes inside the buffers.
 fn q_half() -> bool {
-    return pc.q_type == Q_F16 || pc.q_type == Q_BF16;
+    return q_code() == Q_F16 || q_code() == Q_BF16;
 }
 
 // Words of a quad, and the whole quads in `words` words.
@@ -37,10 +45,10 @@ fn q_pairs(words: u32) -> u32 {
 
 // A quad from its words: all four in float32, .xy in the 16-bit types (.zw unread).
 fn q_quad_of(w: vec4<u32>) -> vec4<f32> {
-    if (pc.q_type == Q_F16) {
+    if (q_code() == Q_F16) {
         return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
     }
-    if (pc.q_type == Q_BF16) {
+    if (q_code() == Q_BF16) {
         return vec4<f32>(bf16x2(w.x), bf16x2(w.y));
     }
     return bitcast<vec4<f32>>(w);
@@ -48,10 +56,10 @@ fn q_quad_of(w: vec4<u32>) -> vec4<f32> {
 
 // A pair of outputs as words: both in float32, .x alone in the 16-bit types.
 fn q_pair_of(v: vec2<f32>) -> vec2<u32> {
-    if (pc.q_type == Q_F16) {
+    if (q_code() == Q_F16) {
         return vec2<u32>(pack2x16float(v), 0u);
     }
-    if (pc.q_type == Q_BF16) {
+    if (q_code() == Q_BF16) {
         return vec2<u32>(pack_bf16x2(v), 0u);
     }
     return bitcast<vec2<u32>>(v);

@@ -325,7 +325,11 @@ def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv
 
 def test_fixed_wgsl_modules_are_chosen_where_built():
     from pagedvk.abi import PAGED_DECODE
-    assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4").name == "paged_decode.kv_f16.h128.nhd_g4.wgsl"
+    assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4").name == "paged_decode.kv_f16.q_f16.h128.nhd_g4.wgsl"
+    assert PAGED_DECODE.key("wgsl", "e5m2", "f16", 64, fixed="vllm_g8").constants()["Q_TYPE_FIXED"] == 1
+    # the query type is fixed too, the cache type's usual one (abi.FIXED_QUERY): others read the push constants
+    assert PAGED_DECODE.key("wgsl", "e5m2", "bf16", 64, fixed="vllm_g8").fixed == ""
+    assert PAGED_DECODE.key("wgsl", "f16", "f32", 128, fixed="nhd_g4").fixed == ""
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 96, fixed="nhd_g4").fixed == ""      # none built for head 96
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, "seg", fixed="nhd_g4").fixed == ""   # segmented caches
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, fixed="nhd_g4").fixed == ""      # GLSL specializes

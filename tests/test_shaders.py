@@ -128,14 +128,16 @@ def test_unknown_variant_is_named():
 
 def test_variant_keys_are_built_in_one_place():
     # The query type and (GLSL) the head size are not in a module's name: kernels read them at run time or as
-    # specialization constants. WGSL decode modules fix the head size with the layout and group width (fixed).
+    # specialization constants. WGSL decode modules fix the head size with the layout and group width (fixed), and the
+    # cache type's usual query type (abi.FIXED_QUERY).
     assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 128).name == "paged_decode.kv_f16.glsl"
     assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 48).name == "paged_decode.kv_f16.glsl"
     assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.wgsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, fixed="vllm_g8").name == "paged_decode.kv_e4m3.h128.vllm_g8.wgsl"
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f16", 128, fixed="vllm_g8").name == "paged_decode.kv_e4m3.q_f16.h128.vllm_g8.wgsl"
     assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, access="seg", fixed="vllm_g8").name == "paged_decode.kv_e4m3.seg.wgsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, fixed="nhd_g4").constants() == {
-        "HEAD_SIZE": 128, "VALUE_ORDER": 2, "GROUP_LIMIT": 4}
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f16", 128, fixed="nhd_g4").constants() == {
+        "HEAD_SIZE": 128, "VALUE_ORDER": 2, "GROUP_LIMIT": 4, "Q_TYPE_FIXED": 1}
+    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, fixed="nhd_g4").name == "paged_decode.kv_e4m3.wgsl"
     with pytest.raises(ValueError, match="query storage 'f8'"):
         abi.PAGED_DECODE.key("glsl", "f16", "f8")
     key = abi.PAGED_PREFILL.key("wgsl", "bf16", "f16")
