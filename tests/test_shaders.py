@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import pagedvk
-from pagedvk import abi, kernels, spirv
+from pagedvk import abi, kernels, spirv, spirv_passes
 from conftest import run_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,7 +192,7 @@ def naga_and_build(tmp_path, source: str) -> tuple:
     return raw.read_bytes(), built.read_bytes()
 
 
-# What makes a WGSL test module a matrix one (build_shaders.naga_matrix_fixes works on those only): declarations,
+# What makes a WGSL test module a matrix one (spirv_passes.naga_matrix_fixes works on those only): declarations,
 # and a product to put in its entry point.
 MATRIX_DECLARATIONS = ("enable f16;\nenable wgpu_cooperative_matrix;\nvar<workgroup> mh: array<f16, 256>;\n"
                        "var<workgroup> mf: array<f32, 256>;\n")
@@ -352,7 +352,8 @@ def test_wgsl_matrix_modules_get_the_extension_and_memory_model_naga_leaves_out(
     assert [ops[1] for op, ops in ins if op == 14] == [3]                           # OpMemoryModel Logical Vulkan
     text = built.read_bytes()
     assert b"SPV_KHR_cooperative_matrix" in text and b"SPV_KHR_vulkan_memory_model" in text
-    assert build.declare_cooperative_matrix(built.read_bytes()) == built.read_bytes()   # nothing left to add
+    words = spirv.module_words(built.read_bytes())
+    assert spirv_passes.declare_cooperative_matrix(words) == words   # nothing left to add
     # Under that model plain accesses are private to their invocation, which barriers do not order: the workgroup
     # accesses (the store to `s`, the matrix load from it) are non-private, as glslang makes GLSL's shared ones;
     # the buffers' stay plain
@@ -453,7 +454,7 @@ def words_of(path) -> list:
 
 @pytest.mark.parametrize("key", [key for _, key in MODULES if key.matrix and key.kv == "bf16"], ids=lambda k: k.name)
 def test_bfloat16_matrix_modules_declare_bfloat16_not_float16(key):
-    # build_shaders.bfloat16_matrices: the float16 type carries the bfloat16 encoding, the module asks for
+    # spirv_passes.bfloat16_matrices: the float16 type carries the bfloat16 encoding, the module asks for
     # bfloat16 (VK_KHR_shader_bfloat16's capabilities) and no longer for float16 arithmetic.
     ins = words_of(kernels.module_path(key.name))
     capabilities = {ops[0] for op, ops in ins if op == 17}
@@ -477,10 +478,10 @@ def test_bfloat16_pass_keeps_constants_exact_or_refuses(tmp_path):
         spv = tmp_path / "k.spv"
         build.run([glslang, "-V", "--target-env", "vulkan1.2", "-o", str(spv), str(src)], "glslang")
         if expect is None:
-            with pytest.raises(build.BuildError, match=r"float16 constant \(1.0009765625\) has no exact bfloat16"):
-                build.bfloat16_matrices(spv.read_bytes())
+            with pytest.raises(build.BuildError, match=r"k\.spv: a float16 constant \(1.0009765625\) has no exact"):
+                build.run_passes(spv, [build.load_module("spirv_passes").bfloat16_matrices])
             continue
-        spv.write_bytes(build.bfloat16_matrices(spv.read_bytes()))
+        build.run_passes(spv, [build.load_module("spirv_passes").bfloat16_matrices])
         ins = words_of(spv)
         half = next(ops[0] for op, ops in ins if op == 22 and ops[1] == 16)
         assert [ops[2] for op, ops in ins if op == 43 and ops[0] == half] == [expect]
