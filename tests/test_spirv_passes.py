@@ -140,7 +140,7 @@ def constants(words) -> dict:
 def test_instructions_match_spirv_dis_on_a_built_module():
     # The iterator walks as spirv-dis does (one instruction a line), and each opcode the table names is the one
     # spirv-dis names there: OP_FUNORD_NOT_EQUAL <-> OpFUnordNotEqual.
-    path = built_module("wgsl")
+    path = built_module("glsl")
     dis = subprocess.run(["spirv-dis", "--raw-id", "--no-header", "--no-color", str(path)], capture_output=True,
                          text=True, check=True).stdout
     names = [re.search(r"\b(Op\w+)", line)[1] for line in dis.splitlines() if line.strip()]
