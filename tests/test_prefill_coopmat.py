@@ -264,7 +264,7 @@ def test_matrix_kernels_match_reference(rng, direction, backend, layout, causal,
 @pytest.mark.parametrize("head_size", (64, 128))
 @pytest.mark.parametrize("q_len", (1, 100))
 def test_bfloat16_matrix_kernels_match_reference(rng, direction, layout, head_size, q_len, monkeypatch):
-    # The bfloat16 modules (build_shaders.bfloat16_matrices), forward, dq and dk/dv, on bfloat16 caches and queries.
+    # The bfloat16 modules (spirv_passes.bfloat16_matrices), forward, dq and dk/dv, on bfloat16 caches and queries.
     modules, pipeline = [], pagedvk.kernels.pipeline
     monkeypatch.setattr(pagedvk.kernels, "pipeline",
                         lambda device, kernel, key, *a: modules.append(key.name) or pipeline(device, kernel, key, *a))

@@ -156,6 +156,56 @@ def test_validation_messages_are_raised():
     assert "raised: Vulkan validation" in result.stdout, result.stdout + result.stderr
 
 
+def test_validation_messages_name_the_objects():
+    if not validation_available():
+        pytest.fail("VK_LAYER_KHRONOS_validation missing: install vulkan-validationlayers")
+    # With validation on, objects carry debug-utils names: a command buffer its op's, a pipeline (and its layout)
+    # its module's variant name, a buffer what it holds and, once bound, its role. Each is provoked into a
+    # message by a command that is recorded, never submitted.
+    result = run_python("""
+        import numpy as np, vulkan as vk, pagedvk
+        from pagedvk import abi, kernels
+        dev = pagedvk.default_device()
+
+        def message(name, record):
+            cmd = dev.command_buffer(name)
+            try:
+                cmd.record(record)
+            except pagedvk.ValidationError as e:
+                return str(e)
+            finally:
+                cmd.close()
+            return "no message"
+
+        # A push of the wrong stage names the pipeline layout, which carries the module's name.
+        p = kernels.pipeline(dev, abi.PAGED_DECODE, abi.PAGED_DECODE.key("glsl", "f32", "f32"))
+        data = vk.ffi.new("char[]", 4)
+        print("push:", message("push probe", lambda c: vk.vkCmdPushConstants(
+            c, p.layout, vk.VK_SHADER_STAGE_VERTEX_BIT, 0, 4, data)))
+        # A fill past a buffer's end names the buffer: the cache's role in the decode it was bound in.
+        rng = np.random.default_rng(1)
+        k = pagedvk.asarray(rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32), device=dev)
+        v = pagedvk.asarray(rng.standard_normal((6, 2, 32, 16)).astype(np.float32), device=dev)
+        q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+        bt = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+        pagedvk.paged_attention(q, k, v, bt, np.array([40, 17], np.int32))
+        buf = k._buffers[0]
+        print("fill:", message("fill probe", lambda c: vk.vkCmdFillBuffer(c, buf.handle, 0, buf.size + 4, 0)))
+        """, PAGEDVK_VALIDATION="1")
+    out = result.stdout + result.stderr
+    assert "name = push probe, type = VK_OBJECT_TYPE_COMMAND_BUFFER" in out, out
+    assert "VkPipelineLayout 0x" in out and "[paged_decode.kv_f32.glsl]" in out, out
+    assert "name = key_cache of paged_decode" in out and "array (6, 2, 8, 16, 4) float32, type = VK_OBJECT_TYPE_BUFFER" in out, out
+
+
+def test_object_names_cost_nothing_without_validation():
+    # Without validation nothing is named: no name is built, vkSetDebugUtilsObjectNameEXT is never looked up.
+    dev = pagedvk.default_device()
+    assert not dev.instance.validation and not dev.debug_names and dev._set_object_name is None
+    a = pagedvk.asarray(np.arange(4, dtype=np.float32), device=dev)
+    assert a._buffers[0].name is None
+
+
 def test_decode_is_clean_under_validation():
     if not validation_available():
         pytest.fail("VK_LAYER_KHRONOS_validation missing: install vulkan-validationlayers")

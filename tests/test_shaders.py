@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import pagedvk
-from pagedvk import abi, kernels, spirv
+from pagedvk import abi, kernels, spirv, spirv_passes
 from conftest import run_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -194,7 +194,7 @@ def naga_and_build(tmp_path, source: str) -> tuple:
     return raw.read_bytes(), built.read_bytes()
 
 
-# What makes a WGSL test module a matrix one (build_shaders.naga_matrix_fixes works on those only): declarations,
+# What makes a WGSL test module a matrix one (spirv_passes.naga_matrix_fixes works on those only): declarations,
 # and a product to put in its entry point.
 MATRIX_DECLARATIONS = ("enable f16;\nenable wgpu_cooperative_matrix;\nvar<workgroup> mh: array<f16, 256>;\n"
                        "var<workgroup> mf: array<f32, 256>;\n")
@@ -263,18 +263,10 @@ def test_wgsl_includes_are_pasted_and_tracked(tmp_path):
 
 def workgroup_null_stores(spv: bytes) -> int:
     """OpStores of a null constant to a workgroup variable (naga's zeroing of workgroup memory)."""
-    words = struct.unpack(f"<{len(spv) // 4}I", spv)
-    null, workgroup, stores, i = set(), set(), 0, 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == 46:
-            null.add(words[i + 2])
-        elif op == 59 and words[i + 3] == 4:
-            workgroup.add(words[i + 2])
-        elif op == 62 and words[i + 1] in workgroup and words[i + 2] in null:
-            stores += 1
-        i += count
-    return stores
+    ins = words_of_bytes(spv)
+    null = {ops[1] for op, ops in ins if op == spirv.OP_CONSTANT_NULL}
+    workgroup = {ops[1] for op, ops in ins if op == spirv.OP_VARIABLE and ops[2] == spirv.SC_WORKGROUP}
+    return sum(op == spirv.OP_STORE and ops[0] in workgroup and ops[1] in null for op, ops in ins)
 
 
 def test_wgsl_build_drops_workgroup_zeroing_only(tmp_path):
@@ -293,15 +285,9 @@ def test_wgsl_build_drops_workgroup_zeroing_only(tmp_path):
 
 def workgroup_strides(spv: bytes) -> tuple:
     """(ArrayStride decorations on the types of workgroup variables, ArrayStride decorations in all)."""
-    words = struct.unpack(f"<{len(spv) // 4}I", spv)
-    strided, workgroup, i = set(), set(), 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == 71 and words[i + 2] == 6:
-            strided.add(words[i + 1])
-        elif op == 32 and words[i + 2] == 4:
-            workgroup.add(words[i + 3])
-        i += count
+    ins = words_of_bytes(spv)
+    strided = {ops[0] for op, ops in ins if op == spirv.OP_DECORATE and ops[1] == spirv.DEC_ARRAY_STRIDE}
+    workgroup = {ops[2] for op, ops in ins if op == spirv.OP_TYPE_POINTER and ops[1] == spirv.SC_WORKGROUP}
     return len(strided & workgroup), len(strided)
 
 
@@ -354,7 +340,8 @@ def test_wgsl_matrix_modules_get_the_extension_and_memory_model_naga_leaves_out(
     assert [ops[1] for op, ops in ins if op == 14] == [3]                           # OpMemoryModel Logical Vulkan
     text = built.read_bytes()
     assert b"SPV_KHR_cooperative_matrix" in text and b"SPV_KHR_vulkan_memory_model" in text
-    assert build.declare_cooperative_matrix(built.read_bytes()) == built.read_bytes()   # nothing left to add
+    words = spirv.module_words(built.read_bytes())
+    assert spirv_passes.declare_cooperative_matrix(words) == words   # nothing left to add
     # Under that model plain accesses are private to their invocation, which barriers do not order: the workgroup
     # accesses (the store to `s`, the matrix load from it) are non-private, as glslang makes GLSL's shared ones;
     # the buffers' stay plain
@@ -388,26 +375,22 @@ def test_driver_compile_does_not_count_against_the_timeout():
 def loop_bound_exits(spv: bytes) -> int:
     """Conditional branches on all(counter == ...) of a vec2 counter that starts at (u32::MAX, u32::MAX):
     naga's bounding of every loop."""
-    words = struct.unpack(f"<{len(spv) // 4}I", spv)
-    u32_max, all_max, counters, loads, equal, tests, exits, i = set(), set(), set(), set(), set(), set(), 0, 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        w = words[i:i + count]
-        if op == 43 and count == 4 and w[3] == 0xFFFFFFFF:
-            u32_max.add(w[2])
-        elif op == 44 and count == 5 and {w[3], w[4]} <= u32_max:
-            all_max.add(w[2])
-        elif op == 59 and count == 5 and w[3] == 7 and w[4] in all_max:
-            counters.add(w[2])
-        elif op == 61 and w[3] in counters:
-            loads.add(w[2])
-        elif op == 170 and loads & {w[3], w[4]}:
-            equal.add(w[2])
-        elif op == 155 and w[3] in equal:
-            tests.add(w[2])
-        elif op == 250 and w[1] in tests:
+    u32_max, all_max, counters, loads, equal, tests, exits = set(), set(), set(), set(), set(), set(), 0
+    for op, a in words_of_bytes(spv):
+        if op == spirv.OP_CONSTANT and len(a) == 3 and a[2] == 0xFFFFFFFF:
+            u32_max.add(a[1])
+        elif op == spirv.OP_CONSTANT_COMPOSITE and len(a) == 4 and {a[2], a[3]} <= u32_max:
+            all_max.add(a[1])
+        elif op == spirv.OP_VARIABLE and len(a) == 4 and a[2] == spirv.SC_FUNCTION and a[3] in all_max:
+            counters.add(a[1])
+        elif op == spirv.OP_LOAD and a[2] in counters:
+            loads.add(a[1])
+        elif op == spirv.OP_IEQUAL and loads & {a[2], a[3]}:
+            equal.add(a[1])
+        elif op == spirv.OP_ALL and a[2] in equal:
+            tests.add(a[1])
+        elif op == spirv.OP_BRANCH_CONDITIONAL and a[0] in tests:
             exits += 1
-        i += count
     return exits
 
 
@@ -440,12 +423,7 @@ def test_wgsl_build_makes_float_not_equal_unordered(tmp_path):
 
 def words_of_bytes(data: bytes) -> list:
     """A module's instructions as (opcode, operand words), from its bytes."""
-    words = struct.unpack(f"<{len(data) // 4}I", data)
-    out, i = [], 5
-    while i < len(words):
-        out.append((words[i] & 0xFFFF, words[i + 1:i + (words[i] >> 16)]))
-        i += words[i] >> 16
-    return out
+    return [(op, operands) for _, op, operands in spirv.instructions(spirv.module_words(data))]
 
 
 def words_of(path) -> list:
@@ -455,7 +433,7 @@ def words_of(path) -> list:
 
 @pytest.mark.parametrize("key", [key for _, key in MODULES if key.matrix and key.kv == "bf16"], ids=lambda k: k.name)
 def test_bfloat16_matrix_modules_declare_bfloat16_not_float16(key):
-    # build_shaders.bfloat16_matrices: the float16 type carries the bfloat16 encoding, the module asks for
+    # spirv_passes.bfloat16_matrices: the float16 type carries the bfloat16 encoding, the module asks for
     # bfloat16 (VK_KHR_shader_bfloat16's capabilities) and no longer for float16 arithmetic.
     ins = words_of(kernels.module_path(key.name))
     capabilities = {ops[0] for op, ops in ins if op == 17}
@@ -479,10 +457,10 @@ def test_bfloat16_pass_keeps_constants_exact_or_refuses(tmp_path):
         spv = tmp_path / "k.spv"
         build.run([glslang, "-V", "--target-env", "vulkan1.2", "-o", str(spv), str(src)], "glslang")
         if expect is None:
-            with pytest.raises(build.BuildError, match=r"float16 constant \(1.0009765625\) has no exact bfloat16"):
-                build.bfloat16_matrices(spv.read_bytes())
+            with pytest.raises(build.BuildError, match=r"k\.spv: a float16 constant \(1.0009765625\) has no exact"):
+                build.run_passes(spv, [build.load_module("spirv_passes").bfloat16_matrices])
             continue
-        spv.write_bytes(build.bfloat16_matrices(spv.read_bytes()))
+        build.run_passes(spv, [build.load_module("spirv_passes").bfloat16_matrices])
         ins = words_of(spv)
         half = next(ops[0] for op, ops in ins if op == 22 and ops[1] == 16)
         assert [ops[2] for op, ops in ins if op == 43 and ops[0] == half] == [expect]
@@ -493,16 +471,9 @@ def test_bfloat16_pass_keeps_constants_exact_or_refuses(tmp_path):
 
 def barrier_semantics(spv: bytes) -> list:
     """(execution scope, semantics) of each OpControlBarrier, the constants' values."""
-    words = list(struct.unpack(f"<{len(spv) // 4}I", spv))
-    constants, barriers, i = {}, [], 5
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == 43 and count == 4:   # OpConstant
-            constants[words[i + 2]] = words[i + 3]
-        elif op == 224:               # OpControlBarrier
-            barriers.append((words[i + 1], words[i + 3]))
-        i += count
-    return [(constants[scope], constants[semantics]) for scope, semantics in barriers]
+    ins = words_of_bytes(spv)
+    constants = {ops[1]: ops[2] for op, ops in ins if op == spirv.OP_CONSTANT and len(ops) == 3}
+    return [(constants[ops[0]], constants[ops[2]]) for op, ops in ins if op == spirv.OP_CONTROL_BARRIER]
 
 
 def test_wgsl_subgroup_barriers_order_workgroup_memory(tmp_path):
@@ -525,13 +496,7 @@ def test_wgsl_subgroup_barriers_order_workgroup_memory(tmp_path):
 
 
 def capabilities(spv: bytes) -> set:
-    words = list(struct.unpack(f"<{len(spv) // 4}I", spv))
-    found, i = set(), 5
-    while i < len(words):
-        if words[i] & 0xFFFF == 17:   # OpCapability
-            found.add(words[i + 1])
-        i += words[i] >> 16
-    return found
+    return {ops[0] for op, ops in words_of_bytes(spv) if op == spirv.OP_CAPABILITY}
 
 
 def test_wgsl_build_drops_unused_16bit_storage_capabilities(tmp_path):

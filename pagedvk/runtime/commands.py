@@ -40,13 +40,14 @@ class DeviceCommands:
     """The command half of Device: command buffers and descriptor sets from its pools, which Vulkan
     requires the host to serialize (all under device.lock). Mixed into Device."""
 
-    def command_buffer(self) -> "CommandBuffer":
+    def command_buffer(self, name: str = "commands") -> "CommandBuffer":
+        """name: what it runs (an op, "upload"), which validation messages call it by."""
         self.require_open()
-        return CommandBuffer(self)
+        return CommandBuffer(self, name)
 
-    def run_once(self, record) -> None:
-        """Record `record(cmd)` into a fresh command buffer, submit it and wait."""
-        cmd = self.command_buffer()
+    def run_once(self, record, name: str = "commands") -> None:
+        """Record `record(cmd)` into a fresh command buffer (named `name`), submit it and wait."""
+        cmd = self.command_buffer(name)
         try:
             cmd.record(record)
             cmd.submit()
@@ -86,7 +87,7 @@ class CommandBuffer(Owned):
     serialize: all three hold device.lock. A submission holds it until its fence is signalled, so two
     threads submitting one command buffer (a DecodePlan's cached launch) take turns."""
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, name: str = "commands"):
         self.device = device
         d = device.handle
         with device.lock:
@@ -111,6 +112,8 @@ class CommandBuffer(Owned):
         self._elapsed = threading.local()  # each submitting thread's own timestamps (timestamps_ns)
         self._finalizer = device.own(self, functools.partial(
             _free_command_buffer, d, device.command_pool, self.handle, self.fence, self._query_pools))
+        if device.debug_names:
+            device.set_name(vk.VK_OBJECT_TYPE_COMMAND_BUFFER, self.handle, name)
 
     def _require_idle(self) -> None:
         """Open, and not still running an earlier submission. Callers hold device.lock."""

@@ -127,6 +127,11 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         except vk.VkError as e:
             raise_vk(e, f"creating a logical device on {info.name}")
         self.queue = vk.vkGetDeviceQueue(self.handle, self.queue_family, 0)
+        # With validation on, objects carry debug-utils names (set_name), so that a message names what it is about.
+        # Without it nothing is named: callers test `debug_names` first and build no name.
+        self.debug_names = self.instance.validation
+        self._set_object_name = (vk.vkGetInstanceProcAddr(self.instance.handle, "vkSetDebugUtilsObjectNameEXT")
+                                 if self.debug_names else None)
         self.memory_properties = vk.vkGetPhysicalDeviceMemoryProperties(pd)
         self.command_pool = vk.vkCreateCommandPool(self.handle, vk.VkCommandPoolCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, queueFamilyIndex=self.queue_family,
@@ -223,6 +228,14 @@ class Device(DeviceMemory, DeviceCommands, Owned):
     def __repr__(self) -> str:
         state = ", closed" if self.handle is None else ", lost" if self.lost is not None else ""
         return f"Device({self.name!r}, index={self.info.index}, serial={self.serial}{state})"
+
+    def set_name(self, object_type: int, handle, name: str) -> None:
+        """Give a Vulkan object (VK_OBJECT_TYPE_*, its handle) the name validation messages call it by
+        (vkSetDebugUtilsObjectNameEXT). Only with validation on: callers test `debug_names` first."""
+        # void vkSetDebugUtilsObjectNameEXT(VkDevice, const VkDebugUtilsObjectNameInfoEXT*)
+        self._set_object_name(self.handle, vk.VkDebugUtilsObjectNameInfoEXT(
+            sType=vk.VK_STRUCTURE_TYPE_DEBUG_UTILS_OBJECT_NAME_INFO_EXT, objectType=object_type,
+            objectHandle=int(vk.ffi.cast("uint64_t", handle)), pObjectName=name))
 
     def require_open(self) -> None:
         if self.handle is None or self._closing:

@@ -74,8 +74,10 @@ class Buffer(Owned):
 
     offset = 0   # where its bytes start in `handle`'s memory (a BufferRange starts further in)
 
-    def __init__(self, device: "Device", nbytes: int, host_visible: bool = False):
+    def __init__(self, device: "Device", nbytes: int, host_visible: bool = False, name: str | None = None):
+        """name: what it holds (an array's shape and dtype, "staging"), which validation messages call it by."""
         self.device = device
+        self.name = name
         self.uid = next(_buffer_uids)
         self.nbytes = nbytes
         self.size = max(16, (nbytes + 15) // 16 * 16)
@@ -127,6 +129,14 @@ class Buffer(Owned):
                 raise
             self._finalizer = device.own(self, functools.partial(_free_reserved, device, heap, self.size, d,
                                                                  self.handle, self.memory))
+            if device.debug_names:
+                self.name = name or f"{nbytes}-byte {'host ' if host_visible else ''}buffer"
+                device.set_name(vk.VK_OBJECT_TYPE_BUFFER, self.handle, self.name)
+
+    def name_role(self, role: str) -> None:
+        """Name it by the role it is bound in now (Launch: "k_cache of paged_decode.glsl.f16"), beside what it
+        holds. Only with validation on (device.debug_names)."""
+        self.device.set_name(vk.VK_OBJECT_TYPE_BUFFER, self.handle, f"{role}: {self.name}")
 
     def device_address(self) -> int:
         """The buffer's address, for kernels that read through buffer references (Vulkan 1.2)."""
@@ -175,6 +185,9 @@ class BufferRange:
 
     def device_address(self) -> int:
         return self.buffer.device_address() + self.offset - self.buffer.offset
+
+    def name_role(self, role: str) -> None:
+        self.buffer.name_role(role)   # a range has no handle of its own
 
 
 def _budget_or_none(device, host_visible: bool) -> HeapBudget | None:
@@ -296,22 +309,23 @@ class DeviceMemory:
                     return i, (want & mappable) == mappable
         raise VulkanError(f"{self.info.name}: no memory type with flags {wants[-1]:#x} for bits {type_bits:#x}")
 
-    def buffer(self, nbytes: int) -> Buffer:
+    def buffer(self, nbytes: int, name: str | None = None) -> Buffer:
+        """name: what it holds, for validation messages (see Buffer)."""
         self.require_open()
-        return Buffer(self, nbytes)
+        return Buffer(self, nbytes, name=name)
 
-    def host_buffer(self, nbytes: int) -> Buffer:
+    def host_buffer(self, nbytes: int, name: str | None = None) -> Buffer:
         """A host-visible buffer, mapped (`mapped`): a staging area of the caller's own, written and read
         with upload() and download(), which copy in place."""
         self.require_open()
-        return Buffer(self, nbytes, host_visible=True)
+        return Buffer(self, nbytes, host_visible=True, name=name)
 
     def _staging_buffer(self, nbytes: int) -> Buffer:
         # One staging buffer, grown as needed and reused; callers hold self.lock.
         if self._staging is None or self._staging.size < nbytes:
             if self._staging is not None:
                 self._staging.close()
-            self._staging = Buffer(self, max(nbytes, 1 << 20), host_visible=True)
+            self._staging = Buffer(self, max(nbytes, 1 << 20), host_visible=True, name="staging")
         return self._staging
 
     def upload(self, buf: Buffer, data: np.ndarray, offset: int = 0) -> None:
@@ -329,7 +343,7 @@ class DeviceMemory:
                 return
             staging = self._staging_buffer(src.nbytes)
             np.frombuffer(staging.mapped, np.uint8)[:src.nbytes] = src
-            self.copy(staging, buf, src.nbytes, dst_offset=offset)
+            self.copy_regions([(staging, buf, [(0, offset, src.nbytes)])], "upload")
 
     def download(self, buf: Buffer, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
         """The buffer's bytes as a new uint8 array."""
@@ -342,17 +356,17 @@ class DeviceMemory:
                 return np.frombuffer(buf.mapped, np.uint8)[start:start + nbytes].copy()
             staging = self._staging_buffer(nbytes)
             if nbytes:
-                self.copy(buf, staging, nbytes, src_offset=offset)
+                self.copy_regions([(buf, staging, [(offset, 0, nbytes)])], "download")
             return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
 
     def copy(self, src: Buffer, dst: Buffer, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> None:
         self.copy_regions([(src, dst, [(src_offset, dst_offset, nbytes)])])
 
-    def copy_regions(self, copies) -> None:
+    def copy_regions(self, copies, name: str = "copies") -> None:
         """Many buffer-to-buffer copies in one submission: copies is [(src, dst, [(src_offset, dst_offset,
         nbytes), ...])], one vkCmdCopyBuffer each (regions of one copy must not overlap). Offsets count from
         each buffer's own start (a BufferRange's offset is added here)."""
-        self.run_once(lambda cmd: record_copies(cmd, copies))
+        self.run_once(lambda cmd: record_copies(cmd, copies), name)
 
     def upload_regions(self, data: np.ndarray, targets) -> None:
         """Host bytes into many places of many buffers in one submission, through the reused staging buffer:
@@ -365,7 +379,7 @@ class DeviceMemory:
             self._settle(wait=True)   # the staging buffer may still be read by timed-out work
             staging = self._staging_buffer(data.nbytes)
             np.frombuffer(staging.mapped, np.uint8)[:data.nbytes] = data
-            self.copy_regions([(staging, dst, regions) for dst, regions in targets])
+            self.copy_regions([(staging, dst, regions) for dst, regions in targets], "upload")
 
     def download_regions(self, nbytes: int, sources) -> np.ndarray:
         """Many places of many buffers gathered into one new uint8 array of nbytes in one submission, through the
@@ -376,9 +390,9 @@ class DeviceMemory:
             self.require_open()
             self._settle(wait=True)
             staging = self._staging_buffer(nbytes)
-            self.copy_regions([(src, staging, regions) for src, regions in sources])
+            self.copy_regions([(src, staging, regions) for src, regions in sources], "download")
             return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
 
     def fill(self, buf: Buffer, value: int = 0) -> None:
         """Set every 32-bit word of the buffer to `value`."""
-        self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, buf.offset, buf.size, value))
+        self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, buf.offset, buf.size, value), "fill")

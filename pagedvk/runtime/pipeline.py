@@ -69,6 +69,11 @@ class Pipeline(Owned):
                 raise_vk(e, f"creating the pipeline of {name}")
             self._finalizer = device.own(self, functools.partial(
                 _destroy_pipeline, d, self.handle, self.module, self.layout, self.set_layout))
+            if device.debug_names:   # the module's variant name, as kernels.pipeline gives it
+                for object_type, handle in ((vk.VK_OBJECT_TYPE_PIPELINE, self.handle),
+                                            (vk.VK_OBJECT_TYPE_SHADER_MODULE, self.module),
+                                            (vk.VK_OBJECT_TYPE_PIPELINE_LAYOUT, self.layout)):
+                    device.set_name(object_type, handle, name)
         device.check()
         self._compile_now()
 
@@ -144,6 +149,9 @@ class DescriptorSet(Owned):
                                  f"got offset {b.offset}")
         self.device = device
         self._buffers = tuple(weakref.ref(b) for b in buffers)
+        if device.debug_names:   # each buffer by the role it is bound in ("k_cache of paged_decode...")
+            for b, binding in zip(buffers, pipeline.bindings):
+                b.name_role(f"{binding.name} of {pipeline.name}")
         infos = [vk.VkDescriptorBufferInfo(buffer=b.handle, offset=b.offset, range=b.size) for b in buffers]
         with device.lock:   # the pool, and no close() between the allocation and the write
             self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
@@ -215,7 +223,8 @@ class Launch(Owned):
         with device.lock:
             require_open_buffers(bound)
             self.descriptor_sets = [pipeline.descriptor_set(buffers) for pipeline, buffers, _, _ in steps]
-            self.command_buffer = cmd_buffer = device.command_buffer()
+            self.command_buffer = cmd_buffer = device.command_buffer(
+                " + ".join(dict.fromkeys(pipeline.name for pipeline, _, _, _ in steps)) or "copies")
 
             def record(cmd):
                 if transfers.before:
