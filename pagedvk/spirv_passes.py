@@ -81,8 +81,8 @@ def reached(inner: dict, types) -> set:
 def unordered_not_equal(words: list) -> list:
     """naga's float `!=` made unordered, as IEEE 754 (and GLSL's `!=`) has it: naga 30 writes `a != b` as
     OpFOrdNotEqual, false where either side is NaN, so `sum != 0.0` let a NaN sum pass for a zero one (the decode
-    reduce dropped a NaN partition: BENCHMARKS.md) and `x != x` is never true. OpFUnordNotEqual takes the same
-    operands."""
+    reduce dropped a NaN partition: docs/benchmarks-log.md, 2026-12-02 "NaN keys") and `x != x` is never true.
+    OpFUnordNotEqual takes the same operands."""
     return rewrite(words, lambda at, op, a: instruction(OP_FUNORD_NOT_EQUAL, *a) if op == OP_FORD_NOT_EQUAL else None)
 
 
