@@ -1,4 +1,4 @@
-"""Paged-attention decode: one query token per sequence over a paged KV cache in vLLM's layout.
+"""Paged-attention decode: one query token per sequence over a paged KV cache in any layout (pagedvk.layouts).
 
 Follows FlashInfer's plan/run split. A decode step runs the same attention for every layer with the same
 block tables, so ``DecodePlan`` does the per-step work once (checks, block tables and lengths on the
@@ -23,7 +23,7 @@ from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, 
 from .array import Array, DeviceArray, asarray, empty, zeros
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
 from .errors import ClosedError
-from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec
+from .layouts import LAYOUTS, MAX_HEAD_SIZE, CacheSpec, bind_caches, cache_spec, check_block_size
 from .matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type, with_operands
 from .opargs import backend_name, check_scale, device_of, softmax_scale
 from .runtime.instance import MatrixShape
@@ -143,9 +143,10 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
 
 def kernel_constants(layout: str, group: int) -> dict:
     """The GLSL kernel's specialization for a plan (abi.DECODE_*_SPEC_ID): the V stage of the cache layout
-    (vLLM's keeps a head dim's tokens contiguous, nhd a token's dims: the kernel's own test, v_dim_stride == 1,
-    holds exactly for nhd) and the width of the head group (at most 4 query heads per kv head, or 5 to 8)."""
-    return {DECODE_VALUE_ORDER_SPEC_ID: 2 if layout == "nhd" else 1, DECODE_GROUP_SPEC_ID: 4 if group <= 4 else 8}
+    (vLLM's keeps a head dim's tokens contiguous, nhd and hnd a token's dims: the kernel's own test,
+    v_dim_stride == 1, holds exactly for them; the rest of the addressing is strides) and the width of the head
+    group (at most 4 query heads per kv head, or 5 to 8)."""
+    return {DECODE_VALUE_ORDER_SPEC_ID: 1 if layout == "vllm" else 2, DECODE_GROUP_SPEC_ID: 4 if group <= 4 else 8}
 
 
 def fixed_name(constants: dict) -> str:
@@ -204,8 +205,9 @@ def _signature(arrays) -> tuple | None:
     return tuple(signature)
 
 
-def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks, dtype, scale) -> np.dtype:
+def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks, dtype, scale, layout) -> np.dtype:
     """Check a plan's arguments, each error naming its argument; returns the cache dtype."""
+    checks.one_of("layout", layout, LAYOUTS)
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -221,7 +223,7 @@ def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks
     if head_size % 4:   # the kernels read 4 head dims at a time
         raise ValueError(f"head_size must be a multiple of 4 in [4, {MAX_HEAD_SIZE}], got {head_size}")
     checks.integer("block_size", block_size, 1)
-    checks.one_of("block_size", block_size, BLOCK_SIZES)
+    check_block_size("block_size", block_size, layout, num_kv_heads, head_size, dt.itemsize)
     checks.integer("num_blocks", num_blocks, 0)
     check_scale(scale)
     return dt
@@ -238,7 +240,7 @@ class DecodePlan(Owned):
     dtype         the caches' dtype: float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2.
     query_dtype   float32, float16 or bfloat16; the output has it too. Default: dtype where it is one of
                   those, else float16 (fp8 caches serve 16-bit models).
-    layout        "vllm" or "nhd" (see pagedvk.layouts).
+    layout        "vllm", "nhd" or "hnd" (see pagedvk.layouts).
     k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back. Other
                   caches ignore them, as vLLM does.
     validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
@@ -265,7 +267,8 @@ class DecodePlan(Owned):
         self._closed, self._lock = True, threading.Lock()   # until constructed: close() works on a half-made plan
         checks.tables(block_tables, seq_lens)
         dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                               block_size=block_size, num_blocks=num_blocks, dtype=dtype, scale=scale)
+                               block_size=block_size, num_blocks=num_blocks, dtype=dtype, scale=scale,
+                               layout=layout)
         if validate:  # reads device-resident tables back; engines that trust their tables can skip it
             checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
         self.backend = backend_name(backend)
@@ -274,7 +277,6 @@ class DecodePlan(Owned):
         self.num_seqs = block_tables.shape[0]
         self.num_heads, self.num_kv_heads, self.head_size = int(num_heads), int(num_kv_heads), int(head_size)
         self.block_size, self.num_blocks = int(block_size), int(num_blocks)
-        checks.one_of("layout", layout, LAYOUTS)
         self.layout = layout
         self.spec = CacheSpec(layout, CACHE_TYPES[dtype], self.num_blocks, self.num_kv_heads, self.head_size,
                               self.block_size)
@@ -647,7 +649,9 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
                  num_kv_heads (MHA, GQA, MQA)
     key_cache    layout "vllm": [num_blocks, num_kv_heads, head_size // x, block_size, x], x = 16 // itemsize
                  layout "nhd":  [num_blocks, block_size, num_kv_heads, head_size]
-    value_cache  "vllm": [num_blocks, num_kv_heads, head_size, block_size]; "nhd": as key_cache
+                 layout "hnd":  [num_blocks, num_kv_heads, block_size, head_size] (FlashInfer's HND)
+    value_cache  "vllm": [num_blocks, num_kv_heads, head_size, block_size]; "nhd", "hnd": as key_cache
+                 block_size 8, 16 or 32; "nhd" and "hnd" also 1, 2 or 4 (pagedvk.layouts)
                  float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2; or uint8 with
                  kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2" (vLLM's), scaled by k_scale / v_scale
     block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids
