@@ -96,7 +96,9 @@ FIXED_WGSL_HEAD_SIZES = (64, 128)
 # serve float16 and bfloat16 models). Read from the push constant, WGSL's fp8 decode was 2.0-2.2% slower on the H200
 # than with the type in the module (2026-12-03). Other query types run the module that reads the layout too.
 FIXED_QUERY = {"f32": "f32", "f16": "f16", "bf16": "bf16", "e4m3": "f16", "e5m2": "f16"}
-DECODE_FIXED = {"vllm_g4": (1, 4), "vllm_g8": (1, 8), "nhd_g4": (2, 4), "nhd_g8": (2, 8)}   # (VALUE_ORDER, GROUP_LIMIT)
+# (VALUE_ORDER, GROUP_LIMIT). VALUE_ORDER 2 fixes only that a token's value dims are contiguous (v_dim_stride 1), the
+# rest being strides: the "nhd" modules serve "hnd" caches too.
+DECODE_FIXED = {"vllm_g4": (1, 4), "vllm_g8": (1, 8), "nhd_g4": (2, 4), "nhd_g8": (2, 8)}
 # Kernels of an op shaped for a kind of device, named by their source's suffix, shaders/<op>_<target>.comp (GLSL
 # only): "cpu", paged_decode for devices that run a subgroup as one SIMD register's lanes (lavapipe), with no
 # shared memory and no barrier. Built for every storage, head size and cache access the op's generic module
@@ -412,7 +414,7 @@ VARIANTS_SPEC_ID = 0
 # The decode kernel's own specialization constants (shaders/paged_decode.comp), set per plan by pagedvk/decode.py:
 # which V stage the cache layout needs, and how many query heads a workgroup takes. 0 (their default) reads
 # both from the push constants.
-DECODE_VALUE_ORDER_SPEC_ID = 1   # 1: a head dim's tokens contiguous (vLLM's layout); 2: a token's dims (nhd)
+DECODE_VALUE_ORDER_SPEC_ID = 1   # 1: a head dim's tokens contiguous (vLLM's layout); 2: a token's dims (nhd, hnd)
 DECODE_GROUP_SPEC_ID = 2         # 4: groups of at most 4 query heads; 8: of 5 to 8
 # The GPU decode kernels' (shaders/paged_decode.comp and paged_decode_coopmat.comp, not the CPU one): 1 where a split
 # of at most DECODE_MERGE_PARTITIONS partitions is merged in the decode dispatch (shaders/decode_merge.glsl); 0, its

@@ -17,7 +17,7 @@ from .array import empty
 from .blocks import BlockManager
 from .decode_plan import DecodePlan
 from .dtypes import CACHE_TYPES, storage_type
-from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, CacheSpec
+from .layouts import LAYOUTS, MAX_HEAD_SIZE, CacheSpec, check_block_size
 from .opargs import device_of
 from .prefill import paged_attention_prefill
 from .runtime.owned import Owned
@@ -44,7 +44,6 @@ class KVCache(Owned):
         checks.integer("num_layers", num_layers, 1)
         checks.integer("num_kv_heads", num_kv_heads, 1)
         checks.integer("block_size", block_size, 1)
-        checks.one_of("block_size", block_size, BLOCK_SIZES)
         checks.integer("num_host_blocks", num_host_blocks, 0)
         if num_blocks is not None:
             checks.integer("num_blocks", num_blocks, 1)
@@ -55,6 +54,7 @@ class KVCache(Owned):
         if head_size % multiple:
             raise ValueError(f"head_size must be a multiple of {multiple} in [{multiple}, {MAX_HEAD_SIZE}] for "
                              f"{storage} caches in layout {layout!r}, got {head_size}")
+        check_block_size("block_size", block_size, layout, num_kv_heads, head_size, storage.itemsize)
         if backend is not None:
             backend = config.backend(backend)
         self.device = device_of(device=device)

@@ -28,12 +28,15 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
                       *, backend: str | None = None, validate: bool = True) -> None:
     """Write each token's key and value into the cache slot slot_mapping gives it, in place.
 
-    key, value   float32, float16 or bfloat16, one dtype, [num_tokens, num_kv_heads, head_size]
+    key, value   float32, float16 or bfloat16, one dtype, [num_tokens, num_kv_heads, head_size]; numpy ones
+                 may be strided views (vLLM's key and value slices of a fused QKV tensor)
     key_cache    layout "vllm" [num_blocks, num_kv_heads, head_size // x, block_size, x] and
-    value_cache  [num_blocks, num_kv_heads, head_size, block_size], or "nhd" [num_blocks, block_size,
-                 num_kv_heads, head_size] both (pagedvk.layouts); float32, float16, bfloat16, float8_e4m3fn
-                 or float8_e5m2, or uint8 with vLLM's kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2".
-                 DeviceArrays are written on the device; numpy caches are updated in place (a round trip).
+    value_cache  [num_blocks, num_kv_heads, head_size, block_size], "nhd" [num_blocks, block_size,
+                 num_kv_heads, head_size] both, or "hnd" [num_blocks, num_kv_heads, block_size, head_size] both
+                 (pagedvk.layouts); float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, or uint8 with
+                 vLLM's kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2". DeviceArrays are written on the device;
+                 numpy caches are updated in place (a round trip), through the caller's view where they are one
+                 (kv[:, 0] and kv[:, 1] of one combined array).
     slot_mapping int32 or int64 [num_tokens]: slot = block * block_size + offset; negative slots are
                  padding and skipped
     k_scale, v_scale  fp8 caches store key / k_scale and value / v_scale, rounded to nearest even and
@@ -155,7 +158,7 @@ def copy_blocks(key_caches: list, value_caches: list, block_mapping: Array) -> N
 
     key_caches, value_caches  sequences of caches, one per layer, any layout and dtype, all with the same
                  num_blocks (shape[0]): DeviceArrays (on one device), copied on it in one submission, or numpy
-                 arrays (C-contiguous, writable), copied in place on the host, as vLLM's CPU backend does
+                 arrays (writable; views of a larger array too), copied in place on the host, as vLLM's CPU backend does
     block_mapping int32 or int64 [num_pairs, 2]: block src is copied to block dst in every cache. No block may
                  be written twice, nor written and read in one call (the copies run at once).
 
@@ -217,7 +220,8 @@ def swap_blocks(src: Array, dst: Array, block_mapping: Array) -> None:
     preemption): block_mapping[i] = (a block of src, a block of dst).
 
     src, dst     a DeviceArray and a numpy array (either way round), or two DeviceArrays; the same dtype and
-                 block shape (shape[1:]); a numpy dst must be C-contiguous and writable, and is written in place
+                 block shape (shape[1:]); a numpy dst must be writable, and is written in place (through the
+                 caller's view where it is one)
     block_mapping int32 or int64 [num_pairs, 2]; a dst block may be written once per call
 
     >>> host = np.empty(key_cache.shape, key_cache.dtype)
@@ -256,7 +260,8 @@ def swap_blocks(src: Array, dst: Array, block_mapping: Array) -> None:
         places = _block_places(src, pairs[:, 0])
         data = device.download_regions(len(pairs) * row, [(s, regions) for s, _, regions in _grouped(
             (s, None, (so, i * row, row)) for i, (s, so) in enumerate(places))])
-        dst.reshape(dst.shape[0], -1).view(np.uint8)[pairs[:, 1]] = data.reshape(len(pairs), row)
+        # Through dst's own indexing: reshaping a strided view (kv[:, 0]) would write a copy.
+        dst[pairs[:, 1]] = data.view(dst.dtype).reshape((len(pairs),) + tuple(dst.shape[1:]))
     else:                               # host -> device
         data = np.ascontiguousarray(src).reshape(src.shape[0], -1).view(np.uint8)[pairs[:, 0]]
         places = _block_places(dst, pairs[:, 1])

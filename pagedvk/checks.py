@@ -8,10 +8,10 @@ from .array import DeviceArray
 
 
 def kind(name: str, a) -> None:
+    """A numpy array (any strides: the ops copy numpy inputs to the device, and write numpy outputs and caches
+    back through the caller's view) or a DeviceArray (C-contiguous by construction)."""
     if not isinstance(a, (np.ndarray, DeviceArray)):
         raise TypeError(f"{name} must be a numpy array or a pagedvk.DeviceArray, not {type(a).__name__}")
-    if isinstance(a, np.ndarray) and not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
 
 
 def writable(name: str, a) -> None:

@@ -14,7 +14,7 @@ from . import bench, config, suite
 from .abi import PAGED_DECODE
 from .decode_rules import MATRIX_BLOCK_SIZE, MATRIX_MIN_TOKENS, decode_target, subgroup_reductions
 from .dtypes import CACHE_TYPES, device_dtypes
-from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
+from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, VLLM_BLOCK_SIZES, check_block_size
 from .matrix import matrix_unavailable
 from .errors import PagedVKError
 from .prefill import describe_choice
@@ -275,6 +275,11 @@ def check_demo(parser, args) -> None:
     if args.head_size % multiple or args.head_size > MAX_HEAD_SIZE:
         parser.error(f"argument --head-size: must be a multiple of {multiple} up to {MAX_HEAD_SIZE} for {args.dtype} "
                      f"caches in layout {args.layout}, got {args.head_size}")
+    try:
+        check_block_size("--block-size:", args.block_size, args.layout, args.kv_heads, args.head_size,
+                         np.dtype(args.dtype).itemsize)
+    except ValueError as e:
+        parser.error(f"argument {e}")
 
 
 def cmd_demo(args) -> int:
@@ -299,8 +304,8 @@ def main(argv=None) -> int:
     b.add_argument("--num-kv-heads", type=positive, default=d.num_kv_heads,
                    help="key/value heads (GQA: num-heads must be a multiple)")
     b.add_argument("--head-size", type=positive, default=d.head_size, help=f"per head, at most {MAX_HEAD_SIZE}")
-    b.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=d.block_size,
-                   help="tokens per cache block")
+    b.add_argument("--block-size", type=int, choices=VLLM_BLOCK_SIZES, default=d.block_size,
+                   help="tokens per cache block (the benchmark's caches are in vLLM's layout)")
     b.add_argument("--context", type=positive, default=None, help=f"tokens cached per sequence (default: {d.context})")
     b.add_argument("--dtype", choices=sorted(bench.TOLERANCE), default=None,
                    help=f"cache dtype (fp8 caches run with float16 queries) (default: {d.dtype})")
@@ -336,10 +341,11 @@ def main(argv=None) -> int:
     m.add_argument("--kv-heads", type=positive, default=2)
     m.add_argument("--head-size", type=positive, default=16, help=f"per head, at most {MAX_HEAD_SIZE}")
     m.add_argument("--num-blocks", type=positive, default=48, help="device blocks (few enough to preempt)")
-    m.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=8)
+    m.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=8,
+                   help="tokens per cache block (1, 2 and 4 in layouts nhd and hnd only)")
     m.add_argument("--seed", type=at_least(0), default=0)
     m.add_argument("--dtype", choices=sorted(bench.TOLERANCE), default="float32", help="cache dtype")
-    m.add_argument("--layout", choices=("vllm", "nhd"), default="vllm", help="cache layout")
+    m.add_argument("--layout", choices=LAYOUTS, default="vllm", help="cache layout")
     m.add_argument("--check", action="store_true",
                    help="compare every step's attention with float64 and every sample's tokens with a dense run")
     m.set_defaults(run=cmd_demo)

@@ -32,7 +32,9 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
                  num_kv_heads (MHA, GQA, MQA)
     key_cache    layout "vllm": [num_blocks, num_kv_heads, head_size // x, block_size, x], x = 16 // itemsize
                  layout "nhd":  [num_blocks, block_size, num_kv_heads, head_size]
-    value_cache  "vllm": [num_blocks, num_kv_heads, head_size, block_size]; "nhd": as key_cache
+                 layout "hnd":  [num_blocks, num_kv_heads, block_size, head_size] (FlashInfer's HND)
+    value_cache  "vllm": [num_blocks, num_kv_heads, head_size, block_size]; "nhd", "hnd": as key_cache
+                 block_size 8, 16 or 32; "nhd" and "hnd" also 1, 2 or 4 (pagedvk.layouts)
                  float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2; or uint8 with
                  kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2" (vLLM's), scaled by k_scale / v_scale
     block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids

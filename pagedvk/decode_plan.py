@@ -18,7 +18,7 @@ from .array import Array, DeviceArray, asarray, empty, zeros
 from .decode_rules import decode_choice, decode_matrix, plan_arguments
 from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
 from .errors import ClosedError
-from .layouts import LAYOUTS, CacheSpec, bind_caches, cache_spec
+from .layouts import CacheSpec, bind_caches, cache_spec
 from .matrix import MATRIX_KIND
 from .opargs import backend_name, device_of, softmax_scale
 from .runtime.owned import Owned
@@ -54,7 +54,7 @@ class DecodePlan(Owned):
     dtype         the caches' dtype: float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2.
     query_dtype   float32, float16 or bfloat16; the output has it too. Default: dtype where it is one of
                   those, else float16 (fp8 caches serve 16-bit models).
-    layout        "vllm" or "nhd" (see pagedvk.layouts).
+    layout        "vllm", "nhd" or "hnd" (see pagedvk.layouts).
     k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back. Other
                   caches ignore them, as vLLM does.
     validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
@@ -81,7 +81,8 @@ class DecodePlan(Owned):
         self._closed, self._lock = True, threading.Lock()   # until constructed: close() works on a half-made plan
         checks.tables(block_tables, seq_lens)
         dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                               block_size=block_size, num_blocks=num_blocks, dtype=dtype, scale=scale)
+                               block_size=block_size, num_blocks=num_blocks, dtype=dtype, scale=scale,
+                               layout=layout)
         if validate:  # reads device-resident tables back; engines that trust their tables can skip it
             checks.block_table_values(block_tables, seq_lens, block_size, num_blocks)
         self.backend = backend_name(backend)
@@ -89,7 +90,6 @@ class DecodePlan(Owned):
         self.num_seqs = block_tables.shape[0]
         self.num_heads, self.num_kv_heads, self.head_size = int(num_heads), int(num_kv_heads), int(head_size)
         self.block_size, self.num_blocks = int(block_size), int(num_blocks)
-        checks.one_of("layout", layout, LAYOUTS)
         self.layout = layout
         self.spec = CacheSpec(layout, CACHE_TYPES[dtype], self.num_blocks, self.num_kv_heads, self.head_size,
                               self.block_size)

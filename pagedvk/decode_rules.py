@@ -16,7 +16,7 @@ from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, 
                   DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
                   PAGED_DECODE_REDUCE, VariantKey, head_size_constant, q_type_constant)
 from .dtypes import CACHE_TYPES
-from .layouts import BLOCK_SIZES, MAX_HEAD_SIZE
+from .layouts import LAYOUTS, MAX_HEAD_SIZE, check_block_size
 from .matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type, with_operands
 from .opargs import check_scale
 from .runtime.instance import MatrixShape
@@ -130,9 +130,10 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
 
 def kernel_constants(layout: str, group: int) -> dict:
     """The GLSL kernel's specialization for a plan (abi.DECODE_*_SPEC_ID): the V stage of the cache layout
-    (vLLM's keeps a head dim's tokens contiguous, nhd a token's dims: the kernel's own test, v_dim_stride == 1,
-    holds exactly for nhd) and the width of the head group (at most 4 query heads per kv head, or 5 to 8)."""
-    return {DECODE_VALUE_ORDER_SPEC_ID: 2 if layout == "nhd" else 1, DECODE_GROUP_SPEC_ID: 4 if group <= 4 else 8}
+    (vLLM's keeps a head dim's tokens contiguous, nhd and hnd a token's dims: the kernel's own test,
+    v_dim_stride == 1, holds exactly for them; the rest of the addressing is strides) and the width of the head
+    group (at most 4 query heads per kv head, or 5 to 8)."""
+    return {DECODE_VALUE_ORDER_SPEC_ID: 1 if layout == "vllm" else 2, DECODE_GROUP_SPEC_ID: 4 if group <= 4 else 8}
 
 
 def fixed_name(constants: dict) -> str:
@@ -178,8 +179,9 @@ def values_with_keys(storage: str, tokens: int) -> bool:
     return storage in ("f16", "bf16") and tokens <= TILE
 
 
-def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks, dtype, scale) -> np.dtype:
+def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks, dtype, scale, layout) -> np.dtype:
     """Check a plan's arguments, each error naming its argument; returns the cache dtype."""
+    checks.one_of("layout", layout, LAYOUTS)
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -195,7 +197,7 @@ def plan_arguments(*, num_heads, num_kv_heads, head_size, block_size, num_blocks
     if head_size % 4:   # the kernels read 4 head dims at a time
         raise ValueError(f"head_size must be a multiple of 4 in [4, {MAX_HEAD_SIZE}], got {head_size}")
     checks.integer("block_size", block_size, 1)
-    checks.one_of("block_size", block_size, BLOCK_SIZES)
+    check_block_size("block_size", block_size, layout, num_kv_heads, head_size, dt.itemsize)
     checks.integer("num_blocks", num_blocks, 0)
     check_scale(scale)
     return dt

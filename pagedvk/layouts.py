@@ -4,6 +4,13 @@ Layouts (vLLM's names; x = 16 // itemsize elements make one 16-byte key chunk):
   "vllm"  key   [num_blocks, num_kv_heads, head_size // x, block_size, x]
           value [num_blocks, num_kv_heads, head_size, block_size]
   "nhd"   key and value [num_blocks, block_size, num_kv_heads, head_size] (FlashInfer's NHD, vLLM's flash layout)
+  "hnd"   key and value [num_blocks, num_kv_heads, block_size, head_size] (FlashInfer's HND)
+In every layout a token's four consecutive key dims are contiguous; in "nhd" and "hnd" its value dims are too, in
+"vllm" a value dim's tokens. The kernels read all three through CacheSpec.strides().
+
+Block sizes: powers of two up to 32. vLLM's layout takes 8, 16 and 32 (vLLM's own): its values are read four
+tokens a load, so a block holds 4 tokens at least, and vLLM has no smaller block. The token-major layouts also take
+1, 2 and 4 (FlashInfer's page size 1 among them).
 """
 
 from __future__ import annotations
@@ -14,18 +21,42 @@ from . import checks
 from .abi import KV_SEGMENTS
 from .dtypes import CACHE_TYPES, StorageType, cache_type
 
-LAYOUTS = ("vllm", "nhd")
-BLOCK_SIZES = (8, 16, 32)
+LAYOUTS = ("vllm", "nhd", "hnd")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32)      # "nhd" and "hnd"
+VLLM_BLOCK_SIZES = (8, 16, 32)          # "vllm"
+# The kernels address a block in 16-byte chunks (the decode's and every WGSL module's loads): one block of one cache
+# must be a whole number of them, which blocks of 8 tokens and more always are (head sizes are multiples of 4).
+BLOCK_ALIGN = 16
 MAX_HEAD_SIZE = 256
 
 SHAPES = {
     "vllm": ("[num_blocks, num_kv_heads, head_size // x, block_size, x]",
              "[num_blocks, num_kv_heads, head_size, block_size]"),
     "nhd": ("[num_blocks, block_size, num_kv_heads, head_size]",) * 2,
+    "hnd": ("[num_blocks, num_kv_heads, block_size, head_size]",) * 2,
 }
 
 VALUE_AXES = {"vllm": ("num_blocks", "num_kv_heads", "head_size", "block_size"),
-              "nhd": ("num_blocks", "block_size", "num_kv_heads", "head_size")}
+              "nhd": ("num_blocks", "block_size", "num_kv_heads", "head_size"),
+              "hnd": ("num_blocks", "num_kv_heads", "block_size", "head_size")}
+
+
+def block_sizes(layout: str) -> tuple:
+    """The block sizes a layout takes."""
+    return VLLM_BLOCK_SIZES if layout == "vllm" else BLOCK_SIZES
+
+
+def check_block_size(name: str, block_size: int, layout: str, num_kv_heads: int, head_size: int, itemsize: int):
+    """block_size one the layout takes, with blocks of whole 16-byte chunks (BLOCK_ALIGN); errors name `name`."""
+    allowed = block_sizes(layout)
+    if block_size not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))} in layout {layout!r}, got {block_size}")
+    block_bytes = num_kv_heads * head_size * block_size * itemsize
+    if block_bytes % BLOCK_ALIGN:
+        raise ValueError(f"{name} {block_size} makes blocks of {num_kv_heads} kv heads x {head_size} dims x "
+                         f"{block_size} tokens x {itemsize} bytes = {block_bytes} bytes, not a multiple of "
+                         f"{BLOCK_ALIGN}: the kernels address blocks in {BLOCK_ALIGN}-byte chunks (use a larger "
+                         "block size)")
 
 
 @dataclass(frozen=True)
@@ -43,12 +74,14 @@ class CacheSpec:
     def key_shape(self) -> tuple:
         if self.layout == "nhd":
             return (self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        if self.layout == "hnd":
+            return (self.num_blocks, self.num_kv_heads, self.block_size, self.head_size)
         x = self.storage.x
         return (self.num_blocks, self.num_kv_heads, self.head_size // x, self.block_size, x)
 
     @property
     def value_shape(self) -> tuple:
-        if self.layout == "nhd":
+        if self.layout != "vllm":
             return self.key_shape
         return (self.num_blocks, self.num_kv_heads, self.head_size, self.block_size)
 
@@ -62,11 +95,11 @@ class CacheSpec:
         elements, value strides in elements."""
         block = self.num_kv_heads * self.head_size * self.block_size
         hs, bs, x = self.head_size, self.block_size, self.storage.x
-        if self.layout == "nhd":
-            token = self.num_kv_heads * hs
-            keys = dict(k_block_stride=block // 4, k_head_stride=hs // 4, k_token_stride=token // 4,
+        if self.layout != "vllm":   # a token's head dims contiguous; "nhd" puts tokens outside heads, "hnd" inside
+            token, head = (self.num_kv_heads * hs, hs) if self.layout == "nhd" else (hs, bs * hs)
+            keys = dict(k_block_stride=block // 4, k_head_stride=head // 4, k_token_stride=token // 4,
                         k_chunk_stride=x // 4)
-            values = dict(v_block_stride=block, v_head_stride=hs, v_token_stride=token, v_dim_stride=1)
+            values = dict(v_block_stride=block, v_head_stride=head, v_token_stride=token, v_dim_stride=1)
         else:
             keys = dict(k_block_stride=block // 4, k_head_stride=hs * bs // 4, k_token_stride=x // 4,
                         k_chunk_stride=bs * x // 4)
@@ -99,14 +132,18 @@ def cache_spec(key_cache, value_cache, layout: str = "vllm", kv_cache_dtype: str
             raise ValueError(f"key_cache.shape[4] (x) must be 16 // itemsize = {storage.x} for {storage}, got {x}")
         head_size, where = head_chunks * x, "key_cache.shape[2] * x"
         block_axis, heads_axis = 3, 1
-    else:
+    elif layout == "nhd":
         num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
         where, block_axis, heads_axis = "key_cache.shape[3]", 1, 2
-    checks.one_of(f"block_size (key_cache.shape[{block_axis}])", block_size, BLOCK_SIZES)
+    else:
+        num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
+        where, block_axis, heads_axis = "key_cache.shape[3]", 2, 1
     if head_size % 4 or not 0 < head_size <= MAX_HEAD_SIZE:   # the kernels read 4 head dims at a time
         raise ValueError(f"head_size ({where}) must be a multiple of 4 in [4, {MAX_HEAD_SIZE}], got {head_size}")
     if num_kv_heads < 1:
         raise ValueError(f"key_cache.shape[{heads_axis}] (num_kv_heads) must be at least 1, got {num_kv_heads}")
+    check_block_size(f"block_size (key_cache.shape[{block_axis}])", block_size, layout, num_kv_heads, head_size,
+                     storage.itemsize)
     spec = CacheSpec(layout, storage, num_blocks, num_kv_heads, head_size, block_size)
     axes = VALUE_AXES[layout]
     for axis, (expected, what) in enumerate(zip(spec.value_shape, axes)):

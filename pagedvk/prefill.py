@@ -40,16 +40,20 @@ MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefi
 # scalar kernel's small tiles in the same submission, where a 64-row matrix tile would be mostly empty and
 # still walk the whole context. Decode tokens go to the decode kernel instead (_DecodePart).
 MATRIX_MIN_ROWS = MATRIX_ROWS // 2
-DKDV_KEYS = 16           # block tokens per workgroup of paged_backward_dkdv, at most (fewer in smaller blocks)
+# The smallest block the matrix kernels take: their subgroups keep a window of 32 block ids, one per lane
+# (prefill_matrix.glsl's block_window), which must cover two steps of 64 keys.
+MATRIX_MIN_BLOCK_SIZE = 8
+DKDV_KEYS = 16           # block tokens per workgroup of paged_backward_dkdv, at most (a whole smaller block)
 MAX_GROUPS = 65535       # the fewest workgroups per grid dimension a Vulkan device may allow
 PREFILL_KERNELS = ("auto", "scalar", "coopmat")
 
 
 def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, head_size: int,
-                  kernel: str = "auto") -> str:
+                  kernel: str = "auto", block_size: int = 16) -> str:
     """The forward's matrix kind for these arguments: "coopmat" where a module exists for them (GLSL: float16
-    or bfloat16 caches and queries of one type; WGSL: float16; head size 64 or 128) and the device runs it
-    (bfloat16: bfloat16 matrices too), else "" (the scalar kernel). A WGSL plan's backward runs the scalar
+    or bfloat16 caches and queries of one type; WGSL: float16; head size 64 or 128; blocks of at least
+    MATRIX_MIN_BLOCK_SIZE tokens) and the device runs it (bfloat16: bfloat16 matrices too), else "" (the scalar
+    kernel). A WGSL plan's backward runs the scalar
     kernels whatever this says (_Problem.matrix_for).
     kernel="scalar" or "coopmat" forces the choice; "coopmat" raises ValueError where it cannot run."""
     if kernel not in PREFILL_KERNELS:
@@ -63,6 +67,9 @@ def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, hea
         why = (f"the cooperative-matrix prefill is built for float16 or bfloat16 caches and queries (the same type; "
                f"backend 'wgsl': float16 only) at head sizes {sizes}, not backend {backend!r}, cache {kv}, "
                f"query {q}, head size {head_size}")
+    if not why and block_size < MATRIX_MIN_BLOCK_SIZE:
+        why = (f"the cooperative-matrix prefill and backward take blocks of {MATRIX_MIN_BLOCK_SIZE} tokens and more "
+               f"(a subgroup's window of 32 block ids covers a step's keys), not {block_size}")
     if why and kernel == "coopmat":
         raise ValueError(f"kernel='coopmat' cannot run on {info.name}: {why}")
     return "" if why else MATRIX_KIND
@@ -202,7 +209,7 @@ class _Problem:
         self.host = isinstance(query, np.ndarray)
         # The kernels' matrix kind ("" scalar), the forward's and the backward's alike.
         self.matrix = matrix_kernel(self.device.info, self.device.features, self.backend, spec.storage.tag,
-                                    self.query_type.tag, self.head_size, kernel)
+                                    self.query_type.tag, self.head_size, kernel, spec.block_size)
         self.kernel = kernel
         # num_blocks is the caches' shape[0]: their buffers (and dk_cache's, dv_cache's) hold that many blocks,
         # and the kernels bound block ids by it rather than by the buffers' length() (attention_common.glsl).
@@ -387,10 +394,11 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
     batch of prompts, prompt chunks and decode tokens (q_len_s = 1) in one launch.
 
     {query}
-    key_cache    layout "nhd" [num_blocks, block_size, num_kv_heads, head_size] or "vllm" (pagedvk.layouts);
-    value_cache  float32, float16, bfloat16, float8_e4m3fn or float8_e5m2 (or uint8 with vLLM's
-                 kv_cache_dtype and k_scale / v_scale); num_heads a multiple of num_kv_heads (GQA/MQA);
-                 head_size a multiple of 4 up to 256; block_size 8, 16 or 32
+    key_cache    layout "nhd" [num_blocks, block_size, num_kv_heads, head_size], "hnd" [num_blocks, num_kv_heads,
+    value_cache  block_size, head_size] or "vllm" (pagedvk.layouts); float32, float16, bfloat16, float8_e4m3fn
+                 or float8_e5m2 (or uint8 with vLLM's kv_cache_dtype and k_scale / v_scale); num_heads a multiple
+                 of num_kv_heads (GQA/MQA); head_size a multiple of 4 up to 256; block_size 8, 16 or 32, and in
+                 "nhd" and "hnd" also 1, 2 or 4
     block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids
     seq_lens     int32 [num_seqs]: tokens per sequence, the new ones included (vLLM's seq_lens); at least
                  q_len_s (the fixed-q_len form also takes 0, an empty sequence: zeros out, lse -inf)
@@ -539,7 +547,7 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
 
     {query}
     dout, out    the query's shape and dtype
-    key_cache, value_cache  float32, float16 or bfloat16, either layout
+    key_cache, value_cache  float32, float16 or bfloat16, any layout
     lse          float32, the query's shape without head_size
     out and lse are what paged_attention_prefill returned for these arguments. The gradients are float32,
     accumulated in float32: dq has the query's shape, dk_cache and dv_cache the caches' shapes and layout.
@@ -578,7 +586,7 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
     inputs = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                   seq_lens=seq_lens, query_start_loc=p.query_start_loc_arg, **tiles, dout=dout, out=out, lse=lse,
                   block_readers=p.block_readers())
-    dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, p.block_size // min(p.block_size, DKDV_KEYS))
+    dkdv_grid = (min(p.num_blocks, MAX_GROUPS), p.num_kv_heads, -(-p.block_size // DKDV_KEYS))
     # dq and dk/dv read what delta wrote (one barrier after it) and nothing of each other's: side by side (3630
     # against 3704 us with a barrier between them on the H200 at issue 12's shape; docs/benchmarks-log.md, 2026-12-03).
     return (p, [delta_dispatch] + dq_dispatches + [(PAGED_BACKWARD_DKDV, dkdv_grid, dict(group="tiles"))], inputs,

@@ -6,20 +6,16 @@ import ml_dtypes
 import numpy as np
 
 
-def gather_kv(key_cache, value_cache, block_table_row, seq_len):
-    """The keys and values of one sequence, in token order, from vLLM's paged layout.
+def gather_kv(key_cache, value_cache, block_table_row, seq_len, layout="vllm"):
+    """The keys and values of one sequence, in token order, from a paged cache in `layout` (caches_as_nhd).
 
-    key_cache [num_blocks, num_kv_heads, head_size // x, block_size, x] -> keys [seq_len, num_kv_heads, head_size]
-    value_cache [num_blocks, num_kv_heads, head_size, block_size]      -> values [seq_len, num_kv_heads, head_size]
+    key_cache, value_cache -> keys, values [seq_len, num_kv_heads, head_size]
     """
-    num_blocks, num_kv_heads, head_chunks, block_size, x = key_cache.shape
+    block_size = nhd_shape(key_cache, value_cache, layout)[1]
     used = -(-seq_len // block_size)
     blocks = np.asarray(block_table_row[:used], dtype=np.int64)
-    k = key_cache[blocks].astype(np.float64)           # [used, kv_heads, head_size/x, block_size, x]
-    k = k.transpose(0, 3, 1, 2, 4).reshape(used * block_size, num_kv_heads, head_chunks * x)
-    v = value_cache[blocks].astype(np.float64)         # [used, kv_heads, head_size, block_size]
-    v = v.transpose(0, 3, 1, 2).reshape(used * block_size, num_kv_heads, head_chunks * x)
-    return k[:seq_len], v[:seq_len]
+    k, v = caches_as_nhd(key_cache[blocks], value_cache[blocks], layout)   # [used, block_size, kv_heads, head_size]
+    return (k.reshape(-1, *k.shape[2:])[:seq_len], v.reshape(-1, *v.shape[2:])[:seq_len])
 
 
 # -- the attention variants (pagedvk.variants), as plain formulas over positions ---------------------------
@@ -49,19 +45,19 @@ def attention(q, k, v, scale):
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=None, alibi_slopes=None,
-                    logits_soft_cap=None, sinks=None, window_left=-1, return_lse=False):
+                    logits_soft_cap=None, sinks=None, window_left=-1, return_lse=False, layout="vllm"):
     """Decode attention: query [num_seqs, num_heads, head_size] -> out [num_seqs, num_heads, head_size], and
     with return_lse (out, lse [num_seqs, num_heads]). Each query is its sequence's last position; the variants
-    as pagedvk.variants defines them."""
+    as pagedvk.variants defines them; caches in `layout` (caches_as_nhd)."""
     query = np.asarray(query, dtype=np.float64)
     num_seqs, num_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[1]
+    num_kv_heads = nhd_shape(key_cache, value_cache, layout)[2]
     group = num_heads // num_kv_heads
     scale = 1.0 / np.sqrt(head_size) if scale is None else scale
     out, lse = np.zeros_like(query), np.zeros((num_seqs, num_heads))
     for s in range(num_seqs):
         n = int(seq_lens[s])
-        k, v = gather_kv(key_cache, value_cache, block_tables[s], n)
+        k, v = gather_kv(key_cache, value_cache, block_tables[s], n, layout)
         for h in range(num_heads):
             x = logits(query[s, h][None], k[:, h // group], scale, [n - 1], np.arange(n),
                        None if alibi_slopes is None else alibi_slopes[h], logits_soft_cap, window_left)
@@ -89,25 +85,42 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
 
 # -- prefill and its backward: ragged batches (or q_len queries per sequence), either cache layout ---------
 
-def caches_as_nhd(key_cache, value_cache, layout):
-    """Both caches as float64 [num_blocks, block_size, num_kv_heads, head_size] ("nhd"), from either layout.
+def nhd_views(key_cache, value_cache, layout):
+    """Both caches seen as [num_blocks, block_size, num_kv_heads, head_size] ("nhd"), in their own dtype: views
+    where the layout allows (vLLM's key is a reshaped copy).
 
     "nhd":  key and value [num_blocks, block_size, num_kv_heads, head_size]
+    "hnd":  key and value [num_blocks, num_kv_heads, block_size, head_size]
     "vllm": key [num_blocks, num_kv_heads, head_size // x, block_size, x], value [num_blocks, num_kv_heads,
             head_size, block_size]
     """
-    k, v = np.asarray(key_cache, np.float64), np.asarray(value_cache, np.float64)
+    k, v = np.asarray(key_cache), np.asarray(value_cache)
     if layout == "nhd":
         return k, v
+    if layout == "hnd":
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     num_blocks, num_kv_heads, head_chunks, block_size, x = k.shape
     return (k.transpose(0, 3, 1, 2, 4).reshape(num_blocks, block_size, num_kv_heads, head_chunks * x),
             v.transpose(0, 3, 1, 2))
+
+
+def nhd_shape(key_cache, value_cache, layout) -> tuple:
+    """[num_blocks, block_size, num_kv_heads, head_size] of caches in `layout` (nothing copied)."""
+    return (len(key_cache),) + nhd_views(key_cache[:1], value_cache[:1], layout)[0].shape[1:]
+
+
+def caches_as_nhd(key_cache, value_cache, layout):
+    """Both caches as float64 [num_blocks, block_size, num_kv_heads, head_size] ("nhd"), from any layout
+    (nhd_views)."""
+    return tuple(a.astype(np.float64) for a in nhd_views(key_cache, value_cache, layout))
 
 
 def nhd_as_cache(k, v, layout, key_shape):
     """The inverse of caches_as_nhd: [num_blocks, block_size, num_kv_heads, head_size] arrays in `layout`."""
     if layout == "nhd":
         return k, v
+    if layout == "hnd":
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     num_blocks, num_kv_heads, head_chunks, block_size, x = key_shape
     return (k.reshape(num_blocks, block_size, num_kv_heads, head_chunks, x).transpose(0, 2, 3, 1, 4),
             v.transpose(0, 2, 3, 1))
@@ -240,13 +253,14 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layout="
     kc, vc = np.array(key_cache), np.array(value_cache)
     dtype = kc.dtype if dtype is None else np.dtype(dtype)
     slots = np.asarray(slot_mapping, np.int64)
-    num_blocks, block_size = kc.shape[0], (kc.shape[1] if layout == "nhd" else kc.shape[3])
+    num_blocks, block_size = nhd_shape(kc, vc, layout)[:2]
     keep = (slots >= 0) & (slots < num_blocks * block_size)
     b, t = slots[keep] // block_size, slots[keep] % block_size
     k = cache_element(np.asarray(key)[keep], dtype, k_scale).view(kc.dtype)
     v = cache_element(np.asarray(value)[keep], dtype, v_scale).view(vc.dtype)
-    if layout == "nhd":
-        kc[b, t], vc[b, t] = k, v
+    if layout != "vllm":   # nhd_views are views of these two: written through
+        kn, vn = nhd_views(kc, vc, layout)
+        kn[b, t], vn[b, t] = k, v
     else:   # transposed views, written through: key [blocks, block_size, heads, head_size // x, x]
         kc.transpose(0, 3, 1, 2, 4)[b, t] = k.reshape(len(k), kc.shape[1], kc.shape[2], kc.shape[4])
         vc.transpose(0, 3, 1, 2)[b, t] = v

@@ -50,7 +50,7 @@ layout(push_constant) uniform Params {
 
 const uint WG = 128u;              // == local_size_x
 const uint MAX_HEAD_SIZE = 256u;   // two head dims per thread where threads own dims
-const uint MIN_BLOCK_SIZE = 8u;
+const uint MIN_BLOCK_SIZE = 1u;    // block sizes are powers of two from 1 to 32 (pagedvk.layouts)
 #define NEG_INF uintBitsToFloat(0xff800000u)
 
 // The workgroup's number in a grid folded to the device's limits (pagedvk.runtime.commands.fold_grid):

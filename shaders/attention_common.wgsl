@@ -38,7 +38,7 @@ struct Params {
 
 const WG: u32 = 128u;              // == @workgroup_size
 const MAX_HEAD_SIZE: u32 = 256u;   // two head dims per thread where threads own dims
-const MIN_BLOCK_SIZE: u32 = 8u;
+const MIN_BLOCK_SIZE: u32 = 1u;    // block sizes are powers of two from 1 to 32 (pagedvk.layouts)
 // -inf cannot be a WGSL constant (constant expressions must be finite): bitcast at run time.
 const NEG_INF_BITS: u32 = 0xff800000u;
 

@@ -6,9 +6,10 @@
 //
 // A physical block may be read by several sequences (shared prefixes), so gradients are gathered per
 // block rather than scattered per sequence: one workgroup per (physical block, kv head, KEYS tokens of the
-// block; KEYS = min(block size, 16)) walks the (sequence, block-table slot) pairs that read the block
-// (block_readers, built on the host) and, for each, the query rows that see its tokens, R = 512 / KEYS (32 or
-// 64) at a time. The rows' operands are staged in shared memory and serve all KEYS keys:
+// block; KEYS = the block size clamped to [8, 16], the keys past a shorter block masked) walks the (sequence,
+// block-table slot) pairs that read the block (block_readers, built on the host) and, for each, the query rows
+// that see its tokens, R = 512 / KEYS (32 or 64) at a time. The rows' operands are staged in shared memory and
+// serve all KEYS keys:
 //   D. thread r < R reads row r's lse and D into s_lse and s_delta;
 //   S. logits and dP, as in paged_backward_dq.comp with the roles of rows and keys kept: the rows' queries and
 //      the keys staged CQ head quads at a time, thread (rg, kg) accumulating rows 4rg .. 4rg+3 of key kg, then
@@ -40,6 +41,9 @@ layout(std430, set = 0, binding = 10) writeonly buffer DvCache { float dv_cache[
 #include "prefill_common.glsl"
 
 const uint MAX_KEYS = 16u;          // block tokens per workgroup (pagedvk.prefill.DKDV_KEYS)
+// Keys a workgroup takes at least: blocks of 1 to 4 tokens take 8 keys' staging (R rows within MAX_ROWS, KEYS / 4
+// key quads), the keys past the block masked out; their workgroups do 1/8 to 1/2 of the usual work.
+const uint MIN_KEYS = 8u;
 const uint MAX_ROWS = 64u;          // R = 512 / KEYS
 // Shared memory, in vec4s: in S, [0, R * (CQ + 1)) a query (or dout) chunk, then KEYS * (CQ + 1) a key (or
 // value) chunk (at most 648, in 8-token blocks); then [0, PD_QUADS) P and dS (R x KEYS / 4 quads each), and from
@@ -70,8 +74,8 @@ void main() {
     const uint bs = pc.block_size;
     const uint group = pc.num_heads / pc.num_kv_heads;
     const uint max_blocks = pc.max_blocks_per_seq;
-    const uint KEYS = min(bs, MAX_KEYS);
-    if (hs > MAX_HEAD_SIZE || hs != pc.head_size || hq == 0u || KEYS < 4u || (sub + 1u) * KEYS > bs) return;
+    const uint KEYS = clamp(bs, MIN_KEYS, MAX_KEYS);
+    if (hs > MAX_HEAD_SIZE || hs != pc.head_size || hq == 0u || bs == 0u || sub * KEYS >= bs) return;
     const uint R = 512u / KEYS;
     const uint kg = tid % KEYS, rg = tid / KEYS;            // S: key kg, rows 4rg .. 4rg+3
     const uint KQ = KEYS / 4u, CG = WG / KQ;
@@ -156,7 +160,7 @@ void main() {
                         }
                         if (lane_row < KEYS) {
                             const uint t = sub * KEYS + lane_row;
-                            s_mem[k_off + lane_row * QK_STRIDE + cl] = !in_head ? vec4(0.0)
+                            s_mem[k_off + lane_row * QK_STRIDE + cl] = !in_head || t >= bs ? vec4(0.0)
                                 : phase == 0u ? kv_quad(key_load(b, key_offset(kv_head, t, c0 + cl)))
                                 : value_quad(b, kv_head, t, c0 + cl);
                         }
@@ -177,7 +181,8 @@ void main() {
                     const uint r = 4u * rg + i, gr = r0 + r;
                     const float row_lse = s_lse[r];
                     const float delta = s_delta[r];
-                    const bool seen = row_lse != ABSENT && p0 + kg < visible_keys(gr / group, q_len, seq_len);
+                    const bool seen = row_lse != ABSENT && sub * KEYS + kg < bs
+                        && p0 + kg < visible_keys(gr / group, q_len, seq_len);
                     const float p = seen ? exp(st[i] * pc.scale - row_lse) : 0.0;
                     s_mem[r * KQ + kg / 4u][kg & 3u] = p;
                     s_mem[PD_QUADS / 2u + r * KQ + kg / 4u][kg & 3u] = seen ? p * (dp[i] - delta) : 0.0;
@@ -219,6 +224,7 @@ void main() {
 
         for (uint e = 0u; e < 4u; e++) {
             const uint t = sub * KEYS + 4u * kq + e;
+            if (t >= bs) break;   // past a block shorter than KEYS
             for (uint j = 0u; j < 2u; j++) {
                 const uint c = cg + CG * j;
                 if (c >= hq) break;

@@ -29,6 +29,7 @@ var<immediate> pc: Params;
 const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra bindings (pagedvk/abi.py)
 
 const MAX_KEYS: u32 = 16u;          // block tokens per workgroup (pagedvk.prefill.DKDV_KEYS)
+const MIN_KEYS: u32 = 8u;           // and at least: the keys past a shorter block masked (see the GLSL)
 const MAX_ROWS: u32 = 64u;          // R = 512 / KEYS
 // Shared memory in vec4s, as paged_backward_dkdv.comp lays it out.
 const S_MEM: u32 = 976u;
@@ -70,8 +71,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let bs = pc.block_size;
     let group = pc.num_heads / pc.num_kv_heads;
     let max_blocks = pc.max_blocks_per_seq;
-    let keys = min(bs, MAX_KEYS);
-    if (hs > MAX_HEAD_SIZE || hq == 0u || keys < 4u || (sub + 1u) * keys > bs) {
+    let keys = clamp(bs, MIN_KEYS, MAX_KEYS);
+    if (hs > MAX_HEAD_SIZE || hq == 0u || bs == 0u || sub * keys >= bs) {
         return;
     }
     let n_rows = 512u / keys;            // R
@@ -179,7 +180,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                         }
                         if (lane_row < keys) {
                             var x = vec4<f32>(0.0);
-                            if (in_head) {
+                            if (in_head && sub * keys + lane_row < bs) {
                                 x = key_quad(phase, b, kv_head, sub * keys + lane_row, c0 + cl);
                             }
                             s_mem[k_off + lane_row * QK_STRIDE + cl] = x;
@@ -206,7 +207,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                     let row = s_rows[r];
                     var p = 0.0;
                     var ds = 0.0;
-                    if (row.x != absent && p0 + kg < visible_keys((r0 + r) / group, q_len, seq_len)) {
+                    if (row.x != absent && sub * keys + kg < bs
+                        && p0 + kg < visible_keys((r0 + r) / group, q_len, seq_len)) {
                         p = exp(st[i] * pc.scale - row.x);
                         ds = p * (dp[i] - row.y);
                     }
@@ -253,6 +255,9 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
 
         for (var e = 0u; e < 4u; e++) {
             let t = sub * keys + 4u * kq + e;
+            if (t >= bs) {   // past a block shorter than keys
+                break;
+            }
             for (var j = 0u; j < 2u; j++) {
                 let c = cg + c_groups * j;
                 if (c >= hq) {

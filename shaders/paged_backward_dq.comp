@@ -36,6 +36,7 @@ layout(std430, set = 0, binding = 10) writeonly buffer Dq { float dq[]; };      
 
 #include "attention_common.glsl"
 #define PREFILL_TILES
+#define TILE_BLOCK_IDS
 #include "prefill_common.glsl"
 
 // Shared memory, in vec4s: [0, ROWS * (CQ + 1)) a query (or dout) chunk, then KT * (CQ + 1) a key (or value)
@@ -44,11 +45,9 @@ layout(std430, set = 0, binding = 10) writeonly buffer Dq { float dq[]; };      
 const uint S_MEM = 1008u;
 const uint DS_QUADS = 512u;
 const uint K_QUADS = S_MEM - DS_QUADS;
-const uint MAX_TILE_BLOCKS = 256u / MIN_BLOCK_SIZE;   // KT is 256 at most
 const uint NO_ROW = 0xffffffffu;
 
 shared vec4 s_mem[S_MEM];
-shared int s_phys[MAX_TILE_BLOCKS];          // the tile's physical block ids, -1 where out of range
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -73,7 +72,6 @@ void main() {
     const uint row_end = min(row0 + ROWS, rows);
     if (row_base(q_start, kv_head, row0) + hs > row_floats) return;
 
-    const uint num_blocks = pc.num_blocks;
     const uint bt_row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(bt_row), 0)));
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
@@ -96,7 +94,6 @@ void main() {
     const uvec4 kcols = min(cols, uvec4(hq - 1u));
     const uint k_off = ROWS * QK_STRIDE;
     const uint VK = min(KT, K_QUADS / hq);
-    const uint bs_log2 = findMSB(bs);
 
     // What this thread stages (paged_prefill.comp explains): rows or keys lane_row + n * row_step, head quad
     // c0 + cl of the chunk at c0; in C, key k_k[n] of the sub-tile, head quad k_c[n].
@@ -114,11 +111,7 @@ void main() {
 
     for (uint base = 0u; base < kv_end; base += KT) {
         const uint tile_len = min(KT, kv_end - base);
-        const uint tile_blocks = (tile_len + bs - 1u) / bs;
-        if (tid < tile_blocks) {
-            int b = block_tables[bt_row + base / bs + tid];
-            s_phys[tid] = (b >= 0 && uint(b) < num_blocks) ? b : -1;
-        }
+        stage_tile_blocks(bt_row, base, tile_len);
         barrier();
 
         // S: phase 0 the logits' dot products (query . key), phase 1 dP (dout . value); keys outside the cache
@@ -126,7 +119,7 @@ void main() {
         ivec4 k_phys;
         for (uint n = 0u; n < 4u; n++) {
             const uint k = lane_row + n * row_step;
-            k_phys[n] = k < tile_len ? s_phys[k >> bs_log2] : -1;
+            k_phys[n] = k < tile_len ? tile_block(bt_row, base, k) : -1;
         }
         mat4 st, dp;
         for (uint phase = 0u; phase < 2u; phase++) {
@@ -167,7 +160,7 @@ void main() {
         // dS of key cols[j] for the rows, 0 where a row does not see the key.
         for (uint j = 0u; j < 4u; j++) {
             const uint k = cols[j];
-            const bool there = k < tile_len && s_phys[k >> bs_log2] >= 0;
+            const bool there = k < tile_len && tile_block(bt_row, base, k) >= 0;
             const bvec4 seen = lessThan(uvec4(base + k), there ? keys : uvec4(0u));
             s_mem[k * RG + rg] = mix(vec4(0.0), exp(st[j] * pc.scale - row_lse) * (dp[j] - delta), seen);
         }
@@ -178,7 +171,7 @@ void main() {
             vec4 kv[4];   // every load issued before any is stored, as in S
             [[unroll]] for (uint n = 0u; n < 4u; n++) {
                 const uint k = sub + k_k[n];
-                const int phys = k < tile_len && tid + WG * n < VK * hq ? s_phys[k >> bs_log2] : -1;
+                const int phys = k < tile_len && tid + WG * n < VK * hq ? tile_block(bt_row, base, k) : -1;
                 kv[n] = phys >= 0 ? kv_quad(key_load(uint(phys), key_offset(kv_head, k & (bs - 1u), k_c[n]))) : vec4(0.0);
             }
             [[unroll]] for (uint n = 0u; n < 4u; n++) {

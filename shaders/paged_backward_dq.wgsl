@@ -34,11 +34,29 @@ const KV_SEGMENT_BINDING: u32 = 11u;   // the first of a segmented cache's extra
 const S_MEM: u32 = 1008u;
 const DS_QUADS: u32 = 512u;
 const K_QUADS: u32 = 496u;           // S_MEM - DS_QUADS
-const MAX_TILE_BLOCKS: u32 = 32u;    // 256 keys / MIN_BLOCK_SIZE
+// A tile's block ids, staged where blocks hold STAGED_BLOCK_SIZE tokens or more; smaller blocks' are read from the
+// table where used (as prefill_common.glsl's TILE_BLOCK_IDS does, and for the same reason).
+const STAGED_BLOCK_SIZE: u32 = 8u;
+const MAX_TILE_BLOCKS: u32 = 32u;    // 256 keys / STAGED_BLOCK_SIZE
 const NO_ROW: u32 = 0xffffffffu;
 
 var<workgroup> s_mem: array<vec4<f32>, S_MEM>;
 var<workgroup> s_phys: array<i32, MAX_TILE_BLOCKS>;
+
+// Entry i of block_tables, -1 where it names no block of the caches.
+fn table_block(i: u32) -> i32 {
+    let b = block_tables[i];
+    return select(-1, b, b >= 0 && u32(b) < pc.num_blocks);
+}
+
+// The physical block of key k of the tile at key `base` of the sequence whose table row starts at bt_row.
+fn tile_block(bt_row: u32, base: u32, k: u32) -> i32 {
+    let bs_log2 = firstLeadingBit(pc.block_size);
+    if (pc.block_size >= STAGED_BLOCK_SIZE) {
+        return s_phys[k >> bs_log2];
+    }
+    return table_block(bt_row + ((base + k) >> bs_log2));
+}
 
 // Key (phase 0) or value (phase 1) quad c of token t of block b.
 fn key_quad(phase: u32, b: u32, h: u32, t: u32, c: u32) -> vec4<f32> {
@@ -84,7 +102,6 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         return;
     }
 
-    let num_blocks = pc.num_blocks;   // see attention_common.glsl
     let bt_row = seq * pc.max_blocks_per_seq;
     let row_blocks = min(pc.max_blocks_per_seq, u32(max(i32(arrayLength(&block_tables)) - i32(bt_row), 0)));
     var seq_len = 0u;
@@ -111,7 +128,6 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let kcols = min(cols, vec4<u32>(hq - 1u));
     let k_off = n_rows * qk_stride;
     let vk = min(kt, K_QUADS / hq);
-    let bs_log2 = firstLeadingBit(bs);
 
     // What this thread stages (paged_backward_dq.comp explains).
     let cl = tid & (cq - 1u);
@@ -137,10 +153,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
 
     for (var base = 0u; base < kv_end; base += kt) {
         let tile_len = min(kt, kv_end - base);
-        let tile_blocks = (tile_len + bs - 1u) / bs;
-        if (tid < tile_blocks) {
-            let b = block_tables[bt_row + base / bs + tid];
-            s_phys[tid] = select(-1, b, b >= 0 && u32(b) < num_blocks);
+        if (bs >= STAGED_BLOCK_SIZE && tid < (tile_len + bs - 1u) / bs) {
+            s_phys[tid] = table_block(bt_row + base / bs + tid);
         }
         workgroupBarrier();
 
@@ -149,7 +163,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         for (var n = 0u; n < 4u; n++) {
             let k = lane_row + n * row_step;
             if (k < tile_len) {
-                k_phys[n] = s_phys[k >> bs_log2];
+                k_phys[n] = tile_block(bt_row, base, k);
             }
         }
         var st = mat4x4<f32>();
@@ -204,7 +218,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         for (var j = 0u; j < 4u; j++) {
             let k = cols[j];
             var seen_by = vec4<u32>(0u);
-            if (k < tile_len && s_phys[k >> bs_log2] >= 0) {
+            if (k < tile_len && tile_block(bt_row, base, k) >= 0) {
                 seen_by = keys;
             }
             let ds = exp(st[j] * pc.scale - row_lse) * (dp[j] - row_delta);
@@ -220,8 +234,11 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
                 }
                 let k = sub + k_k[n];
                 var x = vec4<f32>(0.0);
-                if (k < tile_len && s_phys[k >> bs_log2] >= 0) {
-                    x = kv_quad(key_load(u32(s_phys[k >> bs_log2]), key_offset(kv_head, k & (bs - 1u), k_c[n])));
+                if (k < tile_len) {
+                    let phys = tile_block(bt_row, base, k);
+                    if (phys >= 0) {
+                        x = kv_quad(key_load(u32(phys), key_offset(kv_head, k & (bs - 1u), k_c[n])));
+                    }
                 }
                 s_mem[DS_QUADS + tid + WG * n] = x;
             }

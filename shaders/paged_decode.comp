@@ -75,7 +75,9 @@ const uint V_BATCH = 8u;
 // Values a thread loads with the keys, where a plan asks for it (VALUES_WITH_KEYS): a whole 128-token tile's of one
 // head dim in float16 (16 chunks), half of it in float32.
 const uint V_BATCH_WITH_KEYS = 16u;
-const uint TILE_BLOCKS = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
+// Blocks of a tile at most: 128 in 1-token blocks. Their ids take 1 KiB of s_phys where blocks of 8 tokens and
+// more took 128 bytes; the kernel's shared memory stays under 32 KiB, and its occupancy is set by its registers.
+const uint TILE_BLOCKS = TILE / MIN_BLOCK_SIZE;
 const uint MAX_QUADS = MAX_HEAD_SIZE / 4u;
 // Head dims a thread owns in vLLM's layout (dim tid, then tid + WG): one where the head size is fixed and at most
 // WG. A loop to this constant unrolls, so acc_a/acc_b stay in registers; with a bound of 2 and a skipped second
@@ -190,7 +192,7 @@ uvec4 value_chunk(uint cur, uint row_d, uint n, uint vchunks, uint bs_log2) {
 void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint hs = HEAD_SIZE != 0u ? HEAD_SIZE : pc.head_size;   // a constant where specialized: loops unroll
-    const uint bs = pc.block_size;          // a power of two (8, 16 or 32): divisions by it are shifts
+    const uint bs = pc.block_size;          // a power of two (1 to 32): divisions by it are shifts
     const uint bs_log2 = uint(findLSB(bs)), bs_mask = bs - 1u;
     const uint group = pc.group_size;
     const bool wide = GROUP_LIMIT == 0u ? group > 4u : GROUP_LIMIT > 4u;   // heads 4-7 in use

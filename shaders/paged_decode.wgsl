@@ -48,12 +48,12 @@ const CHUNK_TOKENS: u32 = 4u * CQ;              // value tokens in one chunk of 
 // float16 and float32 (CQ 1), float16's counts for fp8.
 const K_BATCH: u32 = select(16u, 32u, CQ == 1u);
 const V_BATCH: u32 = select(8u, 16u, CQ == 1u);
-const TILE_BLOCKS: u32 = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most
+const TILE_BLOCKS: u32 = TILE / MIN_BLOCK_SIZE; // blocks of a tile at most (128 in 1-token blocks: see the GLSL)
 const MAX_QUADS: u32 = MAX_HEAD_SIZE / 4u;
 
 var<workgroup> s_q: array<vec4<f32>, 512>;     // MAX_QUADS * MAX_GROUP: queries * scale, [quad][head]
 var<workgroup> s_w: array<vec4<f32>, 256>;     // TILE / 4 * MAX_GROUP: logits, then weights, [token quad][head]
-var<workgroup> s_phys: array<i32, 32>;         // 2 * TILE_BLOCKS: blocks of this tile and the next, -1 where invalid
+var<workgroup> s_phys: array<i32, 256>;        // 2 * TILE_BLOCKS: blocks of this tile and the next, -1 where invalid
 var<workgroup> s_o: array<f32, 4096>;          // 4 * MAX_HEAD_SIZE * MAX_GROUP / 2: sums at the end; reductions' scratch
 
 // The subgroup of this invocation, for the reduction (main() sets them from its built-ins).
@@ -131,7 +131,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     // Head dims a thread owns in vLLM's layout: one where the head size is fixed and at most WG (the GLSL twin's
     // SLOTS: a constant bound keeps acc_a/acc_b in registers).
     let slots = select(2u, (HEAD_SIZE + WG - 1u) / WG, HEAD_SIZE > 0u);
-    let bs = pc.block_size;          // a power of two (8, 16 or 32): divisions by it are shifts
+    let bs = pc.block_size;          // a power of two (1 to 32): divisions by it are shifts
     let bs_log2 = firstTrailingBit(bs);
     let bs_mask = bs - 1u;
     let group = pc.group_size;

@@ -79,7 +79,8 @@ void main() {
     if (gl_SubgroupID != 0u) return;   // one subgroup takes the workgroup's work: no barrier anywhere
     const uint lane = gl_SubgroupInvocationID, lanes = gl_SubgroupSize;
     const uint hs = HEAD_SIZE != 0u ? HEAD_SIZE : pc.head_size;
-    const uint bs = pc.block_size;          // a power of two (8, 16 or 32)
+    const uint bs = pc.block_size;          // a power of two (1 to 32)
+    const bool short_blocks = bs < 4u;      // a lane's quad of tokens spans blocks (token-major layouts only)
     const uint bs_log2 = uint(findLSB(bs)), bs_mask = bs - 1u;
     const uint group = pc.group_size;
     const bool wide = GROUP_LIMIT == 0u ? group > 4u : GROUP_LIMIT > 4u;   // heads 4-7 in use
@@ -145,22 +146,30 @@ void main() {
             const int b = physical_block(row + min(t0 >> bs_log2, row_blocks - 1u));
             phys = n > 0u ? b : -1;
         }
-        const uint key_block = uint(max(phys, 0));
-        const uint t = t0 & bs_mask;
+        // Each token's block: the quad's one, or in blocks shorter than a quad its own (a lane past the context's
+        // last block reads that block, as above).
+        ivec4 phys4 = ivec4(phys);
+        if (short_blocks && row_blocks > 0u) {   // the same in every lane
+            [[unroll]] for (uint j = 1u; j < 4u; j++) {
+                const int b = physical_block(row + min((t0 + j) >> bs_log2, row_blocks - 1u));
+                phys4[j] = j < n ? b : -1;
+            }
+        }
         mat4 x_a = mat4(vec4(NEG_INF), vec4(NEG_INF), vec4(NEG_INF), vec4(NEG_INF)), x_b = x_a;
         if (pc.num_blocks > 0u) {   // the same in every lane
             [[dont_unroll]] for (uint j = 0u; j < 4u; j++) {
                 vec4 s_a = vec4(0.0), s_b = vec4(0.0);
+                const uint key_block = uint(max(phys4[j], 0)), t = (t0 + j) & bs_mask;
                 [[unroll]] for (uint c = 0u; c < QUADS; c++) {
                     if (c >= hq) continue;   // the same in every lane
-                    const vec4 k = kv_quad(key_load(key_block, key_offset(kv_head, t + j, c)));
+                    const vec4 k = kv_quad(key_load(key_block, key_offset(kv_head, t, c)));
                     s_a += k * qa[c];
                     if (wide) s_b += k * qb[c];
                 }
                 const vec4 y_a = logits4(s_a, heads_a, t0 + j, uvec4(last), keys_a);
                 const vec4 y_b = wide ? logits4(s_b, heads_b, t0 + j, uvec4(last), keys_b) : vec4(NEG_INF);
-                x_a = mat4(x_a[1], x_a[2], x_a[3], phys >= 0 ? y_a : vec4(NEG_INF));
-                x_b = mat4(x_b[1], x_b[2], x_b[3], phys >= 0 ? y_b : vec4(NEG_INF));
+                x_a = mat4(x_a[1], x_a[2], x_a[3], phys4[j] >= 0 ? y_a : vec4(NEG_INF));
+                x_b = mat4(x_b[1], x_b[2], x_b[3], phys4[j] >= 0 ? y_b : vec4(NEG_INF));
             }
         }
 
@@ -180,7 +189,8 @@ void main() {
         const uint quads = min(lanes, (end - base + 3u) / 4u);
         for (uint r = 0u; r < quads; r++) {
             const int ph = subgroupShuffle(phys, r);
-            if (ph < 0) continue;
+            const ivec4 ph4 = short_blocks ? subgroupShuffle(phys4, r) : ivec4(ph);   // short_blocks: uniform
+            if (all(lessThan(ph4, ivec4(0)))) continue;
             const uint tr = base + 4u * r, nr = min(4u, end - tr), tb = tr & bs_mask;
             mat4 w_a, w_b;
             [[unroll]] for (uint j = 0u; j < 4u; j++) {
@@ -200,10 +210,11 @@ void main() {
                         if (wide) acc_b[4u * s + i] += w_b * v;
                     }
                 } else {
-                    // nhd: one load is head dims 4 c .. 4 c + 3 of token j.
+                    // nhd and hnd: one load is head dims 4 c .. 4 c + 3 of token j.
                     [[unroll]] for (uint j = 0u; j < 4u; j++) {
-                        const vec4 v = j < nr ? kv_quad(value_load(uint(ph), value_offset(kv_head, tb + j, 4u * c) >> 2))
-                                              : vec4(0.0);
+                        const vec4 v = j < nr && ph4[j] >= 0
+                            ? kv_quad(value_load(uint(ph4[j]), value_offset(kv_head, (tr + j) & bs_mask, 4u * c) >> 2))
+                            : vec4(0.0);
                         [[unroll]] for (uint i = 0u; i < 4u; i++) {
                             acc_a[4u * s + i] += v[i] * w_a[j];
                             if (wide) acc_b[4u * s + i] += v[i] * w_b[j];

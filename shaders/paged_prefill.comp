@@ -44,6 +44,7 @@ layout(std430, set = 0, binding = 10) readonly buffer Sinks { float sinks[]; }; 
 #include "attention_common.glsl"
 #include "attention_variants.glsl"
 #define PREFILL_TILES
+#define TILE_BLOCK_IDS
 #include "prefill_common.glsl"
 
 // Shared memory, in vec4s: [0, ROWS * (CQ + 1)) query chunk, then KT * (CQ + 1) key chunk (at most 864);
@@ -52,11 +53,9 @@ layout(std430, set = 0, binding = 10) readonly buffer Sinks { float sinks[]; }; 
 const uint S_MEM = 1008u;                    // 16128 bytes, with s_phys under 16 KiB
 const uint P_QUADS = 512u;
 const uint V_QUADS = S_MEM - P_QUADS;
-const uint MAX_TILE_BLOCKS = 256u / MIN_BLOCK_SIZE;   // KT is 256 at most
 const uint NO_ROW = 0xffffffffu;
 
 shared vec4 s_mem[S_MEM];
-shared int s_phys[MAX_TILE_BLOCKS];          // the tile's physical block ids, -1 where out of range
 
 // Max (or sum) of vec4 v over the G threads of each row group: through s_mem at P_QUADS, two barriers.
 vec4 row_group_reduce(vec4 v, uint rg, uint cg, uint RG, uint G, bool take_max) {
@@ -73,8 +72,8 @@ vec4 row_group_reduce(vec4 v, uint rg, uint cg, uint RG, uint G, bool take_max) 
 
 // The logits of key k of the tile for a thread's rows from their dot products: the hooks, -inf where masked. A
 // token outside the cache (or past the tile) is visible to no row.
-vec4 key_logits(vec4 dots, uint k, uint tile_len, uint base, uvec4 heads, uvec4 qpos, uvec4 keys) {
-    const int phys = k < tile_len ? s_phys[k / pc.block_size] : -1;
+vec4 key_logits(vec4 dots, uint k, uint tile_len, uint bt_row, uint base, uvec4 heads, uvec4 qpos, uvec4 keys) {
+    const int phys = k < tile_len ? tile_block(bt_row, base, k) : -1;
     return logits4(dots * pc.scale, heads, base + k, qpos, phys >= 0 ? keys : uvec4(0u));
 }
 
@@ -105,7 +104,6 @@ void main() {
     const uint row_end = min(row0 + ROWS, rows);
     if (row_base(q_start, kv_head, row0) + hs > query_elems) return;
 
-    const uint num_blocks = pc.num_blocks;
     const uint bt_row = seq * pc.max_blocks_per_seq;
     const uint row_blocks = min(pc.max_blocks_per_seq, uint(max(int(block_tables.length()) - int(bt_row), 0)));
     const uint seq_len = seq < uint(seq_lens.length()) ? min(uint(max(seq_lens[seq], 0)), row_blocks * bs) : 0u;
@@ -127,7 +125,6 @@ void main() {
     const uvec4 vcols = min(cols, uvec4(hq - 1u));
     const uint k_off = ROWS * QK_STRIDE;       // the key chunk in s_mem
     const uint VK = min(KT, (V_QUADS / hq) & ~3u);   // keys per value sub-tile: whole quads of tokens
-    const uint bs_log2 = findMSB(bs);
 
     // What this thread stages, worked out once: the divisions by run-time sizes would otherwise cost as much as
     // the arithmetic they feed. Element n < 4 of each staging loop is number tid + WG * n of its stage (each
@@ -157,11 +154,7 @@ void main() {
     const uint kv_start = min(window_first_key(query_position(row0 / group, q_len, seq_len)), kv_end) & ~(bs - 1u);
     for (uint base = kv_start; base < kv_end; base += KT) {
         const uint tile_len = min(KT, kv_end - base);
-        const uint tile_blocks = (tile_len + bs - 1u) / bs;
-        if (tid < tile_blocks) {
-            int b = block_tables[bt_row + base / bs + tid];
-            s_phys[tid] = (b >= 0 && uint(b) < num_blocks) ? b : -1;
-        }
+        stage_tile_blocks(bt_row, base, tile_len);
         barrier();
 
         // S: st[j] = the logits of key cg + G*j for rows 0-3, accumulated a chunk of head dims at a time. Keys
@@ -171,7 +164,7 @@ void main() {
         uvec4 k_tok;                           // and its quad 0 in the block
         for (uint n = 0u; n < 4u; n++) {
             const uint k = lane_row + n * row_step;
-            k_phys[n] = k < tile_len ? s_phys[k >> bs_log2] : -1;
+            k_phys[n] = k < tile_len ? tile_block(bt_row, base, k) : -1;
             k_tok[n] = key_offset(kv_head, k & (bs - 1u), 0u);
         }
         mat4 st = mat4(0.0);
@@ -204,10 +197,10 @@ void main() {
             barrier();
         }
         // Written out rather than looped over j: st stays in registers on compilers that do not unroll.
-        st[0] = key_logits(st[0], cols.x, tile_len, base, heads, qpos, keys);
-        st[1] = key_logits(st[1], cols.y, tile_len, base, heads, qpos, keys);
-        st[2] = key_logits(st[2], cols.z, tile_len, base, heads, qpos, keys);
-        st[3] = key_logits(st[3], cols.w, tile_len, base, heads, qpos, keys);
+        st[0] = key_logits(st[0], cols.x, tile_len, bt_row, base, heads, qpos, keys);
+        st[1] = key_logits(st[1], cols.y, tile_len, bt_row, base, heads, qpos, keys);
+        st[2] = key_logits(st[2], cols.z, tile_len, bt_row, base, heads, qpos, keys);
+        st[3] = key_logits(st[3], cols.w, tile_len, bt_row, base, heads, qpos, keys);
 
         // Online softmax across tiles, per row: every thread of a row group keeps the same running max.
         const vec4 m_new = max(m, row_group_reduce(max(max(st[0], st[1]), max(st[2], st[3])), rg, cg, RG, G, true));
@@ -229,7 +222,7 @@ void main() {
             vec4 vv[4];   // as the keys: every load issued before any is stored
             [[unroll]] for (uint n = 0u; n < 4u; n++) {
                 const uint k = sub + v_k[n];
-                const int phys = k < tile_len && tid + WG * n < VK * hq ? s_phys[k >> bs_log2] : -1;
+                const int phys = k < tile_len && tid + WG * n < VK * hq ? tile_block(bt_row, base, k) : -1;
                 const uint d = dims_contiguous ? 4u * v_c[n] : v_c[n];
                 vv[n] = phys >= 0 ? kv_quad(value_load(uint(phys), value_offset(kv_head, k & (bs - 1u), d) >> 2)) : vec4(0.0);
             }

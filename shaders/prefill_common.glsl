@@ -45,4 +45,32 @@ uint tile_rows(uint rows, uint hs) {
 }
 #endif
 
+#ifdef TILE_BLOCK_IDS
+// The physical blocks of a tile of keys (paged_prefill.comp, paged_backward_dq.comp: 256 keys at most, from a block
+// boundary). Blocks of STAGED_BLOCK_SIZE tokens and more have a tile's ids staged in shared memory once (32 at
+// most); smaller blocks (up to 256 a tile) have each id read from the table where it is used: 256 staged ids would
+// take the kernels' shared memory past the 16 KiB every Vulkan device offers.
+const uint STAGED_BLOCK_SIZE = 8u;
+shared int s_phys[256u / STAGED_BLOCK_SIZE];   // the tile's physical block ids, -1 where out of range
+
+// Entry i of block_tables, -1 where it names no block of the caches.
+int table_block(uint i) {
+    const int b = block_tables[i];
+    return (b >= 0 && uint(b) < pc.num_blocks) ? b : -1;
+}
+
+// Stage the ids of the tile of tile_len keys from key `base` of the sequence whose table row starts at bt_row.
+// The caller's barrier follows.
+void stage_tile_blocks(uint bt_row, uint base, uint tile_len) {
+    const uint bs = pc.block_size, tid = gl_LocalInvocationID.x;
+    if (bs >= STAGED_BLOCK_SIZE && tid < (tile_len + bs - 1u) / bs) s_phys[tid] = table_block(bt_row + base / bs + tid);
+}
+
+// The physical block of key k of that tile (k < tile_len; -1 outside the caches).
+int tile_block(uint bt_row, uint base, uint k) {
+    const uint bs_log2 = findMSB(pc.block_size);
+    return pc.block_size >= STAGED_BLOCK_SIZE ? s_phys[k >> bs_log2] : table_block(bt_row + ((base + k) >> bs_log2));
+}
+#endif
+
 #endif

@@ -124,11 +124,12 @@ class Case:
 
 
 def in_layout(case, layout, dtype):
-    """The case's caches (vLLM layout, already of `dtype`) in `layout`."""
+    """The case's caches (vLLM layout, already of `dtype`) in `layout`: "vllm", "nhd" or "hnd"."""
     if layout == "vllm":
         return case.key_cache, case.value_cache
-    k, v = pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
-    return np.ascontiguousarray(k.astype(dtype)), np.ascontiguousarray(v.astype(dtype))
+    k, v = pagedvk.reference.nhd_views(case.key_cache, case.value_cache, "vllm")
+    k, v = pagedvk.reference.nhd_as_cache(k, v, layout, None)
+    return np.ascontiguousarray(k, dtype), np.ascontiguousarray(v, dtype)
 
 
 # -- sentinels: arrays laid out in one buffer between sentinel ranges, so a stray access lands in a sentinel --

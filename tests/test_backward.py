@@ -76,6 +76,34 @@ def test_reference_gradient_matches_finite_differences(rng, layout, causal, ragg
     assert (dk[[1, 3]] == 0).all() and (dv[[1, 3]] == 0).all()
 
 
+def test_reference_reads_hnd_as_nhd_with_tokens_and_heads_swapped(rng):
+    # FlashInfer's HND holds what NHD holds, a block's token and head axes swapped: every float64 reference (forward,
+    # gradients, decode, reshape_and_cache) gives NHD's results, the caches' gradients and contents swapped back.
+    case = PrefillCase(rng, q_len=3, num_heads=4, num_kv_heads=2, head_size=8, block_size=4, seq_lens=[3, 9])
+    k, v = case.key_cache, case.value_cache
+    kh, vh = (np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (k, v))
+    ref = pagedvk.reference
+    args = (case.block_tables, case.seq_lens)
+    for a, b in zip(ref.paged_attention_prefill(case.query, k, v, *args, layout="nhd"),
+                    ref.paged_attention_prefill(case.query, kh, vh, *args, layout="hnd")):
+        np.testing.assert_array_equal(a, b)
+    dout = rng.standard_normal(case.query.shape)
+    nhd = ref.paged_attention_backward(dout, case.query, k, v, *args, layout="nhd")
+    hnd = ref.paged_attention_backward(dout, case.query, kh, vh, *args, layout="hnd")
+    np.testing.assert_array_equal(nhd[0], hnd[0])
+    for a, b in zip(nhd[1:], hnd[1:]):
+        np.testing.assert_array_equal(a, b.transpose(0, 2, 1, 3))
+    decode_query = np.ascontiguousarray(case.query[:, :, -1])
+    np.testing.assert_array_equal(ref.paged_attention(decode_query, k, v, *args, layout="nhd"),
+                                  ref.paged_attention(decode_query, kh, vh, *args, layout="hnd"))
+    tokens = rng.standard_normal((2, 5, 2, 8)).astype(np.float32)
+    slot_mapping = np.array([0, 7, -1, 30, 5])
+    nhd = ref.reshape_and_cache(*tokens, k, v, slot_mapping, "nhd")
+    hnd = ref.reshape_and_cache(*tokens, kh, vh, slot_mapping, "hnd")
+    for a, b in zip(nhd, hnd):
+        np.testing.assert_array_equal(a, b.transpose(0, 2, 1, 3))
+
+
 # -- the kernels against the reference -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout,head_size,q_len", HEAD_SIZES_AND_QUERY_LENGTHS)
@@ -268,14 +296,30 @@ def test_rejects_bad_gradient_arguments(case):
     q = case.query
     rejects(case, ValueError, r"dout must have shape \(3, 4, 4, 64\)", dout=q[:, :, :2].copy())
     rejects(case, TypeError, "dout must have dtype float32", dout=q.astype(np.float64))
-    rejects(case, ValueError, "out must be C-contiguous", out=np.asfortranarray(q))
     rejects(case, ValueError, r"out must have 4 dimensions", out=q[0])
     rejects(case, ValueError, r"lse must have shape \(3, 4, 4\)", lse=np.zeros((3, 4, 5), np.float32))
     rejects(case, TypeError, "lse must be a numpy array", lse=0.0)
 
 
+def test_takes_strided_numpy_arrays(rng):
+    # dout, the query and out as views of larger arrays, the caches and lse Fortran-ordered: the contiguous
+    # arrays' gradients, bit for bit (the sums run in a fixed order).
+    case = PrefillCase(rng, q_len=4, seq_lens=[10, 30, 4])
+    out, lse = (a.astype(np.float32) for a in case.reference())
+    dout = rng.standard_normal(case.query.shape).astype(np.float32)
+    want = pagedvk.paged_attention_backward(dout, *case.args()[:5], out, lse, **case.options())
+
+    def strided(a):
+        return np.concatenate([a, a], axis=-1)[..., :a.shape[-1]]
+    got = pagedvk.paged_attention_backward(strided(dout), strided(case.query), np.asfortranarray(case.key_cache),
+                                           np.asfortranarray(case.value_cache), case.block_tables, case.seq_lens,
+                                           strided(out), np.asfortranarray(lse), **case.options())
+    for name, a, b in zip(NAMES, got, want):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 def test_rejects_what_the_forward_rejects(case):
-    rejects(case, ValueError, "layout must be one of", layout="hnd")
+    rejects(case, ValueError, "layout must be one of", layout="HND")
     case.seq_lens[0] = 2
     rejects(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len")
 

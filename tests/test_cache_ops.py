@@ -9,7 +9,7 @@ import pagedvk
 from pagedvk import array, ops, reference
 from pagedvk.layouts import CacheSpec
 from pagedvk.dtypes import CACHE_TYPES
-from conftest import assert_untouched, fenced
+from conftest import assert_untouched, fenced, tiered
 
 CACHE_DTYPES = [np.dtype(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
                                        ml_dtypes.float8_e5m2)]
@@ -47,11 +47,16 @@ def same_bits(a, b):
     assert bad.size == 0, f"{bad.size} bytes differ, first at byte {bad[0]}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
-def test_reshape_and_cache(rng, device, backend, layout, cache_dtype):
-    s = spec(layout, cache_dtype)
+# Default tier: every backend, layout and cache type at 16-token blocks, and FlashInfer's HND at 16 and at 1.
+@pytest.mark.parametrize("backend,layout,cache_dtype,block_size", tiered(
+    [(b, layout, str(d), bs) for b in BACKENDS for layout in LAYOUTS + ["hnd"] for d in CACHE_DTYPES
+     for bs in (1, 2, 4, 16) if bs in pagedvk.layouts.block_sizes(layout)],
+    default=[(b, layout, str(d), 16) for b in BACKENDS for layout in LAYOUTS for d in CACHE_DTYPES]
+    + [("glsl", "hnd", "float16", 1), ("wgsl", "hnd", "float8_e4m3fn", 1), ("wgsl", "hnd", "bfloat16", 16),
+       ("glsl", "hnd", "float8_e5m2", 16)]))
+def test_reshape_and_cache(rng, device, backend, layout, cache_dtype, block_size):
+    cache_dtype = np.dtype(cache_dtype)
+    s = spec(layout, cache_dtype, num_blocks=96 // block_size, block_size=block_size)   # 96 slots
     token_dtype = TOKEN_DTYPES[CACHE_DTYPES.index(cache_dtype) % 3]
     fp8 = cache_dtype.itemsize == 1
     # fp8 values reach past the type's range (448 for e4m3): the saturation is checked too.
@@ -94,6 +99,46 @@ def test_numpy_caches_are_updated_in_place(rng, device):
     pagedvk.reshape_and_cache(key, value, kc, vc, slot_mapping)
     same_bits(kc, ref_k)
     same_bits(vc, ref_v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_qkv_slices_into_a_combined_kv_cache(rng, device, backend):
+    # vLLM passes key and value as slices of the fused QKV projection (strided rows); FlashInfer-style engines hold
+    # one cache [num_blocks, 2, ...] and pass its [:, 0] and [:, 1] views (here HND with 1-token pages). Both are
+    # taken, and the caches are updated through the caller's views: the combined array itself changes.
+    s = spec("hnd", np.float16, num_blocks=32, block_size=1)
+    q_size, kv_size = 4 * s.head_size, s.num_kv_heads * s.head_size
+    qkv = rng.standard_normal((20, q_size + 2 * kv_size)).astype(np.float16)
+    key = qkv[:, q_size:q_size + kv_size].reshape(20, s.num_kv_heads, s.head_size)
+    value = qkv[:, q_size + kv_size:].reshape(20, s.num_kv_heads, s.head_size)
+    assert not key.flags.c_contiguous and np.shares_memory(key, qkv)
+    kv = random_cache(rng, (s.num_blocks, 2) + s.key_shape[1:], np.float16)
+    slot_mapping = slots(rng, s, 20, dtype=np.int32)
+    ref_k, ref_v = reference.reshape_and_cache(key, value, kv[:, 0], kv[:, 1], slot_mapping, "hnd")
+    pagedvk.reshape_and_cache(key, value, kv[:, 0], kv[:, 1], slot_mapping, layout="hnd", backend=backend)
+    same_bits(kv[:, 0], ref_k)
+    same_bits(kv[:, 1], ref_v)
+
+
+def test_copy_and_swap_blocks_through_views_of_a_combined_cache(rng, device):
+    s = spec("nhd", np.float32, num_blocks=10, block_size=2)
+    kv = random_cache(rng, (10, 2) + s.key_shape[1:], np.float32)
+    before = kv.copy()
+    mapping = np.array([[1, 7], [4, 0]])
+    pagedvk.copy_blocks([kv[:, 0]], [kv[:, 1]], mapping)
+    want = before.copy()
+    want[mapping[:, 1]] = before[mapping[:, 0]]
+    same_bits(kv, want)
+    # swapped out into, and back in from, the key half of a combined host array
+    device_k = pagedvk.asarray(kv[:, 0], device)
+    host = np.full((4, 2) + s.key_shape[1:], np.nan, np.float32)
+    pagedvk.swap_blocks(device_k, host[:, 0], np.array([[7, 2], [3, 0]]))
+    same_bits(host[[2, 0], 0], kv[[7, 3], 0])
+    assert np.isnan(host[:, 1]).all() and np.isnan(host[[1, 3], 0]).all()
+    pagedvk.swap_blocks(host[:, 0], device_k, np.array([[2, 5]]))
+    want_k = kv[:, 0].copy()
+    want_k[5] = host[2, 0]
+    same_bits(device_k.numpy(), want_k)
 
 
 @pytest.mark.parametrize("backend,addressed", [("glsl", False), ("glsl", True), ("wgsl", False)])
@@ -149,7 +194,7 @@ def bad_arguments(s, key, value, kc, vc, slot_mapping):
          r"key.shape\[2\] \(head_size"),
         ("cache dtype", dict(key_cache=np.zeros(kc.shape)), TypeError, "key_cache must have dtype"),
         ("value cache dtype", dict(value_cache=np.zeros(vc.shape, np.float16)), TypeError, "value_cache must have dtype"),
-        ("layout", dict(layout="hnd"), ValueError, "layout must be one of"),
+        ("layout", dict(layout="HND"), ValueError, "layout must be one of"),
         ("nhd shapes", dict(layout="nhd"), ValueError, "key_cache must have 4 dimensions"),
         ("kv_cache_dtype", dict(kv_cache_dtype="int8"), ValueError, "kv_cache_dtype must be"),
         ("fp8 on float caches", dict(kv_cache_dtype="fp8"), TypeError, "key_cache must be uint8"),
@@ -225,7 +270,7 @@ def test_copy_blocks_segmented(rng, device, monkeypatch):
     (dict(block_mapping=np.array([[1, 2, 3]])), ValueError, r"block_mapping.shape\[1\] \(\(src, dst\)\) must be 2"),
     (dict(value_caches=[]), ValueError, "value_caches must hold one cache per layer"),
     (dict(key_caches="k"), TypeError, "key_caches must be a list"),
-    (dict(key_caches=[np.zeros((10, 4))[:, ::2]]), ValueError, r"key_caches\[0\] must be C-contiguous"),
+    (dict(key_caches=[np.broadcast_to(np.zeros(4), (10, 4))]), ValueError, r"key_caches\[0\] must be writable"),
     (dict(value_caches=["short"]), TypeError, r"value_caches\[0\] must be a numpy array or a pagedvk.DeviceArray"),
 ])
 def test_copy_blocks_rejects(rng, device, changes, error, pattern):

@@ -581,6 +581,42 @@ def test_paged_attention_v2_takes_tmp_out_in_the_output_dtype(rng, dtype):
                                        16, 1300)
 
 
+@pytest.mark.parametrize("backend", ["glsl", "wgsl"])
+def test_flashinfer_combined_hnd_cache_of_one_token_pages(rng, backend):
+    # FlashInfer's paged KV cache is one array [num_pages, 2, num_kv_heads, page_size, head_dim] (HND), often with
+    # 1-token pages; its keys and values are the [:, 0] and [:, 1] views. New tokens' keys and values come as slices
+    # of a fused QKV projection, and out may be a view too. pagedvk refused all of it (layouts vllm and nhd, block
+    # sizes 8/16/32, C-contiguous arrays). Now: the tokens are written through the views, and decode and prefill read
+    # them, against float64, the caller's out view written and nothing beside it.
+    num_heads, kv_heads, hs, lens = 4, 2, 32, [23, 9]
+    q_size, kv_size = num_heads * hs, kv_heads * hs
+    kv = np.full((40, 2, kv_heads, 1, hs), np.nan, np.float16)
+    pages = rng.permutation(40)[:32].astype(np.int32)
+    tables = np.stack([pages[:23], np.concatenate([pages[23:], np.full(14, -1, np.int32)])])
+    loc = np.array([0, 23, 32], np.int32)
+    slot_mapping = np.concatenate([tables[0, :23], tables[1, :9]])   # a page is a slot
+    qkv = rng.standard_normal((32, q_size + 2 * kv_size)).astype(np.float16)
+    query, key, value = (qkv[:, a:b].reshape(32, -1, hs) for a, b in
+                         ((0, q_size), (q_size, q_size + kv_size), (q_size + kv_size, None)))
+    assert not key.flags.c_contiguous and not kv[:, 0].flags.c_contiguous
+    pagedvk.reshape_and_cache(key, value, kv[:, 0], kv[:, 1], slot_mapping, layout="hnd", backend=backend)
+    np.testing.assert_array_equal(kv[tables[0, :23], 0, :, 0], key[:23])
+    np.testing.assert_array_equal(kv[tables[1, :9], 1, :, 0], value[23:])
+    seq_lens = np.array(lens, np.int32)
+    wide = np.full((2, num_heads, 2 * hs), np.nan, np.float16)
+    out = wide[:, :, hs:]
+    last = query[loc[1:] - 1]
+    assert pagedvk.paged_attention(last, kv[:, 0], kv[:, 1], tables, seq_lens, layout="hnd", backend=backend,
+                                   out=out) is out
+    ref = pagedvk.reference.paged_attention(last, kv[:, 0], kv[:, 1], tables, seq_lens, layout="hnd")
+    assert rel_error(out, ref) <= 2e-3 and np.isnan(wide[:, :, :hs]).all()
+    out, lse = pagedvk.paged_attention_prefill(query, kv[:, 0], kv[:, 1], tables, seq_lens, loc, layout="hnd",
+                                               backend=backend)
+    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(query, kv[:, 0], kv[:, 1], tables, seq_lens, loc,
+                                                                 layout="hnd")
+    assert rel_error(out, ref_out) <= 2e-3 and rel_error(lse, ref_lse) <= 1e-5
+
+
 def test_backward_takes_soft_cap_zero_as_off(rng):
     # FlashInfer passes logits_soft_cap=0.0 for "off"; the backward, which supports no variant yet, refused it.
     case = Case(rng, seq_lens=[20], num_heads=4, num_kv_heads=2, head_size=32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, poison_unread_slots, rel_error, tiered
+from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
@@ -197,26 +197,32 @@ def test_reduce_ignores_stale_partitions(rng, backend):
 
 def caches_in_layout(case, layout):
     """The case's caches (vLLM's layout) as they are stored in `layout`."""
-    k, v = case.key_cache, case.value_cache
-    if layout == "nhd":
-        blocks, kv_heads, _, block_size, _ = k.shape
-        k = np.ascontiguousarray(k.transpose(0, 3, 1, 2, 4).reshape(blocks, block_size, kv_heads, -1))
-        v = np.ascontiguousarray(v.transpose(0, 3, 1, 2))
-    return k, v
+    return in_layout(case, layout, case.key_cache.dtype)
 
 
 def check_split_and_unsplit(case, layout, key_check, **plan_options):
     """Decode of the case in `layout`, unsplit and in 128-token partitions, against float64; key_check(plan.key)
     says the plan took the module it should."""
     k, v = caches_in_layout(case, layout)
-    num_heads, num_kv_heads, head_size = case.query.shape[1], k.shape[1 if layout == "vllm" else 2], case.query.shape[2]
+    num_heads, head_size = case.query.shape[1], case.query.shape[2]
     for partition_size in (None, 128):
-        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                head_size=head_size, block_size=16, num_blocks=k.shape[0], layout=layout,
-                                partition_size=partition_size, **plan_options) as plan:
+        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=case.num_kv_heads,
+                                head_size=head_size, block_size=case.block_size, num_blocks=k.shape[0],
+                                layout=layout, partition_size=partition_size, **plan_options) as plan:
             key_check(plan.key)
             out = plan.run(case.query, k, v, out=case.poisoned_out())
         assert rel_error(out, case.reference()) <= TOL
+
+
+# FlashInfer's HND layout and blocks of 1 to 32 tokens (under 8 in the token-major layouts only), split and not, on
+# each backend's default kernel (lavapipe's GLSL: the CPU-shaped one; tests/test_decode_cpu.py forces each GLSL
+# kernel); the slots no sequence reads hold NaN. Default tier: HND at 16-token and at 1-token blocks.
+@pytest.mark.parametrize("layout,block_size", tiered(
+    [(layout, b) for layout in ("nhd", "hnd") for b in (1, 2, 4, 8, 16, 32)], default=[("hnd", 16), ("hnd", 1)]))
+def test_token_major_layouts_and_block_sizes(rng, layout, block_size):
+    case = Case(rng, seq_lens=[1, 6, 130, 300], num_heads=8, num_kv_heads=2, head_size=64, block_size=block_size)
+    poison_unread_slots(case, block_size)
+    check_split_and_unsplit(case, layout, lambda key: None)
 
 
 @pytest.mark.parametrize("layout", ["vllm", "nhd"])
@@ -311,15 +317,16 @@ def specialized_wrongly_writes_nothing(rng, backend, wrong):
 
 
 @pytest.mark.parametrize("layout,num_heads,num_kv_heads", tiered(
-    [(layout, h, kv) for layout in ("vllm", "nhd") for h, kv in ((8, 2), (16, 2), (24, 8))],
+    [(layout, h, kv) for layout in ("vllm", "nhd", "hnd") for h, kv in ((8, 2), (16, 2), (24, 8))],
     default=[("vllm", 8, 2), ("vllm", 16, 2), ("nhd", 8, 2), ("nhd", 24, 8)]))   # each of the four modules
 def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv_heads):
-    # Each of the four fixed WGSL modules of a head size, split and not: the same result as float64.
+    # Each of the four fixed WGSL modules of a head size, split and not: the same result as float64. HND caches run
+    # the "nhd" modules: they fix only that a token's value dims are contiguous.
     case = Case(rng, seq_lens=[1, 130, 700], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128)
     width = 4 if num_heads // num_kv_heads <= 4 else 8
 
     def fixed_for_the_plan(key):
-        assert key.fixed == f"{layout}_g{width}"
+        assert key.fixed == f"{'vllm' if layout == 'vllm' else 'nhd'}_g{width}"
     check_split_and_unsplit(case, layout, fixed_for_the_plan, backend="wgsl")
 
 

@@ -81,16 +81,20 @@ def one_dtype_layout_and_group(rng, kernel, dtype, layout, num_heads, num_kv_hea
     check_split_and_unsplit(case, query, tol, kernel, layout)
 
 
-# 48: a head size none of vLLM's kernels has. Default tier: each block size and three head sizes once.
+# 48: a head size none of vLLM's kernels has. Every layout that takes the block size (under 8: nhd and hnd, the CPU
+# kernel's quads of tokens then spanning blocks of 1 and 2). Default tier: each block size of vLLM's layout and three
+# head sizes once, 1- and 2-token blocks once each.
 @pytest.mark.parametrize("dtype,head_size,block_size", tiered(
-    [(d, h, b) for d in ("float32", "float8_e4m3fn") for h in (32, 48, 80, 256) for b in (8, 16, 32)],
-    default=[("float32", 48, 8), ("float8_e4m3fn", 80, 32), ("float32", 32, 16)]))
+    [(d, h, b) for d in ("float32", "float8_e4m3fn") for h in (32, 48, 80, 256) for b in (1, 2, 4, 8, 16, 32)],
+    default=[("float32", 48, 8), ("float8_e4m3fn", 80, 32), ("float32", 32, 16), ("float8_e4m3fn", 48, 1),
+             ("float32", 80, 2)]))
 def test_head_and_block_sizes(rng, kernel, dtype, head_size, block_size):
     dtype = DTYPE_NAMES[dtype]
     case = Case(rng, seq_lens=[3, 77, 200], num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size,
                 dtype=dtype)
+    poison_unread_slots(case, block_size)
     query, tol = query_and_tolerance(case, dtype)
-    for layout in ("vllm", "nhd"):
+    for layout in [layout for layout in pagedvk.layouts.LAYOUTS if block_size in pagedvk.layouts.block_sizes(layout)]:
         out, _, _ = decode(case, query, kernel, layout)
         assert rel_error(out, reference.paged_attention(query, *case.args()[1:])) <= tol
 

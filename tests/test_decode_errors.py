@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, assert_untouched, fenced
+from conftest import Case, assert_untouched, fenced, in_layout
 
 
 def rejects(case, exc, match, **kw):
@@ -29,11 +29,6 @@ def test_query_wrong_ndim(case):
 
 def test_query_wrong_dtype(case):
     rejects(case, TypeError, "query must have dtype float32", query=case.query.astype(np.float64))
-
-
-def test_query_not_contiguous(case):
-    q = np.asfortranarray(case.query)
-    rejects(case, ValueError, "query must be C-contiguous", query=q)
 
 
 def test_query_not_an_array(case):
@@ -73,8 +68,21 @@ def test_head_size_too_large(rng):
 
 
 def test_block_size_unsupported(rng):
+    # Blocks under 8 tokens are the token-major layouts' only; there, any power of two up to 32.
     case = Case(rng, block_size=4, num_seqs=1)
-    rejects(case, ValueError, "block_size .* must be one of 8, 16, 32")
+    rejects(case, ValueError, r"block_size \(key_cache.shape\[3\]\) must be one of 8, 16, 32 in layout 'vllm', got 4")
+    case = Case(rng, block_size=3, num_seqs=1)
+    k, v = in_layout(case, "hnd", np.float32)
+    rejects(case, ValueError, r"block_size \(key_cache.shape\[2\]\) must be one of 1, 2, 4, 8, 16, 32 in layout 'hnd'",
+            key_cache=k, value_cache=v, layout="hnd")
+
+
+def test_blocks_not_whole_16_byte_chunks(rng):
+    # The kernels address blocks in 16-byte chunks: one 1-token block of one float16 kv head of 4 dims is 8 bytes.
+    case = Case(rng, num_heads=1, num_kv_heads=1, head_size=4, block_size=1, num_seqs=2)
+    k, v = in_layout(case, "nhd", np.float16)
+    rejects(case, ValueError, r"block_size \(key_cache.shape\[1\]\) 1 makes blocks of 1 kv heads x 4 dims x 1 tokens "
+            r"x 2 bytes = 8 bytes, not a multiple of 16", key_cache=k, value_cache=v, layout="nhd")
 
 
 def test_value_cache_mismatch(case):
@@ -220,7 +228,9 @@ def plan_with(case, **kw):
     (dict(scale="0.25"), TypeError, "scale must be a real number or None"),
     (dict(head_size=17), ValueError, "head_size must be a multiple of 4"),
     (dict(head_size=260), ValueError, r"head_size must be in \[4, 256\]"),
-    (dict(block_size=12), ValueError, "block_size must be one of 8, 16, 32"),
+    (dict(block_size=12), ValueError, "block_size must be one of 8, 16, 32 in layout 'vllm', got 12"),
+    (dict(block_size=12, layout="hnd"), ValueError, "block_size must be one of 1, 2, 4, 8, 16, 32 in layout 'hnd'"),
+    (dict(layout="HND"), ValueError, "layout must be one of vllm, nhd, hnd, got HND"),
     (dict(num_blocks=-1), ValueError, r"num_blocks must be in \[0, inf\]"),
 ])
 def test_plan_arguments_checked_at_construction(case, kw, exc, match):

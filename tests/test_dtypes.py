@@ -204,9 +204,9 @@ def test_bad_dtypes_name_the_argument(rng):
     with pytest.raises(ValueError, match=r"key_cache.shape\[4\] \(x\) must be 16 // itemsize = 8"):
         pagedvk.paged_attention(case.query, case.key_cache.astype(np.float16), case.value_cache.astype(np.float16),
                                 case.block_tables, case.seq_lens)
-    with pytest.raises(ValueError, match="layout must be one of 'vllm', 'nhd'"):
+    with pytest.raises(ValueError, match="layout must be one of 'vllm', 'nhd', 'hnd'"):
         pagedvk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                                layout="hnd")
+                                layout="HND")
 
 
 

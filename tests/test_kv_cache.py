@@ -12,7 +12,8 @@ from pagedvk.serve import demo
 
 
 @pytest.mark.parametrize("dtype,layout", [(np.float32, "vllm"), (np.float16, "nhd"), (ml_dtypes.bfloat16, "vllm"),
-                                          (ml_dtypes.float8_e4m3fn, "nhd"), (ml_dtypes.float8_e5m2, "vllm")])
+                                          (ml_dtypes.float8_e4m3fn, "nhd"), (ml_dtypes.float8_e5m2, "vllm"),
+                                          (np.float16, "hnd")])
 def test_demo_on_the_device_matches_float64(dtype, layout):
     out = io.StringIO()
     assert demo(requests=10, num_blocks=20, block_size=8, check=True, dtype=np.dtype(dtype).name, layout=layout,
@@ -33,10 +34,12 @@ def test_cache_sized_by_a_fraction_of_the_memory_budget(device):
     assert cache.closed
 
 
-def test_block_tables_feed_decode(rng):
+@pytest.mark.parametrize("layout,block_size", [("vllm", 8), ("hnd", 1)])   # and FlashInfer's 1-token pages
+def test_block_tables_feed_decode(rng, layout, block_size):
     # Sequences added through the manager, written with reshape_and_cache, read back by decode over the
     # manager's own block tables.
-    with pagedvk.KVCache(1, 2, 32, block_size=8, dtype=np.float16, num_blocks=10) as cache:
+    with pagedvk.KVCache(1, 2, 32, block_size=block_size, dtype=np.float16, num_blocks=80 // block_size,
+                         layout=layout) as cache:
         lens = [13, 20]
         keys = [rng.standard_normal((n, 2, 32)).astype(np.float32) for n in lens]
         values = [rng.standard_normal((n, 2, 32)).astype(np.float32) for n in lens]
@@ -45,7 +48,7 @@ def test_block_tables_feed_decode(rng):
             cache.write(0, keys[s], values[s], w.slots)
         tables, seq_lens = cache.blocks.block_tables([0, 1])
         q = rng.standard_normal((2, 4, 32)).astype(np.float32)
-        out = pagedvk.paged_attention(q, cache.key[0], cache.value[0], tables, seq_lens)
+        out = pagedvk.paged_attention(q, cache.key[0], cache.value[0], tables, seq_lens, layout=layout)
     for s, n in enumerate(lens):
         k = keys[s].astype(np.float16).astype(np.float64)
         v = values[s].astype(np.float16).astype(np.float64)
@@ -61,11 +64,16 @@ def test_kv_cache_rejects_bad_arguments():
         pagedvk.KVCache(1, 2, 32)
     with pytest.raises(ValueError, match="memory_fraction must be in"):
         pagedvk.KVCache(1, 2, 32, memory_fraction=1.5)
-    with pytest.raises(ValueError, match="layout must be one of"):
-        pagedvk.KVCache(1, 2, 32, num_blocks=4, layout="hnd")
+    with pytest.raises(ValueError, match="layout must be one of 'vllm', 'nhd', 'hnd'"):
+        pagedvk.KVCache(1, 2, 32, num_blocks=4, layout="HND")
     with pytest.raises(TypeError, match="dtype must have dtype"):
         pagedvk.KVCache(1, 2, 32, num_blocks=4, dtype=np.int8)
-    with pytest.raises(ValueError, match="block_size must be one of 8, 16, 32, got 4"):
+    with pytest.raises(ValueError, match="block_size must be one of 8, 16, 32 in layout 'vllm', got 4"):
         pagedvk.KVCache(1, 2, 32, block_size=4, num_blocks=4)
+    with pytest.raises(ValueError, match="block_size must be one of 1, 2, 4, 8, 16, 32 in layout 'hnd', got 3"):
+        pagedvk.KVCache(1, 2, 32, block_size=3, num_blocks=4, layout="hnd")
+    with pytest.raises(ValueError, match="block_size 1 makes blocks of 1 kv heads x 4 dims x 1 tokens x 2 bytes = 8 "
+                                         "bytes, not a multiple of 16"):
+        pagedvk.KVCache(1, 1, 4, block_size=1, num_blocks=4, layout="nhd")
     with pytest.raises(ValueError, match=r"num_layers must be in \[1, inf\], got 0"):
         pagedvk.KVCache(0, 2, 32, num_blocks=4)

@@ -134,8 +134,8 @@ def test_run_checks_cached_but_still_refuse(rng, device):
             plan.run(q, k, v, pagedvk.empty((2, 4, 16)))
         with pytest.raises(ValueError, match=r"query.shape\[1\] \(num_heads\) must be 4"):
             plan.run(np.zeros((2, 8, 32), np.float32), k, v, out)
-        with pytest.raises(ValueError, match="C-contiguous"):
-            plan.run(np.zeros((2, 32, 4), np.float32).transpose(0, 2, 1), k, v, out)
+        with pytest.raises(TypeError, match="query must have dtype float32"):
+            plan.run(np.zeros((2, 4, 32), np.float16), k, v, out)
         plan.run(q, k, v, out)
     for a in (q, k, v, bt, sl, out):
         a.close()

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, poison_unread_slots, rel_error, tiered
+from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage
 HEAD_SIZES = (32, 64, 80, 128, 256)
 Q_LENS = (1, 3, 16, 64)
 LAYOUTS = ("nhd", "vllm")
+ALL_LAYOUTS = LAYOUTS + ("hnd",)   # FlashInfer's HND: its own cases, then the full tier's matrices
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32)   # below 8 in the token-major layouts only (pagedvk.layouts)
 NAN_BITS = 0x7FC00000  # a float32 quiet NaN, as the 32-bit word vkCmdFillBuffer writes
 
 
@@ -48,11 +50,7 @@ class PrefillCase:
         case = Case(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                     block_size=block_size, seq_lens=seq_lens, shared_prefix_blocks=shared_prefix_blocks)
         self.block_tables, self.seq_lens = case.block_tables, case.seq_lens
-        self.key_cache, self.value_cache = case.key_cache, case.value_cache
-        if layout == "nhd":
-            k, v = pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
-            self.key_cache = np.ascontiguousarray(k, dtype=np.float32)
-            self.value_cache = np.ascontiguousarray(v, dtype=np.float32)
+        self.key_cache, self.value_cache = in_layout(case, layout, np.float32)
         if self.ragged:
             self.query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
             shape = (int(self.query_start_loc[-1]), num_heads, head_size)
@@ -88,7 +86,7 @@ def check(case, backend, **kw):
 
 # Default tier: each layout, head size and query length once.
 HEAD_SIZES_AND_QUERY_LENGTHS = tiered(
-    [(layout, h, q) for layout in LAYOUTS for h in HEAD_SIZES for q in Q_LENS],
+    [(layout, h, q) for layout in ALL_LAYOUTS for h in HEAD_SIZES for q in Q_LENS],
     default=[("nhd", 32, 1), ("vllm", 64, 3), ("nhd", 80, 16), ("vllm", 128, 64), ("nhd", 256, 3)])
 
 
@@ -97,9 +95,12 @@ def test_head_sizes_and_query_lengths(rng, backend, layout, head_size, q_len):
     check(PrefillCase(rng, q_len=q_len, layout=layout, head_size=head_size), backend)
 
 
+# Default tier: each block size of vLLM's layout once, and FlashInfer's HND with 16-token blocks and with 1-token blocks
+# (the kernels' ids then read from the table, and dk/dv's workgroups masked past the block).
 BLOCK_SIZES_CAUSAL_OR_NOT = tiered(
-    [(b, layout, c) for b in (8, 16, 32) for layout in LAYOUTS for c in (True, False)],
-    default=[(8, "nhd", True), (16, "vllm", False), (32, "vllm", True)])
+    [(b, layout, c) for b in BLOCK_SIZES for layout in ALL_LAYOUTS for c in (True, False)
+     if b in pagedvk.layouts.block_sizes(layout)],
+    default=[(8, "nhd", True), (16, "vllm", False), (32, "vllm", True), (16, "hnd", False), (1, "hnd", True)])
 
 
 @pytest.mark.parametrize("block_size,layout,causal", BLOCK_SIZES_CAUSAL_OR_NOT)
@@ -390,7 +391,7 @@ def rejects(case, exc, match, **changes):
 
 
 def test_rejects_bad_layout(case):
-    rejects(case, ValueError, "layout must be one of 'vllm', 'nhd', got 'NHD'", layout="NHD")
+    rejects(case, ValueError, "layout must be one of 'vllm', 'nhd', 'hnd', got 'NHD'", layout="NHD")
 
 
 def test_rejects_layout_not_matching_the_caches(case):
@@ -431,7 +432,8 @@ def test_rejects_num_heads_not_a_multiple_of_kv_heads(rng):
     ("query", lambda c: c.query[:2].copy(), r"block_tables.shape\[0\] \(num_seqs, from query\) must be 2"),
     ("query", lambda c: c.query[:, :, :0].copy(), r"query.shape\[2\] \(q_len\) must be at least 1"),
     ("key_cache", lambda c: c.key_cache[..., :32].copy(), r"value_cache.shape\[3\] \(head_size\) must be 32"),
-    ("key_cache", lambda c: c.key_cache[:, :12].copy(), r"block_size \(key_cache.shape\[1\]\) must be one of 8, 16, 32"),
+    ("key_cache", lambda c: c.key_cache[:, :12].copy(),
+     r"block_size \(key_cache.shape\[1\]\) must be one of 1, 2, 4, 8, 16, 32 in layout 'nhd', got 12"),
     ("value_cache", lambda c: c.value_cache[:, :, :1].copy(), r"value_cache.shape\[2\] \(num_kv_heads\) must be 2"),
     ("key_cache", lambda c: c.key_cache[..., :6].copy(), r"head_size \(key_cache.shape\[3\]\) must be a multiple of 4"),
     ("block_tables", lambda c: c.block_tables[0], r"block_tables must have 2 dimensions"),
@@ -447,9 +449,21 @@ def test_rejects_wrong_dtypes(case, name, dtype):
     rejects(case, TypeError, f"{name} must have dtype", **{name: getattr(case, name).astype(dtype)})
 
 
-@pytest.mark.parametrize("name", ["query", "key_cache", "value_cache", "block_tables"])
-def test_rejects_non_contiguous(case, name):
-    rejects(case, ValueError, f"{name} must be C-contiguous", **{name: np.asfortranarray(getattr(case, name))})
+def test_takes_strided_numpy_arrays(case):
+    # Views of larger arrays and Fortran-ordered arrays in, a view out (vLLM's out slices): the result is the
+    # contiguous arrays', written through the caller's view.
+    want_out, want_lse = check(case, "glsl")
+    for name in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"):
+        setattr(case, name, np.asfortranarray(getattr(case, name)))
+    case.query = np.concatenate([case.query, case.query], axis=-1)[..., :case.query.shape[-1]]
+    assert not case.query.flags.c_contiguous and not case.key_cache.flags.c_contiguous
+    wide = np.full(case.query.shape[:-1] + (2 * case.query.shape[-1],), np.nan, np.float32)
+    out = wide[..., 1::2]
+    result, lse = pagedvk.paged_attention_prefill(*case.args(), out=out, **case.options())
+    assert result is out
+    np.testing.assert_array_equal(wide[..., 1::2], want_out)
+    np.testing.assert_array_equal(lse, want_lse)
+    assert np.isnan(wide[..., ::2]).all()
 
 
 def test_rejects_lists_and_bad_options(case):

@@ -106,6 +106,17 @@ def test_arguments_without_a_matrix_module_keep_the_scalar_kernel(backend, kv, q
         prefill.matrix_kernel(info, WGSL_NEEDS, backend, kv, q, head_size, kernel="coopmat")
 
 
+def test_blocks_under_8_tokens_keep_the_scalar_kernels():
+    # The matrix kernels' window of 32 block ids (one a lane) must cover a step's keys: 1- to 4-token blocks run
+    # the scalar kernels (forward and backward), saying why where "coopmat" is forced.
+    info = with_shapes([F16_SHAPE])
+    assert prefill.matrix_kernel(info, WGSL_NEEDS, "glsl", "f16", "f16", 128, block_size=8) == "coopmat"
+    for block_size in (1, 2, 4):
+        assert prefill.matrix_kernel(info, WGSL_NEEDS, "glsl", "f16", "f16", 128, block_size=block_size) == ""
+        with pytest.raises(ValueError, match=f"take blocks of 8 tokens and more .*, not {block_size}"):
+            prefill.matrix_kernel(info, WGSL_NEEDS, "wgsl", "f16", "f16", 128, "coopmat", block_size)
+
+
 @pytest.mark.parametrize("direction", ("forward", "backward"))
 def test_split_batches_bind_each_dispatch_its_own_tile_table(rng, monkeypatch, direction):
     """The mechanics of kernel="auto"'s split on any device: the matrix kernel's part of a ragged batch is
@@ -245,7 +256,7 @@ FORWARD_BACKENDS = pytest.mark.parametrize("backend", abi.PAGED_PREFILL.matrix_b
 
 @needs_coopmat
 @pytest.mark.parametrize("direction,backend", (("forward", "glsl"), ("forward", "wgsl"), ("backward", "glsl")))
-@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+@pytest.mark.parametrize("layout", ("nhd", "vllm", "hnd"))
 @pytest.mark.parametrize("causal", (True, False))
 @pytest.mark.parametrize("head_size", (64, 128))
 @pytest.mark.parametrize("q_len", (1, 7, 100))
@@ -309,7 +320,7 @@ def ragged_case(rng, layout):
 @needs_coopmat
 @FORWARD_BACKENDS
 @pytest.mark.parametrize("variants", ("none", "all"))
-@pytest.mark.parametrize("layout", ("nhd", "vllm"))
+@pytest.mark.parametrize("layout", ("nhd", "vllm", "hnd"))
 def test_matrix_kernel_ragged_batch(rng, layout, variants, backend):
     # prompts, chunks, decode tokens and empty sequences in one batch; GQA groups across 64-row tiles; with
     # every variant at once (sinks on rows that see keys and on none) or none
