@@ -82,12 +82,12 @@ def one_dtype_layout_and_group(rng, kernel, dtype, layout, num_heads, num_kv_hea
 
 
 # 48: a head size none of vLLM's kernels has. Every layout that takes the block size (under 8: nhd and hnd, the CPU
-# kernel's quads of tokens then spanning blocks of 1 and 2). Default tier: each block size of vLLM's layout and three
-# head sizes once, 1- and 2-token blocks once each.
+# kernel's quads of tokens then spanning blocks of 1 and 2). Default tier: head 48 with 8-token blocks and with 1-token
+# ones (16 and 32 run in test_values_loaded_with_the_keys): each pipeline costs lavapipe 10-35 s to compile cold, and
+# CI's default tier has 10 minutes on two cores.
 @pytest.mark.parametrize("dtype,head_size,block_size", tiered(
     [(d, h, b) for d in ("float32", "float8_e4m3fn") for h in (32, 48, 80, 256) for b in (1, 2, 4, 8, 16, 32)],
-    default=[("float32", 48, 8), ("float8_e4m3fn", 80, 32), ("float32", 32, 16), ("float8_e4m3fn", 48, 1),
-             ("float32", 80, 2)]))
+    default=[("float32", 48, 8), ("float8_e4m3fn", 48, 1)]))
 def test_head_and_block_sizes(rng, kernel, dtype, head_size, block_size):
     dtype = DTYPE_NAMES[dtype]
     case = Case(rng, seq_lens=[3, 77, 200], num_heads=8, num_kv_heads=2, head_size=head_size, block_size=block_size,
@@ -113,7 +113,7 @@ def test_attention_variants(rng, kernel, layout, variant):
 
 
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", tiered(
-    [(h, *g) for h in (80, 128) for g in ((4, 4), (8, 2), (16, 2))], default=[(80, 4, 4), (128, 16, 2)]))
+    [(h, *g) for h in (80, 128) for g in ((4, 4), (8, 2), (16, 2))], default=[(128, 16, 2)]))
 def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, num_heads, num_kv_heads, head_size):
     # The GPU kernel merges a split of at most abi.DECODE_MERGE_PARTITIONS partitions in its own dispatch (the last
     # workgroup of each (sequence, head group) to finish), a longer one in the reduce dispatch; the CPU kernel leaves
@@ -141,11 +141,11 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, n
                     assert not plan.merge_counters.numpy().any()
 
 
-# Default tier: every cache type once, each head and block size among them.
+# Default tier: a 16-bit type and an fp8 one (the rule's own and a forced one), each head and block size among them;
+# the other types in the full tier (a pipeline compile costs lavapipe 10-35 s cold).
 @pytest.mark.parametrize("dtype,head_size,block_size", tiered(
     [(d, h, b) for d in DTYPE_NAMES for h in (80, 128, 256) for b in (8, 16, 32)],
-    default=[("float32", 128, 16), ("float16", 256, 8), ("bfloat16", 80, 32), ("float8_e4m3fn", 128, 8),
-             ("float8_e5m2", 80, 16)]))
+    default=[("float16", 256, 8), ("bfloat16", 80, 32), ("float8_e5m2", 128, 16)]))
 def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_size):
     dtype = DTYPE_NAMES[dtype]
     # The GPU kernel with every tile's first batch of values loaded beside its keys (abi.DECODE_VALUES_SPEC_ID),
