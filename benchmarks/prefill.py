@@ -150,7 +150,7 @@ def time_parts(inputs, backend, repeats, heads, decode) -> float:
     plan = DecodePlan(dtables, dlens, block_size=BLOCK_SIZE, num_blocks=inputs.key_cache.shape[0],
                       dtype=inputs.dtype, query_dtype=inputs.dtype, layout="nhd", backend=backend, **heads)
     out = pagedvk.empty(dq.shape, inputs.dtype)
-    tokens = Launch(dq.device, plan._steps(dq, inputs.key_cache, inputs.value_cache, out, inputs.key_cache.shape[0]),
+    tokens = Launch(dq.device, plan.steps(dq, inputs.key_cache, inputs.value_cache, out, inputs.key_cache.shape[0]),
                     timestamps=True)
     try:
         return median_ns(chunks.launch, repeats) + median_ns(tokens, repeats)

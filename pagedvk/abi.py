@@ -411,7 +411,7 @@ VARIANT_LSE = 4                  # lse is written: the natural-log log-sum-exp o
 # The specialization constant (GLSL `VARIANTS`, attention_common.glsl) that a launch without variants sets
 # false: its pipeline then holds none of the variants' code. WGSL modules have none (naga emits none).
 VARIANTS_SPEC_ID = 0
-# The decode kernel's own specialization constants (shaders/paged_decode.comp), set per plan by pagedvk/decode.py:
+# The decode kernel's own specialization constants (shaders/paged_decode.comp), set per plan by pagedvk/decode_rules.py:
 # which V stage the cache layout needs, and how many query heads a workgroup takes. 0 (their default) reads
 # both from the push constants.
 DECODE_VALUE_ORDER_SPEC_ID = 1   # 1: a head dim's tokens contiguous (vLLM's layout); 2: a token's dims (nhd, hnd)
@@ -426,14 +426,14 @@ DECODE_MERGE_PARTITIONS = 4
 # 1: through shared memory always; 2: in registers, the outputs NaN where a subgroup does not know its layout (tests).
 DECODE_FP8_BUILD_SPEC_ID = 4
 # The matrix decode's (float16 and bfloat16 modules; fp8 takes one block a step): how many of its blocks a subgroup
-# takes a step, 1 (the default) or 2, set per plan by pagedvk/decode.py (MATRIX_STEP2_MIN_TOKENS).
+# takes a step, 1 (the default) or 2, set per plan by pagedvk/decode_rules.py (MATRIX_STEP2_MIN_TOKENS).
 DECODE_STEP_SPEC_ID = 5
 # The scalar GPU decode's (shaders/paged_decode.comp, vLLM's layout): 1 where a float16 or bfloat16 plan's workgroups
-# take one tile each, set by pagedvk/decode.py (values_with_keys): a tile's values are loaded beside its keys. 0, its
+# take one tile each, set by pagedvk/decode_rules.py (values_with_keys): a tile's values are loaded beside its keys. 0, its
 # default, loads them after the tile's weights, in batches.
 DECODE_VALUES_SPEC_ID = 6
 # The scalar decode kernels' (shaders/paged_decode.comp, paged_decode_cpu.comp) head size, set per plan by
-# pagedvk/decode.py, so the driver unrolls the loops over head dims as it did when the head size was a define
+# pagedvk/decode_rules.py, so the driver unrolls the loops over head dims as it did when the head size was a define
 # (BENCHMARKS.md, "Module count"). 0 (its default) reads the push constant.
 DECODE_HEAD_SIZE_SPEC_ID = 7
 # The query storage type in every attention kernel's GLSL modules but the matrix ones (shaders/kv_storage.glsl), set

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import abi, cli, config, decode, reference
+from pagedvk import abi, cli, config, decode_rules, reference
 from pagedvk.decode_rules import MATRIX_PV_SHAPE
 from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
 from conftest import Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error
@@ -45,7 +45,7 @@ F16_QUERY_MODULES = [pytest.param("glsl", d, id=f"glsl-{np.dtype(d).name}") for 
 _why_wgsl_bf16 = matrix_unavailable(_info, pagedvk.default_device().features, "bf16", "wgsl")
 BF16_BACKENDS = [pytest.param("glsl"), pytest.param("wgsl", marks=pytest.mark.skipif(
     bool(_why_wgsl_bf16), reason=f"needs the WGSL bfloat16 matrix decode: {_info.name}: {_why_wgsl_bf16}"))]
-BF16_SHAPES = (with_operands(MATRIX_SHAPE, "bf16"),)   # its P.V multiply too (16 x 16: decode.MATRIX_PV_SHAPES)
+BF16_SHAPES = (with_operands(MATRIX_SHAPE, "bf16"),)   # its P.V multiply too (16 x 16: decode_rules.MATRIX_PV_SHAPES)
 CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, subgroup_vote=True,
                               max_shared_memory=49152,
                               matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE) + BF16_SHAPES)
@@ -55,44 +55,44 @@ CAPABLE = dataclasses.replace(_info, subgroup_size=32, subgroup_shuffle=True, su
 
 def test_long_partitions_of_float16_and_fp8_vllm_caches_get_the_matrix_kernel(monkeypatch):
     monkeypatch.delenv("PAGEDVK_DECODE_KERNEL", raising=False)
-    tokens = decode.MATRIX_MIN_TOKENS
+    tokens = decode_rules.MATRIX_MIN_TOKENS
     for kv in ("f16", "e4m3", "e5m2"):
         for head_size in (64, 128):
-            assert decode.decode_matrix(CAPABLE, NEEDS, "glsl", kv, "f16", head_size, "vllm", 16, tokens) == "coopmat"
-    assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, tokens - 1) == ""   # short: the scalar kernel
+            assert decode_rules.decode_matrix(CAPABLE, NEEDS, "glsl", kv, "f16", head_size, "vllm", 16, tokens) == "coopmat"
+    assert decode_rules.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, tokens - 1) == ""   # short: the scalar kernel
     for head_size in (64, 128):   # WGSL: float16 caches and queries, with 16-bit storage on
-        assert decode.decode_matrix(CAPABLE, WGSL_NEEDS, "wgsl", "f16", "f16", head_size, "vllm", 16, tokens) == "coopmat"
-    assert decode.decode_matrix(CAPABLE, NEEDS, "wgsl", "f16", "f16", 128, "vllm", 16, tokens) == ""
+        assert decode_rules.decode_matrix(CAPABLE, WGSL_NEEDS, "wgsl", "f16", "f16", head_size, "vllm", 16, tokens) == "coopmat"
+    assert decode_rules.decode_matrix(CAPABLE, NEEDS, "wgsl", "f16", "f16", 128, "vllm", 16, tokens) == ""
     for kv, q in (("e4m3", "f16"), ("e5m2", "f16"), ("bf16", "f16"), ("f32", "f32")):
-        assert decode.decode_matrix(CAPABLE, WGSL_NEEDS | BF16_NEEDS, "wgsl", kv, q, 128, "vllm", 16, tokens) == ""
+        assert decode_rules.decode_matrix(CAPABLE, WGSL_NEEDS | BF16_NEEDS, "wgsl", kv, q, 128, "vllm", 16, tokens) == ""
     # WGSL bfloat16 (spirv_passes.bfloat16_matrices): where GLSL's runs, with 16-bit storage on, and not otherwise
     for head_size in (64, 128):
-        assert decode.decode_matrix(CAPABLE, WGSL_BF16_NEEDS, "wgsl", "bf16", "bf16", head_size, "vllm", 16,
+        assert decode_rules.decode_matrix(CAPABLE, WGSL_BF16_NEEDS, "wgsl", "bf16", "bf16", head_size, "vllm", 16,
                                     tokens) == "coopmat"
-    assert decode.decode_matrix(CAPABLE, WGSL_BF16_NEEDS, "wgsl", "bf16", "bf16", 128, "vllm", 16, tokens - 1) == ""
-    assert decode.decode_matrix(CAPABLE, BF16_NEEDS, "wgsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
-    assert decode.decode_matrix(CAPABLE, WGSL_NEEDS, "wgsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
+    assert decode_rules.decode_matrix(CAPABLE, WGSL_BF16_NEEDS, "wgsl", "bf16", "bf16", 128, "vllm", 16, tokens - 1) == ""
+    assert decode_rules.decode_matrix(CAPABLE, BF16_NEEDS, "wgsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
+    assert decode_rules.decode_matrix(CAPABLE, WGSL_NEEDS, "wgsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
     others = [("wgsl", "f16", "f16", 96, "vllm", 16), ("glsl", "bf16", "f16", 128, "vllm", 16),
               ("glsl", "f16", "f32", 128, "vllm", 16), ("glsl", "f16", "f16", 96, "vllm", 16),
               ("glsl", "e5m2", "bf16", 128, "vllm", 16), ("glsl", "f32", "f32", 128, "vllm", 16),
               ("glsl", "f16", "f16", 128, "nhd", 16), ("glsl", "f16", "f16", 128, "vllm", 32)]
     for args in others:
-        assert decode.decode_matrix(CAPABLE, NEEDS, *args, 1 << 20) == ""
+        assert decode_rules.decode_matrix(CAPABLE, NEEDS, *args, 1 << 20) == ""
     for kernel in ("gpu", "CPU"):   # the scalar kernels, forced
-        assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 1 << 20, kernel) == ""
+        assert decode_rules.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 1 << 20, kernel) == ""
     # bfloat16 caches and queries: with bfloat16 matrices listed and their features on
     for head_size in (64, 128):
-        assert decode.decode_matrix(CAPABLE, BF16_NEEDS, "glsl", "bf16", "bf16", head_size, "vllm", 16, tokens) == "coopmat"
-    assert decode.decode_matrix(CAPABLE, NEEDS, "glsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
+        assert decode_rules.decode_matrix(CAPABLE, BF16_NEEDS, "glsl", "bf16", "bf16", head_size, "vllm", 16, tokens) == "coopmat"
+    assert decode_rules.decode_matrix(CAPABLE, NEEDS, "glsl", "bf16", "bf16", 128, "vllm", 16, tokens) == ""
     f16_only = dataclasses.replace(CAPABLE, matrix_shapes=(MATRIX_SHAPE, MATRIX_PV_SHAPE))
     for backend in ("glsl", "wgsl"):
-        assert decode.decode_matrix(f16_only, WGSL_BF16_NEEDS | NEEDS, backend, "bf16", "bf16", 128, "vllm", 16,
+        assert decode_rules.decode_matrix(f16_only, WGSL_BF16_NEEDS | NEEDS, backend, "bf16", "bf16", 128, "vllm", 16,
                                     tokens) == ""
-    assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16, "coopmat") == "coopmat"
+    assert decode_rules.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16, "coopmat") == "coopmat"
     monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", "coopmat")
-    assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16) == "coopmat"
+    assert decode_rules.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 16) == "coopmat"
     monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", "gpu")
-    assert decode.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 1 << 20) == ""
+    assert decode_rules.decode_matrix(CAPABLE, NEEDS, *F16, 128, "vllm", 16, 1 << 20) == ""
 
 
 def test_pagedvk_devices_names_every_cache_type_the_matrix_decode_takes(monkeypatch):
@@ -118,21 +118,21 @@ def test_pagedvk_devices_names_every_cache_type_the_matrix_decode_takes(monkeypa
 def test_long_float16_and_bfloat16_partitions_take_two_blocks_a_step():
     # abi.DECODE_STEP_SPEC_ID: two blocks a subgroup step where a workgroup takes 2048 tokens or more (faster on the
     # H200 there, slower at 1024); fp8 modules take one whatever it says.
-    assert decode.MATRIX_STEP2_MIN_TOKENS == 2048
+    assert decode_rules.MATRIX_STEP2_MIN_TOKENS == 2048
     for kv in ("f16", "bf16"):
-        assert [decode.matrix_step(kv, n) for n in (512, 1024, 2047, 2048, 8192)] == [1, 1, 1, 2, 2]
+        assert [decode_rules.matrix_step(kv, n) for n in (512, 1024, 2047, 2048, 8192)] == [1, 1, 1, 2, 2]
     for kv in ("e4m3", "e5m2"):
-        assert decode.matrix_step(kv, 8192) == 1
+        assert decode_rules.matrix_step(kv, 8192) == 1
 
 
 def test_the_matrix_split_fills_one_wave_of_its_workgroups():
     # H200-like: 132 units, two matrix workgroups each (264 slots); 8 workgroups a sequence (32 heads, GQA 4).
-    assert decode.matrix_partitioning(64, 8, 4096, 132) == (4096, 1)       # 512 workgroups: not split
-    assert decode.matrix_partitioning(32, 8, 16384, 132) == (16384, 1)     # 256 fill the wave
-    assert decode.matrix_partitioning(8, 8, 32768, 132) == (8192, 4)       # 64 x 4 = 256, not 64 x 5 = 320
-    assert decode.matrix_partitioning(1, 8, 32768, 132) == (1024, 32)
-    assert decode.matrix_partitioning(1, 8, 4096, 132) == (128, 32)        # one tile at least
-    assert decode.matrix_partitioning(8, 8, 0, 132) == (128, 1)
+    assert decode_rules.matrix_partitioning(64, 8, 4096, 132) == (4096, 1)       # 512 workgroups: not split
+    assert decode_rules.matrix_partitioning(32, 8, 16384, 132) == (16384, 1)     # 256 fill the wave
+    assert decode_rules.matrix_partitioning(8, 8, 32768, 132) == (8192, 4)       # 64 x 4 = 256, not 64 x 5 = 320
+    assert decode_rules.matrix_partitioning(1, 8, 32768, 132) == (1024, 32)
+    assert decode_rules.matrix_partitioning(1, 8, 4096, 132) == (128, 32)        # one tile at least
+    assert decode_rules.matrix_partitioning(8, 8, 0, 132) == (128, 1)
 
 
 @pytest.mark.parametrize("info,features,args,reason", [
@@ -166,7 +166,7 @@ def test_the_matrix_split_fills_one_wave_of_its_workgroups():
 def test_forcing_the_matrix_kernel_where_it_cannot_run_is_refused(info, features, args, reason):
     with pytest.raises(ValueError, match=r"kernel \(or PAGEDVK_DECODE_KERNEL\) 'coopmat' cannot run on .*"
                                          + re.escape(reason)):
-        decode.decode_matrix(info, features, *args, 1 << 20, "coopmat")
+        decode_rules.decode_matrix(info, features, *args, 1 << 20, "coopmat")
 
 
 def test_a_plan_forced_onto_the_matrix_kernel_it_cannot_run_is_refused(rng):
@@ -498,18 +498,18 @@ def test_plans_pick_it_by_their_partitions_tokens(rng, monkeypatch, backend):
     monkeypatch.delenv("PAGEDVK_DECODE_KERNEL", raising=False)
     case = Case(rng, seq_lens=[2048, 1500], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
     expect = case.reference()
-    for partition_size, matrix in ((decode.MATRIX_MIN_TOKENS, "coopmat"), (decode.MATRIX_MIN_TOKENS // 2, "")):
+    for partition_size, matrix in ((decode_rules.MATRIX_MIN_TOKENS, "coopmat"), (decode_rules.MATRIX_MIN_TOKENS // 2, "")):
         out, _, key, _, _ = run_coopmat(case, case.query, partition_size, kernel=None, backend=backend)
         assert key.matrix == matrix and key.backend == backend
         assert rel_error(out, expect) <= TOL
     # Unforced and unsplit by hand: the matrix kernel's own split (one wave of its workgroups), or the scalar's
     # where that leaves partitions too short.
-    units = decode.compute_units(pagedvk.default_device().info)
-    size, parts = decode.matrix_partitioning(2, 4, 2048, units)
-    matrix = "coopmat" if (size if parts > 1 else 2048) >= decode.MATRIX_MIN_TOKENS else ""
+    units = decode_rules.compute_units(pagedvk.default_device().info)
+    size, parts = decode_rules.matrix_partitioning(2, 4, 2048, units)
+    matrix = "coopmat" if (size if parts > 1 else 2048) >= decode_rules.MATRIX_MIN_TOKENS else ""
     out, _, key, got_parts, _ = run_coopmat(case, case.query, None, kernel=None, backend=backend)
     assert key.matrix == matrix
-    assert got_parts == (parts if matrix else decode.partitioning(2, 4, 2048, units)[1])
+    assert got_parts == (parts if matrix else decode_rules.partitioning(2, 4, 2048, units)[1])
     assert rel_error(out, expect) <= TOL
 
 

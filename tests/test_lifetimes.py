@@ -51,12 +51,12 @@ def test_close_racing_run_never_gives_a_wrong_answer(rng, device, monkeypatch):
         resume_close.wait(JOIN_S)
         owned_close()
     monkeypatch.setattr(plan.seq_lens, "close", paused_close)
-    steps = plan._steps
+    steps = plan.steps
 
     def paused_steps(*a):
         closed.wait(JOIN_S)   # recording only once close() has finished
         return steps(*a)
-    monkeypatch.setattr(plan, "_steps", paused_steps)
+    monkeypatch.setattr(plan, "steps", paused_steps)
 
     closer, _ = start(plan.close)
     assert close_paused.wait(JOIN_S)
