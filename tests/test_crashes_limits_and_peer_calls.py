@@ -3,6 +3,7 @@ crashes, silent wrong answers, waits without a limit, late errors. docs/RELIABIL
 test that shows it. The crash tests run the crashing program many times, in subprocesses where the crash was
 one of the process (exit, a bad variable)."""
 
+import re
 import textwrap
 import time
 from copy import deepcopy
@@ -16,7 +17,7 @@ import pagedvk
 from conftest import Case, rel_error, run_python
 from pagedvk.blocks import BlockManager
 from pagedvk.errors import GPUTimeoutError
-from pagedvk.runtime import commands
+from pagedvk.runtime import commands, instance
 from pagedvk.serve import Batch
 
 # A small decode problem every subprocess below runs: the device, its pipeline and objects exist before the
@@ -157,8 +158,25 @@ def test_bad_spv_dir_refused_at_startup(tmp_path):
     assert passed(result, "refused: PAGEDVK_SPV_DIR must be a folder"), result.stdout + result.stderr
 
 
+def validation_layer_version() -> int:
+    """The Khronos validation layer's specVersion, 0 where it is not installed."""
+    return max((layer.specVersion for layer in vk.vkEnumerateInstanceLayerProperties()
+                if layer.layerName == "VK_LAYER_KHRONOS_validation"), default=0)
+
+
 def validation_layer_installed() -> bool:
-    return any(layer.layerName == "VK_LAYER_KHRONOS_validation" for layer in vk.vkEnumerateInstanceLayerProperties())
+    return validation_layer_version() > 0
+
+
+def layer_findings(output: str) -> set:
+    """The VUIDs the layer reported, less the one a layer older than VK_KHR_shader_bfloat16 reports at device
+    creation for its feature structure, which pagedvk chains where the driver has it (the H100's does; a layer
+    pagedvk loads itself is asked its version first and the structure left out, but one loaded through
+    VK_INSTANCE_LAYERS is not known to pagedvk)."""
+    found = set(re.findall(r"(?:VUID|UNASSIGNED)-[\w.-]+", output))
+    if not instance.layer_knows_bfloat16(validation_layer_version()):
+        found.discard("VUID-VkDeviceCreateInfo-pNext-pNext")
+    return found
 
 
 @pytest.mark.skipif(not validation_layer_installed(), reason="needs the Khronos validation layer")
@@ -172,7 +190,7 @@ def test_exit_destroys_every_object_before_its_device():
         print("ok")
         """), VK_INSTANCE_LAYERS="VK_LAYER_KHRONOS_validation")
         output = result.stdout + result.stderr
-        assert passed(result) and "VUID" not in output and "Validation Error" not in output, output[-3000:]
+        assert passed(result) and not layer_findings(output), output[-3000:]
     # pagedvk's own handler (PAGEDVK_VALIDATION=1) hears nothing at exit either: an exit hook registered before
     # pagedvk's runs after it and counts what the handler recorded.
     result = run_python(program("""
@@ -349,7 +367,7 @@ def test_close_after_a_timeout_waits_with_a_limit(rng, monkeypatch):
 
 HUNG_GPU = """
     import os, time, vulkan as vk
-    from pagedvk.runtime import commands
+    from pagedvk.runtime import commands, instance
     # A GPU that never finishes: every fence wait times out (after its limit), every fence reads not ready,
     # vkDeviceWaitIdle never returns.
     commands.wait_for_fences = lambda *args: vk.VK_TIMEOUT
@@ -412,7 +430,11 @@ def test_allocations_past_what_the_heap_can_still_give(device):
     assert device.live_objects() == live + sum(len(a.buffers) for a in held)
     for a in held:
         a.close()
-    assert device.room(heap)[0] == free and device.live_objects() == live
+    # With VK_EXT_memory_budget the driver's figure also moves with what other processes on the GPU hold (the
+    # suite's other workers on the H100: 5 MiB between the two readings), so there it is compared to within 1 GiB
+    # of the 3 x chunk freed; without it the figure is this device's own and must come back exactly.
+    slack = (1 << 30) if device.has_memory_budget else 0
+    assert abs(device.room(heap)[0] - free) <= slack and device.live_objects() == live
     pagedvk.DeviceArray((chunk,), np.uint8, device).close()
 
 

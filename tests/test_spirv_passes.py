@@ -115,6 +115,13 @@ def validate(words, tmp_path, tool=None, env=None, target="vulkan1.1"):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def validate_pass(words, tmp_path):
+    """spirv-val on one pass's output, with naga's layouts on workgroup arrays taken off first
+    (drop_unlaid_layouts, tested on its own below): a spirv-val of 2025 refuses them
+    (VUID-StandaloneSpirv-None-10684) whatever the pass under test did."""
+    validate(passes.drop_unlaid_layouts(words), tmp_path)
+
+
 def ops(words) -> collections.Counter:
     return collections.Counter(op for _, op, _ in instructions(words))
 
@@ -171,7 +178,7 @@ def test_unordered_not_equal(plain, tmp_path):
     assert ops(plain)[spirv.OP_FORD_NOT_EQUAL] >= 1
     assert changed(plain, out) == {spirv.OP_FORD_NOT_EQUAL: -ops(plain)[spirv.OP_FORD_NOT_EQUAL],
                                    spirv.OP_FUNORD_NOT_EQUAL: ops(plain)[spirv.OP_FORD_NOT_EQUAL]}
-    validate(out, tmp_path)
+    validate_pass(out, tmp_path)
 
 
 def test_drop_workgroup_zero_init(plain, tmp_path):
@@ -182,7 +189,7 @@ def test_drop_workgroup_zero_init(plain, tmp_path):
     assert len(null_stores) == 1
     assert changed(plain, out) == {spirv.OP_STORE: -1}
     assert not [a for _, op, a in instructions(out) if op == spirv.OP_STORE and a[1] in nulls]
-    validate(out, tmp_path)
+    validate_pass(out, tmp_path)
 
 
 def test_drop_loop_bounding(plain, tmp_path):
@@ -190,7 +197,7 @@ def test_drop_loop_bounding(plain, tmp_path):
     out = passes.drop_loop_bounding(plain)
     assert 0xFFFFFFFF in constants(plain).values()
     assert changed(plain, out) == {spirv.OP_SELECTION_MERGE: -1, spirv.OP_BRANCH_CONDITIONAL: -1, spirv.OP_BRANCH: 1}
-    validate(out, tmp_path)
+    validate_pass(out, tmp_path)
 
 
 def test_drop_unlaid_layouts(plain, tmp_path):
