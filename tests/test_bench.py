@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_python
+from support import run_python
 from pagedvk import bench, kernels, suite
 from pagedvk.abi import PAGED_DECODE
 

@@ -13,7 +13,7 @@ import pytest
 import vulkan as vk
 
 import pagedvk
-from conftest import Case, rel_error, run_python
+from support import Case, rel_error, run_python
 from pagedvk.blocks import BlockManager
 from pagedvk.errors import GPUTimeoutError
 from pagedvk.runtime import commands

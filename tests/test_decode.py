@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
+from support import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)

@@ -16,7 +16,7 @@ import pagedvk
 from pagedvk import abi, cli, config, decode_rules, reference
 from pagedvk.decode_rules import MATRIX_PV_SHAPE
 from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
-from conftest import Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error
+from support import Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error
 from test_variants import VARIANTS, variant_args
 
 TOL = 2e-3   # float16 storage, queries and weights: about 4 units of float16's last place (2^-11)
@@ -442,7 +442,7 @@ def test_a_max_that_keeps_rising_rescales_the_sums(rng, backend):
 @needs_coopmat
 @pytest.mark.parametrize("backend,cache_dtype", F16_QUERY_MODULES)
 def test_bad_tables_read_nothing_outside_the_caches(device, rng, backend, cache_dtype):
-    # Unchecked tables (conftest.check_unchecked_tables): nothing read or written outside the buffers.
+    # Unchecked tables (support.check_unchecked_tables): nothing read or written outside the buffers.
     case = matrix_case(rng, cache_dtype, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2,
                        head_size=64)
     keys = check_unchecked_tables(device, case, "coopmat", TOL, backend)

@@ -11,7 +11,7 @@ import pytest
 import pagedvk
 from pagedvk import abi, reference
 from pagedvk.decode_rules import decode_target
-from conftest import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error, tiered
+from support import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error, tiered
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 

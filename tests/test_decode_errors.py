@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, assert_untouched, fenced, in_layout
+from support import Case, assert_untouched, fenced, in_layout
 
 
 def rejects(case, exc, match, **kw):

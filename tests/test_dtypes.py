@@ -7,7 +7,7 @@ import pytest
 
 import pagedvk
 from pagedvk import reference
-from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
+from support import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 BF16, E4M3, E5M2 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 CACHE_DTYPES = (np.float32, np.float16, BF16, E4M3, E5M2)

@@ -9,7 +9,7 @@ import pytest
 import vulkan as vk
 
 import pagedvk
-from conftest import Case, assert_untouched, fenced, rel_error
+from support import Case, assert_untouched, fenced, rel_error
 from pagedvk.decode import release_cached_plans
 from pagedvk.errors import GPUTimeoutError
 from pagedvk.runtime import commands

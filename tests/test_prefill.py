@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
+from support import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage
 HEAD_SIZES = (32, 64, 80, 128, 256)
@@ -35,7 +35,7 @@ def poisoned_outputs(monkeypatch):
 
 
 class PrefillCase:
-    """A random prefill problem: conftest.Case's shuffled paged cache (shared prefix blocks, padding
+    """A random prefill problem: support.Case's shuffled paged cache (shared prefix blocks, padding
     columns of -1 in the block table) in either layout, and either q_len queries per sequence (query
     [num_seqs, num_heads, q_len, head_size]) or, with q_lens, a ragged batch (query [num_tokens, num_heads,
     head_size] and query_start_loc)."""

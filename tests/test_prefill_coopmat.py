@@ -16,7 +16,7 @@ import pytest
 import pagedvk
 from pagedvk import abi, prefill
 from pagedvk.runtime.instance import MatrixShape
-from conftest import lse_error, rel_error
+from support import lse_error, rel_error
 from test_prefill import PrefillCase, poisoned_outputs  # noqa: F401 - the fixture poisons this module's outputs
 from test_variants import VARIANTS, variant_args
 

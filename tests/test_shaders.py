@@ -15,7 +15,7 @@ import pytest
 
 import pagedvk
 from pagedvk import abi, kernels, spirv, spirv_passes
-from conftest import run_python
+from support import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 MODULES = [(k, key) for k in abi.KERNELS for key in k.keys()]

@@ -8,7 +8,7 @@ import pytest
 
 import pagedvk
 from pagedvk import reference
-from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
+from support import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 TOL = 1e-5   # float32 caches and queries

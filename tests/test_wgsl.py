@@ -11,7 +11,7 @@ import pytest
 
 import pagedvk
 from pagedvk import abi
-from conftest import rel_error
+from support import rel_error
 from test_prefill import PrefillCase, modules_used
 
 SHADERS = Path(__file__).resolve().parent.parent / "shaders"
