@@ -35,6 +35,12 @@ def device():
     return pagedvk.default_device()
 
 
+@pytest.fixture(params=("glsl", "wgsl"))
+def backend(request):
+    """The shader backend: a test that takes it runs on the GLSL modules and on their WGSL translations."""
+    return request.param
+
+
 # -- validation in CI: `PAGEDVK_VALIDATION=1 pytest` fails any test after which the layer said anything --
 
 VALIDATING = pagedvk.config.validation()

@@ -7,7 +7,7 @@ import pytest
 import pagedvk
 from support import rel_error, tiered
 from test_prefill import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, LAYOUTS, RAGGED,  # noqa: F401
-                          PrefillCase, backend,
+                          PrefillCase,
                           poisoned_outputs, record_launches)
 from test_prefill import check as prefill_check
 

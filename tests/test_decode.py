@@ -13,11 +13,11 @@ HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
 
 
-@pytest.fixture(autouse=True, params=("glsl", "wgsl"))
-def backend(request, monkeypatch):
-    """Every decode test runs on both modules: the GLSL kernel and its WGSL translation."""
-    monkeypatch.setenv("PAGEDVK_BACKEND", request.param)
-    return request.param
+@pytest.fixture(autouse=True)
+def default_backend(backend, monkeypatch):
+    """Every decode test runs on both modules, the GLSL kernel and its WGSL translation: the calls that name no
+    backend take PAGEDVK_BACKEND's."""
+    monkeypatch.setenv("PAGEDVK_BACKEND", backend)
 
 
 def check(case, **kw):

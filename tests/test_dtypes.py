@@ -33,11 +33,6 @@ def tolerance(cache_dtype, query_dtype) -> float:
     return {np.dtype(np.float32): 1e-5}.get(np.dtype(cache_dtype), 1e-4 if np.dtype(cache_dtype).itemsize == 1 else 2e-3)
 
 
-@pytest.fixture(params=("glsl", "wgsl"))
-def backend(request):
-    return request.param
-
-
 @pytest.mark.parametrize("cache_dtype,query_dtype,layout", every_storage(CACHE_DTYPES))
 def test_decode(rng, backend, cache_dtype, query_dtype, layout):
     cache_dtype, query_dtype = NAMES[cache_dtype], NAMES[query_dtype]

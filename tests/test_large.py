@@ -15,11 +15,6 @@ NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 1, 128, 32
 BLOCK_BYTES = NUM_KV_HEADS * HEAD_SIZE * BLOCK_SIZE * 4
 
 
-@pytest.fixture(params=("glsl", "wgsl"))
-def backend(request):
-    return request.param
-
-
 def sparse_caches(rng, num_blocks, used_blocks, dtype=np.float32):
     """vLLM-layout caches of num_blocks blocks where only `used_blocks` hold random data (the rest is NaN: a
     read of it would show), and block tables for two sequences over them. (Untouched memory from np.empty

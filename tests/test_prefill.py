@@ -18,11 +18,6 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32)   # below 8 in the token-major layouts only (
 NAN_BITS = 0x7FC00000  # a float32 quiet NaN, as the 32-bit word vkCmdFillBuffer writes
 
 
-@pytest.fixture(params=("glsl", "wgsl"))
-def backend(request):
-    return request.param
-
-
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Every array the ops allocate for their results starts as NaN: an element a kernel never writes

@@ -14,11 +14,6 @@ CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m
 TOL = 1e-5   # float32 caches and queries
 
 
-@pytest.fixture(params=("glsl", "wgsl"))
-def backend(request):
-    return request.param
-
-
 def variant_args(rng, num_heads, names):
     """The named variants' arguments, random where they are arrays: ALiBi slopes of either sign (a bias that
     also grows with distance), sinks around the logits' size, a cap the logits reach, a window shorter than
