@@ -41,6 +41,18 @@ def backend(request):
     return request.param
 
 
+@pytest.fixture
+def poisoned_prefill_outputs(monkeypatch):
+    """Every array prefill allocates for its results starts as a quiet NaN: an element a kernel never writes stays
+    NaN and fails rel_error's finiteness check (or a comparison with zero). Modules take it with
+    `pytestmark = pytest.mark.usefixtures("poisoned_prefill_outputs")` or a test by naming it."""
+    def poisoned_empty(shape, dtype=np.float32, device=None):
+        a = pagedvk.empty(shape, dtype, device)
+        a.device.fill(a.buffer, 0x7FC00000)   # a float32 quiet NaN, as the 32-bit word vkCmdFillBuffer writes
+        return a
+    monkeypatch.setattr(pagedvk.prefill, "empty", poisoned_empty)
+
+
 # -- validation in CI: `PAGEDVK_VALIDATION=1 pytest` fails any test after which the layer said anything --
 
 VALIDATING = pagedvk.config.validation()

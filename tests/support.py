@@ -194,3 +194,126 @@ def check_unchecked_tables(device, case, kernel: str, tol: float, backend: str =
         np.testing.assert_allclose(result[[1, 3, 6]], expect[[1, 3, 6]], rtol=tol, atol=tol)
     assert_untouched(*guards)
     return keys
+
+
+# -- prefill: the random problem, the check and the matrices the forward's and the backward's tests share --
+
+PREFILL_HEAD_SIZES = (32, 64, 80, 128, 256)
+PREFILL_QUERY_LENGTHS = (1, 3, 16, 64)
+PREFILL_LAYOUTS = ("nhd", "vllm")
+ALL_PREFILL_LAYOUTS = PREFILL_LAYOUTS + ("hnd",)   # FlashInfer's HND: its own cases, then the full tier's matrices
+PREFILL_BLOCK_SIZES = (1, 2, 4, 8, 16, 32)   # below 8 in the token-major layouts only (pagedvk.layouts)
+
+
+class PrefillCase:
+    """A random prefill problem: Case's shuffled paged cache (shared prefix blocks, padding
+    columns of -1 in the block table) in either layout, and either q_len queries per sequence (query
+    [num_seqs, num_heads, q_len, head_size]) or, with q_lens, a ragged batch (query [num_tokens, num_heads,
+    head_size] and query_start_loc)."""
+
+    def __init__(self, rng, *, q_len=None, q_lens=None, layout="nhd", causal=True, num_heads=4, num_kv_heads=2,
+                 head_size=64, block_size=16, seq_lens=None, shared_prefix_blocks=0):
+        self.ragged = q_lens is not None
+        if seq_lens is None and self.ragged:   # each sequence with some cached context before its queries
+            seq_lens = [n + int(rng.integers(0, 40)) for n in q_lens]
+        if seq_lens is None:   # one sequence that is all query, others with cached context before it
+            seq_lens = [q_len, q_len + 150, q_len + int(rng.integers(1, 40))]
+        case = Case(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                    block_size=block_size, seq_lens=seq_lens, shared_prefix_blocks=shared_prefix_blocks)
+        self.block_tables, self.seq_lens = case.block_tables, case.seq_lens
+        self.key_cache, self.value_cache = in_layout(case, layout, np.float32)
+        if self.ragged:
+            self.query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+            shape = (int(self.query_start_loc[-1]), num_heads, head_size)
+        else:
+            shape = (len(self.seq_lens), num_heads, q_len, head_size)
+        self.query = rng.standard_normal(shape).astype(np.float32)
+        self.layout, self.causal = layout, causal
+
+    def args(self):
+        tables = (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens)
+        return tables + ((self.query_start_loc,) if self.ragged else ())
+
+    def options(self, **kw):
+        return dict(dict(layout=self.layout, causal=self.causal), **kw)
+
+    def loc(self) -> dict:
+        """query_start_loc as a keyword (the backward takes it after out and lse), or nothing."""
+        return dict(query_start_loc=self.query_start_loc) if self.ragged else {}
+
+    def reference(self, scale=None):
+        return pagedvk.reference.paged_attention_prefill(*self.args(), scale=scale, **self.options())
+
+
+def check_prefill(case, backend, **kw):
+    """paged_attention_prefill of the case on `backend`: out and lse of the right shapes and float32, each against
+    float64 within float32 storage's tolerance."""
+    out, lse = pagedvk.paged_attention_prefill(*case.args(), backend=backend, **case.options(**kw))
+    ref_out, ref_lse = case.reference(kw.get("scale"))
+    assert isinstance(out, np.ndarray) and out.shape == case.query.shape and out.dtype == np.float32
+    assert isinstance(lse, np.ndarray) and lse.shape == case.query.shape[:-1] and lse.dtype == np.float32
+    assert rel_error(out, ref_out) <= 1e-5
+    assert rel_error(lse, ref_lse) <= 1e-5
+    return out, lse
+
+
+# Forward and backward, default tier: each layout, head size and query length once.
+HEAD_SIZES_AND_QUERY_LENGTHS = tiered(
+    [(layout, h, q) for layout in ALL_PREFILL_LAYOUTS for h in PREFILL_HEAD_SIZES for q in PREFILL_QUERY_LENGTHS],
+    default=[("nhd", 32, 1), ("vllm", 64, 3), ("nhd", 80, 16), ("vllm", 128, 64), ("nhd", 256, 3)])
+
+
+# Forward and backward, default tier: each block size of vLLM's layout once, and FlashInfer's HND with 16-token blocks and with 1-token blocks
+# (the kernels' ids then read from the table, and dk/dv's workgroups masked past the block).
+BLOCK_SIZES_CAUSAL_OR_NOT = tiered(
+    [(b, layout, c) for b in PREFILL_BLOCK_SIZES for layout in ALL_PREFILL_LAYOUTS for c in (True, False)
+     if b in pagedvk.layouts.block_sizes(layout)],
+    default=[(8, "nhd", True), (16, "vllm", False), (32, "vllm", True), (16, "hnd", False), (1, "hnd", True)])
+
+
+RAGGED_BATCHES = {   # q_len per sequence
+    "mixed": [5, 1, 0, 17, 1, 3],     # prefill chunks, decode tokens and an empty sequence together
+    "decode_tokens": [1, 1, 1, 1],
+    "empty_at_both_ends": [0, 9, 0],
+    "one_long": [70],
+}
+
+
+def modules_used(monkeypatch) -> list:
+    """The (op, backend) of every pipeline the ops ask for from now on."""
+    used, pipeline = [], pagedvk.kernels.pipeline
+    monkeypatch.setattr(pagedvk.kernels, "pipeline",
+                        lambda device, abi, key, *args: used.append((abi.op, key.backend)) or pipeline(device, abi, key,
+                                                                                                      *args))
+    return used
+
+
+def record_launches(monkeypatch) -> tuple:
+    """(barriers, launches): lists that fill as launches are recorded, the arguments of each barrier recorded and,
+    for each Launch, (its steps' module names, its independent step indices)."""
+    import pagedvk.runtime.pipeline as pipeline
+    barriers, recorded = [], []
+    barrier = pipeline.memory_barrier
+    monkeypatch.setattr(pipeline, "memory_barrier", lambda *a: (barriers.append(a), barrier(*a)))
+    launch = pipeline.Launch.__init__
+
+    def spy(self, device, steps, *a, **kw):
+        recorded.append(([step[0].name for step in steps], kw.get("independent", frozenset())))
+        return launch(self, device, steps, *a, **kw)
+    monkeypatch.setattr(pipeline.Launch, "__init__", spy)
+    return barriers, recorded
+
+
+# -- attention variants: decode's and prefill's tests run each of them --
+
+def variant_args(rng, num_heads, names):
+    """The named variants' arguments, random where they are arrays: ALiBi slopes of either sign (a bias that
+    also grows with distance), sinks around the logits' size, a cap the logits reach, a window shorter than
+    the contexts."""
+    every = dict(alibi_slopes=(rng.uniform(-0.2, 0.2, num_heads)).astype(np.float32),
+                 logits_soft_cap=1.5, sinks=rng.standard_normal(num_heads).astype(np.float32), window_left=40)
+    return {name: every[name] for name in names}
+
+
+VARIANTS = {"alibi": ("alibi_slopes",), "softcap": ("logits_soft_cap",), "sinks": ("sinks",),
+            "window": ("window_left",), "all": ("alibi_slopes", "logits_soft_cap", "sinks", "window_left")}

@@ -5,11 +5,10 @@ import numpy as np
 import pytest
 
 import pagedvk
-from support import rel_error, tiered
-from test_prefill import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, LAYOUTS, RAGGED,  # noqa: F401
-                          PrefillCase,
-                          poisoned_outputs, record_launches)
-from test_prefill import check as prefill_check
+from support import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, PREFILL_LAYOUTS, RAGGED_BATCHES,
+                     PrefillCase, check_prefill, record_launches, rel_error, tiered)
+
+pytestmark = pytest.mark.usefixtures("poisoned_prefill_outputs")
 
 # float32 storage. The kernels sum dK and dV over rows in a fixed order; measured errors stay below 1e-6,
 # so the forward's tolerance holds and is not loosened.
@@ -34,7 +33,7 @@ def check(case, rng, backend, **kw):
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["fixed_q_len", "ragged"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PREFILL_LAYOUTS)
 def test_reference_gradient_matches_finite_differences(rng, layout, causal, ragged):
     # Tiny: 2 sequences sharing physical block 0 (so dK and dV add up there), GQA 2:1, blocks 1 and 3 unread;
     # ragged: 3 and 2 new tokens, and an empty third sequence between them.
@@ -134,7 +133,7 @@ def test_head_size_specialization(rng, monkeypatch, specialized, head_size):
     if not specialized:   # an id no module declares: the pipelines are made without the constant
         monkeypatch.setattr(prefill, "PREFILL_HEAD_SIZE_SPEC_ID", -1)
     case = PrefillCase(rng, q_len=5, head_size=head_size, shared_prefix_blocks=1)
-    prefill_check(case, "glsl")
+    check_prefill(case, "glsl")
     check(case, rng, "glsl")
     constants = ((PREFILL_HEAD_SIZE_SPEC_ID, head_size),) if specialized else ()
     made = {key.op for key, _, own in pagedvk.default_device().pipelines
@@ -143,7 +142,7 @@ def test_head_size_specialization(rng, monkeypatch, specialized, head_size):
     assert {"paged_prefill", "paged_backward_dq", "paged_backward_dkdv"} <= made
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PREFILL_LAYOUTS)
 def test_shared_blocks_add_up(rng, backend, layout):
     case = PrefillCase(rng, q_len=4, layout=layout, seq_lens=[70, 40, 33, 100], shared_prefix_blocks=2)
     case.block_tables[2] = case.block_tables[3]   # two sequences on the same blocks, different lengths
@@ -181,7 +180,7 @@ def test_query_seeing_one_key_has_zero_dq(rng, backend):
 def test_delta_is_rowsum_of_dout_times_out(rng, backend, ragged, dtype):
     # The backward's first dispatch (abi.PAGED_BACKWARD_DELTA) writes D = rowsum(dout * out) of every row, in lse's
     # shape, into a scratch buffer the launch owns, which dq and dk/dv read in place of out. The scratch starts as
-    # NaN (poisoned_outputs), so a row left unwritten shows.
+    # NaN (poisoned_prefill_outputs), so a row left unwritten shows.
     import ml_dtypes
     from pagedvk.prefill import Recorded
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
@@ -226,7 +225,7 @@ def test_deterministic(rng, backend):
         assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PREFILL_LAYOUTS)
 def test_forward_then_backward_on_device(rng, backend, layout, device):
     # A training step's shape: device arrays in, device arrays out, the backward fed the kernel's own out/lse.
     case = PrefillCase(rng, q_len=16, layout=layout, shared_prefix_blocks=1)
@@ -242,10 +241,10 @@ def test_forward_then_backward_on_device(rng, backend, layout, device):
 
 # -- ragged batches ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("batch,layout", tiered([(b, layout) for b in RAGGED for layout in LAYOUTS],
+@pytest.mark.parametrize("batch,layout", tiered([(b, layout) for b in RAGGED_BATCHES for layout in PREFILL_LAYOUTS],
                                                 default=[("mixed", "vllm"), ("empty_at_both_ends", "nhd")]))
 def test_ragged_batches(rng, backend, layout, batch):
-    check(PrefillCase(rng, q_lens=RAGGED[batch], layout=layout, shared_prefix_blocks=1), rng, backend)
+    check(PrefillCase(rng, q_lens=RAGGED_BATCHES[batch], layout=layout, shared_prefix_blocks=1), rng, backend)
 
 
 @pytest.mark.parametrize("causal,num_heads,num_kv_heads", tiered(

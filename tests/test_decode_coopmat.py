@@ -16,8 +16,7 @@ import pagedvk
 from pagedvk import abi, cli, config, decode_rules, reference
 from pagedvk.decode_rules import MATRIX_PV_SHAPE
 from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
-from support import Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error
-from test_variants import VARIANTS, variant_args
+from support import VARIANTS, Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error, variant_args
 
 TOL = 2e-3   # float16 storage, queries and weights: about 4 units of float16's last place (2^-11)
 BF16_TOL = 1.6e-2   # the same for bfloat16 (2^-8), whose matrices round queries, keys, values and weights to it

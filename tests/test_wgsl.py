@@ -11,8 +11,7 @@ import pytest
 
 import pagedvk
 from pagedvk import abi
-from support import rel_error
-from test_prefill import PrefillCase, modules_used
+from support import PrefillCase, modules_used, rel_error
 
 SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 WGSL_KERNELS = [k for k in abi.KERNELS if "wgsl" in k.backends]
