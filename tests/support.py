@@ -10,6 +10,7 @@ import tempfile
 import textwrap
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -116,6 +117,82 @@ def in_layout(case, layout, dtype):
     k, v = pagedvk.reference.nhd_views(case.key_cache, case.value_cache, "vllm")
     k, v = pagedvk.reference.nhd_as_cache(k, v, layout, None)
     return np.ascontiguousarray(k, dtype), np.ascontiguousarray(v, dtype)
+
+
+# -- rejected inputs: a call with one argument broken at a time --
+
+TENSOR_NAMES = ("query", "key_cache", "value_cache", "block_tables", "seq_lens")
+
+
+def tensors_by_name(case) -> dict:
+    """The case's query, caches, block tables and lengths by their argument names."""
+    return dict(zip(TENSOR_NAMES, case.args()))
+
+
+def rejects(call, arguments: dict, exc, match, **changes) -> dict:
+    """call(**arguments), each of `changes` replacing (or adding) the argument of its name, raises `exc` with a message
+    that matches `match`. Returns the arguments of the call, for the caller to check what it left unwritten."""
+    called = {**arguments, **changes}
+    with pytest.raises(exc, match=match):
+        call(**called)
+    return called
+
+
+# -- decode through a plan: unsplit and split, against float64 --
+
+class DecodeRun(NamedTuple):
+    """What a run of a DecodePlan gave (its outputs) and took (the plan's module key, partitions, where they merge)."""
+    out: np.ndarray
+    lse: np.ndarray
+    key: object
+    num_partitions: int
+    merge_in_decode: bool
+
+
+def run_decode_plan(case, query=None, partition_size=None, *, layout="vllm", key_cache=None, value_cache=None,
+                    constants=None, **options) -> DecodeRun:
+    """A DecodePlan for the case's tables and caches stored in `layout`, run on `query` (the case's unless given) into
+    NaN-poisoned out and lse, on the case's caches or on `key_cache` and `value_cache` (views of them: the plan is made
+    for the case's dtype). `options`: the plan's (kernel, backend, device, attention variants, ...); `constants`:
+    specialization constants set on the plan after it chose them."""
+    query = case.query if query is None else query
+    stored_keys, stored_values = in_layout(case, layout, case.key_cache.dtype)
+    out = np.full(query.shape, np.nan, query.dtype)
+    lse = np.full(query.shape[:2], np.nan, np.float32)
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=query.shape[1], num_kv_heads=case.num_kv_heads,
+                            head_size=query.shape[2], block_size=case.block_size, num_blocks=case.key_cache.shape[0],
+                            dtype=case.key_cache.dtype, query_dtype=query.dtype, layout=layout,
+                            partition_size=partition_size, **options) as plan:
+        plan.constants.update(constants or {})
+        plan.run(query, stored_keys if key_cache is None else key_cache,
+                 stored_values if value_cache is None else value_cache, out=out, lse=lse)
+        return DecodeRun(out, lse, plan.key, plan.num_partitions, plan.merge_in_decode)
+
+
+def check_split_and_unsplit(case, query=None, *, tol, lse_tol=1e-5, layout="vllm",
+                            partitionings=((4096, None), (32, None)), check_run=None, variants=None, **options):
+    """Decode of the case (run_decode_plan) once per (partition_size, constants) of `partitionings`, by default one
+    partition and then 32-token ones: each run's out within `tol` of float64's and its lse within `lse_tol` (a sequence
+    with no keys: zeros and -inf), and the runs' outputs within `tol` of one another (the partitions' sums only add in
+    another order). check_run(index, run) checks what else the index-th run should show (its module, its partition
+    count). `variants`: the attention variants the plan and the reference both take; `options`: the plan's."""
+    query = case.query if query is None else query
+    variants = variants or {}
+    ref_out, ref_lse = pagedvk.reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
+    outs = []
+    for index, (partition_size, constants) in enumerate(partitionings):
+        run = run_decode_plan(case, query, partition_size, layout=layout, constants=constants, **variants, **options)
+        if check_run is not None:
+            check_run(index, run)
+        err = rel_error(run.out, ref_out)
+        # pytest shows it with a failure (and with -rA, for a run that passes)
+        print(f"{run.key.name} partitions {run.num_partitions} constants {constants}: rel error {err:.3g}")
+        assert err <= tol
+        assert (run.out[np.isneginf(ref_lse)] == 0).all()
+        assert lse_error(run.lse, ref_lse) <= lse_tol
+        outs.append(run.out.astype(np.float32))
+    for other in outs[1:]:
+        np.testing.assert_allclose(outs[0], other, rtol=0, atol=tol)
 
 
 # -- sentinels: arrays laid out in one buffer between sentinel ranges, so a stray access lands in a sentinel --

@@ -6,7 +6,7 @@ import pytest
 
 import pagedvk
 from support import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, PREFILL_LAYOUTS, RAGGED_BATCHES,
-                     PrefillCase, check_prefill, record_launches, rel_error, tiered)
+                     PrefillCase, check_prefill, record_launches, rejects, rel_error, tensors_by_name, tiered)
 
 pytestmark = pytest.mark.usefixtures("poisoned_prefill_outputs")
 
@@ -283,21 +283,21 @@ def case(rng):
     return PrefillCase(rng, q_len=4, seq_lens=[10, 30, 4])
 
 
-def rejects(case, exc, match, dout=None, out=None, lse=None, **options):
-    ref_out, ref_lse = (a.astype(np.float32) for a in case.reference())
-    dout = np.ones_like(case.query) if dout is None else dout
-    with pytest.raises(exc, match=match):
-        pagedvk.paged_attention_backward(dout, *case.args()[:5], ref_out if out is None else out,
-                                         ref_lse if lse is None else lse, **dict(case.loc(), **case.options(**options)))
+def rejects_backward(case, exc, match, **changes):
+    """paged_attention_backward on the case (dout ones, out and lse the reference forward's) with `changes` raises."""
+    out, lse = (a.astype(np.float32) for a in case.reference())
+    arguments = dict(tensors_by_name(case), dout=np.ones_like(case.query), out=out, lse=lse, **case.loc(),
+                     **case.options())
+    rejects(pagedvk.paged_attention_backward, arguments, exc, match, **changes)
 
 
 def test_rejects_bad_gradient_arguments(case):
     q = case.query
-    rejects(case, ValueError, r"dout must have shape \(3, 4, 4, 64\)", dout=q[:, :, :2].copy())
-    rejects(case, TypeError, "dout must have dtype float32", dout=q.astype(np.float64))
-    rejects(case, ValueError, r"out must have 4 dimensions", out=q[0])
-    rejects(case, ValueError, r"lse must have shape \(3, 4, 4\)", lse=np.zeros((3, 4, 5), np.float32))
-    rejects(case, TypeError, "lse must be a numpy array", lse=0.0)
+    rejects_backward(case, ValueError, r"dout must have shape \(3, 4, 4, 64\)", dout=q[:, :, :2].copy())
+    rejects_backward(case, TypeError, "dout must have dtype float32", dout=q.astype(np.float64))
+    rejects_backward(case, ValueError, r"out must have 4 dimensions", out=q[0])
+    rejects_backward(case, ValueError, r"lse must have shape \(3, 4, 4\)", lse=np.zeros((3, 4, 5), np.float32))
+    rejects_backward(case, TypeError, "lse must be a numpy array", lse=0.0)
 
 
 def test_takes_strided_numpy_arrays(rng):
@@ -318,17 +318,17 @@ def test_takes_strided_numpy_arrays(rng):
 
 
 def test_rejects_what_the_forward_rejects(case):
-    rejects(case, ValueError, "layout must be one of", layout="HND")
+    rejects_backward(case, ValueError, "layout must be one of", layout="HND")
     case.seq_lens[0] = 2
-    rejects(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len")
+    rejects_backward(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len")
 
 
 def test_rejects_bad_ragged_arguments(rng):
     case = PrefillCase(rng, q_lens=[3, 0, 5], seq_lens=[3, 10, 20])
     q = case.query
-    rejects(case, ValueError, r"lse must have shape \(8, 4\)", lse=np.zeros((8, 3), np.float32))
-    rejects(case, ValueError, r"dout must have shape \(8, 4, 64\)", dout=q[:7].copy())
-    rejects(case, ValueError, r"query_start_loc\[-1\] must be num_tokens",
+    rejects_backward(case, ValueError, r"lse must have shape \(8, 4\)", lse=np.zeros((8, 3), np.float32))
+    rejects_backward(case, ValueError, r"dout must have shape \(8, 4, 64\)", dout=q[:7].copy())
+    rejects_backward(case, ValueError, r"query_start_loc\[-1\] must be num_tokens",
             query_start_loc=np.array([0, 3, 3, 6], np.int32))
     case.seq_lens[0] = 2
-    rejects(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len_s")
+    rejects_backward(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len_s")

@@ -8,7 +8,8 @@ import pytest
 
 import pagedvk
 from support import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, PREFILL_LAYOUTS, RAGGED_BATCHES,
-                     PrefillCase, check_prefill, modules_used, poison_unread_slots, record_launches, rel_error, tiered)
+                     PrefillCase, check_prefill, modules_used, poison_unread_slots, record_launches, rejects, rel_error,
+                     tensors_by_name, tiered)
 
 pytestmark = pytest.mark.usefixtures("poisoned_prefill_outputs")
 
@@ -266,38 +267,34 @@ def case(rng):
     return PrefillCase(rng, q_len=4, seq_lens=[10, 30, 4])
 
 
-def rejects(case, exc, match, **changes):
-    args = dict(zip(("query", "key_cache", "value_cache", "block_tables", "seq_lens"), case.args()))
-    options = case.options()
-    for name, value in changes.items():
-        (args if name in args else options)[name] = value
-    with pytest.raises(exc, match=match):
-        pagedvk.paged_attention_prefill(*args.values(), **options)
+def rejects_prefill(case, exc, match, **changes):
+    """paged_attention_prefill on the case with `changes` (tensors or options) raises."""
+    rejects(pagedvk.paged_attention_prefill, dict(tensors_by_name(case), **case.options()), exc, match, **changes)
 
 
 def test_rejects_bad_layout(case):
-    rejects(case, ValueError, "layout must be one of 'vllm', 'nhd', 'hnd', got 'NHD'", layout="NHD")
+    rejects_prefill(case, ValueError, "layout must be one of 'vllm', 'nhd', 'hnd', got 'NHD'", layout="NHD")
 
 
 def test_rejects_layout_not_matching_the_caches(case):
-    rejects(case, ValueError, r"key_cache must have 5 dimensions", layout="vllm")
+    rejects_prefill(case, ValueError, r"key_cache must have 5 dimensions", layout="vllm")
 
 
 def test_rejects_seq_len_shorter_than_q_len(case):
     case.seq_lens[1] = 3
-    rejects(case, ValueError, r"seq_lens\[1\] = 3 is less than q_len")
+    rejects_prefill(case, ValueError, r"seq_lens\[1\] = 3 is less than q_len")
 
 
 def test_rejects_negative_seq_len(case):
     case.seq_lens[2] = -1
-    rejects(case, ValueError, r"seq_lens\[2\] = -1 is outside")
+    rejects_prefill(case, ValueError, r"seq_lens\[2\] = -1 is outside")
 
 
 def test_rejects_block_id_out_of_range(case):
     case.block_tables[1, 1] = case.key_cache.shape[0]
-    rejects(case, ValueError, r"block_tables\[1, 1\]")
+    rejects_prefill(case, ValueError, r"block_tables\[1, 1\]")
     case.block_tables[1, 1] = -1
-    rejects(case, ValueError, r"block_tables\[1, 1\] = -1")
+    rejects_prefill(case, ValueError, r"block_tables\[1, 1\] = -1")
 
 
 def test_block_ids_past_the_used_blocks_are_not_checked(case, backend):
@@ -307,7 +304,7 @@ def test_block_ids_past_the_used_blocks_are_not_checked(case, backend):
 
 def test_rejects_num_heads_not_a_multiple_of_kv_heads(rng):
     case = PrefillCase(rng, q_len=2, num_heads=3, num_kv_heads=2)
-    rejects(case, ValueError, r"query.shape\[1\] \(num_heads\) must be a positive multiple of num_kv_heads")
+    rejects_prefill(case, ValueError, r"query.shape\[1\] \(num_heads\) must be a positive multiple of num_kv_heads")
 
 
 @pytest.mark.parametrize("name,value,match", [
@@ -325,13 +322,13 @@ def test_rejects_num_heads_not_a_multiple_of_kv_heads(rng):
     ("seq_lens", lambda c: c.seq_lens[:2], r"seq_lens.shape\[0\] \(num_seqs, from query\) must be 3"),
 ])
 def test_rejects_wrong_shapes(case, name, value, match):
-    rejects(case, ValueError, match, **{name: value(case)})
+    rejects_prefill(case, ValueError, match, **{name: value(case)})
 
 
 @pytest.mark.parametrize("name,dtype", [("query", np.float64), ("key_cache", np.float64), ("value_cache", np.float64),
                                         ("block_tables", np.int64), ("seq_lens", np.uint32)])
 def test_rejects_wrong_dtypes(case, name, dtype):
-    rejects(case, TypeError, f"{name} must have dtype", **{name: getattr(case, name).astype(dtype)})
+    rejects_prefill(case, TypeError, f"{name} must have dtype", **{name: getattr(case, name).astype(dtype)})
 
 
 def test_takes_strided_numpy_arrays(case):
@@ -352,10 +349,10 @@ def test_takes_strided_numpy_arrays(case):
 
 
 def test_rejects_lists_and_bad_options(case):
-    rejects(case, TypeError, "query must be a numpy array", query=case.query.tolist())
-    rejects(case, TypeError, "causal must be a bool", causal=1)
-    rejects(case, ValueError, "scale must be finite", scale=float("inf"))
-    rejects(case, ValueError, "backend must be one of glsl, wgsl", backend="hlsl")
+    rejects_prefill(case, TypeError, "query must be a numpy array", query=case.query.tolist())
+    rejects_prefill(case, TypeError, "causal must be a bool", causal=1)
+    rejects_prefill(case, ValueError, "scale must be finite", scale=float("inf"))
+    rejects_prefill(case, ValueError, "backend must be one of glsl, wgsl", backend="hlsl")
 
 
 @pytest.fixture
