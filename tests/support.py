@@ -17,6 +17,9 @@ import pytest
 
 import pagedvk
 
+# The checkout's root (this file is tests/support.py): where benchmarks/, shaders/ and docs/ are.
+REPO = Path(__file__).resolve().parent.parent
+
 def tiered(values, default):
     """parametrize's argvalues: `values`, those not in `default` marked `full` (the exhaustive tier)."""
     def param(v):

@@ -149,9 +149,9 @@ def test_vllm_unsupported_options_raise(case):
     out = case.poisoned_out()
     call = lambda **kw: pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 16, 64, **kw)
     with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(num_heads\) must be 8"):
-        call(alibi_slopes=np.ones(7, np.float32))   # ALiBi is supported (tests/test_variants.py); its checks hold
+        call(alibi_slopes=np.ones(7, np.float32))   # ALiBi is supported (tests/ops/test_variants.py); its checks hold
     with pytest.raises(TypeError, match=r"key_cache must be uint8 \(or float8_e4m3fn\) with kv_cache_dtype='fp8'"):
-        call(kv_cache_dtype="fp8")   # fp8 caches arrive as uint8 (tests/test_dtypes.py runs them)
+        call(kv_cache_dtype="fp8")   # fp8 caches arrive as uint8 (tests/ops/test_dtypes.py runs them)
     with pytest.raises(NotImplementedError, match="block-sparse"):
         call(blocksparse_vert_stride=4)
     assert np.isnan(out).all()

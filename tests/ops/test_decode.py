@@ -200,7 +200,7 @@ PLAN_DEFAULT_AND_128_TOKEN_PARTITIONS = ((None, None), (128, None))
 
 
 # FlashInfer's HND layout and blocks of 1 to 32 tokens (under 8 in the token-major layouts only), split and not, on
-# each backend's default kernel (lavapipe's GLSL: the CPU-shaped one; tests/test_decode_cpu.py forces each GLSL
+# each backend's default kernel (lavapipe's GLSL: the CPU-shaped one; tests/ops/test_decode_cpu.py forces each GLSL
 # kernel); the slots no sequence reads hold NaN. Default tier: HND at 16-token and at 1-token blocks.
 @pytest.mark.parametrize("layout,block_size", tiered(
     [(layout, b) for layout in ("nhd", "hnd") for b in (1, 2, 4, 8, 16, 32)], default=[("hnd", 16), ("hnd", 1)]))

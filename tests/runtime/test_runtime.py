@@ -114,7 +114,7 @@ def test_array_rejects_bad_dtype_and_shape():
 
 
 def test_rows_larger_than_one_binding_are_a_clear_error(device):
-    # Arrays larger than one binding are split into segments of whole rows (tests/test_large.py); a single row
+    # Arrays larger than one binding are split into segments of whole rows (tests/ops/test_large.py); a single row
     # larger than a binding cannot be.
     too_big = device.info.max_storage_buffer_range // 4 + 1
     with pytest.raises(ValueError, match=r"has \d+-byte rows, more than .* can bind or allocate at once"):

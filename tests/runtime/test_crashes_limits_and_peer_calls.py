@@ -456,7 +456,7 @@ def test_copy_blocks_records_no_empty_copy(rng, device, monkeypatch):
     np.testing.assert_array_equal(v.numpy(), -expected)
 
 
-# -- 4. late and unclear errors (the CLI's: tests/test_cli.py::test_usage_errors_before_any_work) --------------------
+# -- 4. late and unclear errors (the CLI's: tests/app/test_cli.py::test_usage_errors_before_any_work) --------------------
 
 
 @pytest.mark.parametrize("scale, error, match", [

@@ -43,7 +43,7 @@ DTYPE_NAMES = {np.dtype(d).name: d for d in CACHE_DTYPES}
 
 
 # Default tier: every cache type in both layouts on the GPU kernel, the group width turning; on the CPU kernel every
-# type once in groups of 4 (tests/test_dtypes.py runs it in both layouts, as lavapipe's default kernel).
+# type once in groups of 4 (tests/ops/test_dtypes.py runs it in both layouts, as lavapipe's default kernel).
 @pytest.mark.parametrize("kernel,dtype,layout,group", tiered(
     [(k, d, layout, g) for k in ("cpu", "gpu") for d in DTYPE_NAMES for layout in ("vllm", "nhd") for g in GROUPS],
     default=[("gpu", d, layout, list(GROUPS)[(i + j) % 4]) for i, d in enumerate(DTYPE_NAMES)
