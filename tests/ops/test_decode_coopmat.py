@@ -501,32 +501,33 @@ def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_lo
     # barriers that order workgroup memory, Unroll on the loops over the matrix arrays (kt, vt, o: ten of them) and on
     # the four over a step's blocks around them (not on the loop over the blocks, whose bound is the sequence's), and
     # zero matrices as glslang makes them (OpConstantComposite of one zero, not OpConstantNull).
-    import array
+    from pagedvk import spirv
     from pagedvk.kernels import load_spirv
-    words = array.array("I", load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", operand, operand, head_size,
-                                                                               matrix="coopmat")))
-    constants, capabilities, barriers, loops, i = {}, set(), [], [], 5
-    matrices, nulls, splats = set(), [], []
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == 4456:                # OpTypeCooperativeMatrixKHR
-            matrices.add(words[i + 1])
-        elif op == 28 and words[i + 2] in matrices:   # OpTypeArray of matrices
-            matrices.add(words[i + 1])
-        elif op == 46:                # OpConstantNull
-            nulls.append(words[i + 1])
-        elif op == 44 and words[i + 1] in matrices:   # OpConstantComposite
-            splats.append(words[i + 1])
-        elif op == 43 and count == 4:   # OpConstant
-            constants[words[i + 2]] = words[i + 3]
-        elif op == 17:                # OpCapability
-            capabilities.add(words[i + 1])
-        elif op == 224:               # OpControlBarrier
-            barriers.append((constants[words[i + 1]], constants[words[i + 3]]))
-        elif op == 246:               # OpLoopMerge
-            loops.append(words[i + 3])
-        i += count
-    assert 4433 in capabilities and not capabilities & {4434, 4435, 4436}   # StorageBuffer16BitAccess only
-    assert {semantics for scope, semantics in barriers if scope == 3} == {0x108}   # subgroup: AcquireRelease | Workgroup
-    assert loops.count(1) == 14
-    assert splats and not matrices & set(nulls)
+    words = spirv.module_words(load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", operand, operand, head_size,
+                                                                                 matrix="coopmat")))
+    constants, capabilities, barriers, loop_controls = {}, set(), [], []
+    matrices, null_types, splats = set(), [], []   # matrix type ids (arrays of them too), OpConstantNull's types
+    for _, op, operands in spirv.instructions(words):
+        if op == spirv.OP_TYPE_COOPERATIVE_MATRIX_KHR:
+            matrices.add(operands[0])
+        elif op == spirv.OP_TYPE_ARRAY and operands[1] in matrices:
+            matrices.add(operands[0])
+        elif op == spirv.OP_CONSTANT_NULL:
+            null_types.append(operands[0])
+        elif op == spirv.OP_CONSTANT_COMPOSITE and operands[0] in matrices:
+            splats.append(operands[0])
+        elif op == spirv.OP_CONSTANT and len(operands) == 3:   # a 32-bit one: its type, id, value
+            constants[operands[1]] = operands[2]
+        elif op == spirv.OP_CAPABILITY:
+            capabilities.add(operands[0])
+        elif op == spirv.OP_CONTROL_BARRIER:   # (execution scope, semantics): the ids' constant values
+            barriers.append((constants[operands[0]], constants[operands[2]]))
+        elif op == spirv.OP_LOOP_MERGE:
+            loop_controls.append(operands[2])
+    assert spirv.CAP_STORAGE_BUFFER_16BIT_ACCESS in capabilities and not capabilities & {
+        spirv.CAP_UNIFORM_AND_STORAGE_BUFFER_16BIT_ACCESS, spirv.CAP_STORAGE_PUSH_CONSTANT16,
+        spirv.CAP_STORAGE_INPUT_OUTPUT16}
+    assert {semantics for scope, semantics in barriers if scope == spirv.SCOPE_SUBGROUP} == {
+        spirv.SEMANTICS_ACQUIRE_RELEASE | spirv.SEMANTICS_WORKGROUP_MEMORY}
+    assert loop_controls.count(spirv.LOOP_CONTROL_UNROLL) == 14
+    assert splats and not matrices & set(null_types)
