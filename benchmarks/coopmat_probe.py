@@ -11,7 +11,7 @@ with the build's glslang):
     python benchmarks/coopmat_probe.py --iters 512 --json probe.json
 
 Devices without a 16x16x16 float16 multiply (lavapipe) run the float32 mode only. Times are GPU timestamps, the
-median of --repeats submissions after the clocks are up (pagedvk.bench.warm_up). tests/test_bench.py builds every
+median of --repeats submissions after the clocks are up (pagedvk.bench.warm_up). tests/app/test_bench.py builds every
 mode and runs the float32 one.
 
 The LAYOUT mode, on devices with the multiplies, prints which elements of a 16x16 float16 A matrix, a 16x8 float16

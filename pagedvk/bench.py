@@ -61,7 +61,7 @@ def parse_backends(text: str) -> list:
 
 # rel. error allowed against float64: float32 storage, or 16-bit (and fp8, read into 16-bit queries) outputs;
 # bfloat16's matrix decode rounds its weights to bfloat16 (2^-8), hence the tests' tolerance for it
-# (tests/test_decode_coopmat.py BF16_TOL), where 2e-3 flagged every correct bfloat16 matrix row (3.7e-3 on the H200)
+# (tests/ops/test_decode_coopmat.py BF16_TOL), where 2e-3 flagged every correct bfloat16 matrix row (3.7e-3 on the H200)
 TOLERANCE = {str(dtype): 1e-5 if dtype == np.float32 else 2e-3 for dtype in CACHE_TYPES} | {"bfloat16": 1.6e-2}
 
 # GPUs drop their shader clock within a second of idling (the H200: 1980 -> 345 MHz; its memory clock

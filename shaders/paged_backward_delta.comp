@@ -8,7 +8,7 @@
 // element r * head_size and is row r of lse and delta. Each thread sums four consecutive rows exactly as the
 // scalar dq sums dP (paged_backward_dq.comp): head quad by head quad, as component i of (out quad of row i) times
 // (the rows' dout quads as columns). Where a query sees a single key, out == v and P == 1, so dP - D must be
-// exactly 0 there, as in float64 (tests/test_backward.py: test_query_seeing_one_key_has_zero_dq); a sum in another
+// exactly 0 there, as in float64 (tests/ops/test_backward.py: test_query_seeing_one_key_has_zero_dq); a sum in another
 // order would leave rounding noise that would then be all of that row's dq.
 #extension GL_GOOGLE_include_directive : require
 #include "kv_storage.glsl"

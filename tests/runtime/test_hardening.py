@@ -9,7 +9,7 @@ import pytest
 import vulkan as vk
 
 import pagedvk
-from conftest import Case, assert_untouched, fenced, rel_error
+from support import Case, PrefillCase, assert_untouched, fenced, rel_error
 from pagedvk.decode import release_cached_plans
 from pagedvk.errors import GPUTimeoutError
 from pagedvk.runtime import commands
@@ -407,7 +407,6 @@ def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, devic
     # kernels treat bad blocks as empty and clamp lengths, so valid sequences stay right, the caches and
     # the neighbouring sentinels are untouched, and nothing is written outside the gradient caches. The
     # ragged batch gives the bad sequences 1, 5 and 4 queries (sequence 5's 4 past its clamped length).
-    from test_prefill import PrefillCase
     shape = dict(q_lens=[3, 1, 0, 5, 2, 4]) if ragged else dict(q_len=3)
     case = PrefillCase(rng, **shape, layout="vllm", seq_lens=[40, 17, 64, 33, 20, 50], num_heads=4,
                        num_kv_heads=2, head_size=32)

@@ -14,7 +14,7 @@ import pytest
 import vulkan as vk
 
 import pagedvk
-from conftest import Case, rel_error, run_python
+from support import Case, rel_error, run_python
 from pagedvk.blocks import BlockManager
 from pagedvk.errors import GPUTimeoutError
 from pagedvk.runtime import commands, instance
@@ -478,7 +478,7 @@ def test_copy_blocks_records_no_empty_copy(rng, device, monkeypatch):
     np.testing.assert_array_equal(v.numpy(), -expected)
 
 
-# -- 4. late and unclear errors (the CLI's: tests/test_cli.py::test_usage_errors_before_any_work) --------------------
+# -- 4. late and unclear errors (the CLI's: tests/app/test_cli.py::test_usage_errors_before_any_work) --------------------
 
 
 @pytest.mark.parametrize("scale, error, match", [

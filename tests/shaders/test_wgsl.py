@@ -4,17 +4,15 @@ test_backward, on both backends)."""
 
 import dataclasses
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pagedvk
 from pagedvk import abi
-from conftest import rel_error
-from test_prefill import PrefillCase, modules_used
+from support import REPO, PrefillCase, modules_used, rel_error
 
-SHADERS = Path(__file__).resolve().parent.parent / "shaders"
+SHADERS = REPO / "shaders"
 WGSL_KERNELS = [k for k in abi.KERNELS if "wgsl" in k.backends]
 # Every WGSL module: the sources and bindings differ by cache access (one binding, or segments), the storage
 # files by type.

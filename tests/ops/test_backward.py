@@ -5,11 +5,10 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import rel_error, tiered
-from test_prefill import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, LAYOUTS, RAGGED,  # noqa: F401
-                          PrefillCase, backend,
-                          poisoned_outputs, record_launches)
-from test_prefill import check as prefill_check
+from support import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, PREFILL_LAYOUTS, RAGGED_BATCHES,
+                     PrefillCase, check_prefill, record_launches, rejects, rel_error, tensors_by_name, tiered)
+
+pytestmark = pytest.mark.usefixtures("poisoned_prefill_outputs")
 
 # float32 storage. The kernels sum dK and dV over rows in a fixed order; measured errors stay below 1e-6,
 # so the forward's tolerance holds and is not loosened.
@@ -34,7 +33,7 @@ def check(case, rng, backend, **kw):
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["fixed_q_len", "ragged"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PREFILL_LAYOUTS)
 def test_reference_gradient_matches_finite_differences(rng, layout, causal, ragged):
     # Tiny: 2 sequences sharing physical block 0 (so dK and dV add up there), GQA 2:1, blocks 1 and 3 unread;
     # ragged: 3 and 2 new tokens, and an empty third sequence between them.
@@ -134,7 +133,7 @@ def test_head_size_specialization(rng, monkeypatch, specialized, head_size):
     if not specialized:   # an id no module declares: the pipelines are made without the constant
         monkeypatch.setattr(prefill, "PREFILL_HEAD_SIZE_SPEC_ID", -1)
     case = PrefillCase(rng, q_len=5, head_size=head_size, shared_prefix_blocks=1)
-    prefill_check(case, "glsl")
+    check_prefill(case, "glsl")
     check(case, rng, "glsl")
     constants = ((PREFILL_HEAD_SIZE_SPEC_ID, head_size),) if specialized else ()
     made = {key.op for key, _, own in pagedvk.default_device().pipelines
@@ -143,7 +142,7 @@ def test_head_size_specialization(rng, monkeypatch, specialized, head_size):
     assert {"paged_prefill", "paged_backward_dq", "paged_backward_dkdv"} <= made
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PREFILL_LAYOUTS)
 def test_shared_blocks_add_up(rng, backend, layout):
     case = PrefillCase(rng, q_len=4, layout=layout, seq_lens=[70, 40, 33, 100], shared_prefix_blocks=2)
     case.block_tables[2] = case.block_tables[3]   # two sequences on the same blocks, different lengths
@@ -181,7 +180,7 @@ def test_query_seeing_one_key_has_zero_dq(rng, backend):
 def test_delta_is_rowsum_of_dout_times_out(rng, backend, ragged, dtype):
     # The backward's first dispatch (abi.PAGED_BACKWARD_DELTA) writes D = rowsum(dout * out) of every row, in lse's
     # shape, into a scratch buffer the launch owns, which dq and dk/dv read in place of out. The scratch starts as
-    # NaN (poisoned_outputs), so a row left unwritten shows.
+    # NaN (poisoned_prefill_outputs), so a row left unwritten shows.
     import ml_dtypes
     from pagedvk.prefill import Recorded
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
@@ -226,7 +225,7 @@ def test_deterministic(rng, backend):
         assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", PREFILL_LAYOUTS)
 def test_forward_then_backward_on_device(rng, backend, layout, device):
     # A training step's shape: device arrays in, device arrays out, the backward fed the kernel's own out/lse.
     case = PrefillCase(rng, q_len=16, layout=layout, shared_prefix_blocks=1)
@@ -242,10 +241,10 @@ def test_forward_then_backward_on_device(rng, backend, layout, device):
 
 # -- ragged batches ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("batch,layout", tiered([(b, layout) for b in RAGGED for layout in LAYOUTS],
+@pytest.mark.parametrize("batch,layout", tiered([(b, layout) for b in RAGGED_BATCHES for layout in PREFILL_LAYOUTS],
                                                 default=[("mixed", "vllm"), ("empty_at_both_ends", "nhd")]))
 def test_ragged_batches(rng, backend, layout, batch):
-    check(PrefillCase(rng, q_lens=RAGGED[batch], layout=layout, shared_prefix_blocks=1), rng, backend)
+    check(PrefillCase(rng, q_lens=RAGGED_BATCHES[batch], layout=layout, shared_prefix_blocks=1), rng, backend)
 
 
 @pytest.mark.parametrize("causal,num_heads,num_kv_heads", tiered(
@@ -284,21 +283,21 @@ def case(rng):
     return PrefillCase(rng, q_len=4, seq_lens=[10, 30, 4])
 
 
-def rejects(case, exc, match, dout=None, out=None, lse=None, **options):
-    ref_out, ref_lse = (a.astype(np.float32) for a in case.reference())
-    dout = np.ones_like(case.query) if dout is None else dout
-    with pytest.raises(exc, match=match):
-        pagedvk.paged_attention_backward(dout, *case.args()[:5], ref_out if out is None else out,
-                                         ref_lse if lse is None else lse, **dict(case.loc(), **case.options(**options)))
+def rejects_backward(case, exc, match, **changes):
+    """paged_attention_backward on the case (dout ones, out and lse the reference forward's) with `changes` raises."""
+    out, lse = (a.astype(np.float32) for a in case.reference())
+    arguments = dict(tensors_by_name(case), dout=np.ones_like(case.query), out=out, lse=lse, **case.loc(),
+                     **case.options())
+    rejects(pagedvk.paged_attention_backward, arguments, exc, match, **changes)
 
 
 def test_rejects_bad_gradient_arguments(case):
     q = case.query
-    rejects(case, ValueError, r"dout must have shape \(3, 4, 4, 64\)", dout=q[:, :, :2].copy())
-    rejects(case, TypeError, "dout must have dtype float32", dout=q.astype(np.float64))
-    rejects(case, ValueError, r"out must have 4 dimensions", out=q[0])
-    rejects(case, ValueError, r"lse must have shape \(3, 4, 4\)", lse=np.zeros((3, 4, 5), np.float32))
-    rejects(case, TypeError, "lse must be a numpy array", lse=0.0)
+    rejects_backward(case, ValueError, r"dout must have shape \(3, 4, 4, 64\)", dout=q[:, :, :2].copy())
+    rejects_backward(case, TypeError, "dout must have dtype float32", dout=q.astype(np.float64))
+    rejects_backward(case, ValueError, r"out must have 4 dimensions", out=q[0])
+    rejects_backward(case, ValueError, r"lse must have shape \(3, 4, 4\)", lse=np.zeros((3, 4, 5), np.float32))
+    rejects_backward(case, TypeError, "lse must be a numpy array", lse=0.0)
 
 
 def test_takes_strided_numpy_arrays(rng):
@@ -319,17 +318,17 @@ def test_takes_strided_numpy_arrays(rng):
 
 
 def test_rejects_what_the_forward_rejects(case):
-    rejects(case, ValueError, "layout must be one of", layout="HND")
+    rejects_backward(case, ValueError, "layout must be one of", layout="HND")
     case.seq_lens[0] = 2
-    rejects(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len")
+    rejects_backward(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len")
 
 
 def test_rejects_bad_ragged_arguments(rng):
     case = PrefillCase(rng, q_lens=[3, 0, 5], seq_lens=[3, 10, 20])
     q = case.query
-    rejects(case, ValueError, r"lse must have shape \(8, 4\)", lse=np.zeros((8, 3), np.float32))
-    rejects(case, ValueError, r"dout must have shape \(8, 4, 64\)", dout=q[:7].copy())
-    rejects(case, ValueError, r"query_start_loc\[-1\] must be num_tokens",
+    rejects_backward(case, ValueError, r"lse must have shape \(8, 4\)", lse=np.zeros((8, 3), np.float32))
+    rejects_backward(case, ValueError, r"dout must have shape \(8, 4, 64\)", dout=q[:7].copy())
+    rejects_backward(case, ValueError, r"query_start_loc\[-1\] must be num_tokens",
             query_start_loc=np.array([0, 3, 3, 6], np.int32))
     case.seq_lens[0] = 2
-    rejects(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len_s")
+    rejects_backward(case, ValueError, r"seq_lens\[0\] = 2 is less than q_len_s")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import Case, rel_error, run_python
+from support import Case, rel_error, run_python
 from pagedvk import selection
 from pagedvk.runtime.instance import DeviceInfo
 
@@ -114,7 +114,7 @@ def test_array_rejects_bad_dtype_and_shape():
 
 
 def test_rows_larger_than_one_binding_are_a_clear_error(device):
-    # Arrays larger than one binding are split into segments of whole rows (tests/test_large.py); a single row
+    # Arrays larger than one binding are split into segments of whole rows (tests/ops/test_large.py); a single row
     # larger than a binding cannot be.
     too_big = device.info.max_storage_buffer_range // 4 + 1
     with pytest.raises(ValueError, match=r"has \d+-byte rows, more than .* can bind or allocate at once"):
@@ -122,7 +122,7 @@ def test_rows_larger_than_one_binding_are_a_clear_error(device):
 
 
 def test_timestamps_time_a_launch(rng):
-    from conftest import Case
+    from support import Case
     case = Case(rng, seq_lens=[300, 200])
     q, k, v = (pagedvk.asarray(a) for a in case.args()[:3])
     out = pagedvk.empty(case.query.shape)
@@ -247,7 +247,7 @@ def test_device_close_is_idempotent_and_final():
 
 def test_dropped_objects_are_freed(rng, device):
     import gc
-    from conftest import Case
+    from support import Case
     case = Case(rng)
     pagedvk.paged_attention(*case.args())   # the pipeline is made once and kept by the device
     gc.collect()

@@ -11,7 +11,8 @@ import pytest
 import pagedvk
 from pagedvk import abi, reference
 from pagedvk.decode_rules import decode_target
-from conftest import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error, tiered
+from support import (Case, check_split_and_unsplit, check_unchecked_tables, poison_unread_slots, rel_error,
+                     run_decode_plan, tiered)
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 
@@ -28,32 +29,13 @@ def query_and_tolerance(case, dtype):
     return case.query.astype(np.float16), 2e-3
 
 
-def decode(case, query, kernel, layout="vllm", partition_size=None, validate=True, **variants):
-    """(out, lse, plan key, partitions) of a DecodePlan run into NaN-poisoned outputs."""
-    k, v = in_layout(case, layout, case.key_cache.dtype)
-    out = np.full(query.shape, np.nan, query.dtype)
-    lse = np.full(query.shape[:2], np.nan, np.float32)
-    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=query.shape[1],
-                            num_kv_heads=case.num_kv_heads, head_size=query.shape[2], block_size=case.block_size,
-                            num_blocks=case.key_cache.shape[0], dtype=case.key_cache.dtype, query_dtype=query.dtype,
-                            layout=layout, partition_size=partition_size, validate=validate, kernel=kernel,
-                            backend="glsl", **variants) as plan:
-        assert plan.key.target == ("cpu" if kernel == "cpu" else "")
-        plan.run(query, k, v, out=out, lse=lse)
-        return out, lse, plan.num_partitions
-
-
-def check_split_and_unsplit(case, query, tol, kernel, layout, **variants):
-    """One partition and 32-token partitions: each against float64 (out and lse), and the two alike."""
-    ref_out, ref_lse = reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
-    outs = []
-    for partition_size, split in ((4096, False), (32, True)):
-        out, lse, parts = decode(case, query, kernel, layout, partition_size, **variants)
-        assert (parts > 1) == split
-        assert rel_error(out, ref_out) <= tol
-        assert rel_error(lse, ref_lse) <= 1e-5
-        outs.append(out.astype(np.float32))
-    np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=tol)
+def on_the_kernel(kernel):
+    """check_split_and_unsplit's check_run: the plan took `kernel` ("cpu": the CPU-shaped one, "gpu": the other), its
+    first run unsplit and its second split."""
+    def check(index, run):
+        assert run.key.target == ("cpu" if kernel == "cpu" else "")
+        assert (run.num_partitions > 1) == (index == 1)
+    return check
 
 
 GROUPS = {"g1": (8, 8), "g4": (8, 2), "g8": (16, 2), "g6": (12, 2)}
@@ -61,7 +43,7 @@ DTYPE_NAMES = {np.dtype(d).name: d for d in CACHE_DTYPES}
 
 
 # Default tier: every cache type in both layouts on the GPU kernel, the group width turning; on the CPU kernel every
-# type once in groups of 4 (tests/test_dtypes.py runs it in both layouts, as lavapipe's default kernel).
+# type once in groups of 4 (tests/ops/test_dtypes.py runs it in both layouts, as lavapipe's default kernel).
 @pytest.mark.parametrize("kernel,dtype,layout,group", tiered(
     [(k, d, layout, g) for k in ("cpu", "gpu") for d in DTYPE_NAMES for layout in ("vllm", "nhd") for g in GROUPS],
     default=[("gpu", d, layout, list(GROUPS)[(i + j) % 4]) for i, d in enumerate(DTYPE_NAMES)
@@ -78,7 +60,8 @@ def one_dtype_layout_and_group(rng, kernel, dtype, layout, num_heads, num_kv_hea
                 dtype=dtype)
     poison_unread_slots(case, 16)
     query, tol = query_and_tolerance(case, dtype)
-    check_split_and_unsplit(case, query, tol, kernel, layout)
+    check_split_and_unsplit(case, query, tol=tol, layout=layout, check_run=on_the_kernel(kernel), kernel=kernel,
+                            backend="glsl")
 
 
 # 48: a head size none of vLLM's kernels has. Every layout that takes the block size (under 8: nhd and hnd, the CPU
@@ -95,8 +78,9 @@ def test_head_and_block_sizes(rng, kernel, dtype, head_size, block_size):
     poison_unread_slots(case, block_size)
     query, tol = query_and_tolerance(case, dtype)
     for layout in [layout for layout in pagedvk.layouts.LAYOUTS if block_size in pagedvk.layouts.block_sizes(layout)]:
-        out, _, _ = decode(case, query, kernel, layout)
-        assert rel_error(out, reference.paged_attention(query, *case.args()[1:])) <= tol
+        run = run_decode_plan(case, query, layout=layout, kernel=kernel, backend="glsl")
+        assert run.key.target == ("cpu" if kernel == "cpu" else "")
+        assert rel_error(run.out, reference.paged_attention(query, *case.args()[1:])) <= tol
 
 
 @pytest.mark.parametrize("variant,layout", tiered(
@@ -109,7 +93,8 @@ def test_attention_variants(rng, kernel, layout, variant):
     every = dict(alibi_slopes=rng.uniform(-0.2, 0.2, 12).astype(np.float32), logits_soft_cap=1.5,
                  sinks=rng.standard_normal(12).astype(np.float32), window_left=40)
     variants = every if variant == "all" else {variant: every[variant]}
-    check_split_and_unsplit(case, case.query, 1e-5, kernel, layout, **variants)
+    check_split_and_unsplit(case, tol=1e-5, layout=layout, check_run=on_the_kernel(kernel), variants=variants,
+                            kernel=kernel, backend="glsl")
 
 
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", tiered(
@@ -158,7 +143,8 @@ def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_s
     poison_unread_slots(case, block_size)
     query, tol = query_and_tolerance(case, dtype)
     for layout in ("vllm", "nhd"):
-        check_split_and_unsplit(case, query, tol, "gpu", layout)
+        check_split_and_unsplit(case, query, tol=tol, layout=layout, check_run=on_the_kernel("gpu"), kernel="gpu",
+                                backend="glsl")
 
 
 def test_the_values_rule_and_the_plans_that_take_it(rng):

@@ -8,7 +8,7 @@ import pytest
 import pagedvk
 from pagedvk.matrix import matrix_unavailable
 
-from conftest import run_python
+from support import run_python
 
 CLI = "import sys; from pagedvk.cli import main; sys.exit(main(sys.argv[1:]))"
 

@@ -7,7 +7,7 @@ import pytest
 
 import pagedvk
 from pagedvk import reference
-from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
+from support import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 BF16, E4M3, E5M2 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 CACHE_DTYPES = (np.float32, np.float16, BF16, E4M3, E5M2)
@@ -31,11 +31,6 @@ def tolerance(cache_dtype, query_dtype) -> float:
     if np.dtype(query_dtype) != np.float32:
         return 2e-3
     return {np.dtype(np.float32): 1e-5}.get(np.dtype(cache_dtype), 1e-4 if np.dtype(cache_dtype).itemsize == 1 else 2e-3)
-
-
-@pytest.fixture(params=("glsl", "wgsl"))
-def backend(request):
-    return request.param
 
 
 @pytest.mark.parametrize("cache_dtype,query_dtype,layout", every_storage(CACHE_DTYPES))

@@ -16,9 +16,9 @@ import pytest
 import pagedvk
 from pagedvk import abi, prefill
 from pagedvk.runtime.instance import MatrixShape
-from conftest import lse_error, rel_error
-from test_prefill import PrefillCase, poisoned_outputs  # noqa: F401 - the fixture poisons this module's outputs
-from test_variants import VARIANTS, variant_args
+from support import VARIANTS, PrefillCase, lse_error, rel_error, variant_args
+
+pytestmark = pytest.mark.usefixtures("poisoned_prefill_outputs")
 
 TOL = 2e-3   # float16 storage and operands: about 4 units of float16's last place (2^-11)
 BF16_TOL = 1.6e-2   # the same for bfloat16's (2^-8)

@@ -18,8 +18,8 @@ import pytest
 from pagedvk import abi, kernels, spirv
 from pagedvk import spirv_passes as passes
 from pagedvk.spirv import instructions
+from support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 # A workgroup array (naga zeroes it and lays it out), a loop (naga bounds it) and a float `!=` (naga makes it
 # ordered).

@@ -9,7 +9,7 @@ import pagedvk
 from pagedvk import array, ops, reference
 from pagedvk.layouts import CacheSpec
 from pagedvk.dtypes import CACHE_TYPES
-from conftest import assert_untouched, fenced, tiered
+from support import assert_untouched, fenced, tiered
 
 CACHE_DTYPES = [np.dtype(d) for d in (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
                                        ml_dtypes.float8_e5m2)]

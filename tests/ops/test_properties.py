@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pagedvk
-from conftest import rel_error   # relative, or absolute where the reference is exactly zero
+from support import rel_error   # relative, or absolute where the reference is exactly zero
 
 SETTINGS = settings(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 TOLERANCE = 1e-5

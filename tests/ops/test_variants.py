@@ -8,28 +8,10 @@ import pytest
 
 import pagedvk
 from pagedvk import reference
-from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
+from support import VARIANTS, Case, in_layout, poison_unread_slots, rel_error, tiered, variant_args
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
 TOL = 1e-5   # float32 caches and queries
-
-
-@pytest.fixture(params=("glsl", "wgsl"))
-def backend(request):
-    return request.param
-
-
-def variant_args(rng, num_heads, names):
-    """The named variants' arguments, random where they are arrays: ALiBi slopes of either sign (a bias that
-    also grows with distance), sinks around the logits' size, a cap the logits reach, a window shorter than
-    the contexts."""
-    every = dict(alibi_slopes=(rng.uniform(-0.2, 0.2, num_heads)).astype(np.float32),
-                 logits_soft_cap=1.5, sinks=rng.standard_normal(num_heads).astype(np.float32), window_left=40)
-    return {name: every[name] for name in names}
-
-
-VARIANTS = {"alibi": ("alibi_slopes",), "softcap": ("logits_soft_cap",), "sinks": ("sinks",),
-            "window": ("window_left",), "all": ("alibi_slopes", "logits_soft_cap", "sinks", "window_left")}
 
 
 def decode(case, query, key_cache, value_cache, backend, layout="vllm", partition_size=None, **variants):
@@ -329,16 +311,6 @@ def test_rejected_merge_arguments(rng):
 
 # -- prefill ------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def poisoned_prefill(monkeypatch):
-    """Prefill's outputs (it allocates them) start as NaN, so an element never written fails rel_error."""
-    def poisoned_empty(shape, dtype=np.float32, device=None):
-        a = pagedvk.empty(shape, dtype, device)
-        a.device.fill(a.buffer, 0x7FC00000)
-        return a
-    monkeypatch.setattr(pagedvk.prefill, "empty", poisoned_empty)
-
-
 def prefill(case, query, key_cache, value_cache, backend, layout, causal=True, **kw):
     """(out, lse) of prefill and of the float64 reference, the last q_len tokens of each sequence as queries."""
     got = pagedvk.paged_attention_prefill(query, key_cache, value_cache, case.block_tables, case.seq_lens,
@@ -351,7 +323,7 @@ def prefill(case, query, key_cache, value_cache, backend, layout, causal=True, *
 @pytest.mark.parametrize("variant,layout", tiered(
     [(v, layout) for v in VARIANTS for layout in ("vllm", "nhd")],
     default=[(v, ("vllm", "nhd")[i % 2]) for i, v in enumerate(VARIANTS)] + [("all", "vllm"), ("all", "nhd")]))
-def test_prefill_each_variant_and_all(rng, backend, variant, layout, poisoned_prefill):
+def test_prefill_each_variant_and_all(rng, backend, variant, layout, poisoned_prefill_outputs):
     case = Case(rng, seq_lens=[200, 9, 70], num_heads=8, num_kv_heads=2, head_size=32, block_size=16)
     query = rng.standard_normal((3, 8, 9, 32)).astype(np.float32)
     kw = variant_args(rng, 8, VARIANTS[variant])
@@ -362,7 +334,7 @@ def test_prefill_each_variant_and_all(rng, backend, variant, layout, poisoned_pr
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=lambda d: np.dtype(d).name)
-def test_prefill_all_variants_every_dtype(rng, backend, cache_dtype, poisoned_prefill):
+def test_prefill_all_variants_every_dtype(rng, backend, cache_dtype, poisoned_prefill_outputs):
     case = Case(rng, seq_lens=[150, 40], num_heads=4, num_kv_heads=1, head_size=32, block_size=8, dtype=cache_dtype)
     query_dtype = np.float32 if cache_dtype is np.float32 else np.float16
     query = rng.standard_normal((2, 4, 6, 32)).astype(query_dtype)
@@ -373,7 +345,7 @@ def test_prefill_all_variants_every_dtype(rng, backend, cache_dtype, poisoned_pr
 
 
 @pytest.mark.parametrize("layout", ("vllm", "nhd"))
-def test_ragged_prefill_with_every_variant(rng, backend, layout, poisoned_prefill):
+def test_ragged_prefill_with_every_variant(rng, backend, layout, poisoned_prefill_outputs):
     # A ragged batch (prompt chunks, a decode token, a sequence without new tokens), every variant at once.
     case = Case(rng, seq_lens=[200, 40, 90, 33], num_heads=8, num_kv_heads=2, head_size=32, block_size=16)
     q_lens = [17, 1, 0, 33]
@@ -405,7 +377,7 @@ def test_unified_attention_takes_the_variants(rng, backend, window_size, monkeyp
     assert rel_error(out, ref) <= TOL
 
 
-def test_prefill_window_does_not_read_blocks_before_it(rng, backend, poisoned_prefill):
+def test_prefill_window_does_not_read_blocks_before_it(rng, backend, poisoned_prefill_outputs):
     # NaN in every block wholly before the first query's window.
     case = Case(rng, seq_lens=[600, 300], num_heads=4, num_kv_heads=2, head_size=32, block_size=16)
     q_len, window_left = 5, 30

@@ -15,9 +15,8 @@ import pytest
 
 import pagedvk
 from pagedvk import abi, kernels, spirv, spirv_passes
-from conftest import run_python
+from support import REPO, run_python
 
-REPO = Path(__file__).resolve().parent.parent
 MODULES = [(k, key) for k in abi.KERNELS for key in k.keys()]
 IDS = [key.name for _, key in MODULES]
 DECODE_F32 = abi.PAGED_DECODE.key("glsl", "f32", "f32")   # the float32-cache decode module

@@ -8,7 +8,7 @@ import pytest
 import vulkan as vk
 
 import pagedvk
-from conftest import THREADS, Case, run_threads
+from support import THREADS, Case, run_threads
 
 
 def close(a, b):

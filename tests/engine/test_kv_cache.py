@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from conftest import tiered
+from support import tiered
 from pagedvk.serve import demo
 
 

@@ -3,12 +3,11 @@ run as a user runs them (a subprocess)."""
 
 import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import run_python
+from support import REPO, run_python
 from pagedvk import bench, kernels, suite
 from pagedvk.abi import PAGED_DECODE
 
@@ -21,7 +20,7 @@ bench.SMALL_SWEEP = {TINY!r}   # --small, shrunk further for a test
 sys.exit(main(sys.argv[1:]))
 """
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 
 
 def load_benchmark(name: str):
@@ -138,7 +137,7 @@ def test_single_shape_json_path_is_written(tmp_path):
 
 
 def test_peers_without_torch_prints_pagedvk_figures(tmp_path):
-    peers = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+    peers = BENCHMARKS / "peers.py"
     # torch made unimportable, whether or not it is installed here
     code = (f"import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = {str(peers)!r}; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -157,7 +156,7 @@ def test_peers_without_torch_prints_pagedvk_figures(tmp_path):
 
 def test_peers_no_torch_leaves_torch_out(tmp_path):
     # torch left out by choice (the GLSL-WGSL comparisons of the device kits), whether or not it is installed
-    peers = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+    peers = BENCHMARKS / "peers.py"
     code = f"import runpy, sys; sys.argv[0] = {str(peers)!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
     result = run_python(code, argv=["--shapes", "2x24", "--dtypes", "bf16", "--backends", "wgsl", "--iters", "2",
                                     "--repeats", "1", "--no-torch"])
@@ -168,7 +167,7 @@ def test_peers_no_torch_leaves_torch_out(tmp_path):
 
 def run_prefill_bench(sweep: dict, argv: list):
     """benchmarks/prefill.py run with torch hidden and its small sweep replaced by `sweep`."""
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill.py"
+    script = BENCHMARKS / "prefill.py"
     code = (f"import importlib.util, sys; sys.modules['torch'] = None; "
             f"spec = importlib.util.spec_from_file_location('prefill_bench', {str(script)!r}); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
