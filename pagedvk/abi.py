@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-BACKENDS = ("glsl", "wgsl")
+from .config import BACKENDS   # stdlib-only too, as build_shaders.py needs
 SOURCE_SUFFIX = {"glsl": ".comp", "wgsl": ".wgsl"}
 # Files that GLSL sources may #include: what a module was built from where its manifest entry lists no includes
 # (build_shaders.py records the ones glslang reports, so an edit rebuilds only the modules that include the file).

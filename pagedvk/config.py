@@ -2,6 +2,9 @@
 
 A bad value raises ValueError naming the variable and what it may hold; it must never surface later as an
 error from deep inside a submission (a timeout that does not convert once left GPU work untracked).
+
+Stdlib-only: build_shaders.py loads pagedvk.kernels.abi, which reads BACKENDS here, without the run-time
+dependencies.
 """
 
 from __future__ import annotations
@@ -10,8 +13,6 @@ import functools
 import math
 import os
 from pathlib import Path
-
-from .abi import BACKENDS
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_COMPILE_TIMEOUT_S = 600.0
@@ -70,6 +71,9 @@ def spin_ns(cpu_device: bool) -> int:
                      "microseconds", 1e3, False, MAX_SPIN_US, f"{MAX_SPIN_US:g}")
 
 
+# The kernel languages, PAGEDVK_BACKEND's values, the first the default. Declared here, in the bottom layer, because
+# this module checks the variable; pagedvk.kernels.abi (which build_shaders.py loads without the package) reads it.
+BACKENDS = ("glsl", "wgsl")
 DECODE_KERNELS = ("cpu", "gpu", "coopmat")
 
 
