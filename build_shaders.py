@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The one shader compiler driver: compiles every module declared in pagedvk/abi.py to SPIR-V.
+"""The one shader compiler driver: compiles every module declared in pagedvk/kernels/abi.py to SPIR-V.
 
 GLSL goes through glslangValidator, WGSL through naga (the `naga` CLI when on PATH, otherwise Node.js
 running the pinned npm package naga-wasm); every module is then checked with spirv-val. The
@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parent
 SHADER_DIR = ROOT / "shaders"
 DEFAULT_OUT = ROOT / "pagedvk" / "spv"
 MANIFEST = "manifest.json"
-PASS_SOURCES = (Path(__file__), ROOT / "pagedvk" / "spirv.py", ROOT / "pagedvk" / "spirv_passes.py")
+PASS_SOURCES = (Path(__file__), ROOT / "pagedvk" / "kernels" / "spirv.py",
+                ROOT / "pagedvk" / "kernels" / "spirv_passes.py")
 MATRIX_GLSLANG = (13, 0)   # the first glslang with GL_KHR_cooperative_matrix
 
 
@@ -57,9 +58,10 @@ BUILD_PACKAGE = "pagedvk_build"   # pagedvk/ without its __init__ (see load_modu
 
 
 def load_module(name: str):
-    """pagedvk/<name>.py (a stdlib-only module: abi, spirv, spirv_passes) imported without the package's
-    __init__, which needs the run-time dependencies (vulkan, numpy) that building must not: pagedvk/ is made a
-    bare package of another name, so the modules' relative imports of each other still work."""
+    """The module pagedvk.<name> (a stdlib-only one: kernels.abi, kernels.spirv, kernels.spirv_passes) imported
+    without the package's __init__, which needs the run-time dependencies (vulkan, numpy) that building
+    must not: pagedvk/ is made a bare package of another name, so the modules' relative imports of each other (and
+    of pagedvk/config.py) still work. pagedvk/kernels/__init__.py imports nothing, so it loads here too."""
     if BUILD_PACKAGE not in sys.modules:
         package = types.ModuleType(BUILD_PACKAGE)
         package.__path__ = [str(ROOT / "pagedvk")]
@@ -68,7 +70,7 @@ def load_module(name: str):
 
 
 def load_abi():
-    return load_module("abi")
+    return load_module("kernels.abi")
 
 
 def require_tool(name: str, package: str) -> str:
@@ -263,13 +265,13 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         translate_wgsl(fixed, out)
-    run_passes(out, load_module("spirv_passes").WGSL_PASSES)
+    run_passes(out, load_module("kernels.spirv_passes").WGSL_PASSES)
 
 
 def run_passes(spv: Path, passes) -> None:
-    """Rewrite a module file through SPIR-V passes (pagedvk/spirv_passes.py), in order; a pass's refusal
+    """Rewrite a module file through SPIR-V passes (pagedvk/kernels/spirv_passes.py), in order; a pass's refusal
     fails the build, naming the module."""
-    spirv = load_module("spirv")
+    spirv = load_module("kernels.spirv")
     words = spirv.module_words(spv.read_bytes())
     try:
         for rewrite in passes:
@@ -308,8 +310,8 @@ def tool_version(tool: str, libs: str | None = None) -> str:
 
 def toolchain(key) -> str:
     """The fingerprint of what turns a module's sources into its SPIR-V: the text of this script and of the
-    SPIR-V passes it runs (pagedvk/spirv.py, pagedvk/spirv_passes.py), and the compiler and validator it runs on
-    the module (their versions). A module built by another is rebuilt."""
+    SPIR-V passes it runs (pagedvk/kernels/spirv.py, pagedvk/kernels/spirv_passes.py), and the compiler and
+    validator it runs on the module (their versions). A module built by another is rebuilt."""
     h = hashlib.sha256(b"".join(path.read_bytes() for path in PASS_SOURCES))
     tools = [validator(key)]
     if key.backend == "glsl":
@@ -344,7 +346,7 @@ def build_module(key, out_dir: Path, source: Path | None = None, shader_dir: Pat
             includes = abi.wgsl_includes(source, key)
             compile_wgsl(source, tmp_spv, key.constants(), key)
         if key.matrix and key.kv == "bf16":   # either language: written in float16, given bfloat16's encoding
-            run_passes(tmp_spv, [load_module("spirv_passes").bfloat16_matrices])
+            run_passes(tmp_spv, [load_module("kernels.spirv_passes").bfloat16_matrices])
         validate(tmp_spv, key)
         # Copied into out_dir under a name no loader or installer takes, then renamed over the module (atomic).
         partial = out_dir / f".{target.name}.partial"
@@ -369,7 +371,7 @@ def read_manifest(out_dir: Path) -> dict:
 
 def write_manifest(out_dir: Path, modules: dict) -> dict:
     """Write the manifest (atomically): each module's entry, and under "backends" the backends it holds
-    modules of (pagedvk.kernels refuses the others with a message saying how to build them)."""
+    modules of (pagedvk.kernels.modules refuses the others with a message saying how to build them)."""
     abi = load_abi()
     manifest = {**modules, "backends": [b for b in abi.BACKENDS if any(n.endswith("." + b) for n in modules)]}
     partial = out_dir / f".{MANIFEST}.partial"

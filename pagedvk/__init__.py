@@ -1,19 +1,22 @@
 """pagedvk: vLLM-style paged attention on any Vulkan GPU."""
 
-from . import abi, config, dtypes, kernels, layouts, ops, prefill, reference, variants
-from .array import DeviceArray, asarray, empty, zeros
-from .cache import KVCache
-from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks
-from .decode import paged_attention
-from .decode_plan import DecodePlan
-from .merge import merge_attention_states, merge_states
+from .kernels import abi
+from . import config, dtypes
+from .ops import layouts, prefill, variants, vllm
+from .testing import reference
+from .runtime.array import DeviceArray, asarray, empty, zeros
+from .engine.cache import KVCache
+from .ops.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
+from .ops.decode import paged_attention
+from .ops.decode_plan import DecodePlan
+from .ops.merge import merge_attention_states, merge_states
 from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeoutError, NoFreeBlocksError,
                      OutOfMemoryError, PagedVKError, ShaderModuleError, UnsupportedFeatureError, ValidationError,
                      VulkanError)
-from .prefill import paged_attention_backward, paged_attention_prefill
+from .ops.prefill import paged_attention_backward, paged_attention_prefill
 from .runtime.device import Device
 from .runtime.instance import DeviceInfo
-from .selection import default_device, devices, get_device, select
+from .runtime.selection import default_device, devices, get_device, select
 
 __version__ = "0.1.0"
 

@@ -81,7 +81,7 @@ def decode_kernel(argument: str | None = None) -> str | None:
     """The decode kernel's shape: the `kernel` argument if given, else PAGEDVK_DECODE_KERNEL ("cpu": the kernel
     for CPU devices, shaders/paged_decode_cpu.comp; "gpu": shaders/paged_decode.comp; "coopmat":
     shaders/paged_decode_coopmat.comp; any case), else None: by the device and the plan
-    (pagedvk.decode_rules.decode_target, pagedvk.decode_rules.decode_matrix)."""
+    (pagedvk.ops.decode_rules.decode_target, pagedvk.ops.decode_rules.decode_matrix)."""
     source, text = ("kernel", argument) if argument is not None else ("PAGEDVK_DECODE_KERNEL",
                                                                      _get("PAGEDVK_DECODE_KERNEL"))
     if not text and argument is None:
@@ -117,7 +117,7 @@ def device() -> str | None:
 
 def spv_dir(default: Path) -> Path:
     """PAGEDVK_SPV_DIR: the folder of SPIR-V modules (build_shaders.py --out), `default` (the package's) when
-    unset or blank. Read when pagedvk.kernels is imported; a folder that is not there is refused by check_all()."""
+    unset or blank. Read when pagedvk.kernels.modules is imported; a folder that is not there is refused by check_all()."""
     text = _get("PAGEDVK_SPV_DIR")
     return Path(text) if text else default
 

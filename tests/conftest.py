@@ -16,7 +16,7 @@ from hypothesis import settings
 import pagedvk
 
 # Outputs the library allocates itself (numpy in, numpy out) start as NaN too, as the tests' own outputs do.
-pagedvk.array.POISON_EMPTY = True
+pagedvk.runtime.array.POISON_EMPTY = True
 
 
 # -- tiers: the default run covers every op, cache type, layout, backend, kernel and variant and every rejected input;
@@ -117,7 +117,7 @@ class Case:
         return self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens
 
     def reference(self, scale=None):
-        return pagedvk.reference.paged_attention(*self.args(), scale=scale)
+        return pagedvk.testing.reference.paged_attention(*self.args(), scale=scale)
 
     def poisoned_out(self):
         return np.full(self.query.shape, np.nan, self.query.dtype)
@@ -127,8 +127,8 @@ def in_layout(case, layout, dtype):
     """The case's caches (vLLM layout, already of `dtype`) in `layout`: "vllm", "nhd" or "hnd"."""
     if layout == "vllm":
         return case.key_cache, case.value_cache
-    k, v = pagedvk.reference.nhd_views(case.key_cache, case.value_cache, "vllm")
-    k, v = pagedvk.reference.nhd_as_cache(k, v, layout, None)
+    k, v = pagedvk.testing.reference.nhd_views(case.key_cache, case.value_cache, "vllm")
+    k, v = pagedvk.testing.reference.nhd_as_cache(k, v, layout, None)
     return np.ascontiguousarray(k, dtype), np.ascontiguousarray(v, dtype)
 
 
@@ -193,7 +193,7 @@ def check_unchecked_tables(device, case, kernel: str, tol: float, backend: str =
     sl[6] = bt.shape[1] * 16 + 5                   # sequence 6: a length past its row, whose padding ids are -1
     seen = case.seq_lens.copy()                    # so it sees its 7 blocks whole: 112 keys
     seen[6] = 112
-    expect = pagedvk.reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, seen)
+    expect = pagedvk.testing.reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, seen)
     (k, v), guards = fenced(device, case.key_cache, case.value_cache)
     keys = []
     for partition_size in (4096, 32):
@@ -252,7 +252,7 @@ def no_validation_messages_at_close():
     """With PAGEDVK_VALIDATION=1, close the devices the tests opened before the session ends and fail
     on what the layer says then (objects destroyed while in use, say), which no test's teardown sees."""
     yield
-    from pagedvk import selection
+    from pagedvk.runtime import selection
     from pagedvk.runtime import instance
     if not VALIDATING or instance._instance is None:
         return

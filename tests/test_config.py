@@ -45,7 +45,7 @@ def test_bad_timeout_then_good_call_then_clean_exit():
                 raise AssertionError("accepted PAGEDVK_TIMEOUT=" + bad)
         os.environ["PAGEDVK_TIMEOUT"] = "30"
         out = pagedvk.paged_attention(q, k, v, bt, sl)
-        ref = pagedvk.reference.paged_attention(q, k, v, bt, sl)
+        ref = pagedvk.testing.reference.paged_attention(q, k, v, bt, sl)
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
         print("ok")
         """)

@@ -122,7 +122,7 @@ def test_resident_cache_plan_runs_every_layer(rng):
                 q = rng.standard_normal(case.query.shape).astype(np.float32)
                 out = pagedvk.asarray(np.full(q.shape, np.nan, np.float32))
                 plan.run(pagedvk.asarray(q), dk, dv, out=out)
-                ref = pagedvk.reference.paged_attention(q, k, v, case.block_tables, case.seq_lens)
+                ref = pagedvk.testing.reference.paged_attention(q, k, v, case.block_tables, case.seq_lens)
                 assert rel_error(out.numpy(), ref) <= TOL
 
 
@@ -143,7 +143,7 @@ def test_vllm_spelling(rng):
     case = Case(rng, num_kv_heads=2, block_size=16)
     out = case.poisoned_out()
     q, k, v, bt, sl = case.args()
-    r = pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, int(sl.max()))
+    r = pagedvk.ops.vllm.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, int(sl.max()))
     assert r is out
     assert rel_error(out, case.reference(0.125)) <= TOL
 
@@ -253,7 +253,7 @@ def test_partition_size_is_checked(rng):
 
 
 def test_partitioning_rule():
-    from pagedvk.decode_rules import group_size, partitioning
+    from pagedvk.ops.decode_rules import group_size, partitioning
     assert group_size(32, 8) == 4 and group_size(64, 4) == 8 and group_size(12, 1) == 6 and group_size(7, 7) == 1
     # (num_seqs, workgroups per sequence, longest context, compute units) -> (partition size, partitions)
     assert partitioning(256, 8, 2048, 132) == (2048, 1)     # a grid that fills the device is not split
@@ -296,7 +296,7 @@ def specialized_wrongly_writes_nothing(rng, backend, wrong):
     # The plan keeps its specialization and push constants equal; were they not, the kernel must leave the
     # output alone rather than run one layout's, group width's or head size's code on another's data. GLSL:
     # specialization constants; WGSL: a module built with them fixed (abi.DECODE_FIXED), for head sizes 64 and 128.
-    from pagedvk.abi import DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, Q_TYPE_SPEC_ID
+    from pagedvk.kernels.abi import DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, Q_TYPE_SPEC_ID
     case = Case(rng, num_heads=16, num_kv_heads=2, head_size=64)   # groups of 8 heads, vLLM's layout
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=16, num_kv_heads=2, head_size=64,
                             block_size=16, num_blocks=case.key_cache.shape[0], partition_size=4096,
@@ -331,7 +331,7 @@ def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv
 
 
 def test_fixed_wgsl_modules_are_chosen_where_built():
-    from pagedvk.abi import PAGED_DECODE
+    from pagedvk.kernels.abi import PAGED_DECODE
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4").name == "paged_decode.kv_f16.q_f16.h128.nhd_g4.wgsl"
     assert PAGED_DECODE.key("wgsl", "e5m2", "f16", 64, fixed="vllm_g8").constants()["Q_TYPE_FIXED"] == 1
     # the query type is fixed too, the cache type's usual one (abi.FIXED_QUERY): others read the push constants
@@ -361,7 +361,7 @@ def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, partition_size, ke
     for seq, token, kv_head, dim in ((0, 150, 1, 7), (2, 3, 0, 63)):
         block, slot = case.block_tables[seq, token // 16], token % 16
         case.key_cache[block, kv_head, dim // x, slot, dim % x] = np.nan
-    ref, ref_lse = pagedvk.reference.paged_attention(*case.args(), return_lse=True)
+    ref, ref_lse = pagedvk.testing.reference.paged_attention(*case.args(), return_lse=True)
     assert 0 < np.isnan(ref).sum() < ref.size and np.isnan(ref_lse).sum() == 8
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
                             block_size=16, num_blocks=case.key_cache.shape[0], partition_size=partition_size,
@@ -377,7 +377,7 @@ def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, partition_size, ke
 def test_the_rules_answer_without_a_plan(rng, device):
     # decode_choice is what a plan runs: asked with the plan's dims, it gives the plan's own choice, and nothing is
     # made on the device to answer.
-    from pagedvk.decode_rules import decode_choice
+    from pagedvk.ops.decode_rules import decode_choice
     case = Case(rng, seq_lens=[5, 300, 1000], num_heads=16, num_kv_heads=2, head_size=64)
     for partition_size in (None, 128):
         with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=16, num_kv_heads=2, head_size=64,

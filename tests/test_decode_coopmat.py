@@ -13,9 +13,12 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import abi, cli, config, decode_rules, reference
-from pagedvk.decode_rules import MATRIX_PV_SHAPE
-from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
+from pagedvk.kernels import abi
+from pagedvk import cli, config
+from pagedvk.ops import decode_rules
+from pagedvk.testing import reference
+from pagedvk.ops.decode_rules import MATRIX_PV_SHAPE
+from pagedvk.kernels.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
 from conftest import Case, check_unchecked_tables, lse_error, poison_unread_slots, rel_error
 from test_variants import VARIANTS, variant_args
 
@@ -521,7 +524,7 @@ def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_lo
     # the four over a step's blocks around them (not on the loop over the blocks, whose bound is the sequence's), and
     # zero matrices as glslang makes them (OpConstantComposite of one zero, not OpConstantNull).
     import array
-    from pagedvk.kernels import load_spirv
+    from pagedvk.kernels.modules import load_spirv
     words = array.array("I", load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", operand, operand, head_size,
                                                                                matrix="coopmat")))
     constants, capabilities, barriers, loops, i = {}, set(), [], [], 5

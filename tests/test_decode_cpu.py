@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import abi, reference
-from pagedvk.decode_rules import decode_target
+from pagedvk.kernels import abi
+from pagedvk.testing import reference
+from pagedvk.ops.decode_rules import decode_target
 from conftest import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error, tiered
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
@@ -94,7 +95,7 @@ def test_head_and_block_sizes(rng, kernel, dtype, head_size, block_size):
                 dtype=dtype)
     poison_unread_slots(case, block_size)
     query, tol = query_and_tolerance(case, dtype)
-    for layout in [layout for layout in pagedvk.layouts.LAYOUTS if block_size in pagedvk.layouts.block_sizes(layout)]:
+    for layout in [layout for layout in pagedvk.ops.layouts.LAYOUTS if block_size in pagedvk.ops.layouts.block_sizes(layout)]:
         out, _, _ = decode(case, query, kernel, layout)
         assert rel_error(out, reference.paged_attention(query, *case.args()[1:])) <= tol
 
@@ -152,7 +153,7 @@ def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_s
     # forced on for every plan, not only where a workgroup takes one tile as the rule says: tiles after the first,
     # lengths ending mid-chunk, a head dim's second slot (256), fp8 rows shorter than a chunk (8-token blocks), both
     # layouts (nhd's V stage leaves the constant unused); NaN in unread cache slots and in the outputs beforehand.
-    monkeypatch.setattr(pagedvk.decode_rules, "values_with_keys", lambda storage, tokens: True)
+    monkeypatch.setattr(pagedvk.ops.decode_rules, "values_with_keys", lambda storage, tokens: True)
     case = Case(rng, seq_lens=[1, 13, 128, 130, 300], num_heads=8, num_kv_heads=2, head_size=head_size,
                 block_size=block_size, dtype=dtype)
     poison_unread_slots(case, block_size)
@@ -162,7 +163,7 @@ def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_s
 
 
 def test_the_values_rule_and_the_plans_that_take_it(rng):
-    rule = pagedvk.decode_rules.values_with_keys
+    rule = pagedvk.ops.decode_rules.values_with_keys
     assert [rule("f16", n) for n in (1, 127, 128, 129, 4096)] == [True, True, True, False, False]
     assert [rule(tag, 128) for tag in ("bf16", "f32", "e4m3", "e5m2")] == [True, False, False, False]
     for dtype in (np.float16, np.float32):
@@ -209,17 +210,17 @@ def test_the_one_call_op_follows_the_environment(rng, device, monkeypatch):
     # paged_attention keeps a plan per call signature: PAGEDVK_DECODE_KERNEL is part of it.
     case = Case(rng, num_heads=8, num_kv_heads=2, head_size=64)
     ref = case.reference()
-    pagedvk.decode.release_cached_plans(device)
+    pagedvk.ops.decode.release_cached_plans(device)
     for kernel in ("gpu", "cpu", "gpu"):
         monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", kernel)
         assert rel_error(pagedvk.paged_attention(*case.args(), backend="glsl"), ref) <= 1e-5
-    targets = sorted(plan.key.target for plan in pagedvk.decode._oneshot_plans(device).plans())
+    targets = sorted(plan.key.target for plan in pagedvk.ops.decode._oneshot_plans(device).plans())
     assert targets == ["", "cpu"]
-    pagedvk.decode.release_cached_plans(device)
+    pagedvk.ops.decode.release_cached_plans(device)
 
 
 def test_cpu_modules_are_chosen_where_built():
-    from pagedvk.abi import PAGED_DECODE
+    from pagedvk.kernels.abi import PAGED_DECODE
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").name == "paged_decode.cpu.kv_f16.glsl"
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").source == "paged_decode_cpu.comp"
     assert PAGED_DECODE.key("glsl", "e4m3", "bf16", 100, target="cpu").head_size == 0   # specialized, not built

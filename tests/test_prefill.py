@@ -14,7 +14,7 @@ HEAD_SIZES = (32, 64, 80, 128, 256)
 Q_LENS = (1, 3, 16, 64)
 LAYOUTS = ("nhd", "vllm")
 ALL_LAYOUTS = LAYOUTS + ("hnd",)   # FlashInfer's HND: its own cases, then the full tier's matrices
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32)   # below 8 in the token-major layouts only (pagedvk.layouts)
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32)   # below 8 in the token-major layouts only (pagedvk.ops.layouts)
 NAN_BITS = 0x7FC00000  # a float32 quiet NaN, as the 32-bit word vkCmdFillBuffer writes
 
 
@@ -31,7 +31,7 @@ def poisoned_outputs(monkeypatch):
         a = pagedvk.empty(shape, dtype, device)
         a.device.fill(a.buffer, NAN_BITS)
         return a
-    monkeypatch.setattr(pagedvk.prefill, "empty", poisoned_empty)
+    monkeypatch.setattr(pagedvk.ops.prefill, "empty", poisoned_empty)
 
 
 class PrefillCase:
@@ -71,7 +71,7 @@ class PrefillCase:
         return dict(query_start_loc=self.query_start_loc) if self.ragged else {}
 
     def reference(self, scale=None):
-        return pagedvk.reference.paged_attention_prefill(*self.args(), scale=scale, **self.options())
+        return pagedvk.testing.reference.paged_attention_prefill(*self.args(), scale=scale, **self.options())
 
 
 def check(case, backend, **kw):
@@ -99,7 +99,7 @@ def test_head_sizes_and_query_lengths(rng, backend, layout, head_size, q_len):
 # (the kernels' ids then read from the table, and dk/dv's workgroups masked past the block).
 BLOCK_SIZES_CAUSAL_OR_NOT = tiered(
     [(b, layout, c) for b in BLOCK_SIZES for layout in ALL_LAYOUTS for c in (True, False)
-     if b in pagedvk.layouts.block_sizes(layout)],
+     if b in pagedvk.ops.layouts.block_sizes(layout)],
     default=[(8, "nhd", True), (16, "vllm", False), (32, "vllm", True), (16, "hnd", False), (1, "hnd", True)])
 
 
@@ -163,7 +163,7 @@ def test_nan_in_unread_cache_slots_does_not_leak(rng, backend, layout):
     case = PrefillCase(rng, q_len=2, layout="vllm", seq_lens=[21, 3], block_size=16)
     poison_unread_slots(case, 16)
     if layout == "nhd":
-        k, v = pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
+        k, v = pagedvk.testing.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
         case.key_cache = np.ascontiguousarray(k, dtype=np.float32)
         case.value_cache = np.ascontiguousarray(v, dtype=np.float32)
         case.layout = "nhd"
@@ -208,23 +208,23 @@ def test_ragged_gqa_groups_and_causal(rng, backend, num_heads, num_kv_heads, cau
 
 def test_work_tiles_cover_each_sequence_and_skip_empty_ones():
     # 3 queries x group 4 = 12 rows: tiles at rows 0 and 8; no queries: no tile; 1 query: one tile.
-    tiles = pagedvk.prefill.work_tiles(np.array([0, 3, 3, 4], np.int32), group=4, rows_per_tile=8)
+    tiles = pagedvk.ops.prefill.work_tiles(np.array([0, 3, 3, 4], np.int32), group=4, rows_per_tile=8)
     assert tiles.dtype == np.int32 and tiles.tolist() == [[0, 0], [0, 8], [2, 0]]
-    assert pagedvk.prefill.work_tiles(np.array([0, 0], np.int32), 4, 8).shape == (0, 2)
+    assert pagedvk.ops.prefill.work_tiles(np.array([0, 0], np.int32), 4, 8).shape == (0, 2)
     # include: the tiles of the chosen sequences only (the matrix and scalar halves of a mixed batch)
     loc = np.array([0, 3, 3, 4], np.int32)
-    assert pagedvk.prefill.work_tiles(loc, 4, 8, include=np.array([True, True, False])).tolist() == [[0, 0], [0, 8]]
-    assert pagedvk.prefill.work_tiles(loc, 4, 8, include=np.array([False, True, True])).tolist() == [[2, 0]]
+    assert pagedvk.ops.prefill.work_tiles(loc, 4, 8, include=np.array([True, True, False])).tolist() == [[0, 0], [0, 8]]
+    assert pagedvk.ops.prefill.work_tiles(loc, 4, 8, include=np.array([False, True, True])).tolist() == [[2, 0]]
 
 
 def test_forward_tile_rows_follow_each_sequence_and_the_head_size():
     # The fewest of 8, 16, 32, 64 rows holding a sequence's rows; 32 at most above head size 128.
     rows = np.array([1, 8, 9, 16, 17, 33, 64, 200])
-    assert pagedvk.prefill.forward_rows(128, rows).tolist() == [8, 8, 16, 16, 32, 64, 64, 64]
-    assert pagedvk.prefill.forward_rows(256, rows).tolist() == [8, 8, 16, 16, 32, 32, 32, 32]
+    assert pagedvk.ops.prefill.forward_rows(128, rows).tolist() == [8, 8, 16, 16, 32, 64, 64, 64]
+    assert pagedvk.ops.prefill.forward_rows(256, rows).tolist() == [8, 8, 16, 16, 32, 32, 32, 32]
     # group 2: rows 2, 0, 14, 80 -> one 8-row tile, none, one 16-row tile, two 64-row tiles.
-    tiles = pagedvk.prefill.work_tiles(np.array([0, 1, 1, 8, 48], np.int32), group=2,
-                                       rows_per_tile=lambda r: pagedvk.prefill.forward_rows(64, r))
+    tiles = pagedvk.ops.prefill.work_tiles(np.array([0, 1, 1, 8, 48], np.int32), group=2,
+                                       rows_per_tile=lambda r: pagedvk.ops.prefill.forward_rows(64, r))
     assert tiles.tolist() == [[0, 0], [2, 0], [3, 0], [3, 64]]
 
 
@@ -290,8 +290,8 @@ def test_ragged_device_arrays(rng, backend, device):
 
 def modules_used(monkeypatch) -> list:
     """The (op, backend) of every pipeline the ops ask for from now on."""
-    used, pipeline = [], pagedvk.kernels.pipeline
-    monkeypatch.setattr(pagedvk.kernels, "pipeline",
+    used, pipeline = [], pagedvk.kernels.modules.pipeline
+    monkeypatch.setattr(pagedvk.kernels.modules, "pipeline",
                         lambda device, abi, key, *args: used.append((abi.op, key.backend)) or pipeline(device, abi, key,
                                                                                                       *args))
     return used
@@ -356,7 +356,7 @@ def test_independent_steps_cannot_split_timestamped_groups(device):
 
 
 def test_decode_tokens_at_an_offset_the_device_cannot_bind_stay_in_the_prefill_launch(rng, device, monkeypatch):
-    from pagedvk.prefill import _decode_tokens, _Problem
+    from pagedvk.ops.prefill import _decode_tokens, _Problem
     # one head of 4 float32 dims: the decode tokens' query rows start at byte 32 and their lse rows at byte 8
     case = PrefillCase(rng, q_lens=[2, 1, 1], num_heads=1, num_kv_heads=1, head_size=4)
     problem = _Problem(*case.args(), **case.options())
@@ -512,7 +512,7 @@ def test_rejects_ragged_seq_len_of_zero_with_queries(ragged):
     rejects_ragged(ragged, ValueError, r"seq_lens\[2\] = 0 is less than q_len_s", ragged.query_start_loc)
 
 
-# -- vLLM's spelling of a mixed batch: pagedvk.ops.unified_attention ----------------------------------------
+# -- vLLM's spelling of a mixed batch: pagedvk.ops.vllm.unified_attention ----------------------------------------
 
 def unified_args(case, out=None, **changes):
     lens = case.seq_lens
@@ -527,21 +527,21 @@ def test_unified_attention_writes_out(rng, device):
     case = PrefillCase(rng, q_lens=[4, 1, 0, 6, 1])
     ref, _ = case.reference(0.3)
     out = np.full_like(case.query, np.nan)
-    assert pagedvk.ops.unified_attention(**unified_args(case, out)) is out
+    assert pagedvk.ops.vllm.unified_attention(**unified_args(case, out)) is out
     assert rel_error(out, ref) <= TOL
     dev_out = pagedvk.asarray(np.full_like(case.query, np.nan))
-    assert pagedvk.ops.unified_attention(**unified_args(case, dev_out, q=pagedvk.asarray(case.query))) is dev_out
+    assert pagedvk.ops.vllm.unified_attention(**unified_args(case, dev_out, q=pagedvk.asarray(case.query))) is dev_out
     assert rel_error(dev_out.numpy(), ref) <= TOL
 
 
 def test_unified_attention_fp8_descales(rng):
     case = PrefillCase(rng, q_lens=[3, 1])
-    k8 = pagedvk.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.5)
-    v8 = pagedvk.reference.cache_element(case.value_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.25)
+    k8 = pagedvk.testing.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.5)
+    v8 = pagedvk.testing.reference.cache_element(case.value_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.25)
     descale = np.full((2, 2), 0.5, np.float32)   # vLLM's shape: [num_seqs, num_kv_heads]
     out = np.full_like(case.query, np.nan)
-    pagedvk.ops.unified_attention(**unified_args(case, out, k=k8, v=v8, k_descale=descale, v_descale=0.25))
-    ref, _ = pagedvk.reference.paged_attention_prefill(case.query, k8.astype(np.float64) * 0.5,
+    pagedvk.ops.vllm.unified_attention(**unified_args(case, out, k=k8, v=v8, k_descale=descale, v_descale=0.25))
+    ref, _ = pagedvk.testing.reference.paged_attention_prefill(case.query, k8.astype(np.float64) * 0.5,
                                                        v8.astype(np.float64) * 0.25, case.block_tables, case.seq_lens,
                                                        case.query_start_loc, scale=0.3)
     assert rel_error(out, ref) <= 1e-5
@@ -556,9 +556,9 @@ def test_unified_attention_fp8_descales(rng):
 ])
 def test_unified_attention_unsupported_options(rng, name, value, match):
     case = PrefillCase(rng, q_lens=[3, 5])
-    k = pagedvk.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype)
+    k = pagedvk.testing.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype)
     with pytest.raises(NotImplementedError, match=f"{match} \\({name}\\) is not supported"):
-        pagedvk.ops.unified_attention(**unified_args(case, np.empty_like(case.query), k=k, v=k, **{name: value}))
+        pagedvk.ops.vllm.unified_attention(**unified_args(case, np.empty_like(case.query), k=k, v=k, **{name: value}))
 
 
 @pytest.mark.parametrize("changes,exc,match", [
@@ -570,4 +570,4 @@ def test_unified_attention_unsupported_options(rng, name, value, match):
 def test_unified_attention_rejects(rng, changes, exc, match):
     case = PrefillCase(rng, q_lens=[3, 5])
     with pytest.raises(exc, match=match):
-        pagedvk.ops.unified_attention(**unified_args(case, **dict(dict(out=np.empty_like(case.query)), **changes)))
+        pagedvk.ops.vllm.unified_attention(**unified_args(case, **dict(dict(out=np.empty_like(case.query)), **changes)))

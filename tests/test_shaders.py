@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import pagedvk
-from pagedvk import abi, kernels, spirv, spirv_passes
+from pagedvk.kernels import abi, modules, spirv, spirv_passes
 from conftest import run_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ def spirv_val():
 
 def module_problems(kernel, key) -> list:
     """What is wrong with one built module: missing, refused by spirv-val, or not the interface abi.py declares."""
-    path = kernels.module_path(key.name)
+    path = modules.module_path(key.name)
     if not path.is_file():
         return [f"{path} missing"]
     # cooperative-matrix modules: the newer spirv-val the build found (the system's may not know them)
@@ -79,24 +79,24 @@ def test_a_module_that_differs_from_its_declaration_is_caught(monkeypatch):
 
 def test_modules_are_current():
     """The modules pagedvk loads were built from this checkout's shaders as they are now."""
-    manifest = kernels.manifest()
+    manifest = modules.manifest()
     for kernel, key in MODULES:
         entry = manifest[key.name]
         assert entry["digest"] == abi.source_digest(REPO / "shaders", key, entry.get("includes")), \
             f"{key.name} was built from other sources than {REPO / 'shaders'}"
-        kernels.load_spirv(kernel, key)
+        modules.load_spirv(kernel, key)
 
 
 @pytest.fixture
 def spv_copy(tmp_path, monkeypatch):
     """A private copy of the module folder, with the repo's shader sources for the staleness check."""
     copy = tmp_path / "spv"
-    shutil.copytree(kernels.SPV_DIR, copy)
-    monkeypatch.setattr(kernels, "SPV_DIR", copy)
-    monkeypatch.setattr(kernels, "SOURCE_SHADER_DIR", REPO / "shaders")
-    monkeypatch.setattr(kernels, "_manifest", None)
+    shutil.copytree(modules.SPV_DIR, copy)
+    monkeypatch.setattr(modules, "SPV_DIR", copy)
+    monkeypatch.setattr(modules, "SOURCE_SHADER_DIR", REPO / "shaders")
+    monkeypatch.setattr(modules, "_manifest", None)
     yield copy
-    kernels._manifest = None
+    modules._manifest = None
 
 
 def test_stale_module_is_refused(spv_copy):
@@ -104,26 +104,26 @@ def test_stale_module_is_refused(spv_copy):
     manifest[DECODE_F32.name]["digest"] = "0" * 64
     (spv_copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.glsl is stale"):
-        kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
+        modules.load_spirv(abi.PAGED_DECODE, DECODE_F32)
 
 
 def test_missing_module_is_named(spv_copy):
     (spv_copy / "paged_decode.kv_f32.glsl.spv").unlink()
     with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.glsl is missing"):
-        kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
+        modules.load_spirv(abi.PAGED_DECODE, DECODE_F32)
 
 
 def test_missing_manifest_is_reported(spv_copy):
     (spv_copy / "manifest.json").unlink()
     with pytest.raises(pagedvk.ShaderModuleError, match="manifest.json missing"):
-        kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
+        modules.load_spirv(abi.PAGED_DECODE, DECODE_F32)
 
 
 def test_unknown_variant_is_named():
     with pytest.raises(ValueError, match="paged_decode has no module for cache storage 'i4'"):
         abi.PAGED_DECODE.key("glsl", "i4", "f32")
     with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode has no module paged_decode\.kv_i4"):
-        kernels.load_spirv(abi.PAGED_DECODE, abi.VariantKey("paged_decode", "glsl", "i4", "f32"))
+        modules.load_spirv(abi.PAGED_DECODE, abi.VariantKey("paged_decode", "glsl", "i4", "f32"))
 
 
 def test_variant_keys_are_built_in_one_place():
@@ -203,7 +203,7 @@ MATRIX_PRODUCT = ("  coopStore(coopMultiplyAdd(coopLoadT<coop_mat16x16<f16, A>>(
 
 
 def installed_wgsl_modules():
-    return [kernels.module_path(name).read_bytes() for name in IDS if name.endswith(".wgsl")]
+    return [modules.module_path(name).read_bytes() for name in IDS if name.endswith(".wgsl")]
 
 
 def test_build_reports_compile_errors(tmp_path, monkeypatch):
@@ -364,7 +364,7 @@ def test_driver_compile_does_not_count_against_the_timeout():
         lens = np.array([50, 64], np.int32)
         for backend in ("glsl", "wgsl"):
             out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, lens, backend=backend)
-            ref, _ = pagedvk.reference.paged_attention_prefill(q, k, v, bt, lens)
+            ref, _ = pagedvk.testing.reference.paged_attention_prefill(q, k, v, bt, lens)
             assert np.abs(out - ref).max() < 1e-3, backend
         print("ok")
     """
@@ -436,7 +436,7 @@ def words_of(path) -> list:
 def test_bfloat16_matrix_modules_declare_bfloat16_not_float16(key):
     # spirv_passes.bfloat16_matrices: the float16 type carries the bfloat16 encoding, the module asks for
     # bfloat16 (VK_KHR_shader_bfloat16's capabilities) and no longer for float16 arithmetic.
-    ins = words_of(kernels.module_path(key.name))
+    ins = words_of(modules.module_path(key.name))
     capabilities = {ops[0] for op, ops in ins if op == 17}
     assert {5116, 5118} <= capabilities and 9 not in capabilities
     assert [tuple(ops[1:]) for op, ops in ins if op == 22 and ops[1] == 16] == [(16, 0)]
@@ -459,9 +459,9 @@ def test_bfloat16_pass_keeps_constants_exact_or_refuses(tmp_path):
         build.run([glslang, "-V", "--target-env", "vulkan1.2", "-o", str(spv), str(src)], "glslang")
         if expect is None:
             with pytest.raises(build.BuildError, match=r"k\.spv: a float16 constant \(1.0009765625\) has no exact"):
-                build.run_passes(spv, [build.load_module("spirv_passes").bfloat16_matrices])
+                build.run_passes(spv, [build.load_module("kernels.spirv_passes").bfloat16_matrices])
             continue
-        build.run_passes(spv, [build.load_module("spirv_passes").bfloat16_matrices])
+        build.run_passes(spv, [build.load_module("kernels.spirv_passes").bfloat16_matrices])
         ins = words_of(spv)
         half = next(ops[0] for op, ops in ins if op == 22 and ops[1] == 16)
         assert [ops[2] for op, ops in ins if op == 43 and ops[0] == half] == [expect]
@@ -492,7 +492,7 @@ def test_wgsl_subgroup_barriers_order_workgroup_memory(tmp_path):
     assert barrier_semantics(built) == [(3, 0x108) if b == (3, 0x88) else b for b in barrier_semantics(raw)]
     for name in IDS:
         if name.startswith("paged_prefill.coopmat") and name.endswith(".wgsl"):
-            semantics = barrier_semantics(kernels.module_path(name).read_bytes())
+            semantics = barrier_semantics(modules.module_path(name).read_bytes())
             assert (3, 0x108) in semantics and (3, 0x88) not in semantics
 
 
@@ -638,28 +638,28 @@ def test_failed_build_leaves_no_partial_module_nor_a_claim(tmp_path, shaders_cop
 @pytest.fixture
 def built_kernels(tmp_path, shaders_copy, monkeypatch):
     """kernels loading modules from tmp_path/out, with shaders_copy as the source checkout's shaders."""
-    monkeypatch.setattr(kernels, "SPV_DIR", tmp_path / "out")
-    monkeypatch.setattr(kernels, "SOURCE_SHADER_DIR", shaders_copy)
-    monkeypatch.setattr(kernels, "_manifest", None)
+    monkeypatch.setattr(modules, "SPV_DIR", tmp_path / "out")
+    monkeypatch.setattr(modules, "SOURCE_SHADER_DIR", shaders_copy)
+    monkeypatch.setattr(modules, "_manifest", None)
     yield tmp_path / "out"
-    kernels._manifest = None
+    modules._manifest = None
 
 
 def test_stale_check_hashes_the_includes_the_build_recorded(built_kernels, shaders_copy, capsys):
     build_subset(built_kernels, shaders_copy, capsys, DECODE_MATRIX_GLSL, PREFILL_MATRIX_GLSL)
     decode, prefill = keys_named(DECODE_MATRIX_GLSL, PREFILL_MATRIX_GLSL)
-    kernels.load_spirv(abi.PAGED_DECODE, decode)
-    kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+    modules.load_spirv(abi.PAGED_DECODE, decode)
+    modules.load_spirv(abi.PAGED_PREFILL, prefill)
     edit(shaders_copy / "kv_encode.glsl")   # included by neither: both still current
-    kernels.load_spirv(abi.PAGED_DECODE, decode)
-    kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+    modules.load_spirv(abi.PAGED_DECODE, decode)
+    modules.load_spirv(abi.PAGED_PREFILL, prefill)
     edit(shaders_copy / "decode_merge.glsl")   # the decode's only
     with pytest.raises(pagedvk.ShaderModuleError, match=re.escape(DECODE_MATRIX_GLSL) + " is stale"):
-        kernels.load_spirv(abi.PAGED_DECODE, decode)
-    kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+        modules.load_spirv(abi.PAGED_DECODE, decode)
+    modules.load_spirv(abi.PAGED_PREFILL, prefill)
     (shaders_copy / "prefill_matrix.glsl").unlink()   # an include it used, gone
     with pytest.raises(pagedvk.ShaderModuleError, match=re.escape(PREFILL_MATRIX_GLSL) + " is stale"):
-        kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+        modules.load_spirv(abi.PAGED_PREFILL, prefill)
 
 
 def test_list_counts_every_module_per_kernel_and_axis(tmp_path, capsys):
@@ -702,10 +702,10 @@ def test_build_without_naga_skips_wgsl_in_one_line_and_wgsl_then_names_npm_ci(bu
     assert [(b, o["wgsl_optional"]) for b, o in calls] == [(("glsl", "wgsl"), True), (("glsl", "wgsl"), False)]
 
     # At run time the GLSL module loads, and a WGSL one is refused with what to run (not as one module missing).
-    kernels.load_spirv(abi.READ_BANDWIDTH, abi.READ_BANDWIDTH.key("glsl"))
+    modules.load_spirv(abi.READ_BANDWIDTH, abi.READ_BANDWIDTH.key("glsl"))
     with pytest.raises(pagedvk.ShaderModuleError, match=r"this install has no WGSL modules .*run `npm ci` in the "
                                                         r"source tree and reinstall.*naga CLI on PATH"):
-        kernels.load_spirv(abi.PAGED_DECODE, keys_named(DECODE_MATRIX_WGSL)[0])
+        modules.load_spirv(abi.PAGED_DECODE, keys_named(DECODE_MATRIX_WGSL)[0])
 
 
 def test_one_naga_process_translates_many_modules_and_reports_each_error(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The WGSL modules: sources that declare what pagedvk/abi.py declares, the naming of per-variant sources,
+"""The WGSL modules: sources that declare what pagedvk/kernels/abi.py declares, the naming of per-variant sources,
 and backend="wgsl" running them (the numbers are checked per op in test_decode, test_prefill and
 test_backward, on both backends)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import abi
+from pagedvk.kernels import abi
 from conftest import rel_error
 from test_prefill import PrefillCase, modules_used
 
@@ -108,7 +108,7 @@ def test_backend_argument_picks_the_wgsl_modules(rng, monkeypatch):
 
 
 def test_prefill_workgroup_memory_is_the_declared_one():
-    # The forward's one workgroup array, S_MEM vec4s, is what pagedvk.prefill checks a device for.
+    # The forward's one workgroup array, S_MEM vec4s, is what pagedvk.ops.prefill checks a device for.
     text = (SHADERS / "paged_prefill.wgsl").read_text()
     consts = {name: int(value) for name, value in re.findall(r"^const (\w+): u32 = (\d+)u;", text, re.M)}
     assert re.findall(r"^var<workgroup> (\w+): array<vec4<f32>, (\w+)>;", text, re.M) == [("s_mem", "S_MEM")]

@@ -102,7 +102,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12,
             storageBuffer16BitAccess=have11.storageBuffer16BitAccess)
         features = vk.VkPhysicalDeviceFeatures(shaderInt16=base.shaderInt16, shaderInt64=base.shaderInt64)
-        # What was enabled, by Vulkan's feature names: kernels that need one check it (pagedvk.kernels).
+        # What was enabled, by Vulkan's feature names: kernels that need one check it (pagedvk.kernels.modules).
         self.features = {name for name, on in (
             ("shaderInt16", base.shaderInt16), ("shaderInt64", base.shaderInt64),
             ("shaderFloat16", have12.shaderFloat16), ("shaderInt8", have12.shaderInt8),
@@ -140,7 +140,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO), None)
         self._descriptor_pools = []
         self._staging = None
-        self.pipelines = {}   # pagedvk.kernels.pipeline's, by its cache key: made once, closed with the device
+        self.pipelines = {}   # pagedvk.kernels.modules.pipeline's, by its cache key: made once, closed with the device
         # Where device memory is the host's (CPU drivers, integrated GPUs), buffers are mapped directly
         # and need no staging copy.
         self.unified_memory = info.type in ("cpu", "integrated")

@@ -13,7 +13,7 @@ Where a new thing goes (docs/ARCHITECTURE.md says more):
   shaders/kv_<tag>.wgsl, its store function (reshape_and_cache) in shaders/kv_encode.glsl and a
   shaders/kv_write_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
 - a head size: nothing (GLSL specializes the head size; WGSL fixes FIXED_WGSL_HEAD_SIZES' at translation);
-- a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/;
+- a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/ops/;
 - a cooperative-matrix module of an op: an entry in its KernelABI's matrix_variants and a
   shaders/<op>_<kind>.comp with the op's bindings and push constants (and, with "wgsl" in its matrix_backends,
   a shaders/<op>_<kind>.wgsl);
@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import BACKENDS   # stdlib-only too, as build_shaders.py needs
+from ..config import BACKENDS   # stdlib-only too, as build_shaders.py needs
 SOURCE_SUFFIX = {"glsl": ".comp", "wgsl": ".wgsl"}
 # Files that GLSL sources may #include: what a module was built from where its manifest entry lists no includes
 # (build_shaders.py records the ones glslang reports, so an edit rebuilds only the modules that include the file).
@@ -54,7 +54,7 @@ def q_type_constant(tag: str) -> dict:
 
 # Backward caches: fp8 caches are for inference.
 GRADIENT_CACHE_TYPES = ("f32", "f16", "bf16")
-# How kernels reach a cache larger than one binding (pagedvk.array.DeviceArray splits it into segments of whole
+# How kernels reach a cache larger than one binding (pagedvk.runtime.array.DeviceArray splits it into segments of whole
 # blocks): "seg" binds up to KV_SEGMENTS segments per cache, "bda" (GLSL only) reads them through buffer device
 # addresses, any number of them. "" is the one-binding cache.
 CACHE_ACCESS = ("", "seg", "bda")
@@ -366,7 +366,7 @@ ATTENTION_INPUTS = (
 
 # One push-constant block for every attention kernel (shaders/attention_common.glsl, .wgsl), so a plan packs
 # it once for all its dispatches. The caches are addressed through strides, which is how one module reads
-# both cache layouts (pagedvk/layouts.py computes them):
+# both cache layouts (pagedvk/ops/layouts.py computes them):
 #   key quad (4 consecutive head dims d..d+3 of one token; d % 4 == 0), in units of 4 elements:
 #       b*k_block_stride + h*k_head_stride + t*k_token_stride + (d/4 / CQ)*k_chunk_stride + (d/4) % CQ
 #     where CQ = 4 / itemsize quads make one 16-byte chunk (vLLM's x = 16 / itemsize elements)
@@ -411,7 +411,7 @@ VARIANT_LSE = 4                  # lse is written: the natural-log log-sum-exp o
 # The specialization constant (GLSL `VARIANTS`, attention_common.glsl) that a launch without variants sets
 # false: its pipeline then holds none of the variants' code. WGSL modules have none (naga emits none).
 VARIANTS_SPEC_ID = 0
-# The decode kernel's own specialization constants (shaders/paged_decode.comp), set per plan by pagedvk/decode_rules.py:
+# The decode kernel's own specialization constants (shaders/paged_decode.comp), set per plan by pagedvk/ops/decode_rules.py:
 # which V stage the cache layout needs, and how many query heads a workgroup takes. 0 (their default) reads
 # both from the push constants.
 DECODE_VALUE_ORDER_SPEC_ID = 1   # 1: a head dim's tokens contiguous (vLLM's layout); 2: a token's dims (nhd, hnd)
@@ -426,14 +426,14 @@ DECODE_MERGE_PARTITIONS = 4
 # 1: through shared memory always; 2: in registers, the outputs NaN where a subgroup does not know its layout (tests).
 DECODE_FP8_BUILD_SPEC_ID = 4
 # The matrix decode's (float16 and bfloat16 modules; fp8 takes one block a step): how many of its blocks a subgroup
-# takes a step, 1 (the default) or 2, set per plan by pagedvk/decode_rules.py (MATRIX_STEP2_MIN_TOKENS).
+# takes a step, 1 (the default) or 2, set per plan by pagedvk/ops/decode_rules.py (MATRIX_STEP2_MIN_TOKENS).
 DECODE_STEP_SPEC_ID = 5
 # The scalar GPU decode's (shaders/paged_decode.comp, vLLM's layout): 1 where a float16 or bfloat16 plan's workgroups
-# take one tile each, set by pagedvk/decode_rules.py (values_with_keys): a tile's values are loaded beside its keys. 0, its
+# take one tile each, set by pagedvk/ops/decode_rules.py (values_with_keys): a tile's values are loaded beside its keys. 0, its
 # default, loads them after the tile's weights, in batches.
 DECODE_VALUES_SPEC_ID = 6
 # The scalar decode kernels' (shaders/paged_decode.comp, paged_decode_cpu.comp) head size, set per plan by
-# pagedvk/decode_rules.py, so the driver unrolls the loops over head dims as it did when the head size was a define
+# pagedvk/ops/decode_rules.py, so the driver unrolls the loops over head dims as it did when the head size was a define
 # (BENCHMARKS.md, "Module count"). 0 (its default) reads the push constant.
 DECODE_HEAD_SIZE_SPEC_ID = 7
 # The query storage type in every attention kernel's GLSL modules but the matrix ones (shaders/kv_storage.glsl), set
@@ -449,7 +449,7 @@ def head_size_constant(spec_id: int, head_size: int) -> dict:
     return {spec_id: head_size}
 
 
-# The head size, set per plan by pagedvk/prefill.py in the scalar prefill and backward kernels
+# The head size, set per plan by pagedvk/ops/prefill.py in the scalar prefill and backward kernels
 # (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
 # dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.
 PREFILL_HEAD_SIZE_SPEC_ID = 3
@@ -491,7 +491,7 @@ PAGED_DECODE = KernelABI(
     fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
     targets=TARGETS,
     # float16 and fp8 caches (float16 queries), bfloat16 caches and queries, in vLLM's layout with 16-token blocks,
-    # read by binding (pagedvk.decode_rules.decode_matrix)
+    # read by binding (pagedvk.ops.decode_rules.decode_matrix)
     matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128))
     + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
     matrix_accesses=("",),
@@ -555,7 +555,7 @@ READ_BANDWIDTH = KernelABI(
 #                    query_start_loc[s + 1] - 1 (q_len_s of them, 0 allowed), the LAST q_len_s positions of
 #                    its context of seq_lens[s] tokens (the new tokens included), so its query i sits at
 #                    position seq_lens[s] - q_len_s + i and, causal, sees keys 0 .. that position.
-#   tiles            int32 [num_tiles, 2]: the launch's work, built on the host (pagedvk.prefill.work_tiles):
+#   tiles            int32 [num_tiles, 2]: the launch's work, built on the host (pagedvk.ops.prefill.work_tiles):
 #                    (sequence, first row) of each tile of a kernel's rows per tile (dq: 8; the forward: 8 to
 #                    64, a function of the sequence's row count and the head size that the kernel computes
 #                    again from those, so the table stays two numbers a tile). A sequence's rows are its
@@ -574,8 +574,8 @@ PREFILL_INPUTS = ATTENTION_INPUTS + (
 )
 
 # Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log). Tiles of 8 to 64 rows for the
-# scalar modules, by the sequence's rows and the head size (pagedvk.prefill.forward_rows); 64 for the
-# cooperative-matrix ones (pagedvk.prefill: each builds its own tiles).
+# scalar modules, by the sequence's rows and the head size (pagedvk.ops.prefill.forward_rows); 64 for the
+# cooperative-matrix ones (pagedvk.ops.prefill: each builds its own tiles).
 PAGED_PREFILL = KernelABI(
     op="paged_prefill",
     bindings=PREFILL_INPUTS + (
@@ -594,7 +594,7 @@ PAGED_PREFILL = KernelABI(
 
 # Workgroup memory of the WGSL scalar forward (shaders/paged_prefill.wgsl's S_MEM vec4s): above the 16 KiB every
 # Vulkan device offers (lavapipe offers 32 KiB, NVIDIA 48), for chunk buffers that alternate and values staged a whole
-# key tile at a time; pagedvk.prefill refuses the WGSL forward on a device offering less.
+# key tile at a time; pagedvk.ops.prefill refuses the WGSL forward on a device offering less.
 PREFILL_WGSL_SHARED_BYTES = 1856 * 16
 
 # Backward, first: D = rowsum(dout * out) of every query row (FlashAttention-2's _bwd_preprocess), float32 in

@@ -13,12 +13,12 @@ import json
 import threading
 from pathlib import Path
 
+from .. import config
+from ..errors import ShaderModuleError, UnsupportedFeatureError
+from ..runtime.pipeline import Pipeline
 from . import abi as abi_mod
-from . import config
-from .errors import ShaderModuleError, UnsupportedFeatureError
-from .runtime.pipeline import Pipeline
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent   # pagedvk/
 SPV_DIR = config.spv_dir(PACKAGE_DIR / "spv")
 SOURCE_SHADER_DIR = PACKAGE_DIR.parent / "shaders"  # present in a source checkout only
 REBUILD_HINT = "rebuild with `python build_shaders.py` (or reinstall with `pip install .`)"

@@ -1,6 +1,6 @@
 """The decode's rules: which kernel, module, specialization and split a decode runs on a device, as pure functions
 of the device and the problem's dims. ``decode_choice`` returns them as one frozen ``DecodeChoice``; ``DecodePlan``
-(pagedvk/decode_plan.py) runs it, and ``pagedvk devices``, the tests and the benchmarks ask it what would run without
+(pagedvk/ops/decode_plan.py) runs it, and ``pagedvk devices``, the tests and the benchmarks ask it what would run without
 building a plan. Every threshold here was measured (BENCHMARKS.md, docs/decisions.md).
 """
 
@@ -11,15 +11,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import checks, config
-from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_MERGE_PARTITIONS,
-                  DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
-                  PAGED_DECODE_REDUCE, VariantKey, head_size_constant, q_type_constant)
-from .dtypes import CACHE_TYPES
+from .. import config
+from ..dtypes import CACHE_TYPES
+from ..kernels.abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_MERGE_PARTITIONS,
+                           DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID,
+                           PAGED_DECODE, PAGED_DECODE_REDUCE, VariantKey, head_size_constant, q_type_constant)
+from ..kernels.matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type, with_operands
+from ..runtime.instance import MatrixShape
+from . import checks
 from .layouts import LAYOUTS, MAX_HEAD_SIZE, check_block_size
-from .matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type, with_operands
 from .opargs import check_scale
-from .runtime.instance import MatrixShape
 
 MAX_PARTITION_SIZE = 2**31 - 1              # tokens: partition_size travels as a u32 push constant
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
@@ -97,7 +98,7 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
     """The decode's matrix kind: "coopmat" (shaders/paged_decode_coopmat.comp or .wgsl) where a module exists for
     these arguments (GLSL: float16 or fp8 caches with float16 queries, or bfloat16 caches and queries on devices with
     bfloat16 matrices; WGSL: the same but fp8, with 16-bit storage on; head size 64 or 128; vLLM's layout with 16-token
-    blocks), the device runs it (pagedvk.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens
+    blocks), the device runs it (pagedvk.kernels.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens
     (`tokens`: the partition's, or the longest context's where unsplit); else "" (the scalar kernels). `kernel` (else
     PAGEDVK_DECODE_KERNEL) "coopmat" forces it, raising ValueError where it cannot run; "cpu" or "gpu" rule it out."""
     choice = config.decode_kernel(kernel)
