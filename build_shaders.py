@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The one shader compiler driver: compiles every module declared in pagedvk/kernels/abi.py to SPIR-V.
+"""The one shader compiler driver: compiles every module declared in pagedvk/kernels/catalogue.py to SPIR-V.
 
 GLSL goes through glslangValidator, WGSL through naga (the `naga` CLI when on PATH, otherwise Node.js
 running the pinned npm package naga-wasm); every module is then checked with spirv-val. The
@@ -58,10 +58,11 @@ BUILD_PACKAGE = "pagedvk_build"   # pagedvk/ without its __init__ (see load_modu
 
 
 def load_module(name: str):
-    """The module pagedvk.<name> (a stdlib-only one: kernels.abi, kernels.spirv, kernels.spirv_passes) imported
-    without the package's __init__, which needs the run-time dependencies (vulkan, numpy) that building
-    must not: pagedvk/ is made a bare package of another name, so the modules' relative imports of each other (and
-    of pagedvk/config.py) still work. pagedvk/kernels/__init__.py imports nothing, so it loads here too."""
+    """The module pagedvk.<name> (a stdlib-only one: kernels.abi, kernels.catalogue, kernels.spirv,
+    kernels.spirv_passes) imported without the package's __init__, which needs the run-time dependencies (vulkan,
+    numpy) that building must not: pagedvk/ is made a bare package of another name, so the modules' relative
+    imports of each other (and of pagedvk/config.py) still work. pagedvk/kernels/__init__.py imports nothing, so it
+    loads here too."""
     if BUILD_PACKAGE not in sys.modules:
         package = types.ModuleType(BUILD_PACKAGE)
         package.__path__ = [str(ROOT / "pagedvk")]
@@ -71,6 +72,10 @@ def load_module(name: str):
 
 def load_abi():
     return load_module("kernels.abi")
+
+
+def load_catalogue():
+    return load_module("kernels.catalogue")
 
 
 def require_tool(name: str, package: str) -> str:
@@ -399,18 +404,17 @@ SKIPPED_WGSL = ("build_shaders.py: WGSL modules skipped (no naga: neither a `nag
 def build(out_dir: Path, backends: tuple = ("glsl", "wgsl"), keys=None, verbose: bool = True,
           shader_dir: Path | None = None, wgsl_optional: bool = False) -> dict:
     """Build the modules of `backends` into out_dir, those of `keys` only where given (default: every module
-    abi.KERNELS declares), from shader_dir (default shaders/); the manifest written and returned, and one line
-    printed saying how many modules were built and how many kept (verbose: a line per module built too).
+    the catalogue's KERNELS declare), from shader_dir (default shaders/); the manifest written and returned, and one
+    line printed saying how many modules were built and how many kept (verbose: a line per module built too).
 
     Incremental: a module whose file is there and whose entry records this toolchain and the digest its sources
-    have now is kept. Entries (and files) of modules abi no longer declares are dropped; the other backends'
+    have now is kept. Entries (and files) of modules the catalogue no longer declares are dropped; the other backends'
     modules are kept. wgsl_optional: without naga, build the GLSL modules and say in one line that the WGSL ones
     were skipped (else that fails). A failed build leaves every module whole, and the manifest naming only
     modules built as it says."""
-    abi = load_abi()
     shader_dir = Path(shader_dir or SHADER_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
-    declared = [key for kernel in abi.KERNELS for key in kernel.keys()]
+    declared = [key for kernel in load_catalogue().KERNELS for key in kernel.keys()]
     keys = [key for key in (declared if keys is None else keys) if key.backend in backends]
     if any(key.backend == "wgsl" for key in keys) and naga_tool() is None:
         if not wgsl_optional:
@@ -476,7 +480,7 @@ def module_counts(keys) -> str:
     lines += [f"  {op:<24} {n:>5}" for op, n in per_op.items()]
     lines.append("modules per axis (value count; - where the axis does not apply or takes its default):")
     for field in dataclasses.fields(keys[0]) if keys else ():
-        if field.name == "op":
+        if field.name == "op" or not field.compare:   # not an axis (VariantKey.kernel)
             continue
         counts = collections.Counter(getattr(key, field.name) for key in keys)
         values = sorted(counts, key=lambda v: (v != field.default, v))
@@ -497,8 +501,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     backends = ("glsl", "wgsl") if args.backend in ("auto", "all") else (args.backend,)
     if args.list:
-        abi = load_abi()
-        print(module_counts(key for kernel in abi.KERNELS for key in kernel.keys() if key.backend in backends))
+        print(module_counts(key for kernel in load_catalogue().KERNELS for key in kernel.keys()
+                            if key.backend in backends))
         return 0
     try:
         build(args.out.resolve(), backends, verbose=not args.quiet, wgsl_optional=args.backend == "auto")

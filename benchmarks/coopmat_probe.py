@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import build_shaders  # noqa: E402
 from pagedvk.testing import bench  # noqa: E402
 from pagedvk import empty, get_device
-from pagedvk.kernels.abi import Binding, KernelABI, PushField, VariantKey  # noqa: E402
+from pagedvk.kernels.abi import Binding, KernelABI, PushField, VariantKey
 from pagedvk.ops.prefill import matrix_unavailable  # noqa: E402
 from pagedvk.runtime.pipeline import Launch, Pipeline  # noqa: E402
 

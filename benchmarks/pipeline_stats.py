@@ -11,8 +11,8 @@ its loads explain.
     python benchmarks/pipeline_stats.py path/to/module.spv                          # or any SPIR-V file
 
 The device is PAGEDVK_DEVICE's, or the one pagedvk would pick. --no-variants specializes VARIANTS false where a
-module declares it (abi.VARIANTS_SPEC_ID), as launches without attention variants run. NVIDIA's driver
-reports local memory as 2^36 plus the bytes a thread uses; the script prints both.
+module declares it (AttentionSpec.VARIANTS, the attention kernels' shared id), as launches without attention variants
+run. NVIDIA's driver reports local memory as 2^36 plus the bytes a thread uses; the script prints both.
 """
 
 import argparse
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import pagedvk  # noqa: E402
 from pagedvk.kernels import modules, spirv  # noqa: E402
-from pagedvk.kernels.abi import VARIANTS_SPEC_ID  # noqa: E402
+from pagedvk.kernels.catalogue import AttentionSpec
 from pagedvk.runtime.instance import get_instance  # noqa: E402
 from pagedvk.runtime.pipeline import specialization_info  # noqa: E402
 
@@ -107,8 +107,8 @@ def main(argv=None) -> int:
         for name in args.modules:
             path = Path(name) if name.endswith(".spv") else modules.module_path(name)
             code = path.read_bytes()
-            declared = VARIANTS_SPEC_ID in spirv.reflect(code).spec_constants
-            spec = {VARIANTS_SPEC_ID: False} if args.no_variants and declared else {}
+            declared = AttentionSpec.VARIANTS in spirv.reflect(code).spec_constants
+            spec = {AttentionSpec.VARIANTS: False} if args.no_variants and declared else {}
             spec.update({int(i): int(v) for i, v in (item.split("=") for item in args.spec)})
             shown = []
             for stat, value in statistics(device, code, spec):

@@ -12,7 +12,7 @@ import numpy as np
 
 from .testing import bench, suite
 from . import config
-from .kernels.abi import PAGED_DECODE
+from .kernels.catalogue import PAGED_DECODE
 from .ops.decode_rules import MATRIX_BLOCK_SIZE, MATRIX_MIN_TOKENS, decode_target, subgroup_reductions
 from .dtypes import CACHE_TYPES, device_dtypes
 from .ops.layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, VLLM_BLOCK_SIZES, check_block_size

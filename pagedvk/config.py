@@ -117,7 +117,8 @@ def device() -> str | None:
 
 def spv_dir(default: Path) -> Path:
     """PAGEDVK_SPV_DIR: the folder of SPIR-V modules (build_shaders.py --out), `default` (the package's) when
-    unset or blank. Read when pagedvk.kernels.modules is imported; a folder that is not there is refused by check_all()."""
+    unset or blank. Read when pagedvk.kernels.modules is imported; a folder that is not there is refused by
+    check_all()."""
     text = _get("PAGEDVK_SPV_DIR")
     return Path(text) if text else default
 

@@ -125,21 +125,21 @@ def test_mha_gqa_mqa(rng, backend, num_heads, num_kv_heads):
 @pytest.mark.parametrize("head_size,specialized", tiered([(h, s) for h in (32, 80, 256) for s in (True, False)],
                                                          default=[(32, True), (80, False)]))
 def test_head_size_specialization(rng, monkeypatch, specialized, head_size):
-    # The scalar kernels' GLSL pipelines are specialized on the plan's head size (abi.PREFILL_HEAD_SIZE_SPEC_ID);
+    # The scalar kernels' GLSL pipelines are specialized on the plan's head size (catalogue.PrefillSpec.HEAD_SIZE);
     # a pipeline made without the constant reads the head size from the push constants. Both give the reference's
     # forward and gradients. Head size 32: one S chunk in dk/dv, the case the H200's driver once miscompiled
     # (BENCHMARKS.md); 80: a part chunk; 256: dk/dv's second head-quad column.
     from pagedvk.ops import prefill
-    from pagedvk.kernels.abi import PREFILL_HEAD_SIZE_SPEC_ID
-    if not specialized:   # an id no module declares: the pipelines are made without the constant
-        monkeypatch.setattr(prefill, "PREFILL_HEAD_SIZE_SPEC_ID", -1)
+    from pagedvk.kernels.catalogue import PrefillSpec
+    if not specialized:   # no head-size specialization: the pipelines are made without the constant
+        monkeypatch.setattr(prefill, "head_size_constant", lambda spec_id, head_size: {})
     case = PrefillCase(rng, q_len=5, head_size=head_size, shared_prefix_blocks=1)
     prefill_check(case, "glsl")
     check(case, rng, "glsl")
-    constants = ((PREFILL_HEAD_SIZE_SPEC_ID, head_size),) if specialized else ()
+    constants = ((PrefillSpec.HEAD_SIZE, head_size),) if specialized else ()
     made = {key.op for key, _, own in pagedvk.default_device().pipelines
             if not key.matrix and key.backend == "glsl"
-            and tuple(c for c in own if c[0] == PREFILL_HEAD_SIZE_SPEC_ID) == constants}
+            and tuple(c for c in own if c[0] == PrefillSpec.HEAD_SIZE) == constants}
     assert {"paged_prefill", "paged_backward_dq", "paged_backward_dkdv"} <= made
 
 
@@ -179,7 +179,7 @@ def test_query_seeing_one_key_has_zero_dq(rng, backend):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("ragged", [False, True], ids=["fixed_q_len", "ragged"])
 def test_delta_is_rowsum_of_dout_times_out(rng, backend, ragged, dtype):
-    # The backward's first dispatch (abi.PAGED_BACKWARD_DELTA) writes D = rowsum(dout * out) of every row, in lse's
+    # The backward's first dispatch (catalogue.PAGED_BACKWARD_DELTA) writes D = rowsum(dout * out) of every row, in lse's
     # shape, into a scratch buffer the launch owns, which dq and dk/dv read in place of out. The scratch starts as
     # NaN (poisoned_outputs), so a row left unwritten shows.
     import ml_dtypes

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_python
 from pagedvk.testing import bench, suite
 from pagedvk.kernels import modules
-from pagedvk.kernels.abi import PAGED_DECODE
+from pagedvk.kernels.catalogue import PAGED_DECODE
 
 TINY = [(1, 40), (2, 24)]   # shapes lavapipe times in a second, context not a multiple of the block
 SUITE = f"""

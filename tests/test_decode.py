@@ -296,19 +296,20 @@ def specialized_wrongly_writes_nothing(rng, backend, wrong):
     # The plan keeps its specialization and push constants equal; were they not, the kernel must leave the
     # output alone rather than run one layout's, group width's or head size's code on another's data. GLSL:
     # specialization constants; WGSL: a module built with them fixed (abi.DECODE_FIXED), for head sizes 64 and 128.
-    from pagedvk.kernels.abi import DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, Q_TYPE_SPEC_ID
+    from pagedvk.kernels.catalogue import DecodeSpec
+    from pagedvk.kernels.catalogue import DecodeSpec
     case = Case(rng, num_heads=16, num_kv_heads=2, head_size=64)   # groups of 8 heads, vLLM's layout
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=16, num_kv_heads=2, head_size=64,
                             block_size=16, num_blocks=case.key_cache.shape[0], partition_size=4096,
                             backend=backend) as plan:
         # one partition: the decode kernel writes `out` itself (a split's reduce would merge unwritten partials)
         assert plan.num_partitions == 1
-        assert plan.constants == {DECODE_VALUE_ORDER_SPEC_ID: 1, DECODE_GROUP_SPEC_ID: 8, DECODE_HEAD_SIZE_SPEC_ID: 64,
-                                  Q_TYPE_SPEC_ID: 1}   # float32 queries
+        assert plan.constants == {DecodeSpec.VALUE_ORDER: 1, DecodeSpec.GROUP: 8, DecodeSpec.HEAD_SIZE: 64,
+                                  DecodeSpec.Q_TYPE: 1}   # float32 queries
         assert plan.key.fixed == ("vllm_g8" if backend == "wgsl" else "")
-        wrong_constants = {**plan.constants, **{"group": {DECODE_GROUP_SPEC_ID: 4},
-                                                "layout": {DECODE_VALUE_ORDER_SPEC_ID: 2},
-                                                "head_size": {DECODE_HEAD_SIZE_SPEC_ID: 32}}[wrong]}
+        wrong_constants = {**plan.constants, **{"group": {DecodeSpec.GROUP: 4},
+                                                "layout": {DecodeSpec.VALUE_ORDER: 2},
+                                                "head_size": {DecodeSpec.HEAD_SIZE: 32}}[wrong]}
         plan.choice = dataclasses.replace(plan.choice, constants=tuple(sorted(wrong_constants.items())))
         assert plan.key.fixed == ({"group": "vllm_g4", "layout": "nhd_g8"}[wrong] if backend == "wgsl" else "")
         out = pagedvk.asarray(case.poisoned_out())   # on the device: what the kernel leaves stays NaN
@@ -331,7 +332,7 @@ def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv
 
 
 def test_fixed_wgsl_modules_are_chosen_where_built():
-    from pagedvk.kernels.abi import PAGED_DECODE
+    from pagedvk.kernels.catalogue import PAGED_DECODE
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4").name == "paged_decode.kv_f16.q_f16.h128.nhd_g4.wgsl"
     assert PAGED_DECODE.key("wgsl", "e5m2", "f16", 64, fixed="vllm_g8").constants()["Q_TYPE_FIXED"] == 1
     # the query type is fixed too, the cache type's usual one (abi.FIXED_QUERY): others read the push constants

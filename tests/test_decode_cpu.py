@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk.kernels import abi
+from pagedvk.kernels import catalogue
 from pagedvk.testing import reference
 from pagedvk.ops.decode_rules import decode_target
 from conftest import Case, check_unchecked_tables, in_layout, poison_unread_slots, rel_error, tiered
@@ -116,7 +116,7 @@ def test_attention_variants(rng, kernel, layout, variant):
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", tiered(
     [(h, *g) for h in (80, 128) for g in ((4, 4), (8, 2), (16, 2))], default=[(128, 16, 2)]))
 def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, num_heads, num_kv_heads, head_size):
-    # The GPU kernel merges a split of at most abi.DECODE_MERGE_PARTITIONS partitions in its own dispatch (the last
+    # The GPU kernel merges a split of at most catalogue.DECODE_MERGE_PARTITIONS partitions in its own dispatch (the last
     # workgroup of each (sequence, head group) to finish), a longer one in the reduce dispatch; the CPU kernel leaves
     # every split to the reduce. Many counters, sequences shorter than the split (empty, one partition, two), the
     # split scratch poisoned before the first run (a huge max and sum, NaN outputs): run after run on one plan, with
@@ -125,12 +125,12 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, n
     lens = [0, 1, 16, 100, 257, 511, 512, 513, 700, 1024] * 2
     case = Case(rng, seq_lens=lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                 block_size=16)
-    for partition_size, parts in ((512, 2), (256, abi.DECODE_MERGE_PARTITIONS), (208, abi.DECODE_MERGE_PARTITIONS + 1), (16, 64)):
+    for partition_size, parts in ((512, 2), (256, catalogue.DECODE_MERGE_PARTITIONS), (208, catalogue.DECODE_MERGE_PARTITIONS + 1), (16, 64)):
         with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 head_size=head_size, block_size=16, num_blocks=case.key_cache.shape[0],
                                 partition_size=partition_size, kernel=kernel, backend="glsl") as plan:
             assert plan.num_partitions == parts
-            assert plan.merge_in_decode == (kernel == "gpu" and parts <= abi.DECODE_MERGE_PARTITIONS)
+            assert plan.merge_in_decode == (kernel == "gpu" and parts <= catalogue.DECODE_MERGE_PARTITIONS)
             plan.partial_out.write(np.full(plan.partial_out.shape, np.nan, np.float32))
             plan.partial_stats.write(np.full(plan.partial_stats.shape, 1e30, np.float32))
             for _ in range(2):
@@ -149,7 +149,7 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, n
     default=[("float16", 256, 8), ("bfloat16", 80, 32), ("float8_e5m2", 128, 16)]))
 def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_size):
     dtype = DTYPE_NAMES[dtype]
-    # The GPU kernel with every tile's first batch of values loaded beside its keys (abi.DECODE_VALUES_SPEC_ID),
+    # The GPU kernel with every tile's first batch of values loaded beside its keys (catalogue.DecodeSpec.VALUES),
     # forced on for every plan, not only where a workgroup takes one tile as the rule says: tiles after the first,
     # lengths ending mid-chunk, a head dim's second slot (256), fp8 rows shorter than a chunk (8-token blocks), both
     # layouts (nhd's V stage leaves the constant unused); NaN in unread cache slots and in the outputs beforehand.
@@ -173,7 +173,7 @@ def test_the_values_rule_and_the_plans_that_take_it(rng):
                                     block_size=16, num_blocks=case.key_cache.shape[0], dtype=dtype,
                                     partition_size=partition_size, kernel="gpu", backend="glsl") as plan:
                 taken = 1 if dtype == np.float16 and partition_size <= 128 else None
-                assert plan.constants.get(abi.DECODE_VALUES_SPEC_ID) == taken
+                assert plan.constants.get(catalogue.DecodeSpec.VALUES) == taken
 
 
 def test_zero_lengths_and_blocks_out_of_range_stay_inside_their_buffers(rng, device, kernel):
@@ -220,7 +220,7 @@ def test_the_one_call_op_follows_the_environment(rng, device, monkeypatch):
 
 
 def test_cpu_modules_are_chosen_where_built():
-    from pagedvk.kernels.abi import PAGED_DECODE
+    from pagedvk.kernels.catalogue import PAGED_DECODE
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").name == "paged_decode.cpu.kv_f16.glsl"
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").source == "paged_decode_cpu.comp"
     assert PAGED_DECODE.key("glsl", "e4m3", "bf16", 100, target="cpu").head_size == 0   # specialized, not built

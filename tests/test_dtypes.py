@@ -244,6 +244,6 @@ def test_no_16_or_8_bit_storage_feature_is_needed(rng, monkeypatch, cache_dtype)
 def test_a_module_needing_a_missing_feature_names_it(rng, monkeypatch):
     with masked_device(monkeypatch, "bufferDeviceAddress") as device:
         assert not device.buffer_device_address
-        key = pagedvk.kernels.abi.PAGED_DECODE.key("glsl", "f16", "f16", access="bda")
+        key = pagedvk.kernels.catalogue.PAGED_DECODE.key("glsl", "f16", "f16", access="bda")
         with pytest.raises(pagedvk.UnsupportedFeatureError, match="needs the Vulkan feature.*bufferDeviceAddress"):
-            pagedvk.kernels.modules.pipeline(device, pagedvk.kernels.abi.PAGED_DECODE, key)
+            pagedvk.kernels.modules.pipeline(device, pagedvk.kernels.catalogue.PAGED_DECODE, key)

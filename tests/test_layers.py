@@ -31,7 +31,8 @@ LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 # What build_shaders.py loads by path (load_module) where the run-time dependencies may be absent, and the package
 # __init__ files that loading runs.
-BUILD_MODULES = ("pagedvk.kernels.abi", "pagedvk.kernels.spirv", "pagedvk.kernels.spirv_passes")
+BUILD_MODULES = ("pagedvk.kernels.abi", "pagedvk.kernels.catalogue", "pagedvk.kernels.spirv",
+                 "pagedvk.kernels.spirv_passes")
 
 
 def module_name(path: Path) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk.kernels import abi
+from pagedvk.kernels import abi, catalogue
 from pagedvk.ops import prefill
 from pagedvk.runtime.instance import MatrixShape
 from conftest import lse_error, rel_error
@@ -157,33 +157,33 @@ def test_kernel_argument_is_checked():
 
 
 def test_matrix_modules_are_named_built_and_required():
-    key = abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, matrix="coopmat")
+    key = catalogue.PAGED_PREFILL.key("glsl", "f16", "f16", 128, matrix="coopmat")
     assert key.name == "paged_prefill.coopmat.kv_f16.q_f16.h128.glsl"
     assert key.source == "paged_prefill_coopmat.comp" and key.target_env == "vulkan1.2"
     assert key.defines() == {"KV_F16": 1, "Q_F16": 1, "HEAD_SIZE": 128}
     assert set(key.requires()) == NEEDS
-    assert abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, "seg", "coopmat").defines()["KV_SEGMENTED"] == 1
-    built = {k for k in abi.PAGED_PREFILL.keys() if k.matrix}
+    assert catalogue.PAGED_PREFILL.key("glsl", "f16", "f16", 128, "seg", "coopmat").defines()["KV_SEGMENTED"] == 1
+    built = {k for k in catalogue.PAGED_PREFILL.keys() if k.matrix}
     glsl = {k for k in built if k.backend == "glsl"}
     assert key in glsl and len(glsl) == 4 * len(abi.CACHE_ACCESS)   # float16 and bfloat16, head sizes 64 and 128
     with pytest.raises(ValueError, match="no 'coopmat' module for glsl, cache storage 'f16', query storage 'f16', "
                                          "head size 96"):
-        abi.PAGED_PREFILL.key("glsl", "f16", "f16", 96, matrix="coopmat")
+        catalogue.PAGED_PREFILL.key("glsl", "f16", "f16", 96, matrix="coopmat")
     # WGSL: float16 at both head sizes, caches in one binding or in segments (no buffer device addresses in WGSL)
-    wgsl = abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 128, matrix="coopmat")
+    wgsl = catalogue.PAGED_PREFILL.key("wgsl", "f16", "f16", 128, matrix="coopmat")
     assert wgsl.name == "paged_prefill.coopmat.kv_f16.q_f16.h128.wgsl"
     assert wgsl.source == "paged_prefill_coopmat.wgsl" and wgsl.target_env == "vulkan1.2"
     assert wgsl.constants() == {"HEAD_SIZE": 128} and set(wgsl.requires()) == WGSL_NEEDS
     assert wgsl.includes()["kv_chunk_access.wgsl"] == "kv_chunk_bound.wgsl"
-    assert abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 64, "seg", "coopmat").includes()["kv_chunk_access.wgsl"] \
+    assert catalogue.PAGED_PREFILL.key("wgsl", "f16", "f16", 64, "seg", "coopmat").includes()["kv_chunk_access.wgsl"] \
         == "kv_chunk_segmented.wgsl"
-    assert built - glsl == {abi.PAGED_PREFILL.key("wgsl", "f16", "f16", h, access, "coopmat")
+    assert built - glsl == {catalogue.PAGED_PREFILL.key("wgsl", "f16", "f16", h, access, "coopmat")
                             for h in (64, 128) for access in ("", "seg")}
     for args in (("wgsl", "bf16", "bf16", 128), ("wgsl", "f16", "f16", 128, "bda")):
         with pytest.raises(ValueError, match="no 'coopmat' module"):
-            abi.PAGED_PREFILL.key(*args, matrix="coopmat")
+            catalogue.PAGED_PREFILL.key(*args, matrix="coopmat")
     # the backward has no WGSL matrix modules: a WGSL plan's backward runs the scalar ones
-    assert not any(k.matrix and k.backend == "wgsl" for k in abi.PAGED_BACKWARD_DQ.keys())
+    assert not any(k.matrix and k.backend == "wgsl" for k in catalogue.PAGED_BACKWARD_DQ.keys())
 
 
 # -- the device's own properties --
@@ -252,7 +252,7 @@ def run_f16(case, kernel, caches=None, dtype=np.float16, backend="glsl", **varia
 
 
 # The backends of the forward's matrix modules (the backward's are GLSL's only).
-FORWARD_BACKENDS = pytest.mark.parametrize("backend", abi.PAGED_PREFILL.matrix_backends)
+FORWARD_BACKENDS = pytest.mark.parametrize("backend", catalogue.PAGED_PREFILL.matrix_backends)
 
 
 @needs_coopmat
@@ -475,7 +475,7 @@ def test_auto_picks_the_matrix_backward(rng, monkeypatch):
 
 
 def test_backward_matrix_modules_are_named_and_built():
-    for abi_ in (abi.PAGED_BACKWARD_DQ, abi.PAGED_BACKWARD_DKDV):
+    for abi_ in (catalogue.PAGED_BACKWARD_DQ, catalogue.PAGED_BACKWARD_DKDV):
         key = abi_.key("glsl", "f16", "f16", 64, matrix="coopmat")
         assert key.source == f"{abi_.op}_coopmat.comp" and set(key.requires()) == NEEDS
         assert set(abi_.key("glsl", "bf16", "bf16", 64, matrix="coopmat").requires()) == BF16_NEEDS

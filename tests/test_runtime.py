@@ -164,7 +164,7 @@ def test_validation_messages_name_the_objects():
     # message by a command that is recorded, never submitted.
     result = run_python("""
         import numpy as np, vulkan as vk, pagedvk
-        from pagedvk.kernels import abi, modules
+        from pagedvk.kernels import catalogue, modules
         dev = pagedvk.default_device()
 
         def message(name, record):
@@ -178,7 +178,7 @@ def test_validation_messages_name_the_objects():
             return "no message"
 
         # A push of the wrong stage names the pipeline layout, which carries the module's name.
-        p = modules.pipeline(dev, abi.PAGED_DECODE, abi.PAGED_DECODE.key("glsl", "f32", "f32"))
+        p = modules.pipeline(dev, catalogue.PAGED_DECODE, catalogue.PAGED_DECODE.key("glsl", "f32", "f32"))
         data = vk.ffi.new("char[]", 4)
         print("push:", message("push probe", lambda c: vk.vkCmdPushConstants(
             c, p.layout, vk.VK_SHADER_STAGE_VERTEX_BIT, 0, 4, data)))
@@ -350,7 +350,7 @@ def test_a_launch_checks_its_bindings_again_after_any_close(device):
     from pagedvk.runtime.memory import BufferRange
     from pagedvk.runtime.pipeline import Launch
     from pagedvk.kernels import modules
-    from pagedvk.kernels.abi import READ_BANDWIDTH
+    from pagedvk.kernels.catalogue import READ_BANDWIDTH
     pipeline = modules.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
     for how in ("range", "buffer", "collected"):
         src, dst = pagedvk.zeros(64, np.uint32, device=device), pagedvk.zeros(256, np.uint32, device=device)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedvk.kernels import abi, modules, spirv
+from pagedvk.kernels import catalogue, modules, spirv
 from pagedvk.kernels import spirv_passes as passes
 from pagedvk.kernels.spirv import instructions
 
@@ -128,7 +128,7 @@ def changed(before, after) -> collections.Counter:
 
 def built_module(backend: str) -> Path:
     """The float32 decode module of a backend, as built."""
-    return modules.module_path(abi.PAGED_DECODE.key(backend, "f32", "f32").name)
+    return modules.module_path(catalogue.PAGED_DECODE.key(backend, "f32", "f32").name)
 
 
 def constants(words) -> dict:

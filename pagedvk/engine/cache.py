@@ -114,8 +114,8 @@ class KVCache(Owned):
     def attend(self, layer: int, q, batch) -> np.ndarray:
         """Attention of one step's new tokens over one layer's cache. q [sum of batch.q_lens, num_heads,
         head_size]; sequences with one new token go through one DecodePlan per step (made at the step's first
-        layer, reused by the others), longer ones through one ragged paged_attention_prefill. batch: pagedvk.demo.serve.Batch
-        (q_lens, block_tables, seq_lens, new tokens included)."""
+        layer, reused by the others), longer ones through one ragged paged_attention_prefill. batch:
+        pagedvk.demo.serve.Batch (q_lens, block_tables, seq_lens, new tokens included)."""
         q = np.asarray(q, np.float32)
         out = np.empty(q.shape, np.float32)
         starts = np.cumsum([0] + list(batch.q_lens))

@@ -1,19 +1,22 @@
-"""Kernel interfaces and module variants, declared once.
+"""How a kernel's interface and its module variants are declared: the mechanism, not the kernels.
 
-Every op's interface to the GPU lives here as data: its descriptor bindings in order, its push-constant
-block, its workgroup size, and the axes its modules vary along (cache storage type, cache access, kernels for
-a kind of device or matrix unit). The query type is not an axis: kernels read it from the push constants
-(``q_type``), except the cooperative-matrix modules, which are built for one. A module is named by a ``VariantKey``, built by
-``KernelABI.key`` and nowhere else. The launcher reads these declarations to build pipeline layouts and pack
-push constants; ``build_shaders.py`` reads them (by file path, so this module must stay stdlib-only) to know
-what to compile; a test reflects every compiled module and compares it with what is declared here.
+A kernel's interface to the GPU is data, a ``KernelABI``: its descriptor bindings in order, its push-constant
+block, its workgroup size, its specialization constants, and the axes its modules vary along (cache storage type,
+cache access, kernels for a kind of device or matrix unit), drawn from the vocabulary below. The nine kernels are
+declared in pagedvk/kernels/catalogue.py. The query type is not an axis: kernels read it from the push constants
+(``q_type``), except the cooperative-matrix modules, which are built for one. A module is named by a
+``VariantKey``, built by ``KernelABI.key`` and nowhere else; ``KernelABI.keys`` lists every module of a kernel as
+products of its axes (``Axes``), each with the combinations it leaves out and why. The launcher reads the
+declarations to build pipeline layouts and pack push constants; ``build_shaders.py`` reads them (by file path, so
+this module and the catalogue must stay stdlib-only) to know what to compile; a test reflects every compiled module
+and compares it with what is declared.
 
 Where a new thing goes (docs/ARCHITECTURE.md says more):
 - a cache storage type: its tag in STORAGE_TYPES, its load function in shaders/kv_storage.glsl and a
   shaders/kv_<tag>.wgsl, its store function (reshape_and_cache) in shaders/kv_encode.glsl and a
   shaders/kv_write_<tag>.wgsl, and its numpy dtype in pagedvk/dtypes.py;
-- a head size: nothing (GLSL specializes the head size; WGSL fixes FIXED_WGSL_HEAD_SIZES' at translation);
-- a kernel: its KernelABI below, one .comp and one .wgsl source, its op module in pagedvk/ops/;
+- a head size: nothing (GLSL specializes the head size; WGSL fixes the decode's fixed_head_sizes at translation);
+- a kernel: its KernelABI in the catalogue, one .comp and one .wgsl source, its op module in pagedvk/ops/;
 - a cooperative-matrix module of an op: an entry in its KernelABI's matrix_variants and a
   shaders/<op>_<kind>.comp with the op's bindings and push constants (and, with "wgsl" in its matrix_backends,
   a shaders/<op>_<kind>.wgsl);
@@ -23,9 +26,11 @@ Where a new thing goes (docs/ARCHITECTURE.md says more):
 
 from __future__ import annotations
 
+import enum
 import hashlib
+import itertools
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import BACKENDS   # stdlib-only too, as build_shaders.py needs
@@ -46,30 +51,11 @@ def q_type_code(tag: str) -> int:
     return QUERY_TYPES.index(tag)
 
 
-def q_type_constant(tag: str) -> dict:
-    """The specialization that fixes the query storage type in an attention kernel's GLSL pipeline
-    (Q_TYPE_SPEC_ID; its value is the code plus one, 0 reading the push constant)."""
-    return {Q_TYPE_SPEC_ID: q_type_code(tag) + 1}
-
-
-# Backward caches: fp8 caches are for inference.
-GRADIENT_CACHE_TYPES = ("f32", "f16", "bf16")
 # How kernels reach a cache larger than one binding (pagedvk.runtime.array.DeviceArray splits it into segments of whole
 # blocks): "seg" binds up to KV_SEGMENTS segments per cache, "bda" (GLSL only) reads them through buffer device
 # addresses, any number of them. "" is the one-binding cache.
 CACHE_ACCESS = ("", "seg", "bda")
 KV_SEGMENTS = 4
-# Ops that write caches: their WGSL includes name write-side storage files (kv_write_<type>.wgsl, token_<type>.wgsl).
-WRITE_INCLUDES_OPS = ("reshape_and_cache",)
-# Ops that read their caches as 16-byte chunks (kv_chunk_access.wgsl; GLSL: KV_CHUNKS in kv_storage.glsl); so do
-# the WGSL matrix modules.
-CHUNK_READ_OPS = ("paged_decode",)
-# Ops whose modules reduce over the workgroup with subgroup arithmetic (GLSL: GL_KHR_shader_subgroup_arithmetic;
-# WGSL: naga's subgroup built-ins, through shaders/decode_reduce_subgroup.wgsl), which Vulkan leaves optional.
-# Each also has modules reducing in shared memory only, reduce="shared" (GLSL: SHARED_REDUCE; WGSL:
-# decode_reduce_shared.wgsl), for devices without it: the generic head size, every cache storage and access
-# (KernelABI.key picks them).
-SUBGROUP_REDUCE_OPS = ("paged_decode",)
 # The Vulkan features (VK_KHR_shader_bfloat16) a bfloat16 cooperative-matrix module needs: build_shaders.py makes it
 # from the float16 source by giving float16 the bfloat16 encoding (bfloat16_matrices).
 BFLOAT16_MATRIX_FEATURES = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatrix")
@@ -86,13 +72,9 @@ BFLOAT16_MATRIX_FEATURES = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatr
 MATRIX_TARGET_ENV = "vulkan1.2"
 WGSL_MATRIX_TYPES = ("f16",)
 TARGET_ENV = "vulkan1.1"   # every other module
-# The decode's WGSL modules with the head size, the layout and the head-group width fixed at translation (naga emits
-# no specialization constants; VariantKey.fixed names the last two): vLLM's most common head sizes only, four modules
-# each. Every other head size runs the module that reads them from the push constants. GLSL modules take all three as
-# specialization constants (DECODE_HEAD_SIZE_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_GROUP_SPEC_ID): one module
-# serves every head size, and the driver still compiles its loops with the head size as a constant.
-FIXED_WGSL_HEAD_SIZES = (64, 128)
-# ... and the query type fixed too: each cache type's usual one (DecodePlan's default query dtype; vLLM's fp8 caches
+# WGSL modules with the head size (a kernel's fixed_head_sizes), the layout and the head-group width fixed at
+# translation, for the decode (naga emits no specialization constants; VariantKey.fixed names the last two), and the
+# query type fixed too: each cache type's usual one (DecodePlan's default query dtype; vLLM's fp8 caches
 # serve float16 and bfloat16 models). Read from the push constant, WGSL's fp8 decode was 2.0-2.2% slower on the H200
 # than with the type in the module (2026-12-03). Other query types run the module that reads the layout too.
 FIXED_QUERY = {"f32": "f32", "f16": "f16", "bf16": "bf16", "e4m3": "f16", "e5m2": "f16"}
@@ -135,9 +117,12 @@ class VariantKey:
     head_size: int = 0    # 0: any head size, read from the push constants
     access: str = ""      # how caches larger than one binding are read (CACHE_ACCESS)
     matrix: str = ""      # "" or a matrix kind ("coopmat"): the op's cooperative-matrix source
-    reduce: str = ""      # "" or "shared": workgroup reductions without subgroup arithmetic (SUBGROUP_REDUCE_OPS)
+    reduce: str = ""      # "" or "shared": workgroup reductions without subgroup arithmetic (KernelABI.subgroup_reduce)
     fixed: str = ""       # WGSL decode: "" or a DECODE_FIXED name, the layout and head-group width fixed
     target: str = ""      # "" or a TARGETS tag: the op's source shaped for that kind of device
+    # The declaration that made the key (KernelABI.key and keys set it), for what its WGSL sources include; not part
+    # of the name, so keys compare and hash by their axes alone. None: a key made by hand (tests, probes).
+    kernel: KernelABI | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -168,16 +153,18 @@ class VariantKey:
         return d
 
     def includes(self) -> dict:
-        """WGSL: which storage file stands in for each generic `//!include` name."""
+        """WGSL: which storage file stands in for each generic `//!include` name (what the key's kernel reads and
+        writes: KernelABI.reads_chunks, subgroup_reduce, writes_cache)."""
+        kernel = self.kernel or KernelABI(self.op, (), (), ())
         inc = {"kv_storage.wgsl": f"kv_{self.kv}.wgsl",
                "kv_access.wgsl": "kv_segmented.wgsl" if self.access else "kv_bound.wgsl"} if self.kv else {}
-        if (self.op in CHUNK_READ_OPS or self.matrix and self.backend == "wgsl") and self.kv:
+        if (kernel.reads_chunks or self.matrix and self.backend == "wgsl") and self.kv:
             inc["kv_chunk_access.wgsl"] = "kv_chunk_segmented.wgsl" if self.access else "kv_chunk_bound.wgsl"
         # a fixed decode module's query type is q_any.wgsl's, fixed by constants()
         inc["q_storage.wgsl"] = f"q_{self.q}.wgsl" if self.q and not self.fixed else "q_any.wgsl"
-        if self.op in SUBGROUP_REDUCE_OPS:
+        if kernel.subgroup_reduce:
             inc["decode_reduce.wgsl"] = f"decode_reduce_{self.reduce or 'subgroup'}.wgsl"
-        if self.op in WRITE_INCLUDES_OPS:   # the cache writers' own files
+        if kernel.writes_cache:   # the cache writers' own files
             inc.update({"kv_write.wgsl": f"kv_write_{self.kv}.wgsl",
                         "kv_write_access.wgsl": "kv_write_segmented.wgsl" if self.access else "kv_write_bound.wgsl"})
         return inc
@@ -210,7 +197,17 @@ class KernelABI:
     backends: tuple = BACKENDS
     kv_types: tuple = ()          # cache storage tags the op is built for; () if it reads no cache
     q_types: tuple = ()           # query/output storage tags it takes (push constant q_type); () if it has none
-    writes_cache: bool = False    # the caches' bindings (segments included) are written, not read
+    # the caches' bindings (segments included) are written, not read; its WGSL sources include the write-side storage
+    # files (kv_write_<type>.wgsl, token_<type>.wgsl)
+    writes_cache: bool = False
+    # it reads its caches as 16-byte chunks (WGSL: kv_chunk_access.wgsl; GLSL: KV_CHUNKS in kv_storage.glsl), as the
+    # WGSL matrix modules of every op do
+    reads_chunks: bool = False
+    # its modules reduce over the workgroup with subgroup arithmetic (GLSL: GL_KHR_shader_subgroup_arithmetic; WGSL:
+    # naga's subgroup built-ins, through shaders/decode_reduce_subgroup.wgsl), which Vulkan leaves optional; it then
+    # also has modules reducing in shared memory only, reduce="shared" (GLSL: SHARED_REDUCE; WGSL:
+    # decode_reduce_shared.wgsl), for devices without it: every cache storage and access (KernelABI.key picks them)
+    subgroup_reduce: bool = False
     # (matrix kind, cache tag, query tag, head size): cooperative-matrix modules, GLSL, head size fixed, one per
     # cache access in matrix_accesses; each has the op's bindings and push constants (its grid may differ: the op
     # says)
@@ -221,6 +218,11 @@ class KernelABI:
     # accesses WGSL has
     matrix_backends: tuple = ("glsl",)
     wgsl_matrix_types: tuple = WGSL_MATRIX_TYPES
+    # The kernel's specialization-constant ids (an enum.IntEnum; its GLSL sources' constant_ids), or None. Two members
+    # have a meaning here: VARIANTS, the bool that a launch without attention variants sets false (every GLSL module
+    # of the kernel declares it, matrix ones too: attention_common.glsl), and Q_TYPE, the query storage type (every
+    # GLSL module but the matrix ones, which are built for one).
+    spec_ids: type | None = None
     # ((constant_id, SPIR-V type), ...): the op's own specialization constants, in its GLSL modules only (not its
     # matrix modules, whose head size is fixed at build time, unless it lists them in matrix_spec_constants)
     spec_constants: tuple = ()
@@ -232,20 +234,30 @@ class KernelABI:
     # accesses), not reducing in shared memory
     targets: tuple = ()
 
+    def spec_id(self, name: str) -> enum.IntEnum | None:
+        """spec_ids' member `name` (VARIANTS, Q_TYPE), None where the kernel has no such constant."""
+        return self.spec_ids.__members__.get(name) if self.spec_ids is not None else None
+
     def specialization_constants(self, key: VariantKey) -> dict:
-        """{constant_id: type} that the module declares: VARIANTS_SPEC_ID where it specializes the variants,
-        and the op's own in GLSL (naga emits none)."""
+        """{constant_id: type} that the module declares: VARIANTS where it specializes the variants, the query
+        type's Q_TYPE in the modules that read it, and the op's own in GLSL (naga emits none)."""
         if key.backend != "glsl":
             return {}
         own = dict(self.matrix_spec_constants if key.matrix else
                    dict(self.target_spec_constants).get(key.target, self.spec_constants))
-        query = {Q_TYPE_SPEC_ID: "uint32"} if self.push == ATTENTION_PUSH and self.q_types and not key.matrix else {}
-        return {**({VARIANTS_SPEC_ID: "bool"} if self.specializes_variants(key) else {}), **own, **query}
+        q_type = self.spec_id("Q_TYPE")
+        query = {q_type: "uint32"} if q_type is not None and not key.matrix else {}
+        return {**({self.spec_id("VARIANTS"): "bool"} if self.specializes_variants(key) else {}), **own, **query}
 
     def specializes_variants(self, key: VariantKey) -> bool:
-        """Whether the module declares VARIANTS_SPEC_ID: the GLSL modules of the attention kernels, which
+        """Whether the module declares spec_ids.VARIANTS: the GLSL modules of the attention kernels, which
         include attention_common.glsl."""
-        return key.backend == "glsl" and self.push == ATTENTION_PUSH
+        return key.backend == "glsl" and self.spec_id("VARIANTS") is not None
+
+    def q_type_constant(self, tag: str) -> dict:
+        """The specialization that fixes the query storage type in the kernel's GLSL pipeline (spec_ids.Q_TYPE;
+        its value is the code plus one, 0 reading the push constant)."""
+        return {self.spec_id("Q_TYPE"): q_type_code(tag) + 1}
 
     @property
     def push_size(self) -> int:
@@ -281,7 +293,7 @@ class KernelABI:
         matrix module's or one of WGSL's fixed decode modules'; the others read it from the push constants or a
         specialization constant. A matrix module exists only for its listed (kind, cache, query, head size).
         subgroup_arithmetic=False (the device lacks it): the generic module reducing in shared memory, for an
-        op in SUBGROUP_REDUCE_OPS. fixed (a DECODE_FIXED name): the WGSL module with the layout and head-group
+        op with subgroup_reduce. fixed (a DECODE_FIXED name): the WGSL module with the layout and head-group
         width fixed, where one is built for the head size (fixed_head_sizes), else the one that reads them.
         target (one of the op's targets): its device-shaped GLSL module (the caller checks that the device has
         what it needs); ignored for WGSL, whose modules are the generic kernel's only."""
@@ -297,7 +309,7 @@ class KernelABI:
                                  f"storage {q!r}, head size {head_size} (built: {built})")
             if access not in self.matrix_accesses_for(backend):
                 raise ValueError(f"{self.op} has no {matrix!r} module reading caches by {access!r}")
-            return VariantKey(self.op, backend, kv, q, head_size, access, matrix)
+            return VariantKey(self.op, backend, kv, q, head_size, access, matrix, kernel=self)
         if backend not in self.backends:
             raise ValueError(f"{self.op} has no {backend} modules (backends: {', '.join(self.backends)})")
         if access not in self.accesses(backend):
@@ -307,416 +319,96 @@ class KernelABI:
             if (value or allowed) and value not in allowed:
                 raise ValueError(f"{self.op} has no module for {axis} {value!r} (built: {', '.join(allowed)})")
         if target and backend == "glsl":
-            return VariantKey(self.op, backend, kv, access=access, target=target)
-        if not subgroup_arithmetic and self.reduces_in_subgroups(backend):
-            return VariantKey(self.op, backend, kv, access=access, reduce="shared")
+            return VariantKey(self.op, backend, kv, access=access, target=target, kernel=self)
+        if not subgroup_arithmetic and self.subgroup_reduce:
+            return VariantKey(self.op, backend, kv, access=access, reduce="shared", kernel=self)
         if (backend == "wgsl" and fixed and not access and head_size in self.fixed_head_sizes
                 and q == FIXED_QUERY.get(kv)):
-            return VariantKey(self.op, backend, kv, q, head_size, fixed=fixed)
-        return VariantKey(self.op, backend, kv, access=access)
+            return VariantKey(self.op, backend, kv, q, head_size, fixed=fixed, kernel=self)
+        return VariantKey(self.op, backend, kv, access=access, kernel=self)
 
     def matrix_variants_for(self, backend: str) -> tuple:
-        """The matrix_variants built for a backend: all of them for GLSL, those of wgsl_matrix_types for WGSL,
-        none for a backend not in matrix_backends."""
-        if backend not in self.matrix_backends:
-            return ()
-        return tuple(v for v in self.matrix_variants
-                     if backend == "glsl" or (v[1] in self.wgsl_matrix_types and v[2] in self.wgsl_matrix_types))
+        """The matrix_variants built for a backend (the matrix modules' Axes less its exclusions): all of them
+        for GLSL, those of wgsl_matrix_types for WGSL, none for a backend not in matrix_backends."""
+        return tuple(dict.fromkeys((p["matrix"], p["kv"], p["q"], p["head_size"])
+                                   for p in self.matrix_axes().combinations() if p["backend"] == backend))
 
     def matrix_accesses_for(self, backend: str) -> tuple:
-        return tuple(a for a in self.matrix_accesses if a in self.accesses(backend))
-
-    def reduces_in_subgroups(self, backend: str) -> bool:
-        return self.op in SUBGROUP_REDUCE_OPS
+        return tuple(dict.fromkeys(p["access"] for p in self.matrix_axes().combinations() if p["backend"] == backend))
 
     def accesses(self, backend: str) -> tuple:
+        """How the backend's generic modules read caches: every CACHE_ACCESS less BACKEND_EXCLUSIONS'."""
         if not self.kv_types:
             return ("",)
-        return CACHE_ACCESS if backend == "glsl" else ("", "seg")
+        return tuple(a for a in CACHE_ACCESS if not excluded({"backend": backend, "access": a}, BACKEND_EXCLUSIONS))
+
+    def module_axes(self) -> tuple:
+        """The kernel's modules as products of axes (Axes), each less the combinations it excludes: the generic
+        modules, then the ones its declaration adds (shared-memory reduce, device-shaped targets, WGSL's fixed
+        decode modules, matrix modules)."""
+        kv = {"kv": self.kv_types or ("",), "access": CACHE_ACCESS if self.kv_types else ("",)}
+        families = [Axes("the generic modules", {"backend": self.backends, **kv}, BACKEND_EXCLUSIONS)]
+        if self.subgroup_reduce:
+            families.append(Axes("reducing in shared memory, for devices without subgroup arithmetic",
+                                 {"backend": self.backends, **kv, "reduce": ("shared",)}, BACKEND_EXCLUSIONS))
+        if self.targets:
+            families.append(Axes("shaped for a kind of device",
+                                 {"backend": self.backends, **kv, "target": self.targets},
+                                 BACKEND_EXCLUSIONS + (("the device-shaped sources are GLSL", {"backend": "wgsl"}),)))
+        if self.fixed_head_sizes:
+            families.append(Axes(
+                "the layout and head-group width fixed at translation (naga emits no specialization constants)",
+                {"backend": self.backends, ("kv", "q"): tuple((kv, FIXED_QUERY[kv]) for kv in self.kv_types),
+                 "head_size": self.fixed_head_sizes, "fixed": tuple(DECODE_FIXED)},
+                (("GLSL specializes the head size, layout and group width", {"backend": "glsl"}),)))
+        if self.matrix_variants:
+            families.append(self.matrix_axes())
+        return tuple(families)
+
+    def matrix_axes(self) -> Axes:
+        """The cooperative-matrix modules: matrix_backends x matrix_variants x matrix_accesses, less the types
+        WGSL's matrices cannot take and the accesses a backend lacks."""
+        wgsl_types = tuple(t for t in STORAGE_TYPES if t not in self.wgsl_matrix_types)
+        return Axes("cooperative-matrix modules",
+                    {"backend": self.matrix_backends, ("matrix", "kv", "q", "head_size"): self.matrix_variants,
+                     "access": self.matrix_accesses},
+                    BACKEND_EXCLUSIONS
+                    + tuple((f"WGSL matrices take {', '.join(self.wgsl_matrix_types)} only",
+                             {"backend": "wgsl", axis: t}) for axis in ("kv", "q") for t in wgsl_types))
 
     def keys(self):
-        """Every module this op needs built: a declared product of its axes (backend, cache storage, cache
-        access, then the shared-memory reduce, the device-shaped targets and WGSL's fixed decode modules), and the
-        matrix modules it lists."""
-        for backend in self.backends:
-            for kv in self.kv_types or ("",):
-                for access in self.accesses(backend):
-                    yield VariantKey(self.op, backend, kv, access=access)
-                    if self.reduces_in_subgroups(backend):
-                        yield VariantKey(self.op, backend, kv, access=access, reduce="shared")
-                    for target in self.targets if backend == "glsl" else ():
-                        yield VariantKey(self.op, backend, kv, access=access, target=target)
-                for hs in self.fixed_head_sizes if backend == "wgsl" else ():
-                    for fixed in DECODE_FIXED:
-                        yield VariantKey(self.op, backend, kv, FIXED_QUERY[kv], hs, fixed=fixed)
-        for backend in self.matrix_backends:
-            for matrix, kv, q, hs in self.matrix_variants_for(backend):
-                for access in self.matrix_accesses_for(backend):
-                    yield VariantKey(self.op, backend, kv, q, hs, access, matrix)
+        """Every module this op needs built: the combinations of its module_axes()."""
+        for family in self.module_axes():
+            for point in family.combinations():
+                yield VariantKey(self.op, kernel=self, **point)
 
 
-# What every attention kernel reading the paged cache binds first, in this order.
-ATTENTION_INPUTS = (
-    Binding("query", readonly=True),
-    Binding("key_cache", readonly=True),
-    Binding("value_cache", readonly=True),
-    Binding("block_tables", readonly=True),
-    Binding("seq_lens", readonly=True),
-)
-
-# One push-constant block for every attention kernel (shaders/attention_common.glsl, .wgsl), so a plan packs
-# it once for all its dispatches. The caches are addressed through strides, which is how one module reads
-# both cache layouts (pagedvk/ops/layouts.py computes them):
-#   key quad (4 consecutive head dims d..d+3 of one token; d % 4 == 0), in units of 4 elements:
-#       b*k_block_stride + h*k_head_stride + t*k_token_stride + (d/4 / CQ)*k_chunk_stride + (d/4) % CQ
-#     where CQ = 4 / itemsize quads make one 16-byte chunk (vLLM's x = 16 / itemsize elements)
-#   value element: b*v_block_stride + h*v_head_stride + t*v_token_stride + d*v_dim_stride
-# num_blocks is the number of whole blocks the bound caches hold (the launcher's bound on block ids).
-ATTENTION_PUSH = tuple(PushField(name, kind) for name, kind in (
-    ("num_heads", "u32"),
-    ("num_kv_heads", "u32"),
-    ("head_size", "u32"),
-    ("block_size", "u32"),
-    ("max_blocks_per_seq", "u32"),
-    ("num_blocks", "u32"),
-    ("num_seqs", "u32"),
-    ("q_token_stride", "u32"),   # prefill: query rows (head_size elements) from one query to the next
-    ("q_head_stride", "u32"),    # prefill: query rows from one head to the next (see PREFILL_INPUTS)
-    ("causal", "u32"),
-    ("scale", "f32"),            # softmax scale, times k_scale for fp8 keys
-    ("v_scale", "f32"),          # fp8 values' scale, applied to the output (1 otherwise)
-    ("group_size", "u32"),       # decode: query heads per workgroup
-    ("partition_size", "u32"),   # decode: tokens per split-K partition (the last takes the rest)
-    ("num_partitions", "u32"),   # decode: 1 writes `out` directly
-    ("k_block_stride", "u32"),
-    ("k_head_stride", "u32"),
-    ("k_token_stride", "u32"),
-    ("k_chunk_stride", "u32"),
-    ("v_block_stride", "u32"),
-    ("v_head_stride", "u32"),
-    ("v_token_stride", "u32"),
-    ("v_dim_stride", "u32"),
-    ("blocks_per_segment", "u32"),   # blocks per segment of a cache larger than one binding
-    # Attention variants (shaders/attention_variants.glsl); all zero is plain attention.
-    ("softcap", "f32"),          # logit softcapping c (FlashInfer's logits_soft_cap): c tanh(logit / c); 0: off
-    ("window", "u32"),           # a query sees keys at most window - 1 before it (window_left + 1); 0: no window
-    ("variants", "u32"),         # VARIANT_* flags: which of the optional bindings below are read or written
-    ("q_type", "u32"),           # storage of query, out and dout: QUERY_TYPES.index(tag) (matrix modules: ignored)
-))
-# The flags of `variants` (the kernels' VARIANT_* constants).
-VARIANT_ALIBI = 1                # alibi_slopes is read: logit += slope[head] * (key position - query position)
-VARIANT_SINKS = 2                # sinks is read: one more logit per head in the softmax denominator, no value
-VARIANT_LSE = 4                  # lse is written: the natural-log log-sum-exp of each (query, head)
-
-# The specialization constant (GLSL `VARIANTS`, attention_common.glsl) that a launch without variants sets
-# false: its pipeline then holds none of the variants' code. WGSL modules have none (naga emits none).
-VARIANTS_SPEC_ID = 0
-# The decode kernel's own specialization constants (shaders/paged_decode.comp), set per plan by pagedvk/ops/decode_rules.py:
-# which V stage the cache layout needs, and how many query heads a workgroup takes. 0 (their default) reads
-# both from the push constants.
-DECODE_VALUE_ORDER_SPEC_ID = 1   # 1: a head dim's tokens contiguous (vLLM's layout); 2: a token's dims (nhd, hnd)
-DECODE_GROUP_SPEC_ID = 2         # 4: groups of at most 4 query heads; 8: of 5 to 8
-# The GPU decode kernels' (shaders/paged_decode.comp and paged_decode_coopmat.comp, not the CPU one): 1 where a split
-# of at most DECODE_MERGE_PARTITIONS partitions is merged in the decode dispatch (shaders/decode_merge.glsl); 0, its
-# default, leaves the merge to PAGED_DECODE_REDUCE.
-DECODE_MERGE_SPEC_ID = 3
-DECODE_MERGE_PARTITIONS = 4
-# The matrix decode's (shaders/paged_decode_coopmat.comp; its fp8 modules use it): how an fp8 block's matrices are
-# built. 0, its default: in registers where the device's element layout is a known one, else through shared memory;
-# 1: through shared memory always; 2: in registers, the outputs NaN where a subgroup does not know its layout (tests).
-DECODE_FP8_BUILD_SPEC_ID = 4
-# The matrix decode's (float16 and bfloat16 modules; fp8 takes one block a step): how many of its blocks a subgroup
-# takes a step, 1 (the default) or 2, set per plan by pagedvk/ops/decode_rules.py (MATRIX_STEP2_MIN_TOKENS).
-DECODE_STEP_SPEC_ID = 5
-# The scalar GPU decode's (shaders/paged_decode.comp, vLLM's layout): 1 where a float16 or bfloat16 plan's workgroups
-# take one tile each, set by pagedvk/ops/decode_rules.py (values_with_keys): a tile's values are loaded beside its keys. 0, its
-# default, loads them after the tile's weights, in batches.
-DECODE_VALUES_SPEC_ID = 6
-# The scalar decode kernels' (shaders/paged_decode.comp, paged_decode_cpu.comp) head size, set per plan by
-# pagedvk/ops/decode_rules.py, so the driver unrolls the loops over head dims as it did when the head size was a define
-# (BENCHMARKS.md, "Module count"). 0 (its default) reads the push constant.
-DECODE_HEAD_SIZE_SPEC_ID = 7
-# The query storage type in every attention kernel's GLSL modules but the matrix ones (shaders/kv_storage.glsl), set
-# per plan (q_type_constant): the query's loads and the output's stores then take no branch on the push constant q_type.
-Q_TYPE_SPEC_ID = 8
+# Combinations no kernel has: (why, {axis: value, ...}), excluding every combination that holds all the values.
+BACKEND_EXCLUSIONS = (("WGSL has no buffer device addresses", {"backend": "wgsl", "access": "bda"}),)
 
 
-def head_size_constant(spec_id: int, head_size: int) -> dict:
-    """The specialization on the head size (spec_id: DECODE_ or PREFILL_HEAD_SIZE_SPEC_ID), for every head size: a
-    pipeline is compiled per head size in use, which a model pays once. The push-constant path the modules fall back
-    to (the constant left 0) compiled 15x slower on lavapipe, whose LLVM took 100 s for the CPU decode kernel at
-    head size 48 against 7 s specialized, and ran longer than PAGEDVK_TIMEOUT there (2026-12-05)."""
-    return {spec_id: head_size}
+def excluded(point: dict, exclusions: tuple) -> bool:
+    return any(all(point.get(axis) == value for axis, value in values.items()) for _, values in exclusions)
 
 
-# The head size, set per plan by pagedvk/ops/prefill.py in the scalar prefill and backward kernels
-# (shaders/prefill_common.glsl): the driver then compiles the loops and branches on it as constants (the float32
-# dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md). 0 (its default) reads the push constant.
-PREFILL_HEAD_SIZE_SPEC_ID = 3
+@dataclass(frozen=True)
+class Axes:
+    """A family of modules, declared: every combination of the axes' values, less the excluded combinations.
+    axes: {VariantKey field: values}; a tuple of fields takes its values jointly (a tuple each). exclusions:
+    ((why, {field: value, ...}), ...)."""
 
-# The per-head inputs of the attention variants, float32 [num_heads] each; a 16-byte placeholder when the
-# variant is off (its VARIANT_* flag clear): read only where the flag is set.
-ATTENTION_VARIANT_INPUTS = (
-    Binding("alibi_slopes", readonly=True),
-    Binding("sinks", readonly=True),
-)
+    what: str
+    axes: dict
+    exclusions: tuple = ()
 
-# Decode attention, one query token per sequence. Workgroups: num_heads / group_size x num_seqs x
-# num_partitions, numbered linearly over a grid folded to the device's limits (pagedvk.runtime.commands.
-# fold_grid). With one partition the result goes to `out`; with more, to the partial buffers, and
-# PAGED_DECODE_REDUCE merges them into `out`, or (a GLSL GPU kernel with DECODE_MERGE_SPEC_ID set) the last
-# workgroup of each (sequence, head group) to finish does, counting on a uint32 after partial_stats' pairs: one
-# (counter, unused) pair per (sequence, head group) at [num_seqs * num_heads * num_partitions + unit], zeroed when
-# allocated and left at zero by every run. lse (float32 [num_seqs, num_heads]) is written where VARIANT_LSE is
-# set, by whichever merges when split.
-PAGED_DECODE = KernelABI(
-    op="paged_decode",
-    bindings=ATTENTION_INPUTS + (
-        Binding("out", readonly=False),
-        Binding("partial_out", readonly=False),
-        Binding("partial_stats", readonly=False),
-        *ATTENTION_VARIANT_INPUTS,
-        Binding("lse", readonly=False),
-    ),
-    push=ATTENTION_PUSH,
-    workgroup_size=(128, 1, 1),
-    kv_types=STORAGE_TYPES,
-    q_types=QUERY_TYPES,
-    spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
-                    (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_VALUES_SPEC_ID, "uint32"),
-                    (DECODE_HEAD_SIZE_SPEC_ID, "uint32")),
-    # the CPU kernel (one subgroup a workgroup, no barriers) leaves every split to the reduce
-    target_spec_constants=(("cpu", ((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
-                                    (DECODE_HEAD_SIZE_SPEC_ID, "uint32"))),),
-    fixed_head_sizes=FIXED_WGSL_HEAD_SIZES,
-    targets=TARGETS,
-    # float16 and fp8 caches (float16 queries), bfloat16 caches and queries, in vLLM's layout with 16-token blocks,
-    # read by binding (pagedvk.ops.decode_rules.decode_matrix)
-    matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128))
-    + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
-    matrix_accesses=("",),
-    # WGSL: float16 caches and queries, and bfloat16 ones (shaders/paged_decode_coopmat.wgsl; bfloat16 through
-    # spirv_passes.bfloat16_matrices)
-    matrix_backends=("glsl", "wgsl"),
-    wgsl_matrix_types=("f16", "bf16"),
-    matrix_spec_constants=((DECODE_VALUE_ORDER_SPEC_ID, "uint32"), (DECODE_GROUP_SPEC_ID, "uint32"),
-                           (DECODE_MERGE_SPEC_ID, "uint32"), (DECODE_FP8_BUILD_SPEC_ID, "uint32"),
-                           (DECODE_STEP_SPEC_ID, "uint32")),
-)
-
-# Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.
-PAGED_DECODE_REDUCE = KernelABI(
-    op="paged_decode_reduce",
-    bindings=(
-        Binding("seq_lens", readonly=True),
-        Binding("partial_out", readonly=True),
-        Binding("partial_stats", readonly=True),
-        Binding("out", readonly=False),
-        Binding("sinks", readonly=True),
-        Binding("lse", readonly=False),
-    ),
-    push=ATTENTION_PUSH,
-    workgroup_size=(128, 1, 1),
-    q_types=QUERY_TYPES,
-)
-
-# Merges two attention results over disjoint key sets (FlashInfer's merge_state) from their log-sum-exps:
-# out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / (exp(lse_a - m) + exp(lse_b - m)), m the larger,
-# lse = m + log(...); a part with lse -inf (no keys) contributes nothing. The attention push constants, rows
-# (query, head pairs) in num_seqs: outs [rows, head_size] in a query type, lses float32 [rows]. One thread per
-# quad of head dims, workgroups ceil(rows * head_size / 4 / 128), numbered linearly over a folded grid.
-MERGE_STATES = KernelABI(
-    op="merge_states",
-    bindings=(
-        Binding("out_a", readonly=True),
-        Binding("lse_a", readonly=True),
-        Binding("out_b", readonly=True),
-        Binding("lse_b", readonly=True),
-        Binding("out", readonly=False),
-        Binding("lse", readonly=False),
-    ),
-    push=ATTENTION_PUSH,
-    workgroup_size=(128, 1, 1),
-    q_types=QUERY_TYPES,
-)
-
-# The device's read bandwidth (benchmarks' ceiling). Grid: (workgroups, 1, 1), grid-stride loop.
-READ_BANDWIDTH = KernelABI(
-    op="read_bandwidth",
-    bindings=(Binding("src", readonly=True), Binding("dst", readonly=False)),
-    push=(PushField("num_chunks", "u32"),),
-    workgroup_size=(256, 1, 1),
-    backends=("glsl",),
-)
-
-# What the prefill kernels (forward, dq) bind first: a ragged batch, as vLLM's query_start_loc and
-# FlashInfer's qo_indptr take it.
-#   query_start_loc  int32 [num_seqs + 1]: sequence s owns query tokens query_start_loc[s] ..
-#                    query_start_loc[s + 1] - 1 (q_len_s of them, 0 allowed), the LAST q_len_s positions of
-#                    its context of seq_lens[s] tokens (the new tokens included), so its query i sits at
-#                    position seq_lens[s] - q_len_s + i and, causal, sees keys 0 .. that position.
-#   tiles            int32 [num_tiles, 2]: the launch's work, built on the host (pagedvk.ops.prefill.work_tiles):
-#                    (sequence, first row) of each tile of a kernel's rows per tile (dq: 8; the forward: 8 to
-#                    64, a function of the sequence's row count and the head size that the kernel computes
-#                    again from those, so the table stays two numbers a tile). A sequence's rows are its
-#                    (query, head) pairs for the heads sharing one kv head, query-major: row r is query
-#                    r / group, head kv_head * group + r % group (group = num_heads / num_kv_heads). A tile
-#                    holds rows of one sequence only; a sequence without queries has no tile (costs nothing).
-# Query row (query i of the sequence starting at token q_start, head h) starts at element
-#   (q_start * num_heads + i * q_token_stride + h * q_head_stride) * head_size
-# of query, out, dout and dq; lse's row index is the same without the head_size factor. Ragged
-# [num_tokens, num_heads, head_size]: q_token_stride = num_heads, q_head_stride = 1; the fixed-q_len form
-# [num_seqs, num_heads, q_len, head_size] (query_start_loc = q_len * arange): 1 and q_len.
-# Workgroups: num_tiles x num_kv_heads, kv heads fastest, numbered linearly over a folded grid.
-PREFILL_INPUTS = ATTENTION_INPUTS + (
-    Binding("query_start_loc", readonly=True),
-    Binding("tiles", readonly=True),
-)
-
-# Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log). Tiles of 8 to 64 rows for the
-# scalar modules, by the sequence's rows and the head size (pagedvk.ops.prefill.forward_rows); 64 for the
-# cooperative-matrix ones (pagedvk.ops.prefill: each builds its own tiles).
-PAGED_PREFILL = KernelABI(
-    op="paged_prefill",
-    bindings=PREFILL_INPUTS + (
-        Binding("out", readonly=False),
-        Binding("lse", readonly=False),
-        *ATTENTION_VARIANT_INPUTS,
-    ),
-    push=ATTENTION_PUSH,
-    workgroup_size=(128, 1, 1),
-    kv_types=STORAGE_TYPES,
-    q_types=QUERY_TYPES,
-    matrix_variants=tuple(("coopmat", t, t, h) for t in ("f16", "bf16") for h in (64, 128)),
-    matrix_backends=BACKENDS,   # WGSL: float16 (KernelABI.matrix_variants_for)
-    spec_constants=((PREFILL_HEAD_SIZE_SPEC_ID, "uint32"),),
-)
-
-# Workgroup memory of the WGSL scalar forward (shaders/paged_prefill.wgsl's S_MEM vec4s): above the 16 KiB every
-# Vulkan device offers (lavapipe offers 32 KiB, NVIDIA 48), for chunk buffers that alternate and values staged a whole
-# key tile at a time; pagedvk.ops.prefill refuses the WGSL forward on a device offering less.
-PREFILL_WGSL_SHARED_BYTES = 1856 * 16
-
-# Backward, first: D = rowsum(dout * out) of every query row (FlashAttention-2's _bwd_preprocess), float32 in
-# lse's shape and order ([num_tokens, num_heads] or [num_seqs, num_heads, q_len]; a row's index is its first
-# element's in dout and out divided by head_size), into a scratch buffer the backward owns: dq and dk/dv read it
-# in place of `out`, so that no dk/dv workgroup re-reads every row's out (issue 12's shape: 16-key workgroups each
-# summed every row's D, ~0.32 ms of 2.5 ms on the H200). The rows are the first query_start_loc[num_seqs] *
-# num_heads (bounded by the buffers' lengths); four consecutive rows a thread, summed as the scalar dq sums dP
-# (so that dP - D is exactly 0 where a query sees one key: out == v there). Workgroups: ceil(rows / 512),
-# numbered linearly over a folded grid.
-PAGED_BACKWARD_DELTA = KernelABI(
-    op="paged_backward_delta",
-    bindings=(
-        Binding("query_start_loc", readonly=True),
-        Binding("dout", readonly=True),
-        Binding("out", readonly=True),
-        Binding("delta", readonly=False),
-    ),
-    push=ATTENTION_PUSH,
-    workgroup_size=(128, 1, 1),
-    q_types=QUERY_TYPES,
-    matrix_backends=(),
-    spec_constants=PAGED_PREFILL.spec_constants,
-)
-DELTA_ROWS_PER_THREAD = 4
-
-# Backward, dq (float32, the query's layout). Workgroups and tiles as the forward's: forward_rows for the scalar
-# modules, 64 rows for the cooperative-matrix ones (built as the forward's are). delta: PAGED_BACKWARD_DELTA's.
-PAGED_BACKWARD_DQ = KernelABI(
-    op="paged_backward_dq",
-    bindings=PREFILL_INPUTS + (
-        Binding("dout", readonly=True),
-        Binding("delta", readonly=True),
-        Binding("lse", readonly=True),
-        Binding("dq", readonly=False),
-    ),
-    push=ATTENTION_PUSH,
-    workgroup_size=(128, 1, 1),
-    kv_types=GRADIENT_CACHE_TYPES,
-    q_types=QUERY_TYPES,
-    matrix_variants=PAGED_PREFILL.matrix_variants,
-    spec_constants=PAGED_PREFILL.spec_constants,
-)
-
-# Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 16 tokens of the
-# block, or all 8 of an 8-token block) loops over the (sequence, block-table slot) pairs that read the block, listed in block_readers
-# (int32: num_blocks + 1 offsets, then sequence * max_blocks_per_seq + slot for each pair), so blocks shared
-# by several sequences sum their gradients in a fixed order, without atomics. Queries and dout are ragged as in
-# PREFILL_INPUTS (query_start_loc, q_token_stride, q_head_stride); delta (PAGED_BACKWARD_DELTA's) and lse index rows
-# as lse does.
-# Grid: (min(num_blocks, 65535), num_kv_heads, block_size / min(block_size, 16)), grid-stride over blocks, for
-# the scalar and the cooperative-matrix modules alike (built as the forward's are).
-PAGED_BACKWARD_DKDV = KernelABI(
-    op="paged_backward_dkdv",
-    bindings=(
-        Binding("query", readonly=True),
-        Binding("key_cache", readonly=True),
-        Binding("value_cache", readonly=True),
-        Binding("block_readers", readonly=True),
-        Binding("seq_lens", readonly=True),
-        Binding("query_start_loc", readonly=True),
-        Binding("dout", readonly=True),
-        Binding("delta", readonly=True),
-        Binding("lse", readonly=True),
-        Binding("dk_cache", readonly=False),
-        Binding("dv_cache", readonly=False),
-    ),
-    push=ATTENTION_PUSH,
-    workgroup_size=(128, 1, 1),
-    kv_types=GRADIENT_CACHE_TYPES,
-    q_types=QUERY_TYPES,
-    matrix_variants=PAGED_PREFILL.matrix_variants,
-    spec_constants=PAGED_PREFILL.spec_constants,
-)
-
-# Writes new tokens' keys and values into the caches (vLLM's reshape_and_cache): one thread per (token,
-# kv head, head dim) writes that key element and that value element, converted to the cache's type (fp8
-# divided by k_scale / v_scale first). Elements narrower than 32 bits share words with other threads'
-# (vLLM's value layout puts consecutive tokens side by side), so they are written with atomicAnd and
-# atomicOr on the word, which no two threads can then undo. Cache element strides, in elements:
-#   key (b, h, t, d):   b*k_block_stride + h*k_head_stride + t*k_token_stride + (d / x)*k_chunk_stride + d % x
-#   value (b, h, t, d): b*v_block_stride + h*v_head_stride + t*v_token_stride + d*v_dim_stride
-# key and value are [num_tokens, num_kv_heads, head_size] in the q_types; slot_mapping is int32
-# (slot_words 1) or int64 (slot_words 2, read as two words); slots < 0 or >= num_blocks * block_size are
-# skipped. Workgroups: ceil(num_tokens * num_kv_heads * head_size / 128), numbered linearly over a folded grid.
-RESHAPE_AND_CACHE = KernelABI(
-    op="reshape_and_cache",
-    bindings=(
-        Binding("key", readonly=True),
-        Binding("value", readonly=True),
-        Binding("slot_mapping", readonly=True),
-        Binding("key_cache", readonly=False),
-        Binding("value_cache", readonly=False),
-    ),
-    push=tuple(PushField(name, kind) for name, kind in (
-        ("num_tokens", "u32"),
-        ("num_kv_heads", "u32"),
-        ("head_size", "u32"),
-        ("block_size", "u32"),
-        ("num_blocks", "u32"),          # whole blocks the bound caches hold
-        ("slot_words", "u32"),
-        ("k_scale", "f32"),
-        ("v_scale", "f32"),
-        ("k_block_stride", "u32"),
-        ("k_head_stride", "u32"),
-        ("k_token_stride", "u32"),
-        ("k_chunk_stride", "u32"),
-        ("v_block_stride", "u32"),
-        ("v_head_stride", "u32"),
-        ("v_token_stride", "u32"),
-        ("v_dim_stride", "u32"),
-        ("blocks_per_segment", "u32"),
-        ("token_type", "u32"),          # storage of key and value: QUERY_TYPES.index(tag)
-    )),
-    workgroup_size=(128, 1, 1),
-    kv_types=STORAGE_TYPES,
-    q_types=QUERY_TYPES,
-    writes_cache=True,
-)
-
-KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, MERGE_STATES, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DELTA,
-           PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE)
+    def combinations(self):
+        """Each combination as {VariantKey field: value}, in the axes' order."""
+        names = [name if isinstance(name, tuple) else (name,) for name in self.axes]
+        pools = [[v if isinstance(name, tuple) else (v,) for v in values] for name, values in self.axes.items()]
+        for combination in itertools.product(*pools):
+            point = dict(zip(itertools.chain(*names), itertools.chain(*combination)))
+            if not excluded(point, self.exclusions):
+                yield point
 
 
 WGSL_INCLUDE = "//!include "   # WGSL has no includes: build_shaders.py pastes the named file at such a line
@@ -756,3 +448,4 @@ def source_digest(shader_dir: Path, key: VariantKey, includes: list | None = Non
     h.update(repr((sorted(key.defines().items()), sorted(key.includes().items()), sorted(key.constants().items()),
                    key.target_env)).encode())
     return h.hexdigest()
+

@@ -12,7 +12,8 @@ import numpy as np
 
 from ..dtypes import QUERY_TYPES, fp8_scale, storage_type
 from ..kernels import modules
-from ..kernels.abi import RESHAPE_AND_CACHE, q_type_code
+from ..kernels.abi import q_type_code
+from ..kernels.catalogue import RESHAPE_AND_CACHE
 from ..runtime.array import Array, DeviceArray, asarray
 from ..runtime.pipeline import fold_grid
 from . import checks

@@ -16,7 +16,8 @@ from .. import config
 from ..dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
 from ..errors import ClosedError
 from ..kernels import modules
-from ..kernels.abi import PAGED_DECODE, PAGED_DECODE_REDUCE, q_type_code, q_type_constant
+from ..kernels.abi import q_type_code
+from ..kernels.catalogue import PAGED_DECODE, PAGED_DECODE_REDUCE
 from ..kernels.matrix import MATRIX_KIND
 from ..runtime.array import Array, DeviceArray, asarray, empty, zeros
 from ..runtime.owned import Owned
@@ -132,7 +133,7 @@ class DecodePlan(Owned):
         limits = self.device.info.max_workgroup_count
         self.grid = fold_grid(num_heads // self.choice.group_size * self.num_seqs * self.num_partitions, limits)
         # Scratch for split contexts; 16-byte placeholders keep the bindings valid when there is no split. A merge
-        # in the decode counts on the uint32 pairs after partial_stats' (abi.PAGED_DECODE), zeroed here once.
+        # in the decode counts on the uint32 pairs after partial_stats' (catalogue.PAGED_DECODE), zeroed here once.
         split = self.choice.split
         self.partial_out = empty((self.num_seqs, num_heads, self.num_partitions, head_size) if split else (4,),
                                  np.float32, self.device)
@@ -375,7 +376,7 @@ class DecodePlan(Owned):
         if self.choice.reduce_module is None:
             return [decode]
         reduce = (modules.pipeline(self.device, PAGED_DECODE_REDUCE, self.choice.reduce_module, variants,
-                                   q_type_constant(self.query_type.tag)),
+                                   PAGED_DECODE_REDUCE.q_type_constant(self.query_type.tag)),
                   (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1], lse_buffer), push,
                   self.reduce_grid)
         return [decode, reduce]

@@ -23,9 +23,9 @@ import numpy as np
 from ..dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
 from ..errors import UnsupportedFeatureError
 from ..kernels import modules
-from ..kernels.abi import (DELTA_ROWS_PER_THREAD, PAGED_BACKWARD_DELTA, PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ,
-                           PAGED_PREFILL, PREFILL_HEAD_SIZE_SPEC_ID, PREFILL_WGSL_SHARED_BYTES, head_size_constant,
-                           q_type_code, q_type_constant)
+from ..kernels.abi import q_type_code
+from ..kernels.catalogue import (DELTA_ROWS_PER_THREAD, PAGED_BACKWARD_DELTA, PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ,
+                                 PAGED_PREFILL, PREFILL_WGSL_SHARED_BYTES, PrefillSpec, head_size_constant)
 from ..kernels.matrix import MATRIX_KIND, MATRIX_SHAPE, matrix_unavailable, operand_type
 from ..runtime.array import Array, DeviceArray, asarray, empty
 from ..runtime.instance import DeviceInfo
@@ -324,8 +324,8 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> tuple:
         buffers = [bound.get(b.name) or extra.get(b.name) or arrays[renamed.get(b.name, b.name)].buffer
                    for b in abi.bindings_for(key)]
         pipeline = modules.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields),
-                                    {**q_type_constant(problem.query_type.tag),
-                                     **head_size_constant(PREFILL_HEAD_SIZE_SPEC_ID, problem.head_size)})
+                                    {**abi.q_type_constant(problem.query_type.tag),
+                                     **head_size_constant(PrefillSpec.HEAD_SIZE, problem.head_size)})
         steps.append((pipeline, buffers, problem.push(caches), grid))
     return steps, frozenset(independent)
 

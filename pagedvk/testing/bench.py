@@ -17,7 +17,8 @@ import numpy as np
 from .. import config
 from ..dtypes import CACHE_TYPES, QUERY_TYPES
 from ..kernels import modules
-from ..kernels.abi import PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH, VariantKey
+from ..kernels.abi import VariantKey
+from ..kernels.catalogue import PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH
 from ..ops.decode_plan import DecodePlan
 from ..runtime.array import asarray, empty
 from ..runtime.pipeline import Launch
