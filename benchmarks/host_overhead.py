@@ -29,6 +29,7 @@ import numpy as np
 import vulkan as vk
 
 import pagedvk
+import pagedvk.config
 from pagedvk.runtime.array import asarray, empty
 from pagedvk.runtime import commands
 

@@ -16,6 +16,9 @@ from hypothesis import settings
 import pagedvk
 
 # Outputs the library allocates itself (numpy in, numpy out) start as NaN too, as the tests' own outputs do.
+import pagedvk.config
+import pagedvk.runtime.array
+import pagedvk.testing.reference
 pagedvk.runtime.array.POISON_EMPTY = True
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.testing.reference
 from conftest import rel_error, tiered
 from test_prefill import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, LAYOUTS, RAGGED,  # noqa: F401
                           PrefillCase, backend,

@@ -6,6 +6,8 @@ import json
 import pytest
 
 import pagedvk
+import pagedvk.ops.decode_rules
+import pagedvk.ops.prefill
 from pagedvk.kernels.matrix import matrix_unavailable
 
 from conftest import run_python

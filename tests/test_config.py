@@ -28,6 +28,7 @@ def test_bad_timeout_then_good_call_then_clean_exit():
     # submitted; the untracked work then made the next call (or the exit) segfault.
     result = run_python("""
         import os, numpy as np, pagedvk
+        import pagedvk.testing.reference
         rng = np.random.default_rng(0)
         k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
         v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)

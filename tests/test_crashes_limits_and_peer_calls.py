@@ -13,6 +13,8 @@ import pytest
 import vulkan as vk
 
 import pagedvk
+import pagedvk.ops.vllm
+import pagedvk.testing.reference
 from conftest import Case, rel_error, run_python
 from pagedvk.engine.blocks import BlockManager
 from pagedvk.errors import GPUTimeoutError
@@ -23,6 +25,7 @@ from pagedvk.demo.serve import Batch
 # part under test.
 PROBLEM = """
     import numpy as np, pagedvk
+    import pagedvk.testing.reference
     rng = np.random.default_rng(0)
     k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
     v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)

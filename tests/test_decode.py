@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.ops.vllm
+import pagedvk.testing.reference
 from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage
@@ -296,7 +298,6 @@ def specialized_wrongly_writes_nothing(rng, backend, wrong):
     # The plan keeps its specialization and push constants equal; were they not, the kernel must leave the
     # output alone rather than run one layout's, group width's or head size's code on another's data. GLSL:
     # specialization constants; WGSL: a module built with them fixed (abi.DECODE_FIXED), for head sizes 64 and 128.
-    from pagedvk.kernels.catalogue import DecodeSpec
     from pagedvk.kernels.catalogue import DecodeSpec
     case = Case(rng, num_heads=16, num_kv_heads=2, head_size=64)   # groups of 8 heads, vLLM's layout
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=16, num_kv_heads=2, head_size=64,

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.ops.decode
+import pagedvk.ops.layouts
 from pagedvk.kernels import catalogue
 from pagedvk.testing import reference
 from pagedvk.ops.decode_rules import decode_target

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.ops.vllm
 from conftest import Case, assert_untouched, fenced, in_layout
 
 

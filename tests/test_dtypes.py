@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.kernels.catalogue
+import pagedvk.kernels.modules
+import pagedvk.ops.vllm
 from pagedvk.testing import reference
 from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
 

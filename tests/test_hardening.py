@@ -9,6 +9,8 @@ import pytest
 import vulkan as vk
 
 import pagedvk
+import pagedvk.config
+import pagedvk.testing.reference
 from conftest import Case, assert_untouched, fenced, rel_error
 from pagedvk.ops.decode import release_cached_plans
 from pagedvk.errors import GPUTimeoutError

@@ -7,6 +7,11 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.dtypes
+import pagedvk.kernels.modules
+import pagedvk.ops.layouts
+import pagedvk.ops.vllm
+import pagedvk.testing.reference
 from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.kernels.modules
+import pagedvk.testing.reference
 from pagedvk.kernels import abi, catalogue
 from pagedvk.ops import prefill
 from pagedvk.runtime.instance import MatrixShape

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pagedvk
+import pagedvk.testing.reference
 from conftest import rel_error   # relative, or absolute where the reference is exactly zero
 
 SETTINGS = settings(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])

@@ -217,6 +217,7 @@ def test_decode_is_clean_under_validation():
         pytest.fail("VK_LAYER_KHRONOS_validation missing: install vulkan-validationlayers")
     result = run_python("""
         import numpy as np, pagedvk
+        import pagedvk.testing.reference
         rng = np.random.default_rng(1)
         k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
         v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)

@@ -381,6 +381,7 @@ def test_driver_compile_does_not_count_against_the_timeout():
     # under a PAGEDVK_TIMEOUT shorter than the compile still runs.
     code = """
         import numpy as np, pagedvk
+        import pagedvk.testing.reference
         rng = np.random.default_rng(0)
         q = rng.standard_normal((2, 4, 3, 64)).astype(np.float32)
         k = rng.standard_normal((8, 16, 2, 64)).astype(np.float16)

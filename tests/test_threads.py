@@ -8,6 +8,7 @@ import pytest
 import vulkan as vk
 
 import pagedvk
+import pagedvk.testing.reference
 from conftest import THREADS, Case, run_threads
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.ops.vllm
 from pagedvk.testing import reference
 from conftest import Case, in_layout, poison_unread_slots, rel_error, tiered
 

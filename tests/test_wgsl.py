@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.errors
 from pagedvk.kernels import abi, catalogue
 from conftest import rel_error
 from test_prefill import PrefillCase, modules_used
