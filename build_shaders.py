@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The one shader compiler driver: compiles every module declared in pagedvk/abi.py to SPIR-V.
+"""The one shader compiler driver: compiles every module declared in pagedvk/kernels/catalogue.py to SPIR-V.
 
 GLSL goes through glslangValidator, WGSL through naga (the `naga` CLI when on PATH, otherwise Node.js
 running the pinned npm package naga-wasm); every module is then checked with spirv-val. The
@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parent
 SHADER_DIR = ROOT / "shaders"
 DEFAULT_OUT = ROOT / "pagedvk" / "spv"
 MANIFEST = "manifest.json"
-PASS_SOURCES = (Path(__file__), ROOT / "pagedvk" / "spirv.py", ROOT / "pagedvk" / "spirv_passes.py")
+PASS_SOURCES = (Path(__file__), ROOT / "pagedvk" / "kernels" / "spirv.py",
+                ROOT / "pagedvk" / "kernels" / "spirv_passes.py")
 MATRIX_GLSLANG = (13, 0)   # the first glslang with GL_KHR_cooperative_matrix
 
 
@@ -57,9 +58,11 @@ BUILD_PACKAGE = "pagedvk_build"   # pagedvk/ without its __init__ (see load_modu
 
 
 def load_module(name: str):
-    """pagedvk/<name>.py (a stdlib-only module: abi, spirv, spirv_passes) imported without the package's
-    __init__, which needs the run-time dependencies (vulkan, numpy) that building must not: pagedvk/ is made a
-    bare package of another name, so the modules' relative imports of each other still work."""
+    """The module pagedvk.<name> (a stdlib-only one: kernels.abi, kernels.catalogue, kernels.spirv,
+    kernels.spirv_passes) imported without the package's __init__, which needs the run-time dependencies (vulkan,
+    numpy) that building must not: pagedvk/ is made a bare package of another name, so the modules' relative
+    imports of each other (and of pagedvk/config.py) still work. pagedvk/kernels/__init__.py imports nothing, so it
+    loads here too."""
     if BUILD_PACKAGE not in sys.modules:
         package = types.ModuleType(BUILD_PACKAGE)
         package.__path__ = [str(ROOT / "pagedvk")]
@@ -68,7 +71,11 @@ def load_module(name: str):
 
 
 def load_abi():
-    return load_module("abi")
+    return load_module("kernels.abi")
+
+
+def load_catalogue():
+    return load_module("kernels.catalogue")
 
 
 def require_tool(name: str, package: str) -> str:
@@ -263,13 +270,13 @@ def compile_wgsl(source: Path, out: Path, constants: dict, key=None) -> None:
         fixed = Path(tmp) / source.name   # same file name, so naga's messages still name the source
         fixed.write_text(fix_overrides(expand_includes(source, key), constants, source.name))
         translate_wgsl(fixed, out)
-    run_passes(out, load_module("spirv_passes").WGSL_PASSES)
+    run_passes(out, load_module("kernels.spirv_passes").WGSL_PASSES)
 
 
 def run_passes(spv: Path, passes) -> None:
-    """Rewrite a module file through SPIR-V passes (pagedvk/spirv_passes.py), in order; a pass's refusal
+    """Rewrite a module file through SPIR-V passes (pagedvk/kernels/spirv_passes.py), in order; a pass's refusal
     fails the build, naming the module."""
-    spirv = load_module("spirv")
+    spirv = load_module("kernels.spirv")
     words = spirv.module_words(spv.read_bytes())
     try:
         for rewrite in passes:
@@ -308,8 +315,8 @@ def tool_version(tool: str, libs: str | None = None) -> str:
 
 def toolchain(key) -> str:
     """The fingerprint of what turns a module's sources into its SPIR-V: the text of this script and of the
-    SPIR-V passes it runs (pagedvk/spirv.py, pagedvk/spirv_passes.py), and the compiler and validator it runs on
-    the module (their versions). A module built by another is rebuilt."""
+    SPIR-V passes it runs (pagedvk/kernels/spirv.py, pagedvk/kernels/spirv_passes.py), and the compiler and
+    validator it runs on the module (their versions). A module built by another is rebuilt."""
     h = hashlib.sha256(b"".join(path.read_bytes() for path in PASS_SOURCES))
     tools = [validator(key)]
     if key.backend == "glsl":
@@ -344,7 +351,7 @@ def build_module(key, out_dir: Path, source: Path | None = None, shader_dir: Pat
             includes = abi.wgsl_includes(source, key)
             compile_wgsl(source, tmp_spv, key.constants(), key)
         if key.matrix and key.kv == "bf16":   # either language: written in float16, given bfloat16's encoding
-            run_passes(tmp_spv, [load_module("spirv_passes").bfloat16_matrices])
+            run_passes(tmp_spv, [load_module("kernels.spirv_passes").bfloat16_matrices])
         validate(tmp_spv, key)
         # Copied into out_dir under a name no loader or installer takes, then renamed over the module (atomic).
         partial = out_dir / f".{target.name}.partial"
@@ -369,7 +376,7 @@ def read_manifest(out_dir: Path) -> dict:
 
 def write_manifest(out_dir: Path, modules: dict) -> dict:
     """Write the manifest (atomically): each module's entry, and under "backends" the backends it holds
-    modules of (pagedvk.kernels refuses the others with a message saying how to build them)."""
+    modules of (pagedvk.kernels.modules refuses the others with a message saying how to build them)."""
     abi = load_abi()
     manifest = {**modules, "backends": [b for b in abi.BACKENDS if any(n.endswith("." + b) for n in modules)]}
     partial = out_dir / f".{MANIFEST}.partial"
@@ -397,18 +404,17 @@ SKIPPED_WGSL = ("build_shaders.py: WGSL modules skipped (no naga: neither a `nag
 def build(out_dir: Path, backends: tuple = ("glsl", "wgsl"), keys=None, verbose: bool = True,
           shader_dir: Path | None = None, wgsl_optional: bool = False) -> dict:
     """Build the modules of `backends` into out_dir, those of `keys` only where given (default: every module
-    abi.KERNELS declares), from shader_dir (default shaders/); the manifest written and returned, and one line
-    printed saying how many modules were built and how many kept (verbose: a line per module built too).
+    the catalogue's KERNELS declare), from shader_dir (default shaders/); the manifest written and returned, and one
+    line printed saying how many modules were built and how many kept (verbose: a line per module built too).
 
     Incremental: a module whose file is there and whose entry records this toolchain and the digest its sources
-    have now is kept. Entries (and files) of modules abi no longer declares are dropped; the other backends'
+    have now is kept. Entries (and files) of modules the catalogue no longer declares are dropped; the other backends'
     modules are kept. wgsl_optional: without naga, build the GLSL modules and say in one line that the WGSL ones
     were skipped (else that fails). A failed build leaves every module whole, and the manifest naming only
     modules built as it says."""
-    abi = load_abi()
     shader_dir = Path(shader_dir or SHADER_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
-    declared = [key for kernel in abi.KERNELS for key in kernel.keys()]
+    declared = [key for kernel in load_catalogue().KERNELS for key in kernel.keys()]
     keys = [key for key in (declared if keys is None else keys) if key.backend in backends]
     if any(key.backend == "wgsl" for key in keys) and naga_tool() is None:
         if not wgsl_optional:
@@ -474,7 +480,7 @@ def module_counts(keys) -> str:
     lines += [f"  {op:<24} {n:>5}" for op, n in per_op.items()]
     lines.append("modules per axis (value count; - where the axis does not apply or takes its default):")
     for field in dataclasses.fields(keys[0]) if keys else ():
-        if field.name == "op":
+        if field.name == "op" or not field.compare:   # not an axis (VariantKey.kernel)
             continue
         counts = collections.Counter(getattr(key, field.name) for key in keys)
         values = sorted(counts, key=lambda v: (v != field.default, v))
@@ -495,8 +501,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     backends = ("glsl", "wgsl") if args.backend in ("auto", "all") else (args.backend,)
     if args.list:
-        abi = load_abi()
-        print(module_counts(key for kernel in abi.KERNELS for key in kernel.keys() if key.backend in backends))
+        print(module_counts(key for kernel in load_catalogue().KERNELS for key in kernel.keys()
+                            if key.backend in backends))
         return 0
     try:
         build(args.out.resolve(), backends, verbose=not args.quiet, wgsl_optional=args.backend == "auto")

@@ -2,7 +2,7 @@
 
 Each case runs in a process of its own: the shape alone; after another shape's caches were allocated and
 freed ("after"); after they were allocated and kept ("kept"); and with dedicated allocations for every
-large buffer ("after, dedicated"). GPU timestamps, medians (pagedvk.bench.decode).
+large buffer ("after, dedicated"). GPU timestamps, medians (pagedvk.testing.bench.decode).
 
     python benchmarks/alloc_history.py --shapes 8x4096,1x32768 --before 64x4096 --dtype float16
 """
@@ -18,14 +18,14 @@ CASES = ("fresh", "after", "kept", "after-dedicated", "fresh-dedicated")
 
 
 def one(case: str, shape: tuple, before: tuple, dtype: str, backend: str) -> dict:
-    from pagedvk import bench
+    from pagedvk.testing import bench
     from pagedvk.runtime import memory
     if case.endswith("dedicated"):
         memory.DEDICATED_MIN_BYTES = 1 << 20
     kept = []
     if case in ("after", "kept", "after-dedicated"):
         import numpy as np
-        from pagedvk.array import empty
+        from pagedvk.runtime.array import empty
         b, ctx = before
         nbytes = b * ctx * 8 * 128 * np.dtype(dtype).itemsize   # one cache (K or V) of the earlier shape
         for _ in range(4):
@@ -47,7 +47,7 @@ def main() -> None:
     p.add_argument("--backend", default="glsl")
     p.add_argument("--one", help=argparse.SUPPRESS)   # CASE:BxC, run in this process
     a = p.parse_args()
-    from pagedvk.bench import parse_shapes
+    from pagedvk.testing.bench import parse_shapes
     before = parse_shapes(a.before)[0]
     if a.one:
         case, shape = a.one.split(":")

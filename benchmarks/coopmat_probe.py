@@ -11,7 +11,7 @@ with the build's glslang):
     python benchmarks/coopmat_probe.py --iters 512 --json probe.json
 
 Devices without a 16x16x16 float16 multiply (lavapipe) run the float32 mode only. Times are GPU timestamps, the
-median of --repeats submissions after the clocks are up (pagedvk.bench.warm_up). tests/app/test_bench.py builds every
+median of --repeats submissions after the clocks are up (pagedvk.testing.bench.warm_up). tests/app/test_bench.py builds every
 mode and runs the float32 one.
 
 The LAYOUT mode, on devices with the multiplies, prints which elements of a 16x16 float16 A matrix, a 16x8 float16
@@ -31,9 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import build_shaders  # noqa: E402
-from pagedvk import bench, empty, get_device  # noqa: E402
-from pagedvk.abi import Binding, KernelABI, PushField, VariantKey  # noqa: E402
-from pagedvk.prefill import matrix_unavailable  # noqa: E402
+from pagedvk.testing import bench  # noqa: E402
+from pagedvk import empty, get_device
+from pagedvk.kernels.abi import Binding, KernelABI, PushField, VariantKey
+from pagedvk.ops.prefill import matrix_unavailable  # noqa: E402
 from pagedvk.runtime.pipeline import Launch, Pipeline  # noqa: E402
 
 SOURCE = Path(__file__).with_suffix(".comp")

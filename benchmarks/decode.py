@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from pagedvk import bench
+from pagedvk.testing import bench
 
 
 

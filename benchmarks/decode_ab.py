@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedvk import bench  # noqa: E402
+from pagedvk.testing import bench  # noqa: E402
 
 
 def module_sets(p, items: list) -> list:

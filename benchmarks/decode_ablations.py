@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import build_shaders  # noqa: E402
-from pagedvk import bench  # noqa: E402
+from pagedvk.testing import bench  # noqa: E402
 
 # -- the scalar kernel (shaders/paged_decode.comp) --
 KEY_MATH = [("s_a += chunk_quad(w[k], i) * queries((c0 + k) * CQ + i, 0u);", "s_a += chunk_quad(w[k], i);"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A decode plan rule against fixed answers, in one process, on the same inputs: each plan is made with the rule
-replaced (its function in pagedvk.decode_rules), checked against float64 and timed, rounds alternating.
+replaced (its function in pagedvk.ops.decode_rules), checked against float64 and timed, rounds alternating.
 
     python benchmarks/decode_rules.py values_with_keys --shapes 1x4096,2x4096 --dtypes f16,bf16,e5m2
     python benchmarks/decode_rules.py matrix_step --answers rule,1,2 --shapes 64x4096,8x4096
@@ -19,7 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pagedvk import bench, decode_rules  # noqa: E402
+from pagedvk.testing import bench  # noqa: E402
+
+from pagedvk.ops import decode_rules
 
 RULES = {
     "values_with_keys": {"never": False, "always": True},

@@ -18,9 +18,9 @@ import math
 
 import numpy as np
 
-from pagedvk import bench
-from pagedvk.array import empty
-from pagedvk.selection import get_device
+from pagedvk.testing import bench
+from pagedvk.runtime.array import empty
+from pagedvk.runtime.selection import get_device
 
 RUNS = 50
 

@@ -29,7 +29,8 @@ import numpy as np
 import vulkan as vk
 
 import pagedvk
-from pagedvk.array import asarray, empty
+import pagedvk.config
+from pagedvk.runtime.array import asarray, empty
 from pagedvk.runtime import commands
 
 

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from pagedvk import bench
-from pagedvk.array import empty
+from pagedvk.testing import bench
+from pagedvk.runtime.array import empty
 
 
 def main(argv=None) -> None:

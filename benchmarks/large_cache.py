@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 import pagedvk
-from pagedvk import reference
+from pagedvk.testing import reference
 
 
 def main(argv=None) -> int:

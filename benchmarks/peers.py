@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """pagedvk decode (GLSL and WGSL) beside torch's scaled_dot_product_attention, in one process, on one GPU.
 
-pagedvk's side is `pagedvk bench --suite`'s (pagedvk.suite.run): the read kernel first, then each shape and
+pagedvk's side is `pagedvk bench --suite`'s (pagedvk.testing.suite.run): the read kernel first, then each shape and
 dtype with GPU timestamps. Where torch with CUDA is present, the same shapes and dtypes then run through SDPA:
   - SDPA on a contiguous KV cache ([batch, kv heads, context, head]);
   - gather + SDPA on a paged cache (vLLM's NHD blocks [blocks, block, kv heads, head], random block tables):
@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-from pagedvk import bench, suite
+from pagedvk.testing import bench, suite
 from pagedvk.cli import parsed, positive
 
 ROTATE_BYTES = 1 << 30

@@ -11,8 +11,8 @@ its loads explain.
     python benchmarks/pipeline_stats.py path/to/module.spv                          # or any SPIR-V file
 
 The device is PAGEDVK_DEVICE's, or the one pagedvk would pick. --no-variants specializes VARIANTS false where a
-module declares it (abi.VARIANTS_SPEC_ID), as launches without attention variants run. NVIDIA's driver
-reports local memory as 2^36 plus the bytes a thread uses; the script prints both.
+module declares it (AttentionSpec.VARIANTS, the attention kernels' shared id), as launches without attention variants
+run. NVIDIA's driver reports local memory as 2^36 plus the bytes a thread uses; the script prints both.
 """
 
 import argparse
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pagedvk  # noqa: E402
-from pagedvk import kernels, spirv  # noqa: E402
-from pagedvk.abi import VARIANTS_SPEC_ID  # noqa: E402
+from pagedvk.kernels import modules, spirv  # noqa: E402
+from pagedvk.kernels.catalogue import AttentionSpec
 from pagedvk.runtime.instance import get_instance  # noqa: E402
 from pagedvk.runtime.pipeline import specialization_info  # noqa: E402
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-variants", action="store_true", help="specialize VARIANTS false where declared")
     p.add_argument("--spec", action="append", default=[], metavar="ID=VALUE",
                    help="set a specialization constant the module declares, e.g. the decode kernel's layout and "
-                        "head-group width as a plan sets them: --spec 1=1 --spec 2=4 (pagedvk/abi.py)")
+                        "head-group width as a plan sets them: --spec 1=1 --spec 2=4 (pagedvk/kernels/abi.py)")
     args = p.parse_args(argv)
     info, _ = pagedvk.select()
     physical = vk.vkEnumeratePhysicalDevices(get_instance().handle)[info.index]
@@ -105,10 +105,10 @@ def main(argv=None) -> int:
     try:
         print(f"{info.name} ({info.driver} {info.driver_version})")
         for name in args.modules:
-            path = Path(name) if name.endswith(".spv") else kernels.module_path(name)
+            path = Path(name) if name.endswith(".spv") else modules.module_path(name)
             code = path.read_bytes()
-            declared = VARIANTS_SPEC_ID in spirv.reflect(code).spec_constants
-            spec = {VARIANTS_SPEC_ID: False} if args.no_variants and declared else {}
+            declared = AttentionSpec.VARIANTS in spirv.reflect(code).spec_constants
+            spec = {AttentionSpec.VARIANTS: False} if args.no_variants and declared else {}
             spec.update({int(i): int(v) for i, v in (item.split("=") for item in args.spec)})
             shown = []
             for stat, value in statistics(device, code, spec):

@@ -10,7 +10,7 @@ key) in the forward, 2.5x that in the backward (five products in place of two). 
 sequences share one shape: q [batch, heads, new, head], K and V contiguous [batch, kv heads, context, head],
 the KV heads expanded for GQA inside the timed step, a bottom-right causal mask; its backward is the time of
 forward + backward less the forward's. pagedvk's forward of the first sequence is checked against float64.
-`--kernels` picks the forward's and the backward's kernels (pagedvk.prefill.matrix_kernel: auto, scalar,
+`--kernels` picks the forward's and the backward's kernels (pagedvk.ops.prefill.matrix_kernel: auto, scalar,
 coopmat); a kernel the device cannot run for a row's arguments is reported and skipped.
 
     python benchmarks/prefill.py                      # the shape and a sweep sized for a datacenter GPU
@@ -28,10 +28,10 @@ import sys
 import numpy as np
 
 import pagedvk
-from pagedvk import bench, reference
+from pagedvk.testing import bench, reference
 from pagedvk.cli import parsed, positive
-from pagedvk.decode_plan import DecodePlan
-from pagedvk.prefill import PREFILL_KERNELS, Recorded
+from pagedvk.ops.decode_plan import DecodePlan
+from pagedvk.ops.prefill import PREFILL_KERNELS, Recorded
 from pagedvk.runtime.pipeline import Launch
 
 # name -> [(new tokens, context)] per sequence; "mixed" batches are also timed as their parts.

@@ -15,7 +15,7 @@ import traceback
 import numpy as np
 
 import pagedvk
-from pagedvk import bench, reference
+from pagedvk.testing import bench, reference
 
 KERNELS = (("glsl", None), ("wgsl", None), ("wgsl", "gpu"))   # (backend, kernel): None is the plan's choice
 # Small shapes, where plans take the scalar kernel (partitions under MATRIX_MIN_TOKENS, a rule measured for GLSL):

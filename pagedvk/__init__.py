@@ -1,28 +1,30 @@
-"""pagedvk: vLLM-style paged attention on any Vulkan GPU."""
+"""pagedvk: vLLM-style paged attention on any Vulkan GPU.
 
-from . import abi, config, dtypes, kernels, layouts, ops, prefill, reference, variants
-from .array import DeviceArray, asarray, empty, zeros
-from .cache import KVCache
-from .cache_ops import copy_blocks, reshape_and_cache, swap_blocks
-from .decode import paged_attention
-from .decode_plan import DecodePlan
-from .merge import merge_attention_states, merge_states
+What users call is named here (``__all__``). Everything else is reached by its path, one layer a sub-package
+(docs/ARCHITECTURE.md): vLLM's spellings in pagedvk.ops.vllm, the float64 reference in pagedvk.testing.reference,
+the PAGEDVK_* variables in pagedvk.config, the kernels' declarations in pagedvk.kernels.catalogue.
+"""
+
+from .engine.cache import KVCache
 from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeoutError, NoFreeBlocksError,
                      OutOfMemoryError, PagedVKError, ShaderModuleError, UnsupportedFeatureError, ValidationError,
                      VulkanError)
-from .prefill import paged_attention_backward, paged_attention_prefill
+from .ops.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
+from .ops.decode import paged_attention
+from .ops.decode_plan import DecodePlan
+from .ops.merge import merge_attention_states, merge_states
+from .ops.prefill import paged_attention_backward, paged_attention_prefill
+from .runtime.array import DeviceArray, asarray, empty, zeros
 from .runtime.device import Device
 from .runtime.instance import DeviceInfo
-from .selection import default_device, devices, get_device, select
+from .runtime.selection import default_device, devices, get_device, select
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClosedError", "DecodePlan", "Device", "DeviceArray", "DeviceInfo", "DeviceLostError",
     "DeviceNotFoundError", "GPUTimeoutError", "KVCache", "NoFreeBlocksError", "OutOfMemoryError", "PagedVKError",
-    "ShaderModuleError", "UnsupportedFeatureError", "ValidationError", "VulkanError", "abi", "asarray",
-    "config", "copy_blocks", "default_device", "devices", "dtypes", "empty", "get_device", "kernels", "layouts",
-    "merge_attention_states", "merge_states", "ops", "paged_attention", "paged_attention_backward", "paged_attention_prefill",
-    "prefill", "reference",
-    "reshape_and_cache", "select", "swap_blocks", "zeros",
+    "ShaderModuleError", "UnsupportedFeatureError", "ValidationError", "VulkanError", "asarray", "copy_blocks",
+    "default_device", "devices", "empty", "get_device", "merge_attention_states", "merge_states", "paged_attention",
+    "paged_attention_backward", "paged_attention_prefill", "reshape_and_cache", "select", "swap_blocks", "zeros",
 ]

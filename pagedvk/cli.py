@@ -10,16 +10,17 @@ import sys
 
 import numpy as np
 
-from . import bench, config, suite
-from .abi import PAGED_DECODE
-from .decode_rules import MATRIX_BLOCK_SIZE, MATRIX_MIN_TOKENS, decode_target, subgroup_reductions
+from .testing import bench, suite
+from . import config
+from .kernels.catalogue import PAGED_DECODE
+from .ops.decode_rules import MATRIX_BLOCK_SIZE, MATRIX_MIN_TOKENS, decode_target, subgroup_reductions
 from .dtypes import CACHE_TYPES, device_dtypes
-from .layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, VLLM_BLOCK_SIZES, check_block_size
-from .matrix import matrix_unavailable
+from .ops.layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, VLLM_BLOCK_SIZES, check_block_size
+from .kernels.matrix import matrix_unavailable
 from .errors import PagedVKError
-from .prefill import describe_choice
+from .ops.prefill import describe_choice
 from .runtime.memory import host_memory
-from .selection import devices, get_device, select
+from .runtime.selection import devices, get_device, select
 
 
 def gib(n: int) -> str:
@@ -175,7 +176,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parsed(parse):
-    """An argparse type from one of pagedvk.bench's parsers: its ValueError becomes a usage error."""
+    """An argparse type from one of pagedvk.testing.bench's parsers: its ValueError becomes a usage error."""
     def argument_type(text: str):
         try:
             return parse(text)
@@ -283,7 +284,7 @@ def check_demo(parser, args) -> None:
 
 
 def cmd_demo(args) -> int:
-    from .serve import demo
+    from .demo.serve import demo
     return demo(args.requests, args.layers, args.heads, args.kv_heads, args.head_size, args.num_blocks,
                 args.block_size, args.seed, args.check, args.dtype, args.layout)
 

@@ -2,6 +2,9 @@
 
 A bad value raises ValueError naming the variable and what it may hold; it must never surface later as an
 error from deep inside a submission (a timeout that does not convert once left GPU work untracked).
+
+Stdlib-only: build_shaders.py loads pagedvk.kernels.abi, which reads BACKENDS here, without the run-time
+dependencies.
 """
 
 from __future__ import annotations
@@ -10,8 +13,6 @@ import functools
 import math
 import os
 from pathlib import Path
-
-from .abi import BACKENDS
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_COMPILE_TIMEOUT_S = 600.0
@@ -70,6 +71,9 @@ def spin_ns(cpu_device: bool) -> int:
                      "microseconds", 1e3, False, MAX_SPIN_US, f"{MAX_SPIN_US:g}")
 
 
+# The kernel languages, PAGEDVK_BACKEND's values, the first the default. Declared here, in the bottom layer, because
+# this module checks the variable; pagedvk.kernels.abi (which build_shaders.py loads without the package) reads it.
+BACKENDS = ("glsl", "wgsl")
 DECODE_KERNELS = ("cpu", "gpu", "coopmat")
 
 
@@ -77,7 +81,7 @@ def decode_kernel(argument: str | None = None) -> str | None:
     """The decode kernel's shape: the `kernel` argument if given, else PAGEDVK_DECODE_KERNEL ("cpu": the kernel
     for CPU devices, shaders/paged_decode_cpu.comp; "gpu": shaders/paged_decode.comp; "coopmat":
     shaders/paged_decode_coopmat.comp; any case), else None: by the device and the plan
-    (pagedvk.decode_rules.decode_target, pagedvk.decode_rules.decode_matrix)."""
+    (pagedvk.ops.decode_rules.decode_target, pagedvk.ops.decode_rules.decode_matrix)."""
     source, text = ("kernel", argument) if argument is not None else ("PAGEDVK_DECODE_KERNEL",
                                                                      _get("PAGEDVK_DECODE_KERNEL"))
     if not text and argument is None:
@@ -113,7 +117,8 @@ def device() -> str | None:
 
 def spv_dir(default: Path) -> Path:
     """PAGEDVK_SPV_DIR: the folder of SPIR-V modules (build_shaders.py --out), `default` (the package's) when
-    unset or blank. Read when pagedvk.kernels is imported; a folder that is not there is refused by check_all()."""
+    unset or blank. Read when pagedvk.kernels.modules is imported; a folder that is not there is refused by
+    check_all()."""
     text = _get("PAGEDVK_SPV_DIR")
     return Path(text) if text else default
 

@@ -16,7 +16,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class StorageType:
-    """One element type: `tag` names its kernel variants (pagedvk.abi.STORAGE_TYPES), `dtype` is numpy's."""
+    """One element type: `tag` names its kernel variants (pagedvk.kernels.abi.STORAGE_TYPES), `dtype` is numpy's."""
 
     tag: str
     dtype: np.dtype

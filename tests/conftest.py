@@ -10,7 +10,10 @@ from hypothesis import settings
 import pagedvk
 
 # Outputs the library allocates itself (numpy in, numpy out) start as NaN too, as the tests' own outputs do.
-pagedvk.array.POISON_EMPTY = True
+import pagedvk.config
+import pagedvk.runtime.array
+import pagedvk.testing.reference
+pagedvk.runtime.array.POISON_EMPTY = True
 
 
 # -- tiers: the default run covers every op, cache type, layout, backend, kernel and variant and every rejected input;
@@ -50,7 +53,7 @@ def poisoned_prefill_outputs(monkeypatch):
         a = pagedvk.empty(shape, dtype, device)
         a.device.fill(a.buffer, 0x7FC00000)   # a float32 quiet NaN, as the 32-bit word vkCmdFillBuffer writes
         return a
-    monkeypatch.setattr(pagedvk.prefill, "empty", poisoned_empty)
+    monkeypatch.setattr(pagedvk.ops.prefill, "empty", poisoned_empty)
 
 
 # -- validation in CI: `PAGEDVK_VALIDATION=1 pytest` fails any test after which the layer said anything --
@@ -84,7 +87,7 @@ def no_validation_messages_at_close():
     """With PAGEDVK_VALIDATION=1, close the devices the tests opened before the session ends and fail
     on what the layer says then (objects destroyed while in use, say), which no test's teardown sees."""
     yield
-    from pagedvk import selection
+    from pagedvk.runtime import selection
     from pagedvk.runtime import instance
     if not VALIDATING or instance._instance is None:
         return

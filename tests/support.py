@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.kernels.modules
+import pagedvk.ops.layouts
+import pagedvk.testing.reference
 
 # The checkout's root (this file is tests/support.py): where benchmarks/, shaders/ and docs/ are.
 REPO = Path(__file__).resolve().parent.parent
@@ -107,7 +110,7 @@ class Case:
         return self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens
 
     def reference(self, scale=None):
-        return pagedvk.reference.paged_attention(*self.args(), scale=scale)
+        return pagedvk.testing.reference.paged_attention(*self.args(), scale=scale)
 
     def poisoned_out(self):
         return np.full(self.query.shape, np.nan, self.query.dtype)
@@ -117,8 +120,8 @@ def in_layout(case, layout, dtype):
     """The case's caches (vLLM layout, already of `dtype`) in `layout`: "vllm", "nhd" or "hnd"."""
     if layout == "vllm":
         return case.key_cache, case.value_cache
-    k, v = pagedvk.reference.nhd_views(case.key_cache, case.value_cache, "vllm")
-    k, v = pagedvk.reference.nhd_as_cache(k, v, layout, None)
+    k, v = pagedvk.testing.reference.nhd_views(case.key_cache, case.value_cache, "vllm")
+    k, v = pagedvk.testing.reference.nhd_as_cache(k, v, layout, None)
     return np.ascontiguousarray(k, dtype), np.ascontiguousarray(v, dtype)
 
 
@@ -181,7 +184,7 @@ def check_split_and_unsplit(case, query=None, *, tol, lse_tol=1e-5, layout="vllm
     count). `variants`: the attention variants the plan and the reference both take; `options`: the plan's."""
     query = case.query if query is None else query
     variants = variants or {}
-    ref_out, ref_lse = pagedvk.reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
+    ref_out, ref_lse = pagedvk.testing.reference.paged_attention(query, *case.args()[1:], return_lse=True, **variants)
     outs = []
     for index, (partition_size, constants) in enumerate(partitionings):
         run = run_decode_plan(case, query, partition_size, layout=layout, constants=constants, **variants, **options)
@@ -259,7 +262,7 @@ def check_unchecked_tables(device, case, kernel: str, tol: float, backend: str =
     sl[6] = bt.shape[1] * 16 + 5                   # sequence 6: a length past its row, whose padding ids are -1
     seen = case.seq_lens.copy()                    # so it sees its 7 blocks whole: 112 keys
     seen[6] = 112
-    expect = pagedvk.reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, seen)
+    expect = pagedvk.testing.reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, seen)
     (k, v), guards = fenced(device, case.key_cache, case.value_cache)
     keys = []
     for partition_size in (4096, 32):
@@ -322,7 +325,7 @@ class PrefillCase:
         return dict(query_start_loc=self.query_start_loc) if self.ragged else {}
 
     def reference(self, scale=None):
-        return pagedvk.reference.paged_attention_prefill(*self.args(), scale=scale, **self.options())
+        return pagedvk.testing.reference.paged_attention_prefill(*self.args(), scale=scale, **self.options())
 
 
 def check_prefill(case, backend, **kw):
@@ -347,7 +350,7 @@ HEAD_SIZES_AND_QUERY_LENGTHS = tiered(
 # (the kernels' ids then read from the table, and dk/dv's workgroups masked past the block).
 BLOCK_SIZES_CAUSAL_OR_NOT = tiered(
     [(b, layout, c) for b in PREFILL_BLOCK_SIZES for layout in ALL_PREFILL_LAYOUTS for c in (True, False)
-     if b in pagedvk.layouts.block_sizes(layout)],
+     if b in pagedvk.ops.layouts.block_sizes(layout)],
     default=[(8, "nhd", True), (16, "vllm", False), (32, "vllm", True), (16, "hnd", False), (1, "hnd", True)])
 
 
@@ -361,8 +364,8 @@ RAGGED_BATCHES = {   # q_len per sequence
 
 def modules_used(monkeypatch) -> list:
     """The (op, backend) of every pipeline the ops ask for from now on."""
-    used, pipeline = [], pagedvk.kernels.pipeline
-    monkeypatch.setattr(pagedvk.kernels, "pipeline",
+    used, pipeline = [], pagedvk.kernels.modules.pipeline
+    monkeypatch.setattr(pagedvk.kernels.modules, "pipeline",
                         lambda device, abi, key, *args: used.append((abi.op, key.backend)) or pipeline(device, abi, key,
                                                                                                       *args))
     return used

@@ -172,8 +172,7 @@ class CommandBuffer(Owned):
         spin = spin_ns(dev.info.type == "cpu")
         with dev.lock:
             self._require_idle()
-            if dev._in_flight or dev._deferred:
-                dev._settle(wait=True)   # work whose wait timed out goes first, as it did on the queue
+            dev.settle_timed_out()
             result = queue_submit(dev.queue, 1, self._submit_info, self.fence)
             if result != vk.VK_SUCCESS:
                 raise_vk(vk_error(result), "vkQueueSubmit", device=dev)
@@ -218,14 +217,12 @@ class CommandBuffer(Owned):
             if result != vk.VK_SUCCESS:   # still pending: the next use waits on the signalled fence again
                 raise_vk(vk_error(result), "vkResetFences", device=dev)
             self.pending = False
-            if dev._in_flight:   # reset: nothing to wait for
-                dev._in_flight[:] = [f for f in dev._in_flight if f != self.fence]
+            dev.finished(self.fence)   # reset: nothing to wait for
             if self.query_pool is not None:
                 self._elapsed.stamps = self._read_timestamps()
 
     def _keep_in_flight(self) -> None:
-        if not any(f == self.fence for f in self.device._in_flight):
-            self.device._in_flight.append(self.fence)
+        self.device.keep_in_flight(self.fence)
 
     def _read_timestamps(self) -> np.ndarray:
         data = vk.ffi.new(f"uint64_t[{self.queries}]")

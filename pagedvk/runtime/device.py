@@ -102,7 +102,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, pNext=f12,
             storageBuffer16BitAccess=have11.storageBuffer16BitAccess)
         features = vk.VkPhysicalDeviceFeatures(shaderInt16=base.shaderInt16, shaderInt64=base.shaderInt64)
-        # What was enabled, by Vulkan's feature names: kernels that need one check it (pagedvk.kernels).
+        # What was enabled, by Vulkan's feature names: kernels that need one check it (pagedvk.kernels.modules).
         self.features = {name for name, on in (
             ("shaderInt16", base.shaderInt16), ("shaderInt64", base.shaderInt64),
             ("shaderFloat16", have12.shaderFloat16), ("shaderInt8", have12.shaderInt8),
@@ -140,7 +140,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             sType=vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO), None)
         self._descriptor_pools = []
         self._staging = None
-        self.pipelines = {}   # pagedvk.kernels.pipeline's, by its cache key: made once, closed with the device
+        self.pipelines = {}   # pagedvk.kernels.modules.pipeline's, by its cache key: made once, closed with the device
         # Where device memory is the host's (CPU drivers, integrated GPUs), buffers are mapped directly
         # and need no staging copy.
         self.unified_memory = info.type in ("cpu", "integrated")
@@ -216,6 +216,25 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         self._run_deferred()
         return True
 
+    # What a command buffer (pagedvk.runtime.commands) tells its device about its submissions. Callers hold self.lock.
+
+    def settle_timed_out(self) -> None:
+        """Before a submission: wait for the submissions whose wait timed out and run the destroys they held back,
+        so that their work goes first, as it did on the queue."""
+        if self._in_flight or self._deferred:
+            self._settle(wait=True)
+
+    def keep_in_flight(self, fence) -> None:
+        """A submission whose wait timed out or failed may still run: nothing is destroyed under it until its
+        fence signals."""
+        if not any(f == fence for f in self._in_flight):
+            self._in_flight.append(fence)
+
+    def finished(self, fence) -> None:
+        """A submission's fence was waited on and reset: nothing of it is left to wait for."""
+        if self._in_flight:
+            self._in_flight[:] = [f for f in self._in_flight if f != fence]
+
     def _run_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for destroy in deferred:
@@ -282,7 +301,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         for finalizer, _ in live.values():
             finalizer.detach()   # closed now: `closed` is true, and nothing runs it again
         if running:
-            self.abandoned = True   # the instance must outlive it too (instance._shutdown)
+            self.abandoned = True   # the instance must outlive it too (its atexit shutdown)
             raise GPUTimeoutError(f"{self.info.name}: work whose wait timed out still runs after another "
                                   f"PAGEDVK_TIMEOUT={_seconds(timeout_ns):g} s; the device is closed and its "
                                   "objects are left to the end of the process, not destroyed under it")

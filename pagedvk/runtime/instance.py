@@ -168,14 +168,14 @@ class DeviceInfo:
                                  # VK_AMD_shader_core_properties), else 0 (see decode_rules.partitioning)
     extensions: frozenset = field(repr=False)
     # subgroupAdd/Max in compute shaders (VK_SUBGROUP_FEATURE_ARITHMETIC_BIT), optional in Vulkan: the decode
-    # kernel's reductions use it where present (abi.SUBGROUP_REDUCE_OPS)
+    # kernel's reductions use it where present (KernelABI.subgroup_reduce)
     subgroup_arithmetic: bool = True
     # subgroupShuffle in compute shaders (VK_SUBGROUP_FEATURE_SHUFFLE_BIT): the CPU decode kernel needs it
     subgroup_shuffle: bool = True
     # subgroupAny in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT): the cooperative-matrix decode needs it
     subgroup_vote: bool = True
     # maxComputeSharedMemorySize: bytes of workgroup memory a compute shader may declare (Vulkan guarantees 16 KiB;
-    # the WGSL prefill forward needs more: abi.PREFILL_WGSL_SHARED_BYTES)
+    # the WGSL prefill forward needs more: catalogue.PREFILL_WGSL_SHARED_BYTES)
     max_shared_memory: int = 16384
     # VK_KHR_cooperative_matrix's multiplies (MatrixShape), () without it
     matrix_shapes: tuple = field(default=(), repr=False)

@@ -1,4 +1,4 @@
-"""Compute pipelines built from a SPIR-V module and its declared interface (pagedvk.abi.KernelABI)."""
+"""Compute pipelines built from a SPIR-V module and its declared interface (pagedvk.kernels.abi.KernelABI)."""
 
 from __future__ import annotations
 

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from support import REPO, run_python
-from pagedvk import bench, kernels, suite
-from pagedvk.abi import PAGED_DECODE
+from pagedvk.kernels import modules
+from pagedvk.testing import bench, suite
+from pagedvk.kernels.catalogue import PAGED_DECODE
 
 TINY = [(1, 40), (2, 24)]   # shapes lavapipe times in a second, context not a multiple of the block
 SUITE = f"""
 import sys
-from pagedvk import bench
+from pagedvk.testing import bench
 from pagedvk.cli import main
 bench.SMALL_SWEEP = {TINY!r}   # --small, shrunk further for a test
 sys.exit(main(sys.argv[1:]))
@@ -227,9 +228,9 @@ def test_the_read_kernel_reads_every_chunk_once(chunks, groups):
     """The ceiling's kernel (shaders/read_bandwidth.comp) reads each of num_chunks 16-byte chunks exactly once and
     nothing past them: the XOR of its threads' words equals the XOR of the chunks' words (a chunk read twice
     would cancel, one skipped would be missing), with a poisoned chunk after them in the buffer."""
-    from pagedvk.array import asarray, empty
+    from pagedvk.runtime.array import asarray, empty
     from pagedvk.runtime.pipeline import Launch
-    from pagedvk.selection import get_device
+    from pagedvk.runtime.selection import get_device
 
     device = get_device()
     words = np.random.default_rng(chunks).integers(0, 2**32, size=4 * (chunks + 1), dtype=np.uint32)
@@ -248,14 +249,14 @@ def test_the_read_kernel_reads_every_chunk_once(chunks, groups):
 
 def test_decode_rules_pins_a_rule_and_puts_it_back(tmp_path, capsys):
     # benchmarks/decode_rules.py: each answer's plans run and are checked against float64, the rule's own function is
-    # back in pagedvk.decode_rules afterwards, and an answer the rule does not have is refused, named.
+    # back in pagedvk.ops.decode_rules afterwards, and an answer the rule does not have is refused, named.
     rules = load_benchmark("decode_rules")
-    import pagedvk.decode_rules
-    own = pagedvk.decode_rules.values_with_keys
+    import pagedvk.ops.decode_rules
+    own = pagedvk.ops.decode_rules.values_with_keys
     path = tmp_path / "rules.json"
     assert rules.main(["values_with_keys", "--shapes", "1x200", "--dtypes", "f16", "--kernel", "gpu", "--iters", "2",
                        "--rounds", "1", "--json", str(path)]) == 0
-    assert pagedvk.decode_rules.values_with_keys is own
+    assert pagedvk.ops.decode_rules.values_with_keys is own
     rows = json.loads(path.read_text())["rows"]
     assert [r["answer"] for r in rows] == ["rule", "never", "always"]
     assert all(r["ok"] and r["kernel"] == "gpu" and r["median_us"] > 0 for r in rows)
@@ -315,8 +316,8 @@ def test_every_decode_ablation_builds(module, tmp_path):
     names = list(ablations.ablations_for(key))
     built = ablations.build(key, names, tmp_path / "built")
     assert list(built) == ["kept kernel", *names]
-    modules = {(folder / f"{key.name}.spv").read_bytes() for folder in built.values()}
-    assert len(modules) == len(built)   # every ablation changed the module
+    outputs = {(folder / f"{key.name}.spv").read_bytes() for folder in built.values()}
+    assert len(outputs) == len(built)   # every ablation changed the module
 
 
 def test_decode_ablations_refuse_what_they_cannot_run(capsys):
@@ -325,7 +326,7 @@ def test_decode_ablations_refuse_what_they_cannot_run(capsys):
         ablations.main(["--kernel", "gpu", "--shapes", "1x64", "--iters", "1", "--only", "no such stage"])
     assert "--only: paged_decode.kv_f16.glsl has no ablation 'no such stage'" in capsys.readouterr().err
     import pagedvk
-    from pagedvk.matrix import matrix_unavailable
+    from pagedvk.kernels.matrix import matrix_unavailable
     why = matrix_unavailable(pagedvk.select()[0], pagedvk.default_device().features)
     if why:   # a device without the matrix decode (lavapipe): refused, with the plan's reason
         with pytest.raises(SystemExit):
@@ -363,7 +364,7 @@ def test_decode_ab_runs_each_sets_modules_in_turn(tmp_path):
     key = PAGED_DECODE.key("glsl", "f16", "f16", 128)
     broken = ablations.build(key, ["no key loads"], tmp_path / "built")["no key loads"]   # a folder of that module
     path = tmp_path / "ab.json"
-    assert ab.main([f"main={kernels.SPV_DIR}", f"broken={broken}", "--shapes", "2x200", "--kernel", "gpu",
+    assert ab.main([f"main={modules.SPV_DIR}", f"broken={broken}", "--shapes", "2x200", "--kernel", "gpu",
                     "--rounds", "2", "--iters", "2", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert [r["set"] for r in rows] == ["main", "broken", "main", "broken"]
@@ -378,5 +379,5 @@ def test_decode_ab_refuses_sets_it_cannot_use(sets, message, capsys):
     # {spv}: the package's own modules (pagedvk/spv in a checkout, the installed package's elsewhere)
     ab = load_benchmark("decode_ab")
     with pytest.raises(SystemExit):
-        ab.main([s.format(spv=kernels.SPV_DIR) for s in sets] + ["--shapes", "1x64"])
-    assert message.format(spv=kernels.SPV_DIR) in capsys.readouterr().err
+        ab.main([s.format(spv=modules.SPV_DIR) for s in sets] + ["--shapes", "1x64"])
+    assert message.format(spv=modules.SPV_DIR) in capsys.readouterr().err

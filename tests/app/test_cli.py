@@ -6,7 +6,9 @@ import json
 import pytest
 
 import pagedvk
-from pagedvk.matrix import matrix_unavailable
+import pagedvk.ops.decode_rules
+import pagedvk.ops.prefill
+from pagedvk.kernels.matrix import matrix_unavailable
 
 from support import run_python
 
@@ -23,8 +25,8 @@ def test_devices_lists_the_selected_device():
     assert "selected: [" in result.stdout and pagedvk.devices()[0].name in result.stdout, result.stdout
     # and which prefill kernels each device gets, the reason included
     for info in pagedvk.devices():
-        assert f"prefill kernels on [{info.index}]: {pagedvk.prefill.describe_choice(info)}" in result.stdout
-        way = "subgroup arithmetic" if pagedvk.decode_rules.subgroup_reductions(info) else "shared memory"
+        assert f"prefill kernels on [{info.index}]: {pagedvk.ops.prefill.describe_choice(info)}" in result.stdout
+        way = "subgroup arithmetic" if pagedvk.ops.decode_rules.subgroup_reductions(info) else "shared memory"
         assert f"decode reductions on [{info.index}]: {way}" in result.stdout
         # lavapipe has the subgroup operations the cpu kernel needs; devices with matrices get the matrix kernel
         kernel = ("cpu (" if info.type == "cpu" else "gpu (" if matrix_unavailable(info)
@@ -67,7 +69,7 @@ def test_bench_help_describes_every_option():
 
 
 def test_benchmark_shapes_are_parsed_or_refused():
-    from pagedvk import bench
+    from pagedvk.testing import bench
     assert bench.parse_shapes("64x4096,8x32768") == [(64, 4096), (8, 32768)]
     for bad in ("64x", "64x4096x2", "0x16", "a,b", ""):
         with pytest.raises(ValueError, match="shapes must be comma-separated BATCHxCONTEXT"):

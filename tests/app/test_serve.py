@@ -5,9 +5,9 @@ copy is caught."""
 import numpy as np
 import pytest
 
-from pagedvk import reference
-from pagedvk.model import DenseKV, Model, ModelConfig, generate_dense
-from pagedvk.serve import NumpyPagedCache, Request, make_requests, serve
+from pagedvk.testing import reference
+from pagedvk.demo.model import DenseKV, Model, ModelConfig, generate_dense
+from pagedvk.demo.serve import NumpyPagedCache, Request, make_requests, serve
 
 CONFIG = ModelConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_size=8, intermediate=48, seed=3)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from pagedvk import NoFreeBlocksError, PagedVKError
-from pagedvk.blocks import BlockManager
+from pagedvk.engine.blocks import BlockManager
 
 
 def test_add_sequence_slots_and_tables():

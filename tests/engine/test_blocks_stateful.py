@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedvk.blocks import BlockManager
+from pagedvk.engine.blocks import BlockManager
 from pagedvk.errors import NoFreeBlocksError
 
 # Prompts from a tiny alphabet with common beginnings, so prefix hits happen often.

@@ -9,7 +9,7 @@ import pytest
 
 import pagedvk
 from support import tiered
-from pagedvk.serve import demo
+from pagedvk.demo.serve import demo
 
 
 # Default tier: a float cache in vLLM's layout and a 16-bit one in hnd; each other cache type costs lavapipe about a

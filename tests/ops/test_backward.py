@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.testing.reference
 from support import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, PREFILL_LAYOUTS, RAGGED_BATCHES,
                      PrefillCase, check_prefill, record_launches, rejects, rel_error, tensors_by_name, tiered)
 
@@ -22,7 +23,7 @@ def check(case, rng, backend, **kw):
     dout = rng.standard_normal(case.query.shape).astype(np.float32)
     grads = pagedvk.paged_attention_backward(dout, *case.args()[:5], out.astype(np.float32), lse.astype(np.float32),
                                              backend=backend, **case.loc(), **case.options(**kw))
-    refs = pagedvk.reference.paged_attention_backward(dout, *case.args(), **case.options(**kw))
+    refs = pagedvk.testing.reference.paged_attention_backward(dout, *case.args(), **case.options(**kw))
     for name, g, ref, like in zip(NAMES, grads, refs, (case.query, case.key_cache, case.value_cache)):
         assert isinstance(g, np.ndarray) and g.shape == like.shape and g.dtype == np.float32, name
         assert rel_error(g, ref) <= TOL, name
@@ -54,10 +55,10 @@ def test_reference_gradient_matches_finite_differences(rng, layout, causal, ragg
     opts = dict(causal=causal, layout=layout, scale=0.7)
 
     def loss(q, k, v):
-        out = pagedvk.reference.paged_attention_prefill(q, k, v, block_tables, seq_lens, *loc, **opts)[0]
+        out = pagedvk.testing.reference.paged_attention_prefill(q, k, v, block_tables, seq_lens, *loc, **opts)[0]
         return float(np.sum(dout * out))
 
-    grads = pagedvk.reference.paged_attention_backward(dout, q, k, v, block_tables, seq_lens, *loc, **opts)
+    grads = pagedvk.testing.reference.paged_attention_backward(dout, q, k, v, block_tables, seq_lens, *loc, **opts)
     h = 1e-6
     for i, (name, grad) in enumerate(zip(NAMES, grads)):
         x = (q, k, v)[i]
@@ -81,7 +82,7 @@ def test_reference_reads_hnd_as_nhd_with_tokens_and_heads_swapped(rng):
     case = PrefillCase(rng, q_len=3, num_heads=4, num_kv_heads=2, head_size=8, block_size=4, seq_lens=[3, 9])
     k, v = case.key_cache, case.value_cache
     kh, vh = (np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in (k, v))
-    ref = pagedvk.reference
+    ref = pagedvk.testing.reference
     args = (case.block_tables, case.seq_lens)
     for a, b in zip(ref.paged_attention_prefill(case.query, k, v, *args, layout="nhd"),
                     ref.paged_attention_prefill(case.query, kh, vh, *args, layout="hnd")):
@@ -124,21 +125,21 @@ def test_mha_gqa_mqa(rng, backend, num_heads, num_kv_heads):
 @pytest.mark.parametrize("head_size,specialized", tiered([(h, s) for h in (32, 80, 256) for s in (True, False)],
                                                          default=[(32, True), (80, False)]))
 def test_head_size_specialization(rng, monkeypatch, specialized, head_size):
-    # The scalar kernels' GLSL pipelines are specialized on the plan's head size (abi.PREFILL_HEAD_SIZE_SPEC_ID);
+    # The scalar kernels' GLSL pipelines are specialized on the plan's head size (catalogue.PrefillSpec.HEAD_SIZE);
     # a pipeline made without the constant reads the head size from the push constants. Both give the reference's
     # forward and gradients. Head size 32: one S chunk in dk/dv, the case the H200's driver once miscompiled
     # (BENCHMARKS.md); 80: a part chunk; 256: dk/dv's second head-quad column.
-    from pagedvk import prefill
-    from pagedvk.abi import PREFILL_HEAD_SIZE_SPEC_ID
-    if not specialized:   # an id no module declares: the pipelines are made without the constant
-        monkeypatch.setattr(prefill, "PREFILL_HEAD_SIZE_SPEC_ID", -1)
+    from pagedvk.ops import prefill
+    from pagedvk.kernels.catalogue import PrefillSpec
+    if not specialized:   # no head-size specialization: the pipelines are made without the constant
+        monkeypatch.setattr(prefill, "head_size_constant", lambda spec_id, head_size: {})
     case = PrefillCase(rng, q_len=5, head_size=head_size, shared_prefix_blocks=1)
     check_prefill(case, "glsl")
     check(case, rng, "glsl")
-    constants = ((PREFILL_HEAD_SIZE_SPEC_ID, head_size),) if specialized else ()
+    constants = ((PrefillSpec.HEAD_SIZE, head_size),) if specialized else ()
     made = {key.op for key, _, own in pagedvk.default_device().pipelines
             if not key.matrix and key.backend == "glsl"
-            and tuple(c for c in own if c[0] == PREFILL_HEAD_SIZE_SPEC_ID) == constants}
+            and tuple(c for c in own if c[0] == PrefillSpec.HEAD_SIZE) == constants}
     assert {"paged_prefill", "paged_backward_dq", "paged_backward_dkdv"} <= made
 
 
@@ -178,11 +179,11 @@ def test_query_seeing_one_key_has_zero_dq(rng, backend):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("ragged", [False, True], ids=["fixed_q_len", "ragged"])
 def test_delta_is_rowsum_of_dout_times_out(rng, backend, ragged, dtype):
-    # The backward's first dispatch (abi.PAGED_BACKWARD_DELTA) writes D = rowsum(dout * out) of every row, in lse's
+    # The backward's first dispatch (catalogue.PAGED_BACKWARD_DELTA) writes D = rowsum(dout * out) of every row, in lse's
     # shape, into a scratch buffer the launch owns, which dq and dk/dv read in place of out. The scratch starts as
     # NaN (poisoned_prefill_outputs), so a row left unwritten shows.
     import ml_dtypes
-    from pagedvk.prefill import Recorded
+    from pagedvk.ops.prefill import Recorded
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     case = PrefillCase(rng, q_lens=[5, 0, 9, 1], shared_prefix_blocks=1) if ragged else PrefillCase(rng, q_len=7)
     out, lse = case.reference()
@@ -233,7 +234,7 @@ def test_forward_then_backward_on_device(rng, backend, layout, device):
     out, lse = pagedvk.paged_attention_prefill(*dev, layout=layout, backend=backend)
     dout = rng.standard_normal(case.query.shape).astype(np.float32)
     grads = pagedvk.paged_attention_backward(pagedvk.asarray(dout), *dev, out, lse, layout=layout, backend=backend)
-    refs = pagedvk.reference.paged_attention_backward(dout, *case.args(), layout=layout)
+    refs = pagedvk.testing.reference.paged_attention_backward(dout, *case.args(), layout=layout)
     for name, g, ref in zip(NAMES, grads, refs):
         assert isinstance(g, pagedvk.DeviceArray) and g.device is device, name
         assert rel_error(g.numpy(), ref) <= TOL, name
@@ -270,7 +271,7 @@ def test_ragged_forward_then_backward_on_device(rng, backend, device):
     dout = rng.standard_normal(case.query.shape).astype(np.float32)
     grads = pagedvk.paged_attention_backward(pagedvk.asarray(dout), *dev[:5], out, lse, dev[5], layout="vllm",
                                              backend=backend)
-    refs = pagedvk.reference.paged_attention_backward(dout, *case.args(), layout="vllm")
+    refs = pagedvk.testing.reference.paged_attention_backward(dout, *case.args(), layout="vllm")
     for name, g, ref in zip(NAMES, grads, refs):
         assert isinstance(g, pagedvk.DeviceArray) and g.device is device, name
         assert rel_error(g.numpy(), ref) <= TOL, name

@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import array, ops, reference
-from pagedvk.layouts import CacheSpec
+import pagedvk.ops.layouts
+from pagedvk.runtime import array
+from pagedvk.ops import vllm
+from pagedvk.testing import reference
+from pagedvk.ops.layouts import CacheSpec
 from pagedvk.dtypes import CACHE_TYPES
 from support import assert_untouched, fenced, tiered
 
@@ -50,7 +53,7 @@ def same_bits(a, b):
 # Default tier: every backend, layout and cache type at 16-token blocks, and FlashInfer's HND at 16 and at 1.
 @pytest.mark.parametrize("backend,layout,cache_dtype,block_size", tiered(
     [(b, layout, str(d), bs) for b in BACKENDS for layout in LAYOUTS + ["hnd"] for d in CACHE_DTYPES
-     for bs in (1, 2, 4, 16) if bs in pagedvk.layouts.block_sizes(layout)],
+     for bs in (1, 2, 4, 16) if bs in pagedvk.ops.layouts.block_sizes(layout)],
     default=[(b, layout, str(d), 16) for b in BACKENDS for layout in LAYOUTS for d in CACHE_DTYPES]
     + [("glsl", "hnd", "float16", 1), ("wgsl", "hnd", "float8_e4m3fn", 1), ("wgsl", "hnd", "bfloat16", 16),
        ("glsl", "hnd", "float8_e5m2", 16)]))
@@ -76,7 +79,7 @@ def test_reshape_and_cache(rng, device, backend, layout, cache_dtype, block_size
 
 @pytest.mark.parametrize("kv_cache_dtype,fp8", [("fp8", ml_dtypes.float8_e4m3fn), ("fp8_e4m3", ml_dtypes.float8_e4m3fn),
                                                 ("fp8_e5m2", ml_dtypes.float8_e5m2)])
-@pytest.mark.parametrize("spelling,layout", [(ops.reshape_and_cache, "vllm"), (ops.reshape_and_cache_flash, "nhd")])
+@pytest.mark.parametrize("spelling,layout", [(vllm.reshape_and_cache, "vllm"), (vllm.reshape_and_cache_flash, "nhd")])
 def test_vllm_spellings_uint8_fp8(rng, device, kv_cache_dtype, fp8, spelling, layout):
     s = spec(layout, fp8)
     key, value = tokens(rng, s, 40, np.float16, magnitude=4.0)

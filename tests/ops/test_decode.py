@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.ops.vllm
+import pagedvk.testing.reference
 from support import Case, check_split_and_unsplit, in_layout, poison_unread_slots, rel_error, tiered
 
 TOL = 1e-5  # float32 storage
@@ -122,7 +124,7 @@ def test_resident_cache_plan_runs_every_layer(rng):
                 q = rng.standard_normal(case.query.shape).astype(np.float32)
                 out = pagedvk.asarray(np.full(q.shape, np.nan, np.float32))
                 plan.run(pagedvk.asarray(q), dk, dv, out=out)
-                ref = pagedvk.reference.paged_attention(q, k, v, case.block_tables, case.seq_lens)
+                ref = pagedvk.testing.reference.paged_attention(q, k, v, case.block_tables, case.seq_lens)
                 assert rel_error(out.numpy(), ref) <= TOL
 
 
@@ -143,7 +145,7 @@ def test_vllm_spelling(rng):
     case = Case(rng, num_kv_heads=2, block_size=16)
     out = case.poisoned_out()
     q, k, v, bt, sl = case.args()
-    r = pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, int(sl.max()))
+    r = pagedvk.ops.vllm.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, int(sl.max()))
     assert r is out
     assert rel_error(out, case.reference(0.125)) <= TOL
 
@@ -238,7 +240,7 @@ def test_partition_size_is_checked(rng):
 
 
 def test_partitioning_rule():
-    from pagedvk.decode_rules import group_size, partitioning
+    from pagedvk.ops.decode_rules import group_size, partitioning
     assert group_size(32, 8) == 4 and group_size(64, 4) == 8 and group_size(12, 1) == 6 and group_size(7, 7) == 1
     # (num_seqs, workgroups per sequence, longest context, compute units) -> (partition size, partitions)
     assert partitioning(256, 8, 2048, 132) == (2048, 1)     # a grid that fills the device is not split
@@ -282,19 +284,19 @@ def specialized_wrongly_writes_nothing(rng, backend, wrong):
     # The plan keeps its specialization and push constants equal; were they not, the kernel must leave the
     # output alone rather than run one layout's, group width's or head size's code on another's data. GLSL:
     # specialization constants; WGSL: a module built with them fixed (abi.DECODE_FIXED), for head sizes 64 and 128.
-    from pagedvk.abi import DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, Q_TYPE_SPEC_ID
+    from pagedvk.kernels.catalogue import DecodeSpec
     case = Case(rng, num_heads=16, num_kv_heads=2, head_size=64)   # groups of 8 heads, vLLM's layout
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=16, num_kv_heads=2, head_size=64,
                             block_size=16, num_blocks=case.key_cache.shape[0], partition_size=4096,
                             backend=backend) as plan:
         # one partition: the decode kernel writes `out` itself (a split's reduce would merge unwritten partials)
         assert plan.num_partitions == 1
-        assert plan.constants == {DECODE_VALUE_ORDER_SPEC_ID: 1, DECODE_GROUP_SPEC_ID: 8, DECODE_HEAD_SIZE_SPEC_ID: 64,
-                                  Q_TYPE_SPEC_ID: 1}   # float32 queries
+        assert plan.constants == {DecodeSpec.VALUE_ORDER: 1, DecodeSpec.GROUP: 8, DecodeSpec.HEAD_SIZE: 64,
+                                  DecodeSpec.Q_TYPE: 1}   # float32 queries
         assert plan.key.fixed == ("vllm_g8" if backend == "wgsl" else "")
-        wrong_constants = {**plan.constants, **{"group": {DECODE_GROUP_SPEC_ID: 4},
-                                                "layout": {DECODE_VALUE_ORDER_SPEC_ID: 2},
-                                                "head_size": {DECODE_HEAD_SIZE_SPEC_ID: 32}}[wrong]}
+        wrong_constants = {**plan.constants, **{"group": {DecodeSpec.GROUP: 4},
+                                                "layout": {DecodeSpec.VALUE_ORDER: 2},
+                                                "head_size": {DecodeSpec.HEAD_SIZE: 32}}[wrong]}
         plan.choice = dataclasses.replace(plan.choice, constants=tuple(sorted(wrong_constants.items())))
         assert plan.key.fixed == ({"group": "vllm_g4", "layout": "nhd_g8"}[wrong] if backend == "wgsl" else "")
         out = pagedvk.asarray(case.poisoned_out())   # on the device: what the kernel leaves stays NaN
@@ -318,7 +320,7 @@ def test_wgsl_modules_with_layout_and_group_fixed(rng, layout, num_heads, num_kv
 
 
 def test_fixed_wgsl_modules_are_chosen_where_built():
-    from pagedvk.abi import PAGED_DECODE
+    from pagedvk.kernels.catalogue import PAGED_DECODE
     assert PAGED_DECODE.key("wgsl", "f16", "f16", 128, fixed="nhd_g4").name == "paged_decode.kv_f16.q_f16.h128.nhd_g4.wgsl"
     assert PAGED_DECODE.key("wgsl", "e5m2", "f16", 64, fixed="vllm_g8").constants()["Q_TYPE_FIXED"] == 1
     # the query type is fixed too, the cache type's usual one (abi.FIXED_QUERY): others read the push constants
@@ -348,7 +350,7 @@ def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, partition_size, ke
     for seq, token, kv_head, dim in ((0, 150, 1, 7), (2, 3, 0, 63)):
         block, slot = case.block_tables[seq, token // 16], token % 16
         case.key_cache[block, kv_head, dim // x, slot, dim % x] = np.nan
-    ref, ref_lse = pagedvk.reference.paged_attention(*case.args(), return_lse=True)
+    ref, ref_lse = pagedvk.testing.reference.paged_attention(*case.args(), return_lse=True)
     assert 0 < np.isnan(ref).sum() < ref.size and np.isnan(ref_lse).sum() == 8
     with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
                             block_size=16, num_blocks=case.key_cache.shape[0], partition_size=partition_size,
@@ -364,7 +366,7 @@ def test_a_nan_key_inside_a_sequence_makes_its_heads_nan(rng, partition_size, ke
 def test_the_rules_answer_without_a_plan(rng, device):
     # decode_choice is what a plan runs: asked with the plan's dims, it gives the plan's own choice, and nothing is
     # made on the device to answer.
-    from pagedvk.decode_rules import decode_choice
+    from pagedvk.ops.decode_rules import decode_choice
     case = Case(rng, seq_lens=[5, 300, 1000], num_heads=16, num_kv_heads=2, head_size=64)
     for partition_size in (None, 128):
         with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=16, num_kv_heads=2, head_size=64,

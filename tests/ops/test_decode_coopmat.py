@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import abi, cli, config, decode_rules, reference
-from pagedvk.decode_rules import MATRIX_PV_SHAPE
-from pagedvk.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
+from pagedvk import cli, config
+from pagedvk.kernels import abi, catalogue
+from pagedvk.ops import decode_rules
+from pagedvk.testing import reference
+from pagedvk.ops.decode_rules import MATRIX_PV_SHAPE
+from pagedvk.kernels.matrix import MATRIX_SHAPE, matrix_unavailable, with_operands
 from support import (VARIANTS, Case, check_split_and_unsplit, check_unchecked_tables, poison_unread_slots, rel_error,
                      run_decode_plan, variant_args)
 
@@ -117,7 +120,7 @@ def test_pagedvk_devices_names_every_cache_type_the_matrix_decode_takes(monkeypa
 
 
 def test_long_float16_and_bfloat16_partitions_take_two_blocks_a_step():
-    # abi.DECODE_STEP_SPEC_ID: two blocks a subgroup step where a workgroup takes 2048 tokens or more (faster on the
+    # catalogue.DecodeSpec.STEP: two blocks a subgroup step where a workgroup takes 2048 tokens or more (faster on the
     # H200 there, slower at 1024); fp8 modules take one whatever it says.
     assert decode_rules.MATRIX_STEP2_MIN_TOKENS == 2048
     for kv in ("f16", "bf16"):
@@ -181,33 +184,33 @@ def test_a_plan_forced_onto_the_matrix_kernel_it_cannot_run_is_refused(rng):
 
 
 def test_the_matrix_module_is_declared_for_binding_access_with_the_decode_constants():
-    key = abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, matrix="coopmat")
+    key = catalogue.PAGED_DECODE.key("glsl", "f16", "f16", 128, matrix="coopmat")
     assert key.name == "paged_decode.coopmat.kv_f16.q_f16.h128.glsl"
     assert key.source == "paged_decode_coopmat.comp" and key.target_env == "vulkan1.2"
-    assert abi.PAGED_DECODE.specialization_constants(key) == {
-        abi.VARIANTS_SPEC_ID: "bool", abi.DECODE_VALUE_ORDER_SPEC_ID: "uint32", abi.DECODE_GROUP_SPEC_ID: "uint32",
-        abi.DECODE_MERGE_SPEC_ID: "uint32", abi.DECODE_FP8_BUILD_SPEC_ID: "uint32", abi.DECODE_STEP_SPEC_ID: "uint32"}
+    assert catalogue.PAGED_DECODE.specialization_constants(key) == {
+        catalogue.DecodeSpec.VARIANTS: "bool", catalogue.DecodeSpec.VALUE_ORDER: "uint32", catalogue.DecodeSpec.GROUP: "uint32",
+        catalogue.DecodeSpec.MERGE: "uint32", catalogue.DecodeSpec.FP8_BUILD: "uint32", catalogue.DecodeSpec.STEP: "uint32"}
     with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module reading caches by 'seg'"):
-        abi.PAGED_DECODE.key("glsl", "f16", "f16", 128, "seg", "coopmat")
-    built = [k for k in abi.PAGED_DECODE.keys() if k.matrix and k.backend == "glsl"]
+        catalogue.PAGED_DECODE.key("glsl", "f16", "f16", 128, "seg", "coopmat")
+    built = [k for k in catalogue.PAGED_DECODE.keys() if k.matrix and k.backend == "glsl"]
     assert sorted(k.name for k in built) == sorted(
         [f"paged_decode.coopmat.kv_{kv}.q_f16.h{h}.glsl" for kv in ("e4m3", "e5m2", "f16") for h in (128, 64)]
         + [f"paged_decode.coopmat.kv_bf16.q_bf16.h{h}.glsl" for h in (128, 64)])
-    bf16 = abi.PAGED_DECODE.key("glsl", "bf16", "bf16", 128, matrix="coopmat")
+    bf16 = catalogue.PAGED_DECODE.key("glsl", "bf16", "bf16", 128, matrix="coopmat")
     assert set(bf16.requires()) == BF16_NEEDS and "shaderFloat16" not in bf16.requires()
     # WGSL: float16 caches and queries, and bfloat16 ones, the same interface, no specialization constants
-    wgsl = [k for k in abi.PAGED_DECODE.keys() if k.matrix and k.backend == "wgsl"]
+    wgsl = [k for k in catalogue.PAGED_DECODE.keys() if k.matrix and k.backend == "wgsl"]
     assert sorted(k.name for k in wgsl) == [f"paged_decode.coopmat.kv_{t}.q_{t}.h{h}.wgsl"
                                             for t in ("bf16", "f16") for h in (128, 64)]
-    wgsl_bf16 = abi.PAGED_DECODE.key("wgsl", "bf16", "bf16", 128, matrix="coopmat")
+    wgsl_bf16 = catalogue.PAGED_DECODE.key("wgsl", "bf16", "bf16", 128, matrix="coopmat")
     assert wgsl_bf16.source == "paged_decode_coopmat.wgsl" and set(wgsl_bf16.requires()) == WGSL_BF16_NEEDS
     assert wgsl_bf16.includes()["q_storage.wgsl"] == "q_bf16.wgsl"   # its query conversion: bfloat16 bits
-    key = abi.PAGED_DECODE.key("wgsl", "f16", "f16", 64, matrix="coopmat")
+    key = catalogue.PAGED_DECODE.key("wgsl", "f16", "f16", 64, matrix="coopmat")
     assert key.source == "paged_decode_coopmat.wgsl" and key.target_env == "vulkan1.2"
-    assert key.constants() == {"HEAD_SIZE": 64} and abi.PAGED_DECODE.specialization_constants(key) == {}
+    assert key.constants() == {"HEAD_SIZE": 64} and catalogue.PAGED_DECODE.specialization_constants(key) == {}
     assert set(key.requires()) == WGSL_NEEDS
     with pytest.raises(ValueError, match="paged_decode has no 'coopmat' module for wgsl, cache storage 'e4m3'"):
-        abi.PAGED_DECODE.key("wgsl", "e4m3", "f16", 128, matrix="coopmat")
+        catalogue.PAGED_DECODE.key("wgsl", "e4m3", "f16", 128, matrix="coopmat")
 
 
 # -- the kernel, on devices that have cooperative matrices --
@@ -242,9 +245,9 @@ def check_matrix_decode(case, tol=TOL, constants=None, backend="glsl", **variant
     longest sequence; a sliding window may leave one), merged in the decode dispatch (GLSL; WGSL's go to the reduce
     dispatch); on GLSL each with one and with two blocks a subgroup step. `constants`: set on every run's plan."""
     longest = int(case.seq_lens.max())
-    few = -(-longest // (16 * abi.DECODE_MERGE_PARTITIONS)) * 16   # tokens a partition: at most four of them
-    sizes = ((4096, 1), (32, None), (few, abi.DECODE_MERGE_PARTITIONS))   # (partition size, most partitions or None)
-    # GLSL: each with one block a subgroup step and with two (abi.DECODE_STEP_SPEC_ID; fp8 modules take one anyway)
+    few = -(-longest // (16 * catalogue.DECODE_MERGE_PARTITIONS)) * 16   # tokens a partition: at most four of them
+    sizes = ((4096, 1), (32, None), (few, catalogue.DECODE_MERGE_PARTITIONS))   # (partition size, most partitions or None)
+    # GLSL: each with one block a subgroup step and with two (catalogue.DecodeSpec.STEP; fp8 modules take one anyway)
     steps = (1, 2) if backend == "glsl" else (None,)
     runs = list(itertools.product(sizes, steps))
 
@@ -252,8 +255,8 @@ def check_matrix_decode(case, tol=TOL, constants=None, backend="glsl", **variant
         (_, most), _ = runs[index]
         parts = run.num_partitions
         assert run.key.matrix == "coopmat" and run.key.backend == backend and (parts > 1 if most is None else parts <= most)
-        assert run.merge_in_decode == (backend == "glsl" and 1 < parts <= abi.DECODE_MERGE_PARTITIONS)
-    partitionings = [(size, {**(constants or {}), **({} if step is None else {abi.DECODE_STEP_SPEC_ID: step})})
+        assert run.merge_in_decode == (backend == "glsl" and 1 < parts <= catalogue.DECODE_MERGE_PARTITIONS)
+    partitionings = [(size, {**(constants or {}), **({} if step is None else {catalogue.DecodeSpec.STEP: step})})
                      for (size, _), step in runs]
     check_split_and_unsplit(case, tol=tol, lse_tol=1e-5 if tol == TOL else 1e-4, partitionings=partitionings,
                             check_run=check_run, variants=variants, kernel="coopmat", backend=backend)
@@ -304,8 +307,8 @@ def test_bfloat16_keeps_values_float16_cannot_hold(rng, backend):
 # The fp8 matrices' builds (shaders/paged_decode_coopmat.comp, FP8): in registers (FP8_BUILD 2: a subgroup that finds
 # its device's element layout unknown makes the outputs NaN, so this fails unless the register path ran; the layouts
 # known are NVIDIA's, measured on the H200), and through shared memory (1: every other device's path, forced).
-FP8_BUILDS = {"registers": {abi.DECODE_FP8_BUILD_SPEC_ID: 2},
-              "staged": {abi.DECODE_FP8_BUILD_SPEC_ID: 1}}
+FP8_BUILDS = {"registers": {catalogue.DecodeSpec.FP8_BUILD: 2},
+              "staged": {catalogue.DecodeSpec.FP8_BUILD: 1}}
 
 
 @needs_coopmat
@@ -379,11 +382,11 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, head_size
     case = matrix_case(rng, seq_lens=lens, num_heads=16, num_kv_heads=4, head_size=head_size)
     kw = dict(num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16, num_blocks=case.key_cache.shape[0],
               dtype=np.float16, query_dtype=np.float16, kernel="coopmat", backend="glsl")
-    for parts in range(2, abi.DECODE_MERGE_PARTITIONS + 2):
+    for parts in range(2, catalogue.DECODE_MERGE_PARTITIONS + 2):
         with pagedvk.DecodePlan(case.block_tables, case.seq_lens, partition_size=-(-1024 // parts // 16) * 16,
                                 **kw) as plan:
             assert plan.num_partitions == parts
-            assert plan.merge_in_decode == (parts <= abi.DECODE_MERGE_PARTITIONS)
+            assert plan.merge_in_decode == (parts <= catalogue.DECODE_MERGE_PARTITIONS)
             for _ in range(3):
                 query = rng.standard_normal(case.query.shape).astype(np.float16)
                 out = plan.run(query, case.key_cache, case.value_cache, out=np.full(query.shape, np.nan, np.float16))
@@ -501,9 +504,9 @@ def test_the_wgsl_module_declares_what_pagedvk_enables_and_unrolls_its_matrix_lo
     # barriers that order workgroup memory, Unroll on the loops over the matrix arrays (kt, vt, o: ten of them) and on
     # the four over a step's blocks around them (not on the loop over the blocks, whose bound is the sequence's), and
     # zero matrices as glslang makes them (OpConstantComposite of one zero, not OpConstantNull).
-    from pagedvk import spirv
-    from pagedvk.kernels import load_spirv
-    words = spirv.module_words(load_spirv(abi.PAGED_DECODE, abi.PAGED_DECODE.key("wgsl", operand, operand, head_size,
+    from pagedvk.kernels import spirv
+    from pagedvk.kernels.modules import load_spirv
+    words = spirv.module_words(load_spirv(catalogue.PAGED_DECODE, catalogue.PAGED_DECODE.key("wgsl", operand, operand, head_size,
                                                                                  matrix="coopmat")))
     constants, capabilities, barriers, loop_controls = {}, set(), [], []
     matrices, null_types, splats = set(), [], []   # matrix type ids (arrays of them too), OpConstantNull's types

@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import abi, reference
-from pagedvk.decode_rules import decode_target
+import pagedvk.ops.decode_rules
+import pagedvk.ops.decode
+import pagedvk.ops.layouts
+from pagedvk.kernels import catalogue
+from pagedvk.testing import reference
+from pagedvk.ops.decode_rules import decode_target
 from support import (Case, check_split_and_unsplit, check_unchecked_tables, poison_unread_slots, rel_error,
                      run_decode_plan, tiered)
 
@@ -77,7 +81,7 @@ def test_head_and_block_sizes(rng, kernel, dtype, head_size, block_size):
                 dtype=dtype)
     poison_unread_slots(case, block_size)
     query, tol = query_and_tolerance(case, dtype)
-    for layout in [layout for layout in pagedvk.layouts.LAYOUTS if block_size in pagedvk.layouts.block_sizes(layout)]:
+    for layout in [layout for layout in pagedvk.ops.layouts.LAYOUTS if block_size in pagedvk.ops.layouts.block_sizes(layout)]:
         run = run_decode_plan(case, query, layout=layout, kernel=kernel, backend="glsl")
         assert run.key.target == ("cpu" if kernel == "cpu" else "")
         assert rel_error(run.out, reference.paged_attention(query, *case.args()[1:])) <= tol
@@ -100,7 +104,7 @@ def test_attention_variants(rng, kernel, layout, variant):
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", tiered(
     [(h, *g) for h in (80, 128) for g in ((4, 4), (8, 2), (16, 2))], default=[(128, 16, 2)]))
 def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, num_heads, num_kv_heads, head_size):
-    # The GPU kernel merges a split of at most abi.DECODE_MERGE_PARTITIONS partitions in its own dispatch (the last
+    # The GPU kernel merges a split of at most catalogue.DECODE_MERGE_PARTITIONS partitions in its own dispatch (the last
     # workgroup of each (sequence, head group) to finish), a longer one in the reduce dispatch; the CPU kernel leaves
     # every split to the reduce. Many counters, sequences shorter than the split (empty, one partition, two), the
     # split scratch poisoned before the first run (a huge max and sum, NaN outputs): run after run on one plan, with
@@ -109,12 +113,12 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, n
     lens = [0, 1, 16, 100, 257, 511, 512, 513, 700, 1024] * 2
     case = Case(rng, seq_lens=lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                 block_size=16)
-    for partition_size, parts in ((512, 2), (256, abi.DECODE_MERGE_PARTITIONS), (208, abi.DECODE_MERGE_PARTITIONS + 1), (16, 64)):
+    for partition_size, parts in ((512, 2), (256, catalogue.DECODE_MERGE_PARTITIONS), (208, catalogue.DECODE_MERGE_PARTITIONS + 1), (16, 64)):
         with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                 head_size=head_size, block_size=16, num_blocks=case.key_cache.shape[0],
                                 partition_size=partition_size, kernel=kernel, backend="glsl") as plan:
             assert plan.num_partitions == parts
-            assert plan.merge_in_decode == (kernel == "gpu" and parts <= abi.DECODE_MERGE_PARTITIONS)
+            assert plan.merge_in_decode == (kernel == "gpu" and parts <= catalogue.DECODE_MERGE_PARTITIONS)
             plan.partial_out.write(np.full(plan.partial_out.shape, np.nan, np.float32))
             plan.partial_stats.write(np.full(plan.partial_stats.shape, 1e30, np.float32))
             for _ in range(2):
@@ -133,11 +137,11 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, n
     default=[("float16", 256, 8), ("bfloat16", 80, 32), ("float8_e5m2", 128, 16)]))
 def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_size):
     dtype = DTYPE_NAMES[dtype]
-    # The GPU kernel with every tile's first batch of values loaded beside its keys (abi.DECODE_VALUES_SPEC_ID),
+    # The GPU kernel with every tile's first batch of values loaded beside its keys (catalogue.DecodeSpec.VALUES),
     # forced on for every plan, not only where a workgroup takes one tile as the rule says: tiles after the first,
     # lengths ending mid-chunk, a head dim's second slot (256), fp8 rows shorter than a chunk (8-token blocks), both
     # layouts (nhd's V stage leaves the constant unused); NaN in unread cache slots and in the outputs beforehand.
-    monkeypatch.setattr(pagedvk.decode_rules, "values_with_keys", lambda storage, tokens: True)
+    monkeypatch.setattr(pagedvk.ops.decode_rules, "values_with_keys", lambda storage, tokens: True)
     case = Case(rng, seq_lens=[1, 13, 128, 130, 300], num_heads=8, num_kv_heads=2, head_size=head_size,
                 block_size=block_size, dtype=dtype)
     poison_unread_slots(case, block_size)
@@ -148,7 +152,7 @@ def test_values_loaded_with_the_keys(rng, monkeypatch, dtype, head_size, block_s
 
 
 def test_the_values_rule_and_the_plans_that_take_it(rng):
-    rule = pagedvk.decode_rules.values_with_keys
+    rule = pagedvk.ops.decode_rules.values_with_keys
     assert [rule("f16", n) for n in (1, 127, 128, 129, 4096)] == [True, True, True, False, False]
     assert [rule(tag, 128) for tag in ("bf16", "f32", "e4m3", "e5m2")] == [True, False, False, False]
     for dtype in (np.float16, np.float32):
@@ -158,7 +162,7 @@ def test_the_values_rule_and_the_plans_that_take_it(rng):
                                     block_size=16, num_blocks=case.key_cache.shape[0], dtype=dtype,
                                     partition_size=partition_size, kernel="gpu", backend="glsl") as plan:
                 taken = 1 if dtype == np.float16 and partition_size <= 128 else None
-                assert plan.constants.get(abi.DECODE_VALUES_SPEC_ID) == taken
+                assert plan.constants.get(catalogue.DecodeSpec.VALUES) == taken
 
 
 def test_zero_lengths_and_blocks_out_of_range_stay_inside_their_buffers(rng, device, kernel):
@@ -195,17 +199,17 @@ def test_the_one_call_op_follows_the_environment(rng, device, monkeypatch):
     # paged_attention keeps a plan per call signature: PAGEDVK_DECODE_KERNEL is part of it.
     case = Case(rng, num_heads=8, num_kv_heads=2, head_size=64)
     ref = case.reference()
-    pagedvk.decode.release_cached_plans(device)
+    pagedvk.ops.decode.release_cached_plans(device)
     for kernel in ("gpu", "cpu", "gpu"):
         monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", kernel)
         assert rel_error(pagedvk.paged_attention(*case.args(), backend="glsl"), ref) <= 1e-5
-    targets = sorted(plan.key.target for plan in pagedvk.decode._oneshot_plans(device).plans())
+    targets = sorted(plan.key.target for plan in pagedvk.ops.decode._oneshot_plans(device).plans())
     assert targets == ["", "cpu"]
-    pagedvk.decode.release_cached_plans(device)
+    pagedvk.ops.decode.release_cached_plans(device)
 
 
 def test_cpu_modules_are_chosen_where_built():
-    from pagedvk.abi import PAGED_DECODE
+    from pagedvk.kernels.catalogue import PAGED_DECODE
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").name == "paged_decode.cpu.kv_f16.glsl"
     assert PAGED_DECODE.key("glsl", "f16", "f16", 128, target="cpu").source == "paged_decode_cpu.comp"
     assert PAGED_DECODE.key("glsl", "e4m3", "bf16", 100, target="cpu").head_size == 0   # specialized, not built

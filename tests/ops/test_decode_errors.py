@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.ops.vllm
 from support import Case, assert_untouched, fenced, in_layout, rejects, tensors_by_name
 
 
@@ -147,7 +148,7 @@ def test_device_table_checked_too(case):
 def test_vllm_unsupported_options_raise(case):
     q, k, v, bt, sl = case.args()
     out = case.poisoned_out()
-    call = lambda **kw: pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 16, 64, **kw)
+    call = lambda **kw: pagedvk.ops.vllm.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 16, 64, **kw)
     with pytest.raises(ValueError, match=r"alibi_slopes.shape\[0\] \(num_heads\) must be 8"):
         call(alibi_slopes=np.ones(7, np.float32))   # ALiBi is supported (tests/ops/test_variants.py); its checks hold
     with pytest.raises(TypeError, match=r"key_cache must be uint8 \(or float8_e4m3fn\) with kv_cache_dtype='fp8'"):
@@ -162,7 +163,7 @@ def test_vllm_tp_rank_and_local_blocks_ignored_without_block_sparsity(case):
     # blocksparse_vert_stride > 1, so they must not be refused.
     q, k, v, bt, sl = case.args()
     out = case.poisoned_out()
-    pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, 64, tp_rank=3, blocksparse_local_blocks=16,
+    pagedvk.ops.vllm.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, 64, tp_rank=3, blocksparse_local_blocks=16,
                                    blocksparse_vert_stride=1)
     np.testing.assert_allclose(out, case.reference(scale=0.125), rtol=1e-5, atol=1e-5)
 
@@ -179,11 +180,11 @@ def test_vllm_argument_mismatches(case):
     q, k, v, bt, sl = case.args()
     out = case.poisoned_out()
     with pytest.raises(ValueError, match="num_kv_heads"):
-        pagedvk.ops.paged_attention_v1(out, q, k, v, 4, 0.1, bt, sl, 16, 64)
+        pagedvk.ops.vllm.paged_attention_v1(out, q, k, v, 4, 0.1, bt, sl, 16, 64)
     with pytest.raises(ValueError, match="block_size"):
-        pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 32, 64)
+        pagedvk.ops.vllm.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 32, 64)
     with pytest.raises(ValueError, match="max_seq_len"):
-        pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 16, 63)
+        pagedvk.ops.vllm.paged_attention_v1(out, q, k, v, 2, 0.1, bt, sl, 16, 63)
     assert np.isnan(out).all()
 
 

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import reference
+import pagedvk.kernels.catalogue
+import pagedvk.kernels.modules
+import pagedvk.ops.vllm
+from pagedvk.testing import reference
 from support import Case, in_layout, poison_unread_slots, rel_error, tiered
 
 BF16, E4M3, E5M2 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -99,7 +102,7 @@ def test_vllm_fp8_cache_as_uint8_with_scales(rng, backend, kv_cache_dtype, dtype
     k_scale, v_scale = 0.37, 2.5
     query = case.query.astype(np.float16)
     out = np.full(query.shape, np.nan, np.float16)
-    pagedvk.ops.paged_attention_v1(out, query, case.key_cache.view(np.uint8), case.value_cache.view(np.uint8), 2,
+    pagedvk.ops.vllm.paged_attention_v1(out, query, case.key_cache.view(np.uint8), case.value_cache.view(np.uint8), 2,
                                    0.1, case.block_tables, case.seq_lens, 16, 200, kv_cache_dtype=kv_cache_dtype,
                                    k_scale=k_scale, v_scale=v_scale)
     k = case.key_cache.astype(np.float64) * k_scale
@@ -115,7 +118,7 @@ def test_paged_attention_v2_fills_vllm_scratch(rng):
     exp_sums = np.full((2, 4, parts), np.nan, np.float32)
     max_logits = np.full((2, 4, parts), np.nan, np.float32)
     tmp_out = np.full((2, 4, parts, 64), np.nan, np.float32)
-    pagedvk.ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, case.query, case.key_cache, case.value_cache,
+    pagedvk.ops.vllm.paged_attention_v2(out, exp_sums, max_logits, tmp_out, case.query, case.key_cache, case.value_cache,
                                    2, 0.125, case.block_tables, case.seq_lens, 16, max_seq_len)
     assert rel_error(out, case.reference(0.125)) <= 1e-5
     # Partition 1 of sequence 0 (tokens 512..1023): vLLM's max, sum and normalized output.
@@ -127,7 +130,7 @@ def test_paged_attention_v2_fills_vllm_scratch(rng):
     assert np.allclose(exp_sums[0, :2, 1], p.sum(axis=1), rtol=1e-4)
     assert rel_error(tmp_out[0, :2, 1], (p / p.sum(axis=1, keepdims=True)) @ v[512:1024, 0]) <= 1e-5
     with pytest.raises(ValueError, match=r"tmp_out must have shape \(2, 4, 3, 64\)"):
-        pagedvk.ops.paged_attention_v2(out, exp_sums, max_logits, np.zeros((2, 4, 2, 64), np.float32), case.query, case.key_cache,
+        pagedvk.ops.vllm.paged_attention_v2(out, exp_sums, max_logits, np.zeros((2, 4, 2, 64), np.float32), case.query, case.key_cache,
                                        case.value_cache, 2, 0.125, case.block_tables, case.seq_lens, 16, max_seq_len)
 
 
@@ -239,6 +242,6 @@ def test_no_16_or_8_bit_storage_feature_is_needed(rng, monkeypatch, cache_dtype)
 def test_a_module_needing_a_missing_feature_names_it(rng, monkeypatch):
     with masked_device(monkeypatch, "bufferDeviceAddress") as device:
         assert not device.buffer_device_address
-        key = pagedvk.abi.PAGED_DECODE.key("glsl", "f16", "f16", access="bda")
+        key = pagedvk.kernels.catalogue.PAGED_DECODE.key("glsl", "f16", "f16", access="bda")
         with pytest.raises(pagedvk.UnsupportedFeatureError, match="needs the Vulkan feature.*bufferDeviceAddress"):
-            pagedvk.kernels.pipeline(device, pagedvk.abi.PAGED_DECODE, key)
+            pagedvk.kernels.modules.pipeline(device, pagedvk.kernels.catalogue.PAGED_DECODE, key)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import array, reference
+from pagedvk.runtime import array
+from pagedvk.testing import reference
 from support import rel_error
 
 NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 1, 128, 32

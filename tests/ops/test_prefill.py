@@ -7,6 +7,10 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.ops.prefill
+import pagedvk.dtypes
+import pagedvk.ops.vllm
+import pagedvk.testing.reference
 from support import (BLOCK_SIZES_CAUSAL_OR_NOT, HEAD_SIZES_AND_QUERY_LENGTHS, PREFILL_LAYOUTS, RAGGED_BATCHES,
                      PrefillCase, check_prefill, modules_used, poison_unread_slots, record_launches, rejects, rel_error,
                      tensors_by_name, tiered)
@@ -82,7 +86,7 @@ def test_nan_in_unread_cache_slots_does_not_leak(rng, backend, layout):
     case = PrefillCase(rng, q_len=2, layout="vllm", seq_lens=[21, 3], block_size=16)
     poison_unread_slots(case, 16)
     if layout == "nhd":
-        k, v = pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
+        k, v = pagedvk.testing.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
         case.key_cache = np.ascontiguousarray(k, dtype=np.float32)
         case.value_cache = np.ascontiguousarray(v, dtype=np.float32)
         case.layout = "nhd"
@@ -119,23 +123,23 @@ def test_ragged_gqa_groups_and_causal(rng, backend, num_heads, num_kv_heads, cau
 
 def test_work_tiles_cover_each_sequence_and_skip_empty_ones():
     # 3 queries x group 4 = 12 rows: tiles at rows 0 and 8; no queries: no tile; 1 query: one tile.
-    tiles = pagedvk.prefill.work_tiles(np.array([0, 3, 3, 4], np.int32), group=4, rows_per_tile=8)
+    tiles = pagedvk.ops.prefill.work_tiles(np.array([0, 3, 3, 4], np.int32), group=4, rows_per_tile=8)
     assert tiles.dtype == np.int32 and tiles.tolist() == [[0, 0], [0, 8], [2, 0]]
-    assert pagedvk.prefill.work_tiles(np.array([0, 0], np.int32), 4, 8).shape == (0, 2)
+    assert pagedvk.ops.prefill.work_tiles(np.array([0, 0], np.int32), 4, 8).shape == (0, 2)
     # include: the tiles of the chosen sequences only (the matrix and scalar halves of a mixed batch)
     loc = np.array([0, 3, 3, 4], np.int32)
-    assert pagedvk.prefill.work_tiles(loc, 4, 8, include=np.array([True, True, False])).tolist() == [[0, 0], [0, 8]]
-    assert pagedvk.prefill.work_tiles(loc, 4, 8, include=np.array([False, True, True])).tolist() == [[2, 0]]
+    assert pagedvk.ops.prefill.work_tiles(loc, 4, 8, include=np.array([True, True, False])).tolist() == [[0, 0], [0, 8]]
+    assert pagedvk.ops.prefill.work_tiles(loc, 4, 8, include=np.array([False, True, True])).tolist() == [[2, 0]]
 
 
 def test_forward_tile_rows_follow_each_sequence_and_the_head_size():
     # The fewest of 8, 16, 32, 64 rows holding a sequence's rows; 32 at most above head size 128.
     rows = np.array([1, 8, 9, 16, 17, 33, 64, 200])
-    assert pagedvk.prefill.forward_rows(128, rows).tolist() == [8, 8, 16, 16, 32, 64, 64, 64]
-    assert pagedvk.prefill.forward_rows(256, rows).tolist() == [8, 8, 16, 16, 32, 32, 32, 32]
+    assert pagedvk.ops.prefill.forward_rows(128, rows).tolist() == [8, 8, 16, 16, 32, 64, 64, 64]
+    assert pagedvk.ops.prefill.forward_rows(256, rows).tolist() == [8, 8, 16, 16, 32, 32, 32, 32]
     # group 2: rows 2, 0, 14, 80 -> one 8-row tile, none, one 16-row tile, two 64-row tiles.
-    tiles = pagedvk.prefill.work_tiles(np.array([0, 1, 1, 8, 48], np.int32), group=2,
-                                       rows_per_tile=lambda r: pagedvk.prefill.forward_rows(64, r))
+    tiles = pagedvk.ops.prefill.work_tiles(np.array([0, 1, 1, 8, 48], np.int32), group=2,
+                                       rows_per_tile=lambda r: pagedvk.ops.prefill.forward_rows(64, r))
     assert tiles.tolist() == [[0, 0], [2, 0], [3, 0], [3, 64]]
 
 
@@ -242,7 +246,7 @@ def test_independent_steps_cannot_split_timestamped_groups(device):
 
 
 def test_decode_tokens_at_an_offset_the_device_cannot_bind_stay_in_the_prefill_launch(rng, device, monkeypatch):
-    from pagedvk.prefill import _decode_tokens, _Problem
+    from pagedvk.ops.prefill import _decode_tokens, _Problem
     # one head of 4 float32 dims: the decode tokens' query rows start at byte 32 and their lse rows at byte 8
     case = PrefillCase(rng, q_lens=[2, 1, 1], num_heads=1, num_kv_heads=1, head_size=4)
     problem = _Problem(*case.args(), **case.options())
@@ -394,7 +398,7 @@ def test_rejects_ragged_seq_len_of_zero_with_queries(ragged):
     rejects_ragged(ragged, ValueError, r"seq_lens\[2\] = 0 is less than q_len_s", ragged.query_start_loc)
 
 
-# -- vLLM's spelling of a mixed batch: pagedvk.ops.unified_attention ----------------------------------------
+# -- vLLM's spelling of a mixed batch: pagedvk.ops.vllm.unified_attention ----------------------------------------
 
 def unified_args(case, out=None, **changes):
     lens = case.seq_lens
@@ -409,21 +413,21 @@ def test_unified_attention_writes_out(rng, device):
     case = PrefillCase(rng, q_lens=[4, 1, 0, 6, 1])
     ref, _ = case.reference(0.3)
     out = np.full_like(case.query, np.nan)
-    assert pagedvk.ops.unified_attention(**unified_args(case, out)) is out
+    assert pagedvk.ops.vllm.unified_attention(**unified_args(case, out)) is out
     assert rel_error(out, ref) <= TOL
     dev_out = pagedvk.asarray(np.full_like(case.query, np.nan))
-    assert pagedvk.ops.unified_attention(**unified_args(case, dev_out, q=pagedvk.asarray(case.query))) is dev_out
+    assert pagedvk.ops.vllm.unified_attention(**unified_args(case, dev_out, q=pagedvk.asarray(case.query))) is dev_out
     assert rel_error(dev_out.numpy(), ref) <= TOL
 
 
 def test_unified_attention_fp8_descales(rng):
     case = PrefillCase(rng, q_lens=[3, 1])
-    k8 = pagedvk.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.5)
-    v8 = pagedvk.reference.cache_element(case.value_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.25)
+    k8 = pagedvk.testing.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.5)
+    v8 = pagedvk.testing.reference.cache_element(case.value_cache, pagedvk.dtypes.FP8_E4M3.dtype, 0.25)
     descale = np.full((2, 2), 0.5, np.float32)   # vLLM's shape: [num_seqs, num_kv_heads]
     out = np.full_like(case.query, np.nan)
-    pagedvk.ops.unified_attention(**unified_args(case, out, k=k8, v=v8, k_descale=descale, v_descale=0.25))
-    ref, _ = pagedvk.reference.paged_attention_prefill(case.query, k8.astype(np.float64) * 0.5,
+    pagedvk.ops.vllm.unified_attention(**unified_args(case, out, k=k8, v=v8, k_descale=descale, v_descale=0.25))
+    ref, _ = pagedvk.testing.reference.paged_attention_prefill(case.query, k8.astype(np.float64) * 0.5,
                                                        v8.astype(np.float64) * 0.25, case.block_tables, case.seq_lens,
                                                        case.query_start_loc, scale=0.3)
     assert rel_error(out, ref) <= 1e-5
@@ -438,9 +442,9 @@ def test_unified_attention_fp8_descales(rng):
 ])
 def test_unified_attention_unsupported_options(rng, name, value, match):
     case = PrefillCase(rng, q_lens=[3, 5])
-    k = pagedvk.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype)
+    k = pagedvk.testing.reference.cache_element(case.key_cache, pagedvk.dtypes.FP8_E4M3.dtype)
     with pytest.raises(NotImplementedError, match=f"{match} \\({name}\\) is not supported"):
-        pagedvk.ops.unified_attention(**unified_args(case, np.empty_like(case.query), k=k, v=k, **{name: value}))
+        pagedvk.ops.vllm.unified_attention(**unified_args(case, np.empty_like(case.query), k=k, v=k, **{name: value}))
 
 
 @pytest.mark.parametrize("changes,exc,match", [
@@ -452,4 +456,4 @@ def test_unified_attention_unsupported_options(rng, name, value, match):
 def test_unified_attention_rejects(rng, changes, exc, match):
     case = PrefillCase(rng, q_lens=[3, 5])
     with pytest.raises(exc, match=match):
-        pagedvk.ops.unified_attention(**unified_args(case, **dict(dict(out=np.empty_like(case.query)), **changes)))
+        pagedvk.ops.vllm.unified_attention(**unified_args(case, **dict(dict(out=np.empty_like(case.query)), **changes)))

@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import abi, prefill
+import pagedvk.kernels.modules
+import pagedvk.testing.reference
+from pagedvk.kernels import abi, catalogue
+from pagedvk.ops import prefill
 from pagedvk.runtime.instance import MatrixShape
 from support import VARIANTS, PrefillCase, lse_error, rel_error, variant_args
 
@@ -131,14 +134,14 @@ def test_split_batches_bind_each_dispatch_its_own_tile_table(rng, monkeypatch, d
     monkeypatch.setattr(prefill, "Launch", lambda device, steps, *a, **k: launches.append(steps) or launch(
         device, steps, *a, **k))
     case = PrefillCase(rng, q_lens=[1, 40, 0, 3, 17, 1], head_size=64, num_heads=4, num_kv_heads=2)
-    ref = pagedvk.reference.paged_attention_prefill(*case.args(), **case.options())
+    ref = pagedvk.testing.reference.paged_attention_prefill(*case.args(), **case.options())
     if direction == "forward":
         got = pagedvk.paged_attention_prefill(*case.args(), **case.options())
     else:
         dout = rng.standard_normal(case.query.shape).astype(np.float32)
         got = pagedvk.paged_attention_backward(dout, *case.args()[:5], *(a.astype(np.float32) for a in ref),
                                                **case.loc(), **case.options())
-        ref = pagedvk.reference.paged_attention_backward(dout, *case.args(), **case.options())
+        ref = pagedvk.testing.reference.paged_attention_backward(dout, *case.args(), **case.options())
     assert all(rel_error(g, r) <= 1e-5 for g, r in zip(got, ref))
     # rows 2 x q_len: 80 and 34 (3 tiles) on the "matrix" dispatch; 2, 6, 2 (3 tiles) on the scalar one; a
     # workgroup per (tile, kv head) each, and each dispatch binds its own table (binding 6, `tiles`); the
@@ -156,33 +159,33 @@ def test_kernel_argument_is_checked():
 
 
 def test_matrix_modules_are_named_built_and_required():
-    key = abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, matrix="coopmat")
+    key = catalogue.PAGED_PREFILL.key("glsl", "f16", "f16", 128, matrix="coopmat")
     assert key.name == "paged_prefill.coopmat.kv_f16.q_f16.h128.glsl"
     assert key.source == "paged_prefill_coopmat.comp" and key.target_env == "vulkan1.2"
     assert key.defines() == {"KV_F16": 1, "Q_F16": 1, "HEAD_SIZE": 128}
     assert set(key.requires()) == NEEDS
-    assert abi.PAGED_PREFILL.key("glsl", "f16", "f16", 128, "seg", "coopmat").defines()["KV_SEGMENTED"] == 1
-    built = {k for k in abi.PAGED_PREFILL.keys() if k.matrix}
+    assert catalogue.PAGED_PREFILL.key("glsl", "f16", "f16", 128, "seg", "coopmat").defines()["KV_SEGMENTED"] == 1
+    built = {k for k in catalogue.PAGED_PREFILL.keys() if k.matrix}
     glsl = {k for k in built if k.backend == "glsl"}
     assert key in glsl and len(glsl) == 4 * len(abi.CACHE_ACCESS)   # float16 and bfloat16, head sizes 64 and 128
     with pytest.raises(ValueError, match="no 'coopmat' module for glsl, cache storage 'f16', query storage 'f16', "
                                          "head size 96"):
-        abi.PAGED_PREFILL.key("glsl", "f16", "f16", 96, matrix="coopmat")
+        catalogue.PAGED_PREFILL.key("glsl", "f16", "f16", 96, matrix="coopmat")
     # WGSL: float16 at both head sizes, caches in one binding or in segments (no buffer device addresses in WGSL)
-    wgsl = abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 128, matrix="coopmat")
+    wgsl = catalogue.PAGED_PREFILL.key("wgsl", "f16", "f16", 128, matrix="coopmat")
     assert wgsl.name == "paged_prefill.coopmat.kv_f16.q_f16.h128.wgsl"
     assert wgsl.source == "paged_prefill_coopmat.wgsl" and wgsl.target_env == "vulkan1.2"
     assert wgsl.constants() == {"HEAD_SIZE": 128} and set(wgsl.requires()) == WGSL_NEEDS
     assert wgsl.includes()["kv_chunk_access.wgsl"] == "kv_chunk_bound.wgsl"
-    assert abi.PAGED_PREFILL.key("wgsl", "f16", "f16", 64, "seg", "coopmat").includes()["kv_chunk_access.wgsl"] \
+    assert catalogue.PAGED_PREFILL.key("wgsl", "f16", "f16", 64, "seg", "coopmat").includes()["kv_chunk_access.wgsl"] \
         == "kv_chunk_segmented.wgsl"
-    assert built - glsl == {abi.PAGED_PREFILL.key("wgsl", "f16", "f16", h, access, "coopmat")
+    assert built - glsl == {catalogue.PAGED_PREFILL.key("wgsl", "f16", "f16", h, access, "coopmat")
                             for h in (64, 128) for access in ("", "seg")}
     for args in (("wgsl", "bf16", "bf16", 128), ("wgsl", "f16", "f16", 128, "bda")):
         with pytest.raises(ValueError, match="no 'coopmat' module"):
-            abi.PAGED_PREFILL.key(*args, matrix="coopmat")
+            catalogue.PAGED_PREFILL.key(*args, matrix="coopmat")
     # the backward has no WGSL matrix modules: a WGSL plan's backward runs the scalar ones
-    assert not any(k.matrix and k.backend == "wgsl" for k in abi.PAGED_BACKWARD_DQ.keys())
+    assert not any(k.matrix and k.backend == "wgsl" for k in catalogue.PAGED_BACKWARD_DQ.keys())
 
 
 # -- the device's own properties --
@@ -233,10 +236,10 @@ def test_bfloat16_feature_struct_is_laid_out_as_vulkan_declares_it():
 
 def f16_caches(case, dtype=np.float16):
     """The case's caches in float16 (or bfloat16), in its layout (vLLM's packs x = 8 16-bit key elements, not 4)."""
-    k, v = (a.astype(dtype) for a in pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, case.layout))
+    k, v = (a.astype(dtype) for a in pagedvk.testing.reference.caches_as_nhd(case.key_cache, case.value_cache, case.layout))
     num_blocks, block_size, num_kv_heads, head_size = k.shape
     key_shape = (num_blocks, num_kv_heads, head_size // 8, block_size, 8)
-    return tuple(np.ascontiguousarray(a) for a in pagedvk.reference.nhd_as_cache(k, v, case.layout, key_shape))
+    return tuple(np.ascontiguousarray(a) for a in pagedvk.testing.reference.nhd_as_cache(k, v, case.layout, key_shape))
 
 
 def run_f16(case, kernel, caches=None, dtype=np.float16, backend="glsl", **variants):
@@ -245,13 +248,13 @@ def run_f16(case, kernel, caches=None, dtype=np.float16, backend="glsl", **varia
     lse -inf (and zeros), as the reference."""
     args = (case.query.astype(dtype), *(caches or f16_caches(case, dtype)), *case.args()[3:])
     out, lse = pagedvk.paged_attention_prefill(*args, kernel=kernel, backend=backend, **case.options(**variants))
-    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options(**variants))
+    ref_out, ref_lse = pagedvk.testing.reference.paged_attention_prefill(*args, **case.options(**variants))
     assert out.dtype == dtype and lse.dtype == np.float32
     return rel_error(out, ref_out), lse_error(lse, ref_lse)
 
 
 # The backends of the forward's matrix modules (the backward's are GLSL's only).
-FORWARD_BACKENDS = pytest.mark.parametrize("backend", abi.PAGED_PREFILL.matrix_backends)
+FORWARD_BACKENDS = pytest.mark.parametrize("backend", catalogue.PAGED_PREFILL.matrix_backends)
 
 
 @needs_coopmat
@@ -276,8 +279,8 @@ def test_matrix_kernels_match_reference(rng, direction, backend, layout, causal,
 @pytest.mark.parametrize("q_len", (1, 100))
 def test_bfloat16_matrix_kernels_match_reference(rng, direction, layout, head_size, q_len, monkeypatch):
     # The bfloat16 modules (spirv_passes.bfloat16_matrices), forward, dq and dk/dv, on bfloat16 caches and queries.
-    modules, pipeline = [], pagedvk.kernels.pipeline
-    monkeypatch.setattr(pagedvk.kernels, "pipeline",
+    modules, pipeline = [], pagedvk.kernels.modules.pipeline
+    monkeypatch.setattr(pagedvk.kernels.modules, "pipeline",
                         lambda device, kernel, key, *a: modules.append(key.name) or pipeline(device, kernel, key, *a))
     case = PrefillCase(rng, q_len=q_len, layout=layout, head_size=head_size, num_heads=8, num_kv_heads=2,
                        shared_prefix_blocks=2, seq_lens=[q_len, 0, q_len + 300])
@@ -359,8 +362,8 @@ def test_auto_picks_the_matrix_kernel(rng, backend):
 def test_auto_runs_short_sequences_on_the_scalar_kernel_in_the_same_launch(rng, layout, backend, monkeypatch):
     # prompts on the matrix kernel; decode tokens and a short chunk (fewer than MATRIX_MIN_ROWS rows) on the
     # scalar kernel's tiles, each half of the batch's rows written by one dispatch of the same submission
-    modules, pipeline = [], pagedvk.kernels.pipeline
-    monkeypatch.setattr(pagedvk.kernels, "pipeline",
+    modules, pipeline = [], pagedvk.kernels.modules.pipeline
+    monkeypatch.setattr(pagedvk.kernels.modules, "pipeline",
                         lambda device, kernel, key, *a: modules.append(key.name) or pipeline(device, kernel, key, *a))
     case = PrefillCase(rng, q_lens=[1, 70, 0, 1, 3, 130, 1], layout=layout, head_size=128, num_heads=8, num_kv_heads=2)
     out_err, lse_err = run_f16(case, "auto", backend=backend)
@@ -416,7 +419,7 @@ def test_matrix_kernel_window_does_not_read_blocks_before_it(rng, layout, backen
                        block_size=bs, seq_lens=[600, 300, 100])
     k, v = f16_caches(case)
     args = (case.query.astype(np.float16), k, v, *case.args()[3:])
-    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **case.options(window_left=window_left))
+    ref_out, ref_lse = pagedvk.testing.reference.paged_attention_prefill(*args, **case.options(window_left=window_left))
     for s, n in enumerate(case.seq_lens):
         for b in case.block_tables[s, :(n - q_len - window_left) // bs]:
             k[b] = v[b] = np.nan
@@ -431,11 +434,11 @@ def run_f16_backward(case, kernel, rng, dtype=np.float16):
     """(dq's, dk's, dv's) relative error against float64 on the same float16 (or `dtype`: bfloat16) inputs, with
     the forward's out (rounded to that type) and lse from the reference, and a dout of that type."""
     args = (case.query.astype(dtype), *f16_caches(case, dtype), *case.args()[3:5])
-    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, *case.args()[5:], **case.options())
+    ref_out, ref_lse = pagedvk.testing.reference.paged_attention_prefill(*args, *case.args()[5:], **case.options())
     dout = rng.standard_normal(case.query.shape).astype(dtype)
     grads = pagedvk.paged_attention_backward(dout, *args, ref_out.astype(dtype), ref_lse.astype(np.float32),
                                              kernel=kernel, **case.loc(), **case.options())
-    refs = pagedvk.reference.paged_attention_backward(dout, *args, *case.args()[5:], **case.options())
+    refs = pagedvk.testing.reference.paged_attention_backward(dout, *args, *case.args()[5:], **case.options())
     for g, like in zip(grads, args):
         assert g.shape == like.shape and g.dtype == np.float32
     return tuple(rel_error(g, ref) for g, ref in zip(grads, refs))
@@ -464,8 +467,8 @@ def test_matrix_backward_ragged_batch(rng, layout, kernel):
 
 @needs_coopmat
 def test_auto_picks_the_matrix_backward(rng, monkeypatch):
-    modules, pipeline = [], pagedvk.kernels.pipeline
-    monkeypatch.setattr(pagedvk.kernels, "pipeline",
+    modules, pipeline = [], pagedvk.kernels.modules.pipeline
+    monkeypatch.setattr(pagedvk.kernels.modules, "pipeline",
                         lambda device, kernel, key, *a: modules.append(key.name) or pipeline(device, kernel, key, *a))
     case = PrefillCase(rng, q_lens=[70, 1, 33], head_size=128, num_heads=8, num_kv_heads=2)
     assert max(run_f16_backward(case, "auto", rng)) <= TOL
@@ -474,7 +477,7 @@ def test_auto_picks_the_matrix_backward(rng, monkeypatch):
 
 
 def test_backward_matrix_modules_are_named_and_built():
-    for abi_ in (abi.PAGED_BACKWARD_DQ, abi.PAGED_BACKWARD_DKDV):
+    for abi_ in (catalogue.PAGED_BACKWARD_DQ, catalogue.PAGED_BACKWARD_DKDV):
         key = abi_.key("glsl", "f16", "f16", 64, matrix="coopmat")
         assert key.source == f"{abi_.op}_coopmat.comp" and set(key.requires()) == NEEDS
         assert set(abi_.key("glsl", "bf16", "bf16", 64, matrix="coopmat").requires()) == BF16_NEEDS

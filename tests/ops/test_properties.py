@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pagedvk
+import pagedvk.testing.reference
 from support import rel_error   # relative, or absolute where the reference is exactly zero
 
 SETTINGS = settings(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
@@ -90,7 +91,7 @@ def test_decode_matches_reference(p, device):
     value_cache = rng.standard_normal((p["num_blocks"], kv, hs, bs)).astype(np.float32)
     query = rng.standard_normal((p["num_seqs"], p["num_heads"], hs)).astype(np.float32)
     bt, sl = p["block_tables"], p["seq_lens"]
-    ref = pagedvk.reference.paged_attention(query, key_cache, value_cache, bt, sl)
+    ref = pagedvk.testing.reference.paged_attention(query, key_cache, value_cache, bt, sl)
     if p["on_device"]:   # device caches and tables through a plan, as an engine would keep them
         arrays = [pagedvk.asarray(a) for a in (query, key_cache, value_cache, bt, sl)]
         q, k, v, dbt, dsl = arrays
@@ -151,7 +152,7 @@ def test_decode_plans_match_reference_across_storage_kernels_and_variants(p, dev
     sinks = rng.standard_normal(heads_).astype(np.float32) if p["sinks"] else None
     # The reference reads vLLM's layout (x = 4) of the dequantized values.
     as_vllm_keys = lambda k, x: k.transpose(0, 2, 3, 1).reshape(nb, kv, hs // x, x, bs).transpose(0, 1, 2, 4, 3)
-    ref, ref_lse = pagedvk.reference.paged_attention(
+    ref, ref_lse = pagedvk.testing.reference.paged_attention(
         query.astype(np.float64), as_vllm_keys(k_nhd.astype(np.float64) * k_scale, 4),
         v_nhd.astype(np.float64).transpose(0, 2, 3, 1) * v_scale, p["block_tables"], p["seq_lens"],
         alibi_slopes=alibi, logits_soft_cap=p["logits_soft_cap"], sinks=sinks, window_left=p["window_left"],
@@ -214,7 +215,7 @@ def prefill_problems(draw):
 def test_prefill_matches_reference(p, device):
     args, options, _ = p
     out, lse = pagedvk.paged_attention_prefill(*args, **options)
-    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(*args, **options)
+    ref_out, ref_lse = pagedvk.testing.reference.paged_attention_prefill(*args, **options)
     assert_matches(out, ref_out, args[4])
     empty = args[4] == 0
     assert np.isneginf(lse[empty]).all()   # no keys: -inf
@@ -228,9 +229,9 @@ def test_backward_matches_reference(p, device):
     # A query that sees one key has dq exactly 0 in float64; float32 rounding of out leaves ~1e-7 there,
     # which rel_error measures absolutely.
     args, options, rng = p
-    out, lse = pagedvk.reference.paged_attention_prefill(*args, **options)
+    out, lse = pagedvk.testing.reference.paged_attention_prefill(*args, **options)
     dout = rng.standard_normal(args[0].shape).astype(np.float32)
     grads = pagedvk.paged_attention_backward(dout, *args, out.astype(np.float32), lse.astype(np.float32), **options)
-    refs = pagedvk.reference.paged_attention_backward(dout, *args, **options)
+    refs = pagedvk.testing.reference.paged_attention_backward(dout, *args, **options)
     for name, g, ref in zip(("dq", "dk_cache", "dv_cache"), grads, refs):
         assert rel_error(g, ref) <= TOLERANCE, name

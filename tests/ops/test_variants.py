@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import reference
+import pagedvk.ops.vllm
+from pagedvk.testing import reference
 from support import VARIANTS, Case, in_layout, poison_unread_slots, rel_error, tiered, variant_args
 
 CACHE_DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
@@ -191,10 +192,10 @@ def test_vllm_ops_take_alibi_slopes(rng, backend, op, monkeypatch):
     out = case.poisoned_out()
     q, k, v, bt, sl = case.args()
     if op == "v1":
-        pagedvk.ops.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, 1200, alibi_slopes=slopes)
+        pagedvk.ops.vllm.paged_attention_v1(out, q, k, v, 2, 0.125, bt, sl, 16, 1200, alibi_slopes=slopes)
     else:
         stats = np.zeros((2, 8, 3), np.float32)
-        pagedvk.ops.paged_attention_v2(out, stats, stats.copy(), np.zeros((2, 8, 3, 64), np.float32), q, k, v, 2,
+        pagedvk.ops.vllm.paged_attention_v2(out, stats, stats.copy(), np.zeros((2, 8, 3, 64), np.float32), q, k, v, 2,
                                        0.125, bt, sl, 16, 1200, alibi_slopes=slopes)
     assert rel_error(out, reference.paged_attention(*case.args(), scale=0.125, alibi_slopes=slopes)) <= TOL
 
@@ -369,7 +370,7 @@ def test_unified_attention_takes_the_variants(rng, backend, window_size, monkeyp
     kw = variant_args(rng, 8, ["alibi_slopes", "sinks"])
     k, v = in_layout(case, "nhd", np.float32)
     out = np.full_like(query, np.nan)
-    pagedvk.ops.unified_attention(query, k, v, out, loc, 9, case.seq_lens, 120, 0.2, True, window_size,
+    pagedvk.ops.vllm.unified_attention(query, k, v, out, loc, 9, case.seq_lens, 120, 0.2, True, window_size,
                                   case.block_tables, 1.5, None, None, None, **kw)
     ref, _ = reference.paged_attention_prefill(query, case.key_cache, case.value_cache, case.block_tables,
                                                case.seq_lens, loc, scale=0.2, layout="vllm", logits_soft_cap=1.5,
@@ -428,7 +429,7 @@ def test_runs_without_variants_take_the_pipeline_without_their_code(rng, backend
     with pagedvk.DecodePlan.for_caches(key_cache, value_cache, case.block_tables, case.seq_lens, 8, backend=backend,
                                        window_left=40, partition_size=32 if split else 512) as plan:
         assert (plan.num_partitions > 1) == split
-        monkeypatch.setattr(pagedvk.decode_plan, "variants_in_use", lambda push: False)   # the window, the plain pipeline
+        monkeypatch.setattr(pagedvk.ops.decode_plan, "variants_in_use", lambda push: False)   # the window, the plain pipeline
         plan.run(case.query, key_cache, value_cache, out=out)
     window_left = -1 if backend == "glsl" else 40
     assert rel_error(out, reference.paged_attention(*case.args(), window_left=window_left)) <= TOL

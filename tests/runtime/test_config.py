@@ -28,6 +28,7 @@ def test_bad_timeout_then_good_call_then_clean_exit():
     # submitted; the untracked work then made the next call (or the exit) segfault.
     result = run_python("""
         import os, numpy as np, pagedvk
+        import pagedvk.testing.reference
         rng = np.random.default_rng(0)
         k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
         v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)
@@ -45,7 +46,7 @@ def test_bad_timeout_then_good_call_then_clean_exit():
                 raise AssertionError("accepted PAGEDVK_TIMEOUT=" + bad)
         os.environ["PAGEDVK_TIMEOUT"] = "30"
         out = pagedvk.paged_attention(q, k, v, bt, sl)
-        ref = pagedvk.reference.paged_attention(q, k, v, bt, sl)
+        ref = pagedvk.testing.reference.paged_attention(q, k, v, bt, sl)
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
         print("ok")
         """)

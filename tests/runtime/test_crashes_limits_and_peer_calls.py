@@ -14,16 +14,19 @@ import pytest
 import vulkan as vk
 
 import pagedvk
+import pagedvk.ops.vllm
+import pagedvk.testing.reference
 from support import Case, rel_error, run_python
-from pagedvk.blocks import BlockManager
+from pagedvk.engine.blocks import BlockManager
 from pagedvk.errors import GPUTimeoutError
 from pagedvk.runtime import commands, instance
-from pagedvk.serve import Batch
+from pagedvk.demo.serve import Batch
 
 # A small decode problem every subprocess below runs: the device, its pipeline and objects exist before the
 # part under test.
 PROBLEM = """
     import numpy as np, pagedvk
+    import pagedvk.testing.reference
     rng = np.random.default_rng(0)
     k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
     v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)
@@ -33,7 +36,7 @@ PROBLEM = """
     def attend():
         return pagedvk.paged_attention(q, k, v, bt, sl)
     def right(out):
-        ref = pagedvk.reference.paged_attention(q, k, v, bt, sl)
+        ref = pagedvk.testing.reference.paged_attention(q, k, v, bt, sl)
         return np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
 """
 
@@ -120,7 +123,7 @@ def test_bad_spin_refused_at_startup(value):
     # submission, and the process goes on. Each head size below makes a new pipeline.
     result = run_python(program(PROBLEM, f"""
     import os
-    from pagedvk import selection
+    from pagedvk.runtime import selection
     try:
         pagedvk.zeros(4)
     except ValueError as e:
@@ -228,19 +231,19 @@ def test_scales_are_ignored_for_float_caches(rng, dtype, op):
         q = np.ascontiguousarray(np.repeat(query[:, :, None], 1, axis=2))   # [num_seqs, num_heads, q_len 1, ...]
         out = np.full(q.shape, np.nan, np.float32)
         pagedvk.paged_attention_prefill(q, k, v, bt, sl, layout="vllm", out=out, **scales)
-        ref, _ = pagedvk.reference.paged_attention_prefill(q, k, v, bt, sl, layout="vllm")
+        ref, _ = pagedvk.testing.reference.paged_attention_prefill(q, k, v, bt, sl, layout="vllm")
     else:
         out = np.full(query.shape, np.nan, np.float32)
-        ref = pagedvk.reference.paged_attention(query, k, v, bt, sl)
+        ref = pagedvk.testing.reference.paged_attention(query, k, v, bt, sl)
         if op == "paged_attention":
             pagedvk.paged_attention(query, k, v, bt, sl, out=out, **scales)
         elif op == "paged_attention_v1":
-            pagedvk.ops.paged_attention_v1(out, query, k, v, 2, 32 ** -0.5, bt, sl, 16, 600, **scales)
+            pagedvk.ops.vllm.paged_attention_v1(out, query, k, v, 2, 32 ** -0.5, bt, sl, 16, 600, **scales)
         else:
             parts = -(-600 // 512)
             stats = [np.full((3, 4, parts), np.nan, np.float32) for _ in range(2)]
             tmp = np.full((3, 4, parts, 32), np.nan, np.float32)
-            pagedvk.ops.paged_attention_v2(out, *stats, tmp, query, k, v, 2, 32 ** -0.5, bt, sl, 16, 600, **scales)
+            pagedvk.ops.vllm.paged_attention_v2(out, *stats, tmp, query, k, v, 2, 32 ** -0.5, bt, sl, 16, 600, **scales)
     assert rel_error(out, ref) <= float_tolerance(dtype)
 
 
@@ -258,7 +261,7 @@ def test_kv_cache_plan_follows_the_batch_content(rng, device):
     for step in range(3):
         q = rng.standard_normal((2, 4, 32)).astype(np.float32)
         out = cache.attend(0, q, batch)
-        ref = pagedvk.reference.paged_attention(q, keys, values, batch.block_tables, batch.seq_lens)
+        ref = pagedvk.testing.reference.paged_attention(q, keys, values, batch.block_tables, batch.seq_lens)
         assert rel_error(out, ref) <= 1e-5, step
         batch.seq_lens += 1                                     # the next step, in place
         batch.block_tables[:] = rng.permutation(12)[:6].reshape(2, 3)
@@ -309,12 +312,12 @@ def test_soft_cap_is_checked_in_float32(rng, cap):
 def test_soft_caps_the_kernels_keep_accurate(rng, cap):
     # 0 means off, as in FlashInfer (it was refused); the largest and smallest caps allowed are right to float32.
     case = Case(rng, num_seqs=3, num_heads=4, num_kv_heads=2, head_size=64, max_len=200)
-    ref = pagedvk.reference.paged_attention(*case.args(), logits_soft_cap=cap or None)
+    ref = pagedvk.testing.reference.paged_attention(*case.args(), logits_soft_cap=cap or None)
     out = case.poisoned_out()
     pagedvk.paged_attention(*case.args(), out=out, logits_soft_cap=cap)
     assert rel_error(out, ref) <= 1e-5
     q = case.query[:, :, None]
-    ref, _ = pagedvk.reference.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables,
+    ref, _ = pagedvk.testing.reference.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables,
                                                        case.seq_lens, layout="vllm", logits_soft_cap=cap or None)
     out = np.full(q.shape, np.nan, np.float32)
     pagedvk.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
@@ -567,7 +570,7 @@ def test_read_only_out_refused_before_the_gpu_runs(rng, op, monkeypatch):
         tmp = np.full((2, 4, 1, 32), np.nan, np.float32)
         tmp.flags.writeable = False
         with pytest.raises(ValueError, match=r"tmp_out must be writable"):
-            pagedvk.ops.paged_attention_v2(case.poisoned_out(), np.zeros((2, 4, 1), np.float32),
+            pagedvk.ops.vllm.paged_attention_v2(case.poisoned_out(), np.zeros((2, 4, 1), np.float32),
                                            np.zeros((2, 4, 1), np.float32), tmp, q, k, v, 2, 0.2, bt, sl, 16, 40)
     else:
         k.flags.writeable = False
@@ -589,16 +592,16 @@ def test_paged_attention_v2_takes_tmp_out_in_the_output_dtype(rng, dtype):
     out = np.full(case.query.shape, np.nan, dtype)
     exp_sums, max_logits = (np.full((2, 4, parts), np.nan, np.float32) for _ in range(2))
     tmp_out = np.full((2, 4, parts, 64), np.nan, dtype)
-    pagedvk.ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out, case.query, case.key_cache, case.value_cache,
+    pagedvk.ops.vllm.paged_attention_v2(out, exp_sums, max_logits, tmp_out, case.query, case.key_cache, case.value_cache,
                                    2, 0.125, case.block_tables, case.seq_lens, 16, 1300)
     assert rel_error(out, case.reference(0.125)) <= 4e-3
     # partition 1 of sequence 0 (tokens 512..1023), normalized, rounded to tmp_out's dtype
-    k, v = pagedvk.reference.gather_kv(case.key_cache, case.value_cache, case.block_tables[0], 1300)
+    k, v = pagedvk.testing.reference.gather_kv(case.key_cache, case.value_cache, case.block_tables[0], 1300)
     logits = 0.125 * case.query[0, :2].astype(np.float64) @ k[512:1024, 0].T
     p = np.exp(logits - logits.max(axis=1, keepdims=True))
     assert rel_error(tmp_out[0, :2, 1], (p / p.sum(axis=1, keepdims=True)) @ v[512:1024, 0]) <= 4e-3
     with pytest.raises(TypeError, match=r"tmp_out must have dtype float32 or "):
-        pagedvk.ops.paged_attention_v2(out, exp_sums, max_logits, tmp_out.astype(np.float64), case.query,
+        pagedvk.ops.vllm.paged_attention_v2(out, exp_sums, max_logits, tmp_out.astype(np.float64), case.query,
                                        case.key_cache, case.value_cache, 2, 0.125, case.block_tables, case.seq_lens,
                                        16, 1300)
 
@@ -630,11 +633,11 @@ def test_flashinfer_combined_hnd_cache_of_one_token_pages(rng, backend):
     last = query[loc[1:] - 1]
     assert pagedvk.paged_attention(last, kv[:, 0], kv[:, 1], tables, seq_lens, layout="hnd", backend=backend,
                                    out=out) is out
-    ref = pagedvk.reference.paged_attention(last, kv[:, 0], kv[:, 1], tables, seq_lens, layout="hnd")
+    ref = pagedvk.testing.reference.paged_attention(last, kv[:, 0], kv[:, 1], tables, seq_lens, layout="hnd")
     assert rel_error(out, ref) <= 2e-3 and np.isnan(wide[:, :, :hs]).all()
     out, lse = pagedvk.paged_attention_prefill(query, kv[:, 0], kv[:, 1], tables, seq_lens, loc, layout="hnd",
                                                backend=backend)
-    ref_out, ref_lse = pagedvk.reference.paged_attention_prefill(query, kv[:, 0], kv[:, 1], tables, seq_lens, loc,
+    ref_out, ref_lse = pagedvk.testing.reference.paged_attention_prefill(query, kv[:, 0], kv[:, 1], tables, seq_lens, loc,
                                                                  layout="hnd")
     assert rel_error(out, ref_out) <= 2e-3 and rel_error(lse, ref_lse) <= 1e-5
 
@@ -642,7 +645,7 @@ def test_flashinfer_combined_hnd_cache_of_one_token_pages(rng, backend):
 def test_backward_takes_soft_cap_zero_as_off(rng):
     # FlashInfer passes logits_soft_cap=0.0 for "off"; the backward, which supports no variant yet, refused it.
     case = Case(rng, seq_lens=[20], num_heads=4, num_kv_heads=2, head_size=32)
-    k, v = pagedvk.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
+    k, v = pagedvk.testing.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
     k, v = np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32)
     q = rng.standard_normal((1, 4, 3, 32)).astype(np.float32)
     out, lse = pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, logits_soft_cap=0.0)

@@ -9,8 +9,10 @@ import pytest
 import vulkan as vk
 
 import pagedvk
+import pagedvk.config
+import pagedvk.testing.reference
 from support import Case, PrefillCase, assert_untouched, fenced, rel_error
-from pagedvk.decode import release_cached_plans
+from pagedvk.ops.decode import release_cached_plans
 from pagedvk.errors import GPUTimeoutError
 from pagedvk.runtime import commands
 
@@ -428,7 +430,7 @@ def test_unchecked_tables_stay_inside_buffers_in_prefill_and_backward(rng, devic
     dout = pagedvk.asarray(rng.standard_normal(case.query.shape).astype(np.float32))
     dq, dk, dv = pagedvk.paged_attention_backward(dout, q, k, v, bt, sl, out, lse, *loc, **opts)
     assert np.isfinite(dq.numpy()).all() and np.isfinite(dk.numpy()).all() and np.isfinite(dv.numpy()).all()
-    ref_dq = pagedvk.reference.paged_attention_backward(dout.numpy(), *case.args(), **case.options())[0]
+    ref_dq = pagedvk.testing.reference.paged_attention_backward(dout.numpy(), *case.args(), **case.options())[0]
     np.testing.assert_allclose(dq.numpy()[valid], ref_dq[valid], rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(k.numpy(), case.key_cache)
     np.testing.assert_array_equal(v.numpy(), case.value_cache)
@@ -454,7 +456,7 @@ def test_grid_folded_past_the_device_limits(rng, device, monkeypatch):
     lens = np.maximum(case.seq_lens, 3)
     out, lse = pagedvk.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables, lens,
                                                layout="vllm")
-    ref, ref_lse = pagedvk.reference.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables,
+    ref, ref_lse = pagedvk.testing.reference.paged_attention_prefill(q, case.key_cache, case.value_cache, case.block_tables,
                                                              lens, layout="vllm")
     assert rel_error(out, ref) <= 1e-5 and rel_error(lse, ref_lse) <= 1e-5
 
@@ -471,7 +473,7 @@ def test_seventy_thousand_sequences(rng):
     query = rng.standard_normal((n, 1, 32)).astype(np.float32)
     out = pagedvk.paged_attention(query, key_cache, value_cache, block_tables, seq_lens)
     check = rng.choice(n, 200, replace=False)
-    ref = pagedvk.reference.paged_attention(query[check], key_cache, value_cache, block_tables[check], seq_lens[check])
+    ref = pagedvk.testing.reference.paged_attention(query[check], key_cache, value_cache, block_tables[check], seq_lens[check])
     assert rel_error(out[check], ref) <= 1e-5 and np.isfinite(out).all()
 
 

@@ -6,8 +6,8 @@ import pytest
 
 import pagedvk
 from support import Case, rel_error, run_threads
-from pagedvk import decode
-from pagedvk.decode import release_cached_plans
+from pagedvk.ops import decode
+from pagedvk.ops.decode import release_cached_plans
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 
 import pagedvk
 from support import Case, rel_error, run_python
-from pagedvk import selection
+from pagedvk.runtime import selection
 from pagedvk.runtime.instance import DeviceInfo
 
 
@@ -25,7 +25,7 @@ def test_devices_describe_each_device():
 
 
 def test_compute_units_reported_or_estimated():
-    from pagedvk.decode_rules import UNITS_ESTIMATE, compute_units
+    from pagedvk.ops.decode_rules import UNITS_ESTIMATE, compute_units
     info = pagedvk.devices()[0]
     units = compute_units(info)
     assert units == (info.compute_units or (os.cpu_count() if info.type == "cpu" else UNITS_ESTIMATE[info.type]))
@@ -164,7 +164,7 @@ def test_validation_messages_name_the_objects():
     # message by a command that is recorded, never submitted.
     result = run_python("""
         import numpy as np, vulkan as vk, pagedvk
-        from pagedvk import abi, kernels
+        from pagedvk.kernels import catalogue, modules
         dev = pagedvk.default_device()
 
         def message(name, record):
@@ -178,7 +178,7 @@ def test_validation_messages_name_the_objects():
             return "no message"
 
         # A push of the wrong stage names the pipeline layout, which carries the module's name.
-        p = kernels.pipeline(dev, abi.PAGED_DECODE, abi.PAGED_DECODE.key("glsl", "f32", "f32"))
+        p = modules.pipeline(dev, catalogue.PAGED_DECODE, catalogue.PAGED_DECODE.key("glsl", "f32", "f32"))
         data = vk.ffi.new("char[]", 4)
         print("push:", message("push probe", lambda c: vk.vkCmdPushConstants(
             c, p.layout, vk.VK_SHADER_STAGE_VERTEX_BIT, 0, 4, data)))
@@ -217,6 +217,7 @@ def test_decode_is_clean_under_validation():
         pytest.fail("VK_LAYER_KHRONOS_validation missing: install vulkan-validationlayers")
     result = run_python("""
         import numpy as np, pagedvk
+        import pagedvk.testing.reference
         rng = np.random.default_rng(1)
         k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
         v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)
@@ -224,7 +225,7 @@ def test_decode_is_clean_under_validation():
         bt = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
         sl = np.array([40, 17], np.int32)
         out = pagedvk.paged_attention(q, k, v, bt, sl)
-        ref = pagedvk.reference.paged_attention(q, k, v, bt, sl)
+        ref = pagedvk.testing.reference.paged_attention(q, k, v, bt, sl)
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
         pagedvk.default_device().close()
         pagedvk.default_device().instance.raise_validation_messages()
@@ -285,8 +286,8 @@ def test_owned_objects_share_close_and_with(device):
 # -- buffer ranges: arrays over sub-ranges of one buffer (the tests' sentinels sit in the same buffer) --
 
 def test_arrays_over_ranges_of_one_buffer(rng, device):
-    from pagedvk.array import DeviceArray
-    from pagedvk.layouts import bind_caches
+    from pagedvk.runtime.array import DeviceArray
+    from pagedvk.ops.layouts import bind_caches
     buffer = device.buffer(4096)
     device.fill(buffer, 0x7F7F7F7F)
     a_host, b_host = rng.standard_normal(10).astype(np.float32), rng.standard_normal(64).astype(np.float32)
@@ -312,7 +313,7 @@ def test_arrays_over_ranges_of_one_buffer(rng, device):
 
 
 def test_buffer_range_offsets_are_checked(device):
-    from pagedvk.array import DeviceArray
+    from pagedvk.runtime.array import DeviceArray
     from pagedvk.runtime.memory import BufferRange
     buffer = device.buffer(256)
     with pytest.raises(ValueError, match=r"offset must be a multiple of 4 in \[0, 240\] .* got 248"):
@@ -349,9 +350,9 @@ def test_a_launch_checks_its_bindings_again_after_any_close(device):
     import gc
     from pagedvk.runtime.memory import BufferRange
     from pagedvk.runtime.pipeline import Launch
-    from pagedvk import kernels
-    from pagedvk.abi import READ_BANDWIDTH
-    pipeline = kernels.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
+    from pagedvk.kernels import modules
+    from pagedvk.kernels.catalogue import READ_BANDWIDTH
+    pipeline = modules.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
     for how in ("range", "buffer", "collected"):
         src, dst = pagedvk.zeros(64, np.uint32, device=device), pagedvk.zeros(256, np.uint32, device=device)
         bound = BufferRange(src.buffer, 0, 256) if how == "range" else src.buffer

@@ -8,6 +8,7 @@ import pytest
 import vulkan as vk
 
 import pagedvk
+import pagedvk.testing.reference
 from support import THREADS, Case, run_threads
 
 
@@ -45,7 +46,7 @@ def test_threads_share_one_plan(rng, device):
     case = Case(rng, num_seqs=4, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, max_len=300)
     k, v = pagedvk.asarray(case.key_cache), pagedvk.asarray(case.value_cache)
     queries = [np.random.default_rng(i).standard_normal(case.query.shape).astype(np.float32) for i in range(THREADS)]
-    refs = [pagedvk.reference.paged_attention(q, *case.args()[1:]) for q in queries]
+    refs = [pagedvk.testing.reference.paged_attention(q, *case.args()[1:]) for q in queries]
     with pagedvk.DecodePlan.for_caches(k, v, case.block_tables, case.seq_lens, num_heads=8) as plan:
 
         def body(i):
@@ -129,12 +130,12 @@ def test_thread_results_do_not_depend_on_the_thread_count(rng, device, n):
 def test_threads_sharing_a_plan_with_many_arrays(rng):
     # More distinct (query, out) pairs than a plan keeps recorded launches (32): eviction under load
     # must never close a launch another thread is about to submit.
-    from pagedvk.decode_plan import RECORDED_LAUNCHES
+    from pagedvk.ops.decode_plan import RECORDED_LAUNCHES
     case = Case(rng, num_seqs=2, num_heads=4, num_kv_heads=2, head_size=32, block_size=8, max_len=40)
     k, v = pagedvk.asarray(case.key_cache), pagedvk.asarray(case.value_cache)
     plan = pagedvk.DecodePlan.for_caches(k, v, case.block_tables, case.seq_lens, num_heads=4)
     queries = [rng.standard_normal(case.query.shape).astype(np.float32) for _ in range(RECORDED_LAUNCHES + 8)]
-    refs = [pagedvk.reference.paged_attention(q, case.key_cache, case.value_cache, case.block_tables,
+    refs = [pagedvk.testing.reference.paged_attention(q, case.key_cache, case.value_cache, case.block_tables,
                                               case.seq_lens) for q in queries]
     pairs = [(pagedvk.asarray(q), pagedvk.empty(q.shape)) for q in queries]
     errors = []

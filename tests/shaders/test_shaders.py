@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 import pagedvk
-from pagedvk import abi, kernels, spirv, spirv_passes
+from pagedvk.kernels import abi, catalogue, modules, spirv, spirv_passes
 from support import REPO, run_python
 
-MODULES = [(k, key) for k in abi.KERNELS for key in k.keys()]
+MODULES = [(k, key) for k in catalogue.KERNELS for key in k.keys()]
 IDS = [key.name for _, key in MODULES]
-DECODE_F32 = abi.PAGED_DECODE.key("glsl", "f32", "f32")   # the float32-cache decode module
+DECODE_F32 = catalogue.PAGED_DECODE.key("glsl", "f32", "f32")   # the float32-cache decode module
 
 
 def spirv_val():
@@ -30,8 +30,8 @@ def spirv_val():
 
 
 def module_problems(kernel, key) -> list:
-    """What is wrong with one built module: missing, refused by spirv-val, or not the interface abi.py declares."""
-    path = kernels.module_path(key.name)
+    """What is wrong with one built module: missing, refused by spirv-val, or not the interface the catalogue declares."""
+    path = modules.module_path(key.name)
     if not path.is_file():
         return [f"{path} missing"]
     # cooperative-matrix modules: the newer spirv-val the build found (the system's may not know them)
@@ -57,7 +57,8 @@ def module_problems(kernel, key) -> list:
         "4-byte push constants": all(m.size == 4 for m in r.push_constant_members),
         "specialization constants": r.spec_constants == kernel.specialization_constants(key),
     }
-    return [f"{what} differs from abi.py" for what, ok in checks.items() if not ok]
+    return [f"{what} differs from its declaration (pagedvk/kernels/catalogue.py)" for what, ok in checks.items()
+            if not ok]
 
 
 def test_every_module_is_valid_and_matches_its_declared_abi():
@@ -69,33 +70,57 @@ def test_every_module_is_valid_and_matches_its_declared_abi():
 
 def test_a_module_that_differs_from_its_declaration_is_caught(monkeypatch):
     # The check above can fail: a declaration with one binding less and a push constant more is two problems.
-    kernel = abi.MERGE_STATES
+    kernel = catalogue.MERGE_STATES
     key = kernel.key("glsl", q="f32")
     wrong = dataclasses.replace(kernel, bindings=kernel.bindings[:-1],
                                 push=kernel.push + (abi.PushField("extra", "u32"),))
     assert len(module_problems(wrong, key)) >= 3   # binding numbers, read-only flags, push size and offsets
 
 
+def test_the_declared_modules_are_the_built_ones():
+    # KernelABI.keys() declares each kernel's modules as products of axes less their exclusions: the build's own
+    # output (the manifest, every backend built) names exactly those, none more, none missing.
+    built = {name for name in modules.manifest() if name != "backends"}
+    assert set(modules.manifest()["backends"]) == set(abi.BACKENDS)
+    assert sorted(built) == sorted(IDS) and len(IDS) == len(set(IDS))
+
+
+def test_every_excluded_combination_says_why():
+    for kernel in catalogue.KERNELS:
+        for family in kernel.module_axes():
+            assert family.what and all(why and values for why, values in family.exclusions), (kernel.op, family)
+
+
+def test_each_kernel_names_its_specialization_constants():
+    # Every id a module declares is a member of its kernel's own enum; the ids are the sources' constant_ids, so
+    # they never change (the modules are built with them).
+    for kernel, key in MODULES:
+        declared = kernel.specialization_constants(key)
+        assert all(isinstance(i, kernel.spec_ids) for i in declared), key.name
+    assert catalogue.PrefillSpec.HEAD_SIZE == catalogue.DecodeSpec.MERGE == 3   # separate kernels, one number
+    assert [int(i) for i in catalogue.DecodeSpec] == list(range(9))
+
+
 def test_modules_are_current():
     """The modules pagedvk loads were built from this checkout's shaders as they are now."""
-    manifest = kernels.manifest()
+    manifest = modules.manifest()
     for kernel, key in MODULES:
         entry = manifest[key.name]
         assert entry["digest"] == abi.source_digest(REPO / "shaders", key, entry.get("includes")), \
             f"{key.name} was built from other sources than {REPO / 'shaders'}"
-        kernels.load_spirv(kernel, key)
+        modules.load_spirv(kernel, key)
 
 
 @pytest.fixture
 def spv_copy(tmp_path, monkeypatch):
     """A private copy of the module folder, with the repo's shader sources for the staleness check."""
     copy = tmp_path / "spv"
-    shutil.copytree(kernels.SPV_DIR, copy)
-    monkeypatch.setattr(kernels, "SPV_DIR", copy)
-    monkeypatch.setattr(kernels, "SOURCE_SHADER_DIR", REPO / "shaders")
-    monkeypatch.setattr(kernels, "_manifest", None)
+    shutil.copytree(modules.SPV_DIR, copy)
+    monkeypatch.setattr(modules, "SPV_DIR", copy)
+    monkeypatch.setattr(modules, "SOURCE_SHADER_DIR", REPO / "shaders")
+    monkeypatch.setattr(modules, "_manifest", None)
     yield copy
-    kernels._manifest = None
+    modules._manifest = None
 
 
 def test_stale_module_is_refused(spv_copy):
@@ -103,51 +128,51 @@ def test_stale_module_is_refused(spv_copy):
     manifest[DECODE_F32.name]["digest"] = "0" * 64
     (spv_copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.glsl is stale"):
-        kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
+        modules.load_spirv(catalogue.PAGED_DECODE, DECODE_F32)
 
 
 def test_missing_module_is_named(spv_copy):
     (spv_copy / "paged_decode.kv_f32.glsl.spv").unlink()
     with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode\.kv_f32\.glsl is missing"):
-        kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
+        modules.load_spirv(catalogue.PAGED_DECODE, DECODE_F32)
 
 
 def test_missing_manifest_is_reported(spv_copy):
     (spv_copy / "manifest.json").unlink()
     with pytest.raises(pagedvk.ShaderModuleError, match="manifest.json missing"):
-        kernels.load_spirv(abi.PAGED_DECODE, DECODE_F32)
+        modules.load_spirv(catalogue.PAGED_DECODE, DECODE_F32)
 
 
 def test_unknown_variant_is_named():
     with pytest.raises(ValueError, match="paged_decode has no module for cache storage 'i4'"):
-        abi.PAGED_DECODE.key("glsl", "i4", "f32")
+        catalogue.PAGED_DECODE.key("glsl", "i4", "f32")
     with pytest.raises(pagedvk.ShaderModuleError, match=r"paged_decode has no module paged_decode\.kv_i4"):
-        kernels.load_spirv(abi.PAGED_DECODE, abi.VariantKey("paged_decode", "glsl", "i4", "f32"))
+        modules.load_spirv(catalogue.PAGED_DECODE, abi.VariantKey("paged_decode", "glsl", "i4", "f32"))
 
 
 def test_variant_keys_are_built_in_one_place():
     # The query type and (GLSL) the head size are not in a module's name: kernels read them at run time or as
     # specialization constants. WGSL decode modules fix the head size with the layout and group width (fixed), and the
     # cache type's usual query type (abi.FIXED_QUERY).
-    assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 128).name == "paged_decode.kv_f16.glsl"
-    assert abi.PAGED_DECODE.key("glsl", "f16", "bf16", 48).name == "paged_decode.kv_f16.glsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.wgsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f16", 128, fixed="vllm_g8").name == "paged_decode.kv_e4m3.q_f16.h128.vllm_g8.wgsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, access="seg", fixed="vllm_g8").name == "paged_decode.kv_e4m3.seg.wgsl"
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f16", 128, fixed="nhd_g4").constants() == {
+    assert catalogue.PAGED_DECODE.key("glsl", "f16", "bf16", 128).name == "paged_decode.kv_f16.glsl"
+    assert catalogue.PAGED_DECODE.key("glsl", "f16", "bf16", 48).name == "paged_decode.kv_f16.glsl"
+    assert catalogue.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128).name == "paged_decode.kv_e4m3.wgsl"
+    assert catalogue.PAGED_DECODE.key("wgsl", "e4m3", "f16", 128, fixed="vllm_g8").name == "paged_decode.kv_e4m3.q_f16.h128.vllm_g8.wgsl"
+    assert catalogue.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, access="seg", fixed="vllm_g8").name == "paged_decode.kv_e4m3.seg.wgsl"
+    assert catalogue.PAGED_DECODE.key("wgsl", "e4m3", "f16", 128, fixed="nhd_g4").constants() == {
         "HEAD_SIZE": 128, "VALUE_ORDER": 2, "GROUP_LIMIT": 4, "Q_TYPE_FIXED": 1}
-    assert abi.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, fixed="nhd_g4").name == "paged_decode.kv_e4m3.wgsl"
+    assert catalogue.PAGED_DECODE.key("wgsl", "e4m3", "f32", 128, fixed="nhd_g4").name == "paged_decode.kv_e4m3.wgsl"
     with pytest.raises(ValueError, match="query storage 'f8'"):
-        abi.PAGED_DECODE.key("glsl", "f16", "f8")
-    key = abi.PAGED_PREFILL.key("wgsl", "bf16", "f16")
+        catalogue.PAGED_DECODE.key("glsl", "f16", "f8")
+    key = catalogue.PAGED_PREFILL.key("wgsl", "bf16", "f16")
     assert key.includes() == {"kv_storage.wgsl": "kv_bf16.wgsl", "q_storage.wgsl": "q_any.wgsl",
                               "kv_access.wgsl": "kv_bound.wgsl"}
-    assert abi.PAGED_PREFILL.key("wgsl", "bf16", "f16", access="seg").includes()["kv_access.wgsl"] == "kv_segmented.wgsl"
-    assert abi.PAGED_DECODE.key("glsl", "e5m2", "f32", 64).defines() == {"KV_E5M2": 1}
-    assert abi.PAGED_DECODE.key("glsl", "bf16", "bf16", 64, matrix="coopmat").defines() == {
+    assert catalogue.PAGED_PREFILL.key("wgsl", "bf16", "f16", access="seg").includes()["kv_access.wgsl"] == "kv_segmented.wgsl"
+    assert catalogue.PAGED_DECODE.key("glsl", "e5m2", "f32", 64).defines() == {"KV_E5M2": 1}
+    assert catalogue.PAGED_DECODE.key("glsl", "bf16", "bf16", 64, matrix="coopmat").defines() == {
         "KV_BF16": 1, "Q_BF16": 1, "HEAD_SIZE": 64}
-    assert len({k.name for kernel in abi.KERNELS for k in kernel.keys()}) == sum(
-        len(list(kernel.keys())) for kernel in abi.KERNELS)
+    assert len({k.name for kernel in catalogue.KERNELS for k in kernel.keys()}) == sum(
+        len(list(kernel.keys())) for kernel in catalogue.KERNELS)
 
 
 def test_build_without_glslang_names_the_package(tmp_path):
@@ -202,7 +227,7 @@ MATRIX_PRODUCT = ("  coopStore(coopMultiplyAdd(coopLoadT<coop_mat16x16<f16, A>>(
 
 
 def installed_wgsl_modules():
-    return [kernels.module_path(name).read_bytes() for name in IDS if name.endswith(".wgsl")]
+    return [modules.module_path(name).read_bytes() for name in IDS if name.endswith(".wgsl")]
 
 
 def test_build_reports_compile_errors(tmp_path, monkeypatch):
@@ -236,15 +261,15 @@ def test_matrix_modules_need_a_newer_glslang(tmp_path, monkeypatch):
 
 
 def test_push_constant_packing():
-    values = {f.name: i for i, f in enumerate(abi.ATTENTION_PUSH)}
+    values = {f.name: i for i, f in enumerate(catalogue.ATTENTION_PUSH)}
     values["scale"] = 0.5
-    packed = abi.PAGED_DECODE.pack_push(**values)
-    assert len(packed) == abi.PAGED_DECODE.push_size == 4 * len(abi.ATTENTION_PUSH) <= 128   # Vulkan's minimum
-    offset = abi.PAGED_DECODE.push_offsets()["scale"]
+    packed = catalogue.PAGED_DECODE.pack_push(**values)
+    assert len(packed) == catalogue.PAGED_DECODE.push_size == 4 * len(catalogue.ATTENTION_PUSH) <= 128   # Vulkan's minimum
+    offset = catalogue.PAGED_DECODE.push_offsets()["scale"]
     assert packed[offset:offset + 4] == struct.pack("<f", 0.5)
     assert packed[4:8] == struct.pack("<I", 1)
     with pytest.raises(KeyError, match="missing"):
-        abi.PAGED_DECODE.pack_push(num_heads=8)
+        catalogue.PAGED_DECODE.pack_push(num_heads=8)
 
 
 def test_wgsl_includes_are_pasted_and_tracked(tmp_path):
@@ -355,6 +380,7 @@ def test_driver_compile_does_not_count_against_the_timeout():
     # under a PAGEDVK_TIMEOUT shorter than the compile still runs.
     code = """
         import numpy as np, pagedvk
+        import pagedvk.testing.reference
         rng = np.random.default_rng(0)
         q = rng.standard_normal((2, 4, 3, 64)).astype(np.float32)
         k = rng.standard_normal((8, 16, 2, 64)).astype(np.float16)
@@ -363,7 +389,7 @@ def test_driver_compile_does_not_count_against_the_timeout():
         lens = np.array([50, 64], np.int32)
         for backend in ("glsl", "wgsl"):
             out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, lens, backend=backend)
-            ref, _ = pagedvk.reference.paged_attention_prefill(q, k, v, bt, lens)
+            ref, _ = pagedvk.testing.reference.paged_attention_prefill(q, k, v, bt, lens)
             assert np.abs(out - ref).max() < 1e-3, backend
         print("ok")
     """
@@ -435,7 +461,7 @@ def words_of(path) -> list:
 def test_bfloat16_matrix_modules_declare_bfloat16_not_float16(key):
     # spirv_passes.bfloat16_matrices: the float16 type carries the bfloat16 encoding, the module asks for
     # bfloat16 (VK_KHR_shader_bfloat16's capabilities) and no longer for float16 arithmetic.
-    ins = words_of(kernels.module_path(key.name))
+    ins = words_of(modules.module_path(key.name))
     capabilities = {ops[0] for op, ops in ins if op == 17}
     assert {5116, 5118} <= capabilities and 9 not in capabilities
     assert [tuple(ops[1:]) for op, ops in ins if op == 22 and ops[1] == 16] == [(16, 0)]
@@ -458,9 +484,9 @@ def test_bfloat16_pass_keeps_constants_exact_or_refuses(tmp_path):
         build.run([glslang, "-V", "--target-env", "vulkan1.2", "-o", str(spv), str(src)], "glslang")
         if expect is None:
             with pytest.raises(build.BuildError, match=r"k\.spv: a float16 constant \(1.0009765625\) has no exact"):
-                build.run_passes(spv, [build.load_module("spirv_passes").bfloat16_matrices])
+                build.run_passes(spv, [build.load_module("kernels.spirv_passes").bfloat16_matrices])
             continue
-        build.run_passes(spv, [build.load_module("spirv_passes").bfloat16_matrices])
+        build.run_passes(spv, [build.load_module("kernels.spirv_passes").bfloat16_matrices])
         ins = words_of(spv)
         half = next(ops[0] for op, ops in ins if op == 22 and ops[1] == 16)
         assert [ops[2] for op, ops in ins if op == 43 and ops[0] == half] == [expect]
@@ -491,7 +517,7 @@ def test_wgsl_subgroup_barriers_order_workgroup_memory(tmp_path):
     assert barrier_semantics(built) == [(3, 0x108) if b == (3, 0x88) else b for b in barrier_semantics(raw)]
     for name in IDS:
         if name.startswith("paged_prefill.coopmat") and name.endswith(".wgsl"):
-            semantics = barrier_semantics(kernels.module_path(name).read_bytes())
+            semantics = barrier_semantics(modules.module_path(name).read_bytes())
             assert (3, 0x108) in semantics and (3, 0x88) not in semantics
 
 
@@ -637,28 +663,28 @@ def test_failed_build_leaves_no_partial_module_nor_a_claim(tmp_path, shaders_cop
 @pytest.fixture
 def built_kernels(tmp_path, shaders_copy, monkeypatch):
     """kernels loading modules from tmp_path/out, with shaders_copy as the source checkout's shaders."""
-    monkeypatch.setattr(kernels, "SPV_DIR", tmp_path / "out")
-    monkeypatch.setattr(kernels, "SOURCE_SHADER_DIR", shaders_copy)
-    monkeypatch.setattr(kernels, "_manifest", None)
+    monkeypatch.setattr(modules, "SPV_DIR", tmp_path / "out")
+    monkeypatch.setattr(modules, "SOURCE_SHADER_DIR", shaders_copy)
+    monkeypatch.setattr(modules, "_manifest", None)
     yield tmp_path / "out"
-    kernels._manifest = None
+    modules._manifest = None
 
 
 def test_stale_check_hashes_the_includes_the_build_recorded(built_kernels, shaders_copy, capsys):
     build_subset(built_kernels, shaders_copy, capsys, DECODE_MATRIX_GLSL, PREFILL_MATRIX_GLSL)
     decode, prefill = keys_named(DECODE_MATRIX_GLSL, PREFILL_MATRIX_GLSL)
-    kernels.load_spirv(abi.PAGED_DECODE, decode)
-    kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+    modules.load_spirv(catalogue.PAGED_DECODE, decode)
+    modules.load_spirv(catalogue.PAGED_PREFILL, prefill)
     edit(shaders_copy / "kv_encode.glsl")   # included by neither: both still current
-    kernels.load_spirv(abi.PAGED_DECODE, decode)
-    kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+    modules.load_spirv(catalogue.PAGED_DECODE, decode)
+    modules.load_spirv(catalogue.PAGED_PREFILL, prefill)
     edit(shaders_copy / "decode_merge.glsl")   # the decode's only
     with pytest.raises(pagedvk.ShaderModuleError, match=re.escape(DECODE_MATRIX_GLSL) + " is stale"):
-        kernels.load_spirv(abi.PAGED_DECODE, decode)
-    kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+        modules.load_spirv(catalogue.PAGED_DECODE, decode)
+    modules.load_spirv(catalogue.PAGED_PREFILL, prefill)
     (shaders_copy / "prefill_matrix.glsl").unlink()   # an include it used, gone
     with pytest.raises(pagedvk.ShaderModuleError, match=re.escape(PREFILL_MATRIX_GLSL) + " is stale"):
-        kernels.load_spirv(abi.PAGED_PREFILL, prefill)
+        modules.load_spirv(catalogue.PAGED_PREFILL, prefill)
 
 
 def test_list_counts_every_module_per_kernel_and_axis(tmp_path, capsys):
@@ -701,10 +727,10 @@ def test_build_without_naga_skips_wgsl_in_one_line_and_wgsl_then_names_npm_ci(bu
     assert [(b, o["wgsl_optional"]) for b, o in calls] == [(("glsl", "wgsl"), True), (("glsl", "wgsl"), False)]
 
     # At run time the GLSL module loads, and a WGSL one is refused with what to run (not as one module missing).
-    kernels.load_spirv(abi.READ_BANDWIDTH, abi.READ_BANDWIDTH.key("glsl"))
+    modules.load_spirv(catalogue.READ_BANDWIDTH, catalogue.READ_BANDWIDTH.key("glsl"))
     with pytest.raises(pagedvk.ShaderModuleError, match=r"this install has no WGSL modules .*run `npm ci` in the "
                                                         r"source tree and reinstall.*naga CLI on PATH"):
-        kernels.load_spirv(abi.PAGED_DECODE, keys_named(DECODE_MATRIX_WGSL)[0])
+        modules.load_spirv(catalogue.PAGED_DECODE, keys_named(DECODE_MATRIX_WGSL)[0])
 
 
 def test_one_naga_process_translates_many_modules_and_reports_each_error(tmp_path, monkeypatch):

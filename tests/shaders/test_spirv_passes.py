@@ -1,4 +1,4 @@
-"""The build's SPIR-V passes (pagedvk.spirv_passes), each on its own, and the toolkit they share (pagedvk.spirv).
+"""The build's SPIR-V passes (pagedvk.kernels.spirv_passes), each on its own, and the toolkit they share (pagedvk.kernels.spirv).
 
 Each pass runs on naga's own output of a small WGSL module written to contain what the pass targets (or on a
 glslang module for the bfloat16 pass): the test checks the instructions it targets changed as its docstring says,
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedvk import abi, kernels, spirv
-from pagedvk import spirv_passes as passes
-from pagedvk.spirv import instructions
+from pagedvk.kernels import catalogue, modules, spirv
+from pagedvk.kernels import spirv_passes as passes
+from pagedvk.kernels.spirv import instructions
 from support import REPO
 
 
@@ -135,7 +135,7 @@ def changed(before, after) -> collections.Counter:
 
 def built_module(backend: str) -> Path:
     """The float32 decode module of a backend, as built."""
-    return kernels.module_path(abi.PAGED_DECODE.key(backend, "f32", "f32").name)
+    return modules.module_path(catalogue.PAGED_DECODE.key(backend, "f32", "f32").name)
 
 
 def constants(words) -> dict:

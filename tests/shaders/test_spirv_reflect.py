@@ -1,10 +1,10 @@
-"""Tests for pagedvk.spirv: GLSL compiled at test time plus a hand-assembled module."""
+"""Tests for pagedvk.kernels.spirv: GLSL compiled at test time plus a hand-assembled module."""
 import shutil
 import subprocess
 
 import pytest
 
-from pagedvk.spirv import Binding, PushConstantMember, SpirvError, reflect, reflect_file
+from pagedvk.kernels.spirv import Binding, PushConstantMember, SpirvError, reflect, reflect_file
 
 
 def _tool(name: str, package: str) -> str:

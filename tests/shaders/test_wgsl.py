@@ -1,4 +1,4 @@
-"""The WGSL modules: sources that declare what pagedvk/abi.py declares, the naming of per-variant sources,
+"""The WGSL modules: sources that declare what pagedvk/kernels/abi.py declares, the naming of per-variant sources,
 and backend="wgsl" running them (the numbers are checked per op in test_decode, test_prefill and
 test_backward, on both backends)."""
 
@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import pagedvk
-from pagedvk import abi
+import pagedvk.errors
+from pagedvk.kernels import abi, catalogue
 from support import REPO, PrefillCase, modules_used, rel_error
 
 SHADERS = REPO / "shaders"
-WGSL_KERNELS = [k for k in abi.KERNELS if "wgsl" in k.backends]
+WGSL_KERNELS = [k for k in catalogue.KERNELS if "wgsl" in k.backends]
 # Every WGSL module: the sources and bindings differ by cache access (one binding, or segments), the storage
 # files by type.
 WGSL_KEYS = [(k, key) for k in WGSL_KERNELS for key in k.keys() if key.backend == "wgsl"]
@@ -60,18 +61,18 @@ def test_bindings_are_the_declared_ones(kernel, key):
 
 def test_storage_files_stand_in_for_the_generic_includes():
     # WGSL has no preprocessor: a module includes generic names, the key picks the files pasted for them.
-    key = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg")
+    key = catalogue.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg")
     names = [p.name for p in abi.source_files(SHADERS, key)]
     assert names == ["paged_decode.wgsl", "kv_e4m3.wgsl", "q_any.wgsl", "q_output.wgsl", "attention_common.wgsl",
                      "attention_variants.wgsl", "kv_chunk_segmented.wgsl", "decode_output.wgsl",
                      "decode_reduce_subgroup.wgsl"]
     # and the reduction: subgroup arithmetic, or shared memory only for devices without it
-    shared = abi.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg", subgroup_arithmetic=False)
+    shared = catalogue.PAGED_DECODE.key("wgsl", "e4m3", "bf16", access="seg", subgroup_arithmetic=False)
     assert [p.name for p in abi.source_files(SHADERS, shared)][-1] == "decode_reduce_shared.wgsl"
     # The decode reads 16-byte chunks; prefill keeps its quads.
-    key = abi.PAGED_PREFILL.key("wgsl", "f16", "f16")
+    key = catalogue.PAGED_PREFILL.key("wgsl", "f16", "f16")
     assert "kv_bound.wgsl" in [p.name for p in abi.source_files(SHADERS, key)]
-    decode = abi.PAGED_DECODE.key("wgsl", "f16", "f16")
+    decode = catalogue.PAGED_DECODE.key("wgsl", "f16", "f16")
     assert "kv_chunk_bound.wgsl" in [p.name for p in abi.source_files(SHADERS, decode)]
     for tag in abi.STORAGE_TYPES:
         text = (SHADERS / f"kv_{tag}.wgsl").read_text()
@@ -85,9 +86,9 @@ def test_storage_files_stand_in_for_the_generic_includes():
     for tag in abi.QUERY_TYPES:
         text = (SHADERS / f"q_{tag}.wgsl").read_text()
         assert "fn q_quad(w: QQuad) -> vec4<f32>" in text and "fn out_pair(v: vec2<f32>) -> OutPair" in text, tag
-    matrix = abi.PAGED_DECODE.key("wgsl", "f16", "f16", 128, matrix="coopmat")
+    matrix = catalogue.PAGED_DECODE.key("wgsl", "f16", "f16", 128, matrix="coopmat")
     assert matrix.includes()["q_storage.wgsl"] == "q_f16.wgsl"
-    assert "token_input.wgsl" not in abi.RESHAPE_AND_CACHE.key("wgsl", "f16", "bf16").includes()
+    assert "token_input.wgsl" not in catalogue.RESHAPE_AND_CACHE.key("wgsl", "f16", "bf16").includes()
 
 
 def test_backend_argument_picks_the_wgsl_modules(rng, monkeypatch):
@@ -106,13 +107,13 @@ def test_backend_argument_picks_the_wgsl_modules(rng, monkeypatch):
 
 
 def test_prefill_workgroup_memory_is_the_declared_one():
-    # The forward's one workgroup array, S_MEM vec4s, is what pagedvk.prefill checks a device for.
+    # The forward's one workgroup array, S_MEM vec4s, is what pagedvk.ops.prefill checks a device for.
     text = (SHADERS / "paged_prefill.wgsl").read_text()
     consts = {name: int(value) for name, value in re.findall(r"^const (\w+): u32 = (\d+)u;", text, re.M)}
     assert re.findall(r"^var<workgroup> (\w+): array<vec4<f32>, (\w+)>;", text, re.M) == [("s_mem", "S_MEM")]
     assert len(re.findall(r"^var<workgroup>", text, re.M)) == 1
     assert re.search(r"^const S_MEM: u32 = RED \+ 2u \* CHUNK_QUADS;", text, re.M)
-    assert 16 * (consts["RED"] + 2 * consts["CHUNK_QUADS"]) == abi.PREFILL_WGSL_SHARED_BYTES
+    assert 16 * (consts["RED"] + 2 * consts["CHUNK_QUADS"]) == catalogue.PREFILL_WGSL_SHARED_BYTES
 
 
 def test_prefill_refuses_a_device_with_too_little_workgroup_memory(rng, device, monkeypatch):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from . import __version__, bench
-from .selection import get_device
+from .. import __version__
+from ..runtime.selection import get_device
+from . import bench
 
 PLOT_HINT = "pip install pagedvk[bench]"
 

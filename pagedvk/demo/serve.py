@@ -2,7 +2,7 @@
 the BlockManager, with prefix sharing, parallel samples (fork + copy-on-write) and preemption by swapping.
 
 The cache is anything with NumpyPagedCache's methods (write, copy_blocks, swap, attend): pagedvk.KVCache on the
-device (its `blocks` manager then drives the stream), NumpyPagedCache (float64, pagedvk.reference), or a
+device (its `blocks` manager then drives the stream), NumpyPagedCache (float64, pagedvk.testing.reference), or a
 CheckedCache that runs both and compares every attention call.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import reference
-from .blocks import BlockManager
-from .errors import NoFreeBlocksError
+from ..engine.blocks import BlockManager
+from ..errors import NoFreeBlocksError
+from ..testing import reference
 from .model import Model, ModelConfig, generate_dense, pick, rounded
 
 
@@ -297,7 +297,7 @@ def demo(requests=24, layers=2, heads=4, kv_heads=2, head_size=16, num_blocks=48
     over keys and values rounded to the cache's dtype, as the cache holds them).
     Returns the exit status (1 if the check failed). out, progress: streams for the report and the progress
     line (default stdout, stderr)."""
-    from .cache import KVCache
+    from ..engine.cache import KVCache
     out, progress = out or sys.stdout, progress or sys.stderr
     model = Model(ModelConfig(layers=layers, heads=heads, kv_heads=kv_heads, head_size=head_size, seed=seed))
     reqs = make_requests(requests, model.config.vocab, block_size, seed)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..runtime.instance import DeviceInfo, MatrixShape
 from .abi import VariantKey
-from .runtime.instance import DeviceInfo, MatrixShape
 
 # The multiply the matrix kernels are written with, and the subgroup size they assume (the prefill softmax's two
 # lanes for each of a subgroup's 16 rows; the decode's 16 lanes for a block's 16 tokens).

@@ -26,9 +26,9 @@ import math
 
 import numpy as np
 
+from ..dtypes import FLOAT32_TINY
+from ..kernels.catalogue import VARIANT_ALIBI, VARIANT_LSE, VARIANT_SINKS
 from . import checks
-from .abi import VARIANT_ALIBI, VARIANT_LSE, VARIANT_SINKS
-from .dtypes import FLOAT32_TINY
 
 MAX_WINDOW_LEFT = 2**31 - 2   # the window (window_left + 1) travels as a u32 push constant; kept well inside it
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import NoFreeBlocksError
+from ..errors import NoFreeBlocksError
 
 TOKEN_MAX = 2**63 - 1   # token ids are hashed as int64
 

@@ -9,12 +9,14 @@ import math
 
 import numpy as np
 
-from . import checks, kernels
-from .abi import ATTENTION_PUSH, MERGE_STATES, q_type_code, q_type_constant
-from .array import Array, DeviceArray, asarray, empty
-from .dtypes import QUERY_TYPES, storage_type
+from ..dtypes import QUERY_TYPES, storage_type
+from ..kernels import modules
+from ..kernels.abi import q_type_code
+from ..kernels.catalogue import ATTENTION_PUSH, MERGE_STATES
+from ..runtime.array import Array, DeviceArray, asarray, empty
+from ..runtime.pipeline import fold_grid
+from . import checks
 from .opargs import backend_name, device_of
-from .runtime.pipeline import fold_grid
 
 WG = 128   # threads per workgroup, one quad of head dims each
 
@@ -153,8 +155,8 @@ def _merge_two(out_a, lse_a, out_b, lse_b, backend, device=None) -> tuple:
                 temporaries.append(d)
         results = [empty(shape, out_a.dtype, device), empty(shape[:-1], np.float32, device)]
         if rows:
-            pipeline = kernels.pipeline(device, MERGE_STATES, MERGE_STATES.key(backend, q=query_type.tag),
-                                        constants=q_type_constant(query_type.tag))
+            pipeline = modules.pipeline(device, MERGE_STATES, MERGE_STATES.key(backend, q=query_type.tag),
+                                        constants=MERGE_STATES.q_type_constant(query_type.tag))
             grid = fold_grid(-(-rows * head_size // 4 // WG), device.info.max_workgroup_count)
             launch = pipeline.launch([a.buffer for a in inputs + results], push, grid)
             try:

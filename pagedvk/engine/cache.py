@@ -1,5 +1,5 @@
 """A model's paged KV cache on the device: per-layer key and value caches, host swap space, and the block manager
-that hands out their blocks (pagedvk.blocks), with the ops an engine runs between and inside attention calls.
+that hands out their blocks (pagedvk.engine.blocks), with the ops an engine runs between and inside attention calls.
 
     cache = pagedvk.KVCache(num_layers=2, num_kv_heads=2, head_size=64, block_size=16, dtype=np.float16,
                             memory_fraction=0.5)
@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import cache_ops, checks, config
-from .array import empty
+from .. import config
+from ..dtypes import CACHE_TYPES, storage_type
+from ..ops import cache_ops, checks
+from ..ops.decode_plan import DecodePlan
+from ..ops.layouts import LAYOUTS, MAX_HEAD_SIZE, CacheSpec, check_block_size
+from ..ops.opargs import device_of
+from ..ops.prefill import paged_attention_prefill
+from ..runtime.array import empty
+from ..runtime.owned import Owned
 from .blocks import BlockManager
-from .decode_plan import DecodePlan
-from .dtypes import CACHE_TYPES, storage_type
-from .layouts import LAYOUTS, MAX_HEAD_SIZE, CacheSpec, check_block_size
-from .opargs import device_of
-from .prefill import paged_attention_prefill
-from .runtime.owned import Owned
 
 
 class KVCache(Owned):
@@ -113,8 +114,8 @@ class KVCache(Owned):
     def attend(self, layer: int, q, batch) -> np.ndarray:
         """Attention of one step's new tokens over one layer's cache. q [sum of batch.q_lens, num_heads,
         head_size]; sequences with one new token go through one DecodePlan per step (made at the step's first
-        layer, reused by the others), longer ones through one ragged paged_attention_prefill. batch: pagedvk.serve.Batch
-        (q_lens, block_tables, seq_lens, new tokens included)."""
+        layer, reused by the others), longer ones through one ragged paged_attention_prefill. batch:
+        pagedvk.demo.serve.Batch (q_lens, block_tables, seq_lens, new tokens included)."""
         q = np.asarray(q, np.float32)
         out = np.empty(q.shape, np.float32)
         starts = np.cumsum([0] + list(batch.q_lens))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .array import DeviceArray
+from ..runtime.array import DeviceArray
 
 
 def kind(name: str, a) -> None:

@@ -1,7 +1,7 @@
 """The decode's rules: which kernel, module, specialization and split a decode runs on a device, as pure functions
-of the device and the problem's dims. ``decode_choice`` returns them as one frozen ``DecodeChoice``; ``DecodePlan``
-(pagedvk/decode_plan.py) runs it, and ``pagedvk devices``, the tests and the benchmarks ask it what would run without
-building a plan. Every threshold here was measured (BENCHMARKS.md, docs/decisions.md).
+of the device and the problem's dims. ``decode_choice`` returns them as one frozen ``DecodeChoice``;
+``DecodePlan`` (pagedvk/ops/decode_plan.py) runs it, and ``pagedvk devices``, the tests and the benchmarks ask it
+what would run without building a plan. Every threshold here was measured (BENCHMARKS.md, docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import checks, config
-from .abi import (DECODE_FIXED, DECODE_GROUP_SPEC_ID, DECODE_HEAD_SIZE_SPEC_ID, DECODE_MERGE_PARTITIONS,
-                  DECODE_MERGE_SPEC_ID, DECODE_STEP_SPEC_ID, DECODE_VALUE_ORDER_SPEC_ID, DECODE_VALUES_SPEC_ID, PAGED_DECODE,
-                  PAGED_DECODE_REDUCE, VariantKey, head_size_constant, q_type_constant)
-from .dtypes import CACHE_TYPES
+from .. import config
+from ..dtypes import CACHE_TYPES
+from ..kernels.abi import DECODE_FIXED, VariantKey
+from ..kernels.catalogue import (DECODE_MERGE_PARTITIONS, PAGED_DECODE, PAGED_DECODE_REDUCE, DecodeSpec,
+                                 head_size_constant)
+from ..kernels.matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type, with_operands
+from ..runtime.instance import MatrixShape
+from . import checks
 from .layouts import LAYOUTS, MAX_HEAD_SIZE, check_block_size
-from .matrix import MATRIX_KIND, matrix_unavailable, offers, operand_type, with_operands
 from .opargs import check_scale
-from .runtime.instance import MatrixShape
 
 MAX_PARTITION_SIZE = 2**31 - 1              # tokens: partition_size travels as a u32 push constant
 MAX_GROUP = 8                                # query heads per workgroup (MAX_GROUP in the kernel)
@@ -34,7 +35,7 @@ MATRIX_MIN_TOKENS = 512
 # with 256 workgroups, 89.6% with 512, 87.1% with 1024, and 74.8% with 384 (BENCHMARKS.md).
 MATRIX_WORKGROUPS_PER_UNIT = 2
 # The fewest tokens a matrix-decode workgroup must take (its partition's, or the whole context's) for its float16 and
-# bfloat16 subgroups to take two blocks a step (abi.DECODE_STEP_SPEC_ID): on the H200 two were faster from 2048
+# bfloat16 subgroups to take two blocks a step (catalogue.DecodeSpec.STEP): on the H200 two were faster from 2048
 # (256 x 2048 531.7 -> 518.2 us, 8 x 32768 in 8192-token partitions 262.0 -> 257.6) and slower at 1024 (8 x 4096
 # 44.5 -> 46.5 us, 1 x 32768 45.7 -> 47.4; docs/benchmarks-log.md, 2026-12-03 "Two blocks a subgroup step").
 MATRIX_STEP2_MIN_TOKENS = 2048
@@ -97,7 +98,7 @@ def decode_matrix(info, features, backend: str, kv: str, q: str, head_size: int,
     """The decode's matrix kind: "coopmat" (shaders/paged_decode_coopmat.comp or .wgsl) where a module exists for
     these arguments (GLSL: float16 or fp8 caches with float16 queries, or bfloat16 caches and queries on devices with
     bfloat16 matrices; WGSL: the same but fp8, with 16-bit storage on; head size 64 or 128; vLLM's layout with 16-token
-    blocks), the device runs it (pagedvk.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens
+    blocks), the device runs it (pagedvk.kernels.matrix) and each workgroup takes at least MATRIX_MIN_TOKENS tokens
     (`tokens`: the partition's, or the longest context's where unsplit); else "" (the scalar kernels). `kernel` (else
     PAGEDVK_DECODE_KERNEL) "coopmat" forces it, raising ValueError where it cannot run; "cpu" or "gpu" rule it out."""
     choice = config.decode_kernel(kernel)
@@ -133,12 +134,12 @@ def kernel_constants(layout: str, group: int) -> dict:
     (vLLM's keeps a head dim's tokens contiguous, nhd and hnd a token's dims: the kernel's own test,
     v_dim_stride == 1, holds exactly for them; the rest of the addressing is strides) and the width of the head
     group (at most 4 query heads per kv head, or 5 to 8)."""
-    return {DECODE_VALUE_ORDER_SPEC_ID: 1 if layout == "vllm" else 2, DECODE_GROUP_SPEC_ID: 4 if group <= 4 else 8}
+    return {DecodeSpec.VALUE_ORDER: 1 if layout == "vllm" else 2, DecodeSpec.GROUP: 4 if group <= 4 else 8}
 
 
 def fixed_name(constants: dict) -> str:
     """The WGSL modules' name (abi.DECODE_FIXED) for the specialization kernel_constants gives the GLSL kernel."""
-    fixed = (constants[DECODE_VALUE_ORDER_SPEC_ID], constants[DECODE_GROUP_SPEC_ID])
+    fixed = (constants[DecodeSpec.VALUE_ORDER], constants[DecodeSpec.GROUP])
     return next(name for name, values in DECODE_FIXED.items() if values == fixed)
 
 
@@ -165,13 +166,13 @@ def matrix_partitioning(num_seqs: int, workgroups_per_seq: int, max_seq_len: int
 
 
 def matrix_step(storage: str, tokens: int) -> int:
-    """Blocks a matrix-decode subgroup takes a step (abi.DECODE_STEP_SPEC_ID) where a workgroup takes at most
+    """Blocks a matrix-decode subgroup takes a step (catalogue.DecodeSpec.STEP) where a workgroup takes at most
     `tokens` tokens: two for float16 and bfloat16 caches from MATRIX_STEP2_MIN_TOKENS on, else one."""
     return 2 if storage in ("f16", "bf16") and tokens >= MATRIX_STEP2_MIN_TOKENS else 1
 
 
 def values_with_keys(storage: str, tokens: int) -> bool:
-    """Whether the scalar GPU decode loads a tile's values beside its keys (abi.DECODE_VALUES_SPEC_ID) where a
+    """Whether the scalar GPU decode loads a tile's values beside its keys (catalogue.DecodeSpec.VALUES) where a
     workgroup takes at most `tokens` tokens of a `storage` cache: for float16 and bfloat16 caches where that is one
     tile, whose chain of round trips is then the workgroup's. On the H200 (docs/benchmarks-log.md, 2026-12-03 "A
     truer ceiling") 1 x 4096 took 16.5 against 17.2 us; fp8, whose tile of values is one batch already, 20.0 against
@@ -270,8 +271,8 @@ def decode_choice(info, features, backend: str, *, storage: str, query: str, num
     target = decode_target(info, backend, kernel)
     group = group_size(num_heads, num_kv_heads)
     # The head size too: the scalar kernels' loops over head dims unroll on it.
-    constants = {**kernel_constants(layout, group), **q_type_constant(query),
-                 **head_size_constant(DECODE_HEAD_SIZE_SPEC_ID, head_size)}
+    constants = {**kernel_constants(layout, group), **PAGED_DECODE.q_type_constant(query),
+                 **head_size_constant(DecodeSpec.HEAD_SIZE, head_size)}
     workgroups_per_seq = num_heads // group
     if partition_size is None:   # each kernel's own split; the matrix kernel where its partitions are long
         units = compute_units(info)
@@ -302,11 +303,11 @@ def decode_choice(info, features, backend: str, *, storage: str, query: str, num
     merge_in_decode = (backend == "glsl" and target != "cpu" and (bool(matrix) or storage == "f32")
                        and 1 < num_partitions <= DECODE_MERGE_PARTITIONS)
     if merge_in_decode:
-        constants[DECODE_MERGE_SPEC_ID] = 1
+        constants[DecodeSpec.MERGE] = 1
     tokens = partition_size if num_partitions > 1 else max_seq_len   # the most a workgroup takes
     if matrix:
-        constants[DECODE_STEP_SPEC_ID] = matrix_step(storage, tokens)
+        constants[DecodeSpec.STEP] = matrix_step(storage, tokens)
     elif values_with_keys(storage, tokens):
-        constants[DECODE_VALUES_SPEC_ID] = 1
+        constants[DecodeSpec.VALUES] = 1
     return DecodeChoice(backend, target, matrix, storage, query, head_size, group, subgroup_reductions(info),
                         partition_size, num_partitions, merge_in_decode, tuple(sorted(constants.items())))

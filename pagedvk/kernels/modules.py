@@ -13,12 +13,12 @@ import json
 import threading
 from pathlib import Path
 
+from .. import config
+from ..errors import ShaderModuleError, UnsupportedFeatureError
+from ..runtime.pipeline import Pipeline
 from . import abi as abi_mod
-from . import config
-from .errors import ShaderModuleError, UnsupportedFeatureError
-from .runtime.pipeline import Pipeline
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent   # pagedvk/
 SPV_DIR = config.spv_dir(PACKAGE_DIR / "spv")
 SOURCE_SHADER_DIR = PACKAGE_DIR.parent / "shaders"  # present in a source checkout only
 REBUILD_HINT = "rebuild with `python build_shaders.py` (or reinstall with `pip install .`)"
@@ -85,7 +85,7 @@ def specialized(kernel: abi_mod.KernelABI, key: abi_mod.VariantKey, variants: bo
     plain = not variants and kernel.specializes_variants(key)
     declared = kernel.specialization_constants(key)
     own = {i: v for i, v in (constants or {}).items() if i in declared}
-    specialization = {**({abi_mod.VARIANTS_SPEC_ID: False} if plain else {}), **own}
+    specialization = {**({kernel.spec_id("VARIANTS"): False} if plain else {}), **own}
     return (key, "plain" if plain else "", tuple(sorted(own.items()))), specialization
 
 
@@ -94,7 +94,7 @@ def pipeline(device, kernel: abi_mod.KernelABI, key: abi_mod.VariantKey, variant
     """The device's pipeline for this module, created on first use and kept until the device closes.
 
     variants=False: the pipeline for launches without attention variants (no VARIANT_* flag, softcap or
-    window), with the variants' code specialized away where the module allows it (abi.VARIANTS_SPEC_ID).
+    window), with the variants' code specialized away where the module allows it (its spec_ids.VARIANTS).
     constants: {constant_id: value} of the op's own specialization constants (KernelABI.spec_constants), set
     where the module declares them (GLSL) and ignored where it does not (WGSL).
     """

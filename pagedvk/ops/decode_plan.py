@@ -12,17 +12,20 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import checks, config, kernels
-from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE, q_type_code, q_type_constant
-from .array import Array, DeviceArray, asarray, empty, zeros
+from .. import config
+from ..dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
+from ..errors import ClosedError
+from ..kernels import modules
+from ..kernels.abi import q_type_code
+from ..kernels.catalogue import PAGED_DECODE, PAGED_DECODE_REDUCE
+from ..kernels.matrix import MATRIX_KIND
+from ..runtime.array import Array, DeviceArray, asarray, empty, zeros
+from ..runtime.owned import Owned
+from ..runtime.pipeline import Launch, Transfers, fold_grid
+from . import checks
 from .decode_rules import decode_choice, decode_matrix, plan_arguments
-from .dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
-from .errors import ClosedError
 from .layouts import CacheSpec, bind_caches, cache_spec
-from .matrix import MATRIX_KIND
 from .opargs import backend_name, device_of, softmax_scale
-from .runtime.owned import Owned
-from .runtime.pipeline import Launch, Transfers, fold_grid
 from .variants import Variants, in_use as variants_in_use, per_head
 
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
@@ -54,7 +57,7 @@ class DecodePlan(Owned):
     dtype         the caches' dtype: float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2.
     query_dtype   float32, float16 or bfloat16; the output has it too. Default: dtype where it is one of
                   those, else float16 (fp8 caches serve 16-bit models).
-    layout        "vllm", "nhd" or "hnd" (see pagedvk.layouts).
+    layout        "vllm", "nhd" or "hnd" (see pagedvk.ops.layouts).
     k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back. Other
                   caches ignore them, as vLLM does.
     validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
@@ -63,7 +66,7 @@ class DecodePlan(Owned):
     the plan is made (the last partition takes every token past its start), up to the block-table row.
     partition_size (tokens) overrides the split-K rule (``partitioning``; ``matrix_partitioning`` for the
     cooperative-matrix kernel); it must be a multiple of block_size.
-    alibi_slopes, logits_soft_cap, sinks, window_left: the attention variants (pagedvk.variants), the same for
+    alibi_slopes, logits_soft_cap, sinks, window_left: the attention variants (pagedvk.ops.variants), the same for
     every run of the plan. With a window, the partitions cover each sequence's window only.
     kernel        "cpu" or "gpu": the decode kernel shaped for CPU devices or the scalar one for GPUs, whatever
                   the device; "coopmat": the cooperative-matrix kernel (ValueError where it cannot run). Default:
@@ -124,13 +127,13 @@ class DecodePlan(Owned):
                                     head_size=self.head_size, layout=layout, block_size=self.block_size,
                                     max_seq_len=max_seq_len, partition_size=partition_size, kernel=kernel)
         # The pipeline for the plan's variants is made now; a run that adds lse or sinks, or reads segmented caches,
-        # gets its own at first use (kernels.pipeline keeps them).
-        kernels.pipeline(self.device, PAGED_DECODE, self.choice.module(), variants_in_use(self.variants.push()),
+        # gets its own at first use (modules.pipeline keeps them).
+        modules.pipeline(self.device, PAGED_DECODE, self.choice.module(), variants_in_use(self.variants.push()),
                          self.choice.spec_constants)
         limits = self.device.info.max_workgroup_count
         self.grid = fold_grid(num_heads // self.choice.group_size * self.num_seqs * self.num_partitions, limits)
         # Scratch for split contexts; 16-byte placeholders keep the bindings valid when there is no split. A merge
-        # in the decode counts on the uint32 pairs after partial_stats' (abi.PAGED_DECODE), zeroed here once.
+        # in the decode counts on the uint32 pairs after partial_stats' (catalogue.PAGED_DECODE), zeroed here once.
         split = self.choice.split
         self.partial_out = empty((self.num_seqs, num_heads, self.num_partitions, head_size) if split else (4,),
                                  np.float32, self.device)
@@ -146,7 +149,7 @@ class DecodePlan(Owned):
         self._checked = set()           # argument signatures _check_run has passed
         self._closed = False
 
-    # The choice's parts, as a plan's attributes (pagedvk.decode_rules.DecodeChoice).
+    # The choice's parts, as a plan's attributes (pagedvk.ops.decode_rules.DecodeChoice).
     target = property(lambda self: self.choice.target)
     matrix = property(lambda self: self.choice.matrix)
     group_size = property(lambda self: self.choice.group_size)
@@ -367,13 +370,13 @@ class DecodePlan(Owned):
             num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
             q_type=q_type_code(self.query_type.tag), **variant_push)
         lse_buffer = (lse if lse is not None else self._no_lse).buffer
-        decode = (kernels.pipeline(self.device, PAGED_DECODE, key, variants, self.choice.spec_constants),
+        decode = (modules.pipeline(self.device, PAGED_DECODE, key, variants, self.choice.spec_constants),
                   (q.buffer, caches.key, caches.value, *tables, o.buffer, *partials, *self._variant_buffers(sinks),
                    lse_buffer, *caches.extra), push, self.grid)
         if self.choice.reduce_module is None:
             return [decode]
-        reduce = (kernels.pipeline(self.device, PAGED_DECODE_REDUCE, self.choice.reduce_module, variants,
-                                   q_type_constant(self.query_type.tag)),
+        reduce = (modules.pipeline(self.device, PAGED_DECODE_REDUCE, self.choice.reduce_module, variants,
+                                   PAGED_DECODE_REDUCE.q_type_constant(self.query_type.tag)),
                   (self.seq_lens.buffer, *partials, o.buffer, self._variant_buffers(sinks)[1], lse_buffer), push,
                   self.reduce_grid)
         return [decode, reduce]
@@ -385,7 +388,7 @@ class DecodePlan(Owned):
 
     def run_staged(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, o: DeviceArray, transfers: Transfers):
         """A run over device arrays whose recorded submission also makes `transfers`' copies (host arguments
-        staged in, the result staged out: pagedvk.decode's one-call path); the launch is kept for the next call."""
+        staged in, the result staged out: pagedvk.ops.decode's one-call path); the launch is kept for the next call."""
         return self._launch(q, k, v, o, num_blocks=k.shape[0], cache=True, transfers=transfers)
 
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:

@@ -18,7 +18,7 @@ def gather_kv(key_cache, value_cache, block_table_row, seq_len, layout="vllm"):
     return (k.reshape(-1, *k.shape[2:])[:seq_len], v.reshape(-1, *v.shape[2:])[:seq_len])
 
 
-# -- the attention variants (pagedvk.variants), as plain formulas over positions ---------------------------
+# -- the attention variants (pagedvk.ops.variants), as plain formulas over positions ---------------------------
 
 def logits(q, k, scale, query_pos, key_pos, slope=None, logits_soft_cap=None, window_left=-1, causal=True):
     """[n, t] logits of queries q [n, d] at positions query_pos over keys k [t, d] at key_pos, -inf where a
@@ -48,7 +48,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                     logits_soft_cap=None, sinks=None, window_left=-1, return_lse=False, layout="vllm"):
     """Decode attention: query [num_seqs, num_heads, head_size] -> out [num_seqs, num_heads, head_size], and
     with return_lse (out, lse [num_seqs, num_heads]). Each query is its sequence's last position; the variants
-    as pagedvk.variants defines them; caches in `layout` (caches_as_nhd)."""
+    as pagedvk.ops.variants defines them; caches in `layout` (caches_as_nhd)."""
     query = np.asarray(query, dtype=np.float64)
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads = nhd_shape(key_cache, value_cache, layout)[2]
@@ -176,7 +176,7 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_len
     query_start_loc[s] .. query_start_loc[s + 1] - 1, its last positions), or query [num_seqs, num_heads, q_len,
     head_size] -> (out like query, lse like query without head_size). lse is the natural-log sum of
     exp(logit) over the keys a query sees, and its sink (-inf, with zeros out, if none); the variants as
-    pagedvk.variants defines them."""
+    pagedvk.ops.variants defines them."""
     q, loc, unflatten = ragged_query(query, query_start_loc)
     num_heads, head_size = q.shape[1], q.shape[2]
     k_nhd, v_nhd = caches_as_nhd(key_cache, value_cache, layout)

@@ -1,6 +1,6 @@
 """Paged-attention prefill and its backward over ragged batches: each sequence's new tokens (its last q_len_s,
 any number, zero included) attend over that sequence's cached keys and values (causal or not), in either
-cache layout (pagedvk.layouts) and any cache storage type (pagedvk.dtypes; the backward takes float32, float16
+cache layout (pagedvk.ops.layouts) and any cache storage type (pagedvk.dtypes; the backward takes float32, float16
 and bfloat16 caches). One module per kernel and storage type reads both layouts (the caches' strides travel in
 the push constants) and both query forms, ragged [num_tokens, ...] with query_start_loc and fixed-q_len
 [num_seqs, num_heads, q_len, ...] (the query strides do).
@@ -20,19 +20,20 @@ import math
 
 import numpy as np
 
-from . import checks, kernels
-from .abi import (DELTA_ROWS_PER_THREAD, PAGED_BACKWARD_DELTA, PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ, PAGED_PREFILL,
-                  PREFILL_HEAD_SIZE_SPEC_ID, PREFILL_WGSL_SHARED_BYTES, head_size_constant, q_type_code,
-                  q_type_constant)
-from .array import Array, DeviceArray, asarray, empty
+from ..dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
+from ..errors import UnsupportedFeatureError
+from ..kernels import modules
+from ..kernels.abi import q_type_code
+from ..kernels.catalogue import (DELTA_ROWS_PER_THREAD, PAGED_BACKWARD_DELTA, PAGED_BACKWARD_DKDV, PAGED_BACKWARD_DQ,
+                                 PAGED_PREFILL, PREFILL_WGSL_SHARED_BYTES, PrefillSpec, head_size_constant)
+from ..kernels.matrix import MATRIX_KIND, MATRIX_SHAPE, matrix_unavailable, operand_type
+from ..runtime.array import Array, DeviceArray, asarray, empty
+from ..runtime.instance import DeviceInfo
+from ..runtime.pipeline import Launch, fold_grid
+from . import checks
 from .decode_plan import DecodePlan
-from .dtypes import CACHE_TYPES, GRADIENT_CACHE_TYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
-from .errors import UnsupportedFeatureError
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
-from .matrix import MATRIX_KIND, MATRIX_SHAPE, matrix_unavailable, operand_type
-from .runtime.instance import DeviceInfo
-from .runtime.pipeline import Launch, fold_grid
 from .variants import Variants, in_use as variants_in_use, refuse
 
 MATRIX_ROWS = 64         # query rows (query, head) per workgroup of paged_prefill_coopmat (scalar: forward_rows)
@@ -138,7 +139,7 @@ def _check_lengths(seq_lens: np.ndarray, q_lens: np.ndarray, ragged: bool) -> No
 
 
 def work_tiles(query_start_loc: np.ndarray, group: int, rows_per_tile, include=None) -> np.ndarray:
-    """The tile table of a ragged batch (PREFILL_INPUTS in pagedvk/abi.py): int32 [num_tiles, 2], the
+    """The tile table of a ragged batch (PREFILL_INPUTS in pagedvk/kernels/abi.py): int32 [num_tiles, 2], the
     (sequence, first row) of each tile of rows_per_tile rows (one number, or a function of a sequence's row
     counts giving each sequence's), in sequence order. Sequence s has group * q_len_s rows (group =
     num_heads / num_kv_heads), so ceil(group * q_len_s / its rows per tile) tiles, none when it has no queries."""
@@ -247,7 +248,7 @@ class _Problem:
         return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, access=access)
 
     def push(self, caches) -> bytes:
-        """The push constants for caches bound as `caches` (pagedvk.layouts.CacheBinding)."""
+        """The push constants for caches bound as `caches` (pagedvk.ops.layouts.CacheBinding)."""
         return PAGED_PREFILL.pack_push(**dict(
             self.push_fields, blocks_per_segment=caches.blocks_per_segment,
             num_blocks=self.spec.blocks_held(caches.key_bytes, caches.value_bytes)))
@@ -322,9 +323,9 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> tuple:
         extra = dict(zip([b.name for b in abi.bindings_for(key)[len(abi.bindings):]], caches.extra))
         buffers = [bound.get(b.name) or extra.get(b.name) or arrays[renamed.get(b.name, b.name)].buffer
                    for b in abi.bindings_for(key)]
-        pipeline = kernels.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields),
-                                    {**q_type_constant(problem.query_type.tag),
-                                     **head_size_constant(PREFILL_HEAD_SIZE_SPEC_ID, problem.head_size)})
+        pipeline = modules.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields),
+                                    {**abi.q_type_constant(problem.query_type.tag),
+                                     **head_size_constant(PrefillSpec.HEAD_SIZE, problem.head_size)})
         steps.append((pipeline, buffers, problem.push(caches), grid))
     return steps, frozenset(independent)
 
@@ -395,7 +396,7 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
 
     {query}
     key_cache    layout "nhd" [num_blocks, block_size, num_kv_heads, head_size], "hnd" [num_blocks, num_kv_heads,
-    value_cache  block_size, head_size] or "vllm" (pagedvk.layouts); float32, float16, bfloat16, float8_e4m3fn
+    value_cache  block_size, head_size] or "vllm" (pagedvk.ops.layouts); float32, float16, bfloat16, float8_e4m3fn
                  or float8_e5m2 (or uint8 with vLLM's kv_cache_dtype and k_scale / v_scale); num_heads a multiple
                  of num_kv_heads (GQA/MQA); head_size a multiple of 4 up to 256; block_size 8, 16 or 32, and in
                  "nhd" and "hnd" also 1, 2 or 4
@@ -405,7 +406,7 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
     scale        softmax scale, default 1 / sqrt(head_size); accumulation is float32
     causal       query i of sequence s (position seq_lens[s] - q_len_s + i) sees keys 0 .. that position
     alibi_slopes float32 [num_heads], logits_soft_cap, sinks float32 [num_heads], window_left: the attention
-                 variants (pagedvk.variants); the window counts back from each query's own position
+                 variants (pagedvk.ops.variants); the window counts back from each query's own position
     Returns (out like query in the query's dtype, lse float32 like query without its head_size axis:
     [num_tokens, num_heads] or [num_seqs, num_heads, q_len]), lse the natural-log sum of exp(logit) over the
     keys seen and the sink (FlashInfer's, in natural log): numpy for a numpy query, DeviceArrays for a
@@ -498,7 +499,7 @@ def _decode_tokens(p: _Problem, q_lens: np.ndarray) -> tuple | None:
 
 
 class _DecodePart:
-    """The forward's decode tokens, sequences s0 .. s1 - 1, run by the decode kernel (pagedvk.decode) in the
+    """The forward's decode tokens, sequences s0 .. s1 - 1, run by the decode kernel (pagedvk.ops.decode) in the
     forward's submission: a prefill tile of one token per head group would still walk the whole context alone,
     where the decode kernel reads it at bandwidth and splits long contexts. A mixed batch of 2 x 512 new tokens
     and 64 decode tokens over 4096 cached ones took 2.78 ms through the matrix kernel alone and 4.23 ms with the

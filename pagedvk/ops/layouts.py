@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dtypes import CACHE_TYPES, StorageType, cache_type
+from ..kernels.abi import KV_SEGMENTS
 from . import checks
-from .abi import KV_SEGMENTS
-from .dtypes import CACHE_TYPES, StorageType, cache_type
 
 LAYOUTS = ("vllm", "nhd", "hnd")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32)      # "nhd" and "hnd"
@@ -91,7 +91,7 @@ class CacheSpec:
         return self.num_kv_heads * self.head_size * self.block_size * self.storage.itemsize
 
     def strides(self) -> dict:
-        """The kernels' cache addressing (ATTENTION_PUSH in pagedvk/abi.py): key strides in quads of 4
+        """The kernels' cache addressing (ATTENTION_PUSH in pagedvk/kernels/abi.py): key strides in quads of 4
         elements, value strides in elements."""
         block = self.num_kv_heads * self.head_size * self.block_size
         hs, bs, x = self.head_size, self.block_size, self.storage.x
@@ -155,7 +155,7 @@ def cache_spec(key_cache, value_cache, layout: str = "vllm", kv_cache_dtype: str
 class CacheBinding:
     """How one launch binds a pair of device caches (shaders/attention_common.glsl's key_load()).
 
-    access              pagedvk.abi.CACHE_ACCESS: "" one binding each, "seg" up to KV_SEGMENTS bindings each,
+    access              pagedvk.kernels.abi.CACHE_ACCESS: "" one binding each, "seg" up to KV_SEGMENTS bindings each,
                         "bda" each cache's binding holds its segments' device addresses
     key, value          the buffers bound as key_cache and value_cache
     extra               with "seg": key segments 1 .. KV_SEGMENTS - 1, then value segments 1 .. (unused

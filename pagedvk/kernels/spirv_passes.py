@@ -2,7 +2,7 @@
 has nothing to do), and says in its docstring which driver's or naga's defect, or which variant, it exists for.
 
 build_shaders.py runs them: on every WGSL module (naga's output) `WGSL_PASSES` in order, and `bfloat16_matrices`
-on the bfloat16 cooperative-matrix modules of either language. Stdlib only, like pagedvk.spirv, whose toolkit
+on the bfloat16 cooperative-matrix modules of either language. Stdlib only, like pagedvk.kernels.spirv, whose toolkit
 (opcode table, instruction iterator, rewrite) they share: the build loads both without the package's run-time
 dependencies. A module a pass cannot make right is refused with PassError.
 """

@@ -8,9 +8,9 @@ from typing import Union
 import ml_dtypes
 import numpy as np
 
-from .errors import ClosedError
-from .runtime.memory import BufferRange
-from .runtime.owned import Owned
+from ..errors import ClosedError
+from .memory import BufferRange
+from .owned import Owned
 from .selection import get_device
 
 DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,

@@ -7,10 +7,10 @@ import math
 
 import numpy as np
 
-from . import config
-from .array import DeviceArray
-from .dtypes import FLOAT32_MAX
-from .selection import get_device
+from .. import config
+from ..dtypes import FLOAT32_MAX
+from ..runtime.array import DeviceArray
+from ..runtime.selection import get_device
 
 
 def device_of(*arrays, device=None):

@@ -14,13 +14,16 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import config, kernels, reference
-from .abi import PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH, VariantKey
-from .array import asarray, empty
-from .decode_plan import DecodePlan
-from .dtypes import CACHE_TYPES, QUERY_TYPES
-from .runtime.pipeline import Launch
-from .selection import get_device
+from .. import config
+from ..dtypes import CACHE_TYPES, QUERY_TYPES
+from ..kernels import modules
+from ..kernels.abi import VariantKey
+from ..kernels.catalogue import PAGED_DECODE, PAGED_DECODE_REDUCE, READ_BANDWIDTH
+from ..ops.decode_plan import DecodePlan
+from ..runtime.array import asarray, empty
+from ..runtime.pipeline import Launch
+from ..runtime.selection import get_device
+from . import reference
 
 # Issue 9's decode shapes (batch, context): 32 query heads, 8 KV heads, head 128, block 16 (DecodeShape's
 # defaults); and a sweep lavapipe finishes in a minute or two.
@@ -83,7 +86,7 @@ class DecodeShape:
     block_size: int = 16
     context: int = 1024
     dtype: str = "float32"
-    window_left: int = -1   # a sliding window (pagedvk.variants): each query sees its last window_left + 1 keys
+    window_left: int = -1   # a sliding window (pagedvk.ops.variants): each query sees its last window_left + 1 keys
 
     @property
     def tokens(self) -> int:
@@ -138,7 +141,7 @@ READ_THREADS = 256 * 1024   # the read kernel's grid: 1024 workgroups of 256 thr
 def read_step(device, src, dst, nbytes: int, workgroups: int = READ_THREADS // 256) -> tuple:
     """A Launch step of the read kernel over the first nbytes of src (device arrays), one word a thread into dst
     (READ_THREADS uint32s)."""
-    pipeline = kernels.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
+    pipeline = modules.pipeline(device, READ_BANDWIDTH, READ_BANDWIDTH.key("glsl"))
     return (pipeline, (src.buffer, dst.buffer), READ_BANDWIDTH.pack_push(num_chunks=nbytes // 16), (workgroups, 1, 1))
 
 
@@ -240,15 +243,15 @@ class DecodeModules:
     KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE)
 
     def __init__(self, device):
-        self.device, self.folder, self._load = device, None, kernels.load_spirv
+        self.device, self.folder, self._load = device, None, modules.load_spirv
         self._sources = {key.source for kernel in self.KERNELS for key in kernel.keys()}
 
     def __enter__(self):
-        kernels.load_spirv = self._load_from_folder
+        modules.load_spirv = self._load_from_folder
         return self
 
     def __exit__(self, *exc):
-        kernels.load_spirv = self._load
+        modules.load_spirv = self._load
         self.use(None)
 
     def _load_from_folder(self, kernel, key):

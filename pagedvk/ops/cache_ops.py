@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks, kernels
-from .abi import RESHAPE_AND_CACHE, q_type_code
-from .array import Array, DeviceArray, asarray
-from .opargs import backend_name, device_of
-from .dtypes import QUERY_TYPES, fp8_scale, storage_type
+from ..dtypes import QUERY_TYPES, fp8_scale, storage_type
+from ..kernels import modules
+from ..kernels.abi import q_type_code
+from ..kernels.catalogue import RESHAPE_AND_CACHE
+from ..runtime.array import Array, DeviceArray, asarray
+from ..runtime.pipeline import fold_grid
+from . import checks
 from .layouts import bind_caches, cache_spec
-from .runtime.pipeline import fold_grid
+from .opargs import backend_name, device_of
 
 SLOT_DTYPES = (np.int32, np.int64)
 ID_DTYPES = (np.int32, np.int64)
@@ -33,7 +35,7 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
     key_cache    layout "vllm" [num_blocks, num_kv_heads, head_size // x, block_size, x] and
     value_cache  [num_blocks, num_kv_heads, head_size, block_size], "nhd" [num_blocks, block_size,
                  num_kv_heads, head_size] both, or "hnd" [num_blocks, num_kv_heads, block_size, head_size] both
-                 (pagedvk.layouts); float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, or uint8 with
+                 (pagedvk.ops.layouts); float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, or uint8 with
                  vLLM's kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2". DeviceArrays are written on the device;
                  numpy caches are updated in place (a round trip), through the caller's view where they are one
                  (kv[:, 0] and kv[:, 1] of one combined array).
@@ -104,7 +106,7 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
             slot_words=np.dtype(slot_mapping.dtype).itemsize // 4, k_scale=k_scale, v_scale=v_scale,
             blocks_per_segment=caches.blocks_per_segment, token_type=q_type_code(token_type.tag), **element_strides)
         module = RESHAPE_AND_CACHE.key(name, spec.storage.tag, token_type.tag, access=caches.access)
-        pipeline = kernels.pipeline(device, RESHAPE_AND_CACHE, module)
+        pipeline = modules.pipeline(device, RESHAPE_AND_CACHE, module)
         buffers = [arrays["key"].buffer, arrays["value"].buffer, arrays["slot_mapping"].buffer, caches.key,
                    caches.value, *caches.extra]
         elements = num_tokens * spec.num_kv_heads * spec.head_size

@@ -1,5 +1,5 @@
 """Paged-attention decode in one call: ``paged_attention``, vLLM's paged_attention_v1 as a function. It runs a
-``DecodePlan`` (pagedvk/decode_plan.py); calls that repeat a signature reuse one, with the host arguments staged in
+``DecodePlan`` (pagedvk/ops/decode_plan.py); calls that repeat a signature reuse one, with the host arguments staged in
 and the result staged out in the same submission.
 """
 
@@ -11,14 +11,15 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import checks, config
-from .array import Array, DeviceArray, empty
+from .. import config
+from ..dtypes import QUERY_TYPES, storage_type
+from ..runtime.array import Array, DeviceArray, empty
+from ..runtime.owned import Owned
+from ..runtime.pipeline import Transfers
+from ..runtime.selection import get_device
+from . import checks
 from .decode_plan import DecodePlan, argument_signature
-from .dtypes import QUERY_TYPES, storage_type
 from .opargs import device_of
-from .runtime.owned import Owned
-from .runtime.pipeline import Transfers
-from .selection import get_device
 
 def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array, *,
                     scale: float | None = None, out: Array | None = None, layout: str = "vllm",
@@ -34,7 +35,7 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
                  layout "nhd":  [num_blocks, block_size, num_kv_heads, head_size]
                  layout "hnd":  [num_blocks, num_kv_heads, block_size, head_size] (FlashInfer's HND)
     value_cache  "vllm": [num_blocks, num_kv_heads, head_size, block_size]; "nhd", "hnd": as key_cache
-                 block_size 8, 16 or 32; "nhd" and "hnd" also 1, 2 or 4 (pagedvk.layouts)
+                 block_size 8, 16 or 32; "nhd" and "hnd" also 1, 2 or 4 (pagedvk.ops.layouts)
                  float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2; or uint8 with
                  kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2" (vLLM's), scaled by k_scale / v_scale
     block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids
@@ -46,9 +47,9 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     per layer. validate=False skips the block-table value checks (see DecodePlan). Calls that repeat a signature
     (shapes, dtypes, options, longest context) with numpy block tables reuse a plan the device keeps, with
     staging for the numpy arguments: the tables and lengths are still copied in every call
-    (``pagedvk.decode.release_cached_plans`` frees what is kept).
+    (``pagedvk.ops.decode.release_cached_plans`` frees what is kept).
     alibi_slopes float32 [num_heads], logits_soft_cap, sinks float32 [num_heads], window_left: the attention
-                 variants (see pagedvk.variants), each composable with the others
+                 variants (see pagedvk.ops.variants), each composable with the others
     return_lse   True returns (out, lse): lse float32 [num_seqs, num_heads], each head's natural-log
                  log-sum-exp (the sink included; -inf where no key is visible), for merge_attention_states
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..dtypes import QUERY_TYPES, storage_type
 from . import cache_ops, checks
-from .decode_plan import DecodePlan
 from .decode import paged_attention as _paged_attention
-from .dtypes import QUERY_TYPES, storage_type
+from .decode_plan import DecodePlan
 from .layouts import cache_spec
 from .opargs import device_of
 from .prefill import paged_attention_prefill
@@ -131,7 +131,7 @@ def unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_s
     (None, a number, or one value repeated) are fp8 caches' scales, ignored for other caches as vLLM does.
     The attention variants as vLLM passes them: window_size (left, right), a query seeing its own and the
     `left` keys before it (-1: no window; vLLM's (sliding_window - 1, 0)), softcap (0: off), alibi_slopes and
-    sinks (float32 [num_heads]); see pagedvk.variants.
+    sinks (float32 [num_heads]); see pagedvk.ops.variants.
     Not supported yet, each raising NotImplementedError that names it: q_descale, a window to the right
     (window_size[1] other than -1 or 0), output_scale, qq_bias, and scales differing between kv heads.
     """

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from . import config
-from .errors import DeviceNotFoundError
-from .runtime.device import Device
-from .runtime.instance import TYPE_PREFERENCE, DeviceInfo, get_instance
+from .. import config
+from ..errors import DeviceNotFoundError
+from .device import Device
+from .instance import TYPE_PREFERENCE, DeviceInfo, get_instance
 
 _open: dict = {}  # device index -> Device
 _lock = threading.Lock()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import reference
+from ..testing import reference
 
 
 @dataclass(frozen=True)

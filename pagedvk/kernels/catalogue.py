@@ -1,0 +1,411 @@
+"""The kernels: each one's interface and module variants, declared once (the mechanism: pagedvk/kernels/abi.py).
+
+Nine kernels: the decode and the reduce that merges its partitions, the merge of two attention states, the device's
+read bandwidth (benchmarks), the prefill forward, the backward's three steps, and the cache writer. Each declaration
+says what its sources bind, push and specialize, and which modules the build makes of it. Stdlib-only, as abi:
+build_shaders.py loads it by file path.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .abi import BACKENDS, QUERY_TYPES, STORAGE_TYPES, TARGETS, Binding, KernelABI, PushField
+
+# Backward caches: fp8 caches are for inference.
+GRADIENT_CACHE_TYPES = ("f32", "f16", "bf16")
+
+# What every attention kernel reading the paged cache binds first, in this order.
+ATTENTION_INPUTS = (
+    Binding("query", readonly=True),
+    Binding("key_cache", readonly=True),
+    Binding("value_cache", readonly=True),
+    Binding("block_tables", readonly=True),
+    Binding("seq_lens", readonly=True),
+)
+
+# One push-constant block for every attention kernel (shaders/attention_common.glsl, .wgsl), so a plan packs
+# it once for all its dispatches. The caches are addressed through strides, which is how one module reads
+# both cache layouts (pagedvk/ops/layouts.py computes them):
+#   key quad (4 consecutive head dims d..d+3 of one token; d % 4 == 0), in units of 4 elements:
+#       b*k_block_stride + h*k_head_stride + t*k_token_stride + (d/4 / CQ)*k_chunk_stride + (d/4) % CQ
+#     where CQ = 4 / itemsize quads make one 16-byte chunk (vLLM's x = 16 / itemsize elements)
+#   value element: b*v_block_stride + h*v_head_stride + t*v_token_stride + d*v_dim_stride
+# num_blocks is the number of whole blocks the bound caches hold (the launcher's bound on block ids).
+ATTENTION_PUSH = tuple(PushField(name, kind) for name, kind in (
+    ("num_heads", "u32"),
+    ("num_kv_heads", "u32"),
+    ("head_size", "u32"),
+    ("block_size", "u32"),
+    ("max_blocks_per_seq", "u32"),
+    ("num_blocks", "u32"),
+    ("num_seqs", "u32"),
+    ("q_token_stride", "u32"),   # prefill: query rows (head_size elements) from one query to the next
+    ("q_head_stride", "u32"),    # prefill: query rows from one head to the next (see PREFILL_INPUTS)
+    ("causal", "u32"),
+    ("scale", "f32"),            # softmax scale, times k_scale for fp8 keys
+    ("v_scale", "f32"),          # fp8 values' scale, applied to the output (1 otherwise)
+    ("group_size", "u32"),       # decode: query heads per workgroup
+    ("partition_size", "u32"),   # decode: tokens per split-K partition (the last takes the rest)
+    ("num_partitions", "u32"),   # decode: 1 writes `out` directly
+    ("k_block_stride", "u32"),
+    ("k_head_stride", "u32"),
+    ("k_token_stride", "u32"),
+    ("k_chunk_stride", "u32"),
+    ("v_block_stride", "u32"),
+    ("v_head_stride", "u32"),
+    ("v_token_stride", "u32"),
+    ("v_dim_stride", "u32"),
+    ("blocks_per_segment", "u32"),   # blocks per segment of a cache larger than one binding
+    # Attention variants (shaders/attention_variants.glsl); all zero is plain attention.
+    ("softcap", "f32"),          # logit softcapping c (FlashInfer's logits_soft_cap): c tanh(logit / c); 0: off
+    ("window", "u32"),           # a query sees keys at most window - 1 before it (window_left + 1); 0: no window
+    ("variants", "u32"),         # VARIANT_* flags: which of the optional bindings below are read or written
+    ("q_type", "u32"),           # storage of query, out and dout: QUERY_TYPES.index(tag) (matrix modules: ignored)
+))
+# The flags of `variants` (the kernels' VARIANT_* constants).
+VARIANT_ALIBI = 1                # alibi_slopes is read: logit += slope[head] * (key position - query position)
+VARIANT_SINKS = 2                # sinks is read: one more logit per head in the softmax denominator, no value
+VARIANT_LSE = 4                  # lse is written: the natural-log log-sum-exp of each (query, head)
+
+# Specialization constants, one IntEnum per kernel (the ids are the sources' constant_ids: the modules are built with
+# them). A constant left at its default, 0, reads the push constants instead. The attention kernels share two ids
+# (attention_common.glsl): VARIANTS, the bool that a launch without variants sets false, so that its pipeline holds
+# none of the variants' code; Q_TYPE, the query storage type in every GLSL module but the matrix ones
+# (shaders/kv_storage.glsl), set per plan (KernelABI.q_type_constant), so that the query's loads and the output's
+# stores take no branch on the push constant q_type. WGSL modules have none (naga emits none).
+
+
+class DecodeSpec(enum.IntEnum):
+    """PAGED_DECODE's (shaders/paged_decode.comp, paged_decode_cpu.comp, paged_decode_coopmat.comp), set per plan by
+    pagedvk/ops/decode_rules.py."""
+
+    VARIANTS = 0
+    # which V stage the cache layout needs: 1, a head dim's tokens contiguous (vLLM's layout); 2, a token's dims
+    # (nhd, hnd)
+    VALUE_ORDER = 1
+    GROUP = 2          # how many query heads a workgroup takes: 4, groups of at most 4; 8, of 5 to 8
+    # The GPU kernels' (paged_decode.comp and paged_decode_coopmat.comp, not the CPU one): 1 where a split of at most
+    # DECODE_MERGE_PARTITIONS partitions is merged in the decode dispatch (shaders/decode_merge.glsl); 0 leaves the
+    # merge to PAGED_DECODE_REDUCE.
+    MERGE = 3
+    # The matrix decode's (paged_decode_coopmat.comp; its fp8 modules use it): how an fp8 block's matrices are built.
+    # 0: in registers where the device's element layout is a known one, else through shared memory; 1: through
+    # shared memory always; 2: in registers, the outputs NaN where a subgroup does not know its layout (tests).
+    FP8_BUILD = 4
+    # The matrix decode's (float16 and bfloat16 modules; fp8 takes one block a step): how many of its blocks a
+    # subgroup takes a step, 1 (the default) or 2 (decode_rules.MATRIX_STEP2_MIN_TOKENS).
+    STEP = 5
+    # The scalar GPU decode's (paged_decode.comp, vLLM's layout): 1 where a float16 or bfloat16 plan's workgroups
+    # take one tile each (decode_rules.values_with_keys): a tile's values are loaded beside its keys. 0 loads them
+    # after the tile's weights, in batches.
+    VALUES = 6
+    # The scalar kernels' (paged_decode.comp, paged_decode_cpu.comp) head size, so the driver unrolls the loops over
+    # head dims as it did when the head size was a define (BENCHMARKS.md, "Module count").
+    HEAD_SIZE = 7
+    Q_TYPE = 8
+
+
+class AttentionSpec(enum.IntEnum):
+    """PAGED_DECODE_REDUCE's and MERGE_STATES': the attention kernels' shared ids only."""
+
+    VARIANTS = 0
+    Q_TYPE = 8
+
+
+class PrefillSpec(enum.IntEnum):
+    """The prefill and backward kernels' (PAGED_PREFILL, PAGED_BACKWARD_DELTA, _DQ, _DKDV: all include
+    shaders/prefill_common.glsl, which declares them), set per plan by pagedvk/ops/prefill.py."""
+
+    VARIANTS = 0
+    # The head size in the scalar modules: the driver then compiles the loops and branches on it as constants (the
+    # float32 dk/dv on the H200: 23.5 -> 20.6 ms at issue 12's shape; BENCHMARKS.md).
+    HEAD_SIZE = 3
+    Q_TYPE = 8
+
+
+DECODE_MERGE_PARTITIONS = 4   # the most partitions DecodeSpec.MERGE merges in the decode dispatch
+
+
+def head_size_constant(spec_id: int, head_size: int) -> dict:
+    """The specialization on the head size (spec_id: DecodeSpec.HEAD_SIZE or PrefillSpec.HEAD_SIZE), for every
+    head size: a pipeline is compiled per head size in use, which a model pays once. The push-constant path the
+    modules fall back to (the constant left 0) compiled 15x slower on lavapipe, whose LLVM took 100 s for the CPU
+    decode kernel at head size 48 against 7 s specialized, and ran longer than PAGEDVK_TIMEOUT there (2026-12-05)."""
+    return {spec_id: head_size}
+
+
+# The per-head inputs of the attention variants, float32 [num_heads] each; a 16-byte placeholder when the
+# variant is off (its VARIANT_* flag clear): read only where the flag is set.
+ATTENTION_VARIANT_INPUTS = (
+    Binding("alibi_slopes", readonly=True),
+    Binding("sinks", readonly=True),
+)
+
+# Decode attention, one query token per sequence. Workgroups: num_heads / group_size x num_seqs x
+# num_partitions, numbered linearly over a grid folded to the device's limits (pagedvk.runtime.commands.
+# fold_grid). With one partition the result goes to `out`; with more, to the partial buffers, and
+# PAGED_DECODE_REDUCE merges them into `out`, or (a GLSL GPU kernel with DecodeSpec.MERGE set) the last
+# workgroup of each (sequence, head group) to finish does, counting on a uint32 after partial_stats' pairs: one
+# (counter, unused) pair per (sequence, head group) at [num_seqs * num_heads * num_partitions + unit], zeroed when
+# allocated and left at zero by every run. lse (float32 [num_seqs, num_heads]) is written where VARIANT_LSE is
+# set, by whichever merges when split.
+PAGED_DECODE = KernelABI(
+    op="paged_decode",
+    bindings=ATTENTION_INPUTS + (
+        Binding("out", readonly=False),
+        Binding("partial_out", readonly=False),
+        Binding("partial_stats", readonly=False),
+        *ATTENTION_VARIANT_INPUTS,
+        Binding("lse", readonly=False),
+    ),
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    kv_types=STORAGE_TYPES,
+    q_types=QUERY_TYPES,
+    reads_chunks=True,
+    subgroup_reduce=True,
+    spec_ids=DecodeSpec,
+    spec_constants=((DecodeSpec.VALUE_ORDER, "uint32"), (DecodeSpec.GROUP, "uint32"), (DecodeSpec.MERGE, "uint32"),
+                    (DecodeSpec.VALUES, "uint32"), (DecodeSpec.HEAD_SIZE, "uint32")),
+    # the CPU kernel (one subgroup a workgroup, no barriers) leaves every split to the reduce
+    target_spec_constants=(("cpu", ((DecodeSpec.VALUE_ORDER, "uint32"), (DecodeSpec.GROUP, "uint32"),
+                                    (DecodeSpec.HEAD_SIZE, "uint32"))),),
+    # WGSL modules with the head size, layout and head-group width fixed: vLLM's most common head sizes only, four
+    # modules each (DECODE_FIXED); every other head size runs the module that reads them from the push constants.
+    # GLSL modules take all three as specialization constants: one module serves every head size, and the driver
+    # still compiles its loops with the head size as a constant.
+    fixed_head_sizes=(64, 128),
+    targets=TARGETS,
+    # float16 and fp8 caches (float16 queries), bfloat16 caches and queries, in vLLM's layout with 16-token blocks,
+    # read by binding (pagedvk.ops.decode_rules.decode_matrix)
+    matrix_variants=tuple(("coopmat", kv, "f16", h) for kv in ("f16", "e4m3", "e5m2") for h in (64, 128))
+    + tuple(("coopmat", "bf16", "bf16", h) for h in (64, 128)),
+    matrix_accesses=("",),
+    # WGSL: float16 caches and queries, and bfloat16 ones (shaders/paged_decode_coopmat.wgsl; bfloat16 through
+    # spirv_passes.bfloat16_matrices)
+    matrix_backends=("glsl", "wgsl"),
+    wgsl_matrix_types=("f16", "bf16"),
+    matrix_spec_constants=((DecodeSpec.VALUE_ORDER, "uint32"), (DecodeSpec.GROUP, "uint32"),
+                           (DecodeSpec.MERGE, "uint32"), (DecodeSpec.FP8_BUILD, "uint32"), (DecodeSpec.STEP, "uint32")),
+)
+
+# Merges a split decode's partitions. Workgroups: num_heads x num_seqs, numbered linearly.
+PAGED_DECODE_REDUCE = KernelABI(
+    op="paged_decode_reduce",
+    bindings=(
+        Binding("seq_lens", readonly=True),
+        Binding("partial_out", readonly=True),
+        Binding("partial_stats", readonly=True),
+        Binding("out", readonly=False),
+        Binding("sinks", readonly=True),
+        Binding("lse", readonly=False),
+    ),
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    q_types=QUERY_TYPES,
+    spec_ids=AttentionSpec,
+)
+
+# Merges two attention results over disjoint key sets (FlashInfer's merge_state) from their log-sum-exps:
+# out = (exp(lse_a - m) out_a + exp(lse_b - m) out_b) / (exp(lse_a - m) + exp(lse_b - m)), m the larger,
+# lse = m + log(...); a part with lse -inf (no keys) contributes nothing. The attention push constants, rows
+# (query, head pairs) in num_seqs: outs [rows, head_size] in a query type, lses float32 [rows]. One thread per
+# quad of head dims, workgroups ceil(rows * head_size / 4 / 128), numbered linearly over a folded grid.
+MERGE_STATES = KernelABI(
+    op="merge_states",
+    bindings=(
+        Binding("out_a", readonly=True),
+        Binding("lse_a", readonly=True),
+        Binding("out_b", readonly=True),
+        Binding("lse_b", readonly=True),
+        Binding("out", readonly=False),
+        Binding("lse", readonly=False),
+    ),
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    q_types=QUERY_TYPES,
+    spec_ids=AttentionSpec,
+)
+
+# The device's read bandwidth (benchmarks' ceiling). Grid: (workgroups, 1, 1), grid-stride loop.
+READ_BANDWIDTH = KernelABI(
+    op="read_bandwidth",
+    bindings=(Binding("src", readonly=True), Binding("dst", readonly=False)),
+    push=(PushField("num_chunks", "u32"),),
+    workgroup_size=(256, 1, 1),
+    backends=("glsl",),
+)
+
+# What the prefill kernels (forward, dq) bind first: a ragged batch, as vLLM's query_start_loc and
+# FlashInfer's qo_indptr take it.
+#   query_start_loc  int32 [num_seqs + 1]: sequence s owns query tokens query_start_loc[s] ..
+#                    query_start_loc[s + 1] - 1 (q_len_s of them, 0 allowed), the LAST q_len_s positions of
+#                    its context of seq_lens[s] tokens (the new tokens included), so its query i sits at
+#                    position seq_lens[s] - q_len_s + i and, causal, sees keys 0 .. that position.
+#   tiles            int32 [num_tiles, 2]: the launch's work, built on the host (pagedvk.ops.prefill.work_tiles):
+#                    (sequence, first row) of each tile of a kernel's rows per tile (dq: 8; the forward: 8 to
+#                    64, a function of the sequence's row count and the head size that the kernel computes
+#                    again from those, so the table stays two numbers a tile). A sequence's rows are its
+#                    (query, head) pairs for the heads sharing one kv head, query-major: row r is query
+#                    r / group, head kv_head * group + r % group (group = num_heads / num_kv_heads). A tile
+#                    holds rows of one sequence only; a sequence without queries has no tile (costs nothing).
+# Query row (query i of the sequence starting at token q_start, head h) starts at element
+#   (q_start * num_heads + i * q_token_stride + h * q_head_stride) * head_size
+# of query, out, dout and dq; lse's row index is the same without the head_size factor. Ragged
+# [num_tokens, num_heads, head_size]: q_token_stride = num_heads, q_head_stride = 1; the fixed-q_len form
+# [num_seqs, num_heads, q_len, head_size] (query_start_loc = q_len * arange): 1 and q_len.
+# Workgroups: num_tiles x num_kv_heads, kv heads fastest, numbered linearly over a folded grid.
+PREFILL_INPUTS = ATTENTION_INPUTS + (
+    Binding("query_start_loc", readonly=True),
+    Binding("tiles", readonly=True),
+)
+
+# Prefill forward: out (the query's type) and the log-sum-exp (float32, natural log). Tiles of 8 to 64 rows for the
+# scalar modules, by the sequence's rows and the head size (pagedvk.ops.prefill.forward_rows); 64 for the
+# cooperative-matrix ones (pagedvk.ops.prefill: each builds its own tiles).
+PAGED_PREFILL = KernelABI(
+    op="paged_prefill",
+    bindings=PREFILL_INPUTS + (
+        Binding("out", readonly=False),
+        Binding("lse", readonly=False),
+        *ATTENTION_VARIANT_INPUTS,
+    ),
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    kv_types=STORAGE_TYPES,
+    q_types=QUERY_TYPES,
+    matrix_variants=tuple(("coopmat", t, t, h) for t in ("f16", "bf16") for h in (64, 128)),
+    matrix_backends=BACKENDS,   # WGSL: float16 (KernelABI.matrix_variants_for)
+    spec_ids=PrefillSpec,
+    spec_constants=((PrefillSpec.HEAD_SIZE, "uint32"),),
+)
+
+# Workgroup memory of the WGSL scalar forward (shaders/paged_prefill.wgsl's S_MEM vec4s): above the 16 KiB every
+# Vulkan device offers (lavapipe offers 32 KiB, NVIDIA 48), for chunk buffers that alternate and values staged a whole
+# key tile at a time; pagedvk.ops.prefill refuses the WGSL forward on a device offering less.
+PREFILL_WGSL_SHARED_BYTES = 1856 * 16
+
+# Backward, first: D = rowsum(dout * out) of every query row (FlashAttention-2's _bwd_preprocess), float32 in
+# lse's shape and order ([num_tokens, num_heads] or [num_seqs, num_heads, q_len]; a row's index is its first
+# element's in dout and out divided by head_size), into a scratch buffer the backward owns: dq and dk/dv read it
+# in place of `out`, so that no dk/dv workgroup re-reads every row's out (issue 12's shape: 16-key workgroups each
+# summed every row's D, ~0.32 ms of 2.5 ms on the H200). The rows are the first query_start_loc[num_seqs] *
+# num_heads (bounded by the buffers' lengths); four consecutive rows a thread, summed as the scalar dq sums dP
+# (so that dP - D is exactly 0 where a query sees one key: out == v there). Workgroups: ceil(rows / 512),
+# numbered linearly over a folded grid.
+PAGED_BACKWARD_DELTA = KernelABI(
+    op="paged_backward_delta",
+    bindings=(
+        Binding("query_start_loc", readonly=True),
+        Binding("dout", readonly=True),
+        Binding("out", readonly=True),
+        Binding("delta", readonly=False),
+    ),
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    q_types=QUERY_TYPES,
+    matrix_backends=(),
+    spec_ids=PrefillSpec,
+    spec_constants=PAGED_PREFILL.spec_constants,
+)
+DELTA_ROWS_PER_THREAD = 4
+
+# Backward, dq (float32, the query's layout). Workgroups and tiles as the forward's: forward_rows for the scalar
+# modules, 64 rows for the cooperative-matrix ones (built as the forward's are). delta: PAGED_BACKWARD_DELTA's.
+PAGED_BACKWARD_DQ = KernelABI(
+    op="paged_backward_dq",
+    bindings=PREFILL_INPUTS + (
+        Binding("dout", readonly=True),
+        Binding("delta", readonly=True),
+        Binding("lse", readonly=True),
+        Binding("dq", readonly=False),
+    ),
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    kv_types=GRADIENT_CACHE_TYPES,
+    q_types=QUERY_TYPES,
+    matrix_variants=PAGED_PREFILL.matrix_variants,
+    spec_ids=PrefillSpec,
+    spec_constants=PAGED_PREFILL.spec_constants,
+)
+
+# Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 16 tokens of the
+# block, or all 8 of an 8-token block) loops over the (sequence, block-table slot) pairs that read the block, listed in block_readers
+# (int32: num_blocks + 1 offsets, then sequence * max_blocks_per_seq + slot for each pair), so blocks shared
+# by several sequences sum their gradients in a fixed order, without atomics. Queries and dout are ragged as in
+# PREFILL_INPUTS (query_start_loc, q_token_stride, q_head_stride); delta (PAGED_BACKWARD_DELTA's) and lse index rows
+# as lse does.
+# Grid: (min(num_blocks, 65535), num_kv_heads, block_size / min(block_size, 16)), grid-stride over blocks, for
+# the scalar and the cooperative-matrix modules alike (built as the forward's are).
+PAGED_BACKWARD_DKDV = KernelABI(
+    op="paged_backward_dkdv",
+    bindings=(
+        Binding("query", readonly=True),
+        Binding("key_cache", readonly=True),
+        Binding("value_cache", readonly=True),
+        Binding("block_readers", readonly=True),
+        Binding("seq_lens", readonly=True),
+        Binding("query_start_loc", readonly=True),
+        Binding("dout", readonly=True),
+        Binding("delta", readonly=True),
+        Binding("lse", readonly=True),
+        Binding("dk_cache", readonly=False),
+        Binding("dv_cache", readonly=False),
+    ),
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    kv_types=GRADIENT_CACHE_TYPES,
+    q_types=QUERY_TYPES,
+    matrix_variants=PAGED_PREFILL.matrix_variants,
+    spec_ids=PrefillSpec,
+    spec_constants=PAGED_PREFILL.spec_constants,
+)
+
+# Writes new tokens' keys and values into the caches (vLLM's reshape_and_cache): one thread per (token,
+# kv head, head dim) writes that key element and that value element, converted to the cache's type (fp8
+# divided by k_scale / v_scale first). Elements narrower than 32 bits share words with other threads'
+# (vLLM's value layout puts consecutive tokens side by side), so they are written with atomicAnd and
+# atomicOr on the word, which no two threads can then undo. Cache element strides, in elements:
+#   key (b, h, t, d):   b*k_block_stride + h*k_head_stride + t*k_token_stride + (d / x)*k_chunk_stride + d % x
+#   value (b, h, t, d): b*v_block_stride + h*v_head_stride + t*v_token_stride + d*v_dim_stride
+# key and value are [num_tokens, num_kv_heads, head_size] in the q_types; slot_mapping is int32
+# (slot_words 1) or int64 (slot_words 2, read as two words); slots < 0 or >= num_blocks * block_size are
+# skipped. Workgroups: ceil(num_tokens * num_kv_heads * head_size / 128), numbered linearly over a folded grid.
+RESHAPE_AND_CACHE = KernelABI(
+    op="reshape_and_cache",
+    bindings=(
+        Binding("key", readonly=True),
+        Binding("value", readonly=True),
+        Binding("slot_mapping", readonly=True),
+        Binding("key_cache", readonly=False),
+        Binding("value_cache", readonly=False),
+    ),
+    push=tuple(PushField(name, kind) for name, kind in (
+        ("num_tokens", "u32"),
+        ("num_kv_heads", "u32"),
+        ("head_size", "u32"),
+        ("block_size", "u32"),
+        ("num_blocks", "u32"),          # whole blocks the bound caches hold
+        ("slot_words", "u32"),
+        ("k_scale", "f32"),
+        ("v_scale", "f32"),
+        ("k_block_stride", "u32"),
+        ("k_head_stride", "u32"),
+        ("k_token_stride", "u32"),
+        ("k_chunk_stride", "u32"),
+        ("v_block_stride", "u32"),
+        ("v_head_stride", "u32"),
+        ("v_token_stride", "u32"),
+        ("v_dim_stride", "u32"),
+        ("blocks_per_segment", "u32"),
+        ("token_type", "u32"),          # storage of key and value: QUERY_TYPES.index(tag)
+    )),
+    workgroup_size=(128, 1, 1),
+    kv_types=STORAGE_TYPES,
+    q_types=QUERY_TYPES,
+    writes_cache=True,   # and its WGSL sources include the write-side storage files
+)
+
+KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, MERGE_STATES, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DELTA,
+           PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE)
