@@ -53,6 +53,30 @@ def run_python(code: str, argv=(), **env) -> subprocess.CompletedProcess:
                           env=dict(os.environ, PYTHONPATH=path, **env), timeout=300, cwd=tempfile.gettempdir())
 
 
+# A small decode problem for subprocess programs (run_python): the device, its pipeline and objects exist before
+# the part under test; attend() runs it, right(out) checks an output against the float64 reference.
+PROBLEM = """
+    import numpy as np, pagedvk
+    import pagedvk.testing.reference
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
+    v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)
+    q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    bt = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+    sl = np.array([40, 17], np.int32)
+    def attend():
+        return pagedvk.paged_attention(q, k, v, bt, sl)
+    def right(out):
+        ref = pagedvk.testing.reference.paged_attention(q, k, v, bt, sl)
+        return np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+"""
+
+
+def program(*parts) -> str:
+    """One program from parts each indented its own way."""
+    return "\n".join(textwrap.dedent(p) for p in parts)
+
+
 # -- threads: every join has a timeout, so a hang fails the test instead of hanging CI --
 
 THREADS = 8

@@ -4,7 +4,6 @@ test that shows it. The crash tests run the crashing program many times, in subp
 one of the process (exit, a bad variable)."""
 
 import re
-import textwrap
 import time
 from copy import deepcopy
 
@@ -16,35 +15,11 @@ import vulkan as vk
 import pagedvk
 import pagedvk.ops.vllm
 import pagedvk.testing.reference
-from support import Case, rel_error, run_python
+from support import PROBLEM, Case, program, rel_error, run_python
 from pagedvk.engine.blocks import BlockManager
 from pagedvk.errors import GPUTimeoutError
 from pagedvk.runtime import commands, instance
 from pagedvk.demo.serve import Batch
-
-# A small decode problem every subprocess below runs: the device, its pipeline and objects exist before the
-# part under test.
-PROBLEM = """
-    import numpy as np, pagedvk
-    import pagedvk.testing.reference
-    rng = np.random.default_rng(0)
-    k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
-    v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)
-    q = rng.standard_normal((2, 4, 32)).astype(np.float32)
-    bt = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
-    sl = np.array([40, 17], np.int32)
-    def attend():
-        return pagedvk.paged_attention(q, k, v, bt, sl)
-    def right(out):
-        ref = pagedvk.testing.reference.paged_attention(q, k, v, bt, sl)
-        return np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
-"""
-
-
-def program(*parts) -> str:
-    """One program from parts each indented its own way."""
-    return "\n".join(textwrap.dedent(p) for p in parts)
-
 
 def passed(result, marker="ok") -> bool:
     return result.returncode == 0 and marker in result.stdout

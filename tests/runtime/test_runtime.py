@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pagedvk
-from support import Case, rel_error, run_python
+from support import PROBLEM, Case, program, rel_error, run_python
 from pagedvk.runtime import selection
 from pagedvk.runtime.instance import DeviceInfo
 
@@ -215,22 +215,12 @@ def test_object_names_cost_nothing_without_validation():
 def test_decode_is_clean_under_validation():
     if not validation_available():
         pytest.fail("VK_LAYER_KHRONOS_validation missing: install vulkan-validationlayers")
-    result = run_python("""
-        import numpy as np, pagedvk
-        import pagedvk.testing.reference
-        rng = np.random.default_rng(1)
-        k = rng.standard_normal((6, 2, 8, 16, 4)).astype(np.float32)
-        v = rng.standard_normal((6, 2, 32, 16)).astype(np.float32)
-        q = rng.standard_normal((2, 4, 32)).astype(np.float32)
-        bt = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
-        sl = np.array([40, 17], np.int32)
-        out = pagedvk.paged_attention(q, k, v, bt, sl)
-        ref = pagedvk.testing.reference.paged_attention(q, k, v, bt, sl)
-        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-5
+    result = run_python(program(PROBLEM, """
+        assert right(attend())
         pagedvk.default_device().close()
         pagedvk.default_device().instance.raise_validation_messages()
         print("clean")
-        """, PAGEDVK_VALIDATION="1")
+        """), PAGEDVK_VALIDATION="1")
     assert result.returncode == 0 and "clean" in result.stdout, result.stdout + result.stderr
 
 
