@@ -311,6 +311,18 @@ PAGED_BACKWARD_DELTA = KernelABI(
 )
 DELTA_ROWS_PER_THREAD = 4
 
+# What the dq and dk/dv kernels share: the forward's push constants, query types, matrix modules and specialization
+# constants, over the cache types gradients are kept in.
+GRADIENT_KERNEL = dict(
+    push=ATTENTION_PUSH,
+    workgroup_size=(128, 1, 1),
+    kv_types=GRADIENT_CACHE_TYPES,
+    q_types=QUERY_TYPES,
+    matrix_variants=PAGED_PREFILL.matrix_variants,
+    spec_ids=PrefillSpec,
+    spec_constants=PAGED_PREFILL.spec_constants,
+)
+
 # Backward, dq (float32, the query's layout). Workgroups and tiles as the forward's: forward_rows for the scalar
 # modules, 64 rows for the cooperative-matrix ones (built as the forward's are). delta: PAGED_BACKWARD_DELTA's.
 PAGED_BACKWARD_DQ = KernelABI(
@@ -321,13 +333,7 @@ PAGED_BACKWARD_DQ = KernelABI(
         Binding("lse", readonly=True),
         Binding("dq", readonly=False),
     ),
-    push=ATTENTION_PUSH,
-    workgroup_size=(128, 1, 1),
-    kv_types=GRADIENT_CACHE_TYPES,
-    q_types=QUERY_TYPES,
-    matrix_variants=PAGED_PREFILL.matrix_variants,
-    spec_ids=PrefillSpec,
-    spec_constants=PAGED_PREFILL.spec_constants,
+    **GRADIENT_KERNEL,
 )
 
 # Backward, dk and dv (float32) in cache layout: one workgroup per (physical block, kv head, 16 tokens of the
@@ -353,13 +359,7 @@ PAGED_BACKWARD_DKDV = KernelABI(
         Binding("dk_cache", readonly=False),
         Binding("dv_cache", readonly=False),
     ),
-    push=ATTENTION_PUSH,
-    workgroup_size=(128, 1, 1),
-    kv_types=GRADIENT_CACHE_TYPES,
-    q_types=QUERY_TYPES,
-    matrix_variants=PAGED_PREFILL.matrix_variants,
-    spec_ids=PrefillSpec,
-    spec_constants=PAGED_PREFILL.spec_constants,
+    **GRADIENT_KERNEL,
 )
 
 # Writes new tokens' keys and values into the caches (vLLM's reshape_and_cache): one thread per (token,
