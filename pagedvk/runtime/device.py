@@ -130,7 +130,8 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         # With validation on, objects carry debug-utils names (set_name), so that a message names what it is about.
         # Without it nothing is named: callers test `debug_names` first and build no name.
         self.debug_names = self.instance.validation
-        self._set_object_name = (vk.vkGetInstanceProcAddr(self.instance.handle, "vkSetDebugUtilsObjectNameEXT")
+        # vkSetDebugUtilsObjectNameEXT, looked up only with validation on (set_name calls it); None without.
+        self.object_namer = (vk.vkGetInstanceProcAddr(self.instance.handle, "vkSetDebugUtilsObjectNameEXT")
                                  if self.debug_names else None)
         self.memory_properties = vk.vkGetPhysicalDeviceMemoryProperties(pd)
         self.command_pool = vk.vkCreateCommandPool(self.handle, vk.VkCommandPoolCreateInfo(
@@ -252,7 +253,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         """Give a Vulkan object (VK_OBJECT_TYPE_*, its handle) the name validation messages call it by
         (vkSetDebugUtilsObjectNameEXT). Only with validation on: callers test `debug_names` first."""
         # void vkSetDebugUtilsObjectNameEXT(VkDevice, const VkDebugUtilsObjectNameInfoEXT*)
-        self._set_object_name(self.handle, vk.VkDebugUtilsObjectNameInfoEXT(
+        self.object_namer(self.handle, vk.VkDebugUtilsObjectNameInfoEXT(
             sType=vk.VK_STRUCTURE_TYPE_DEBUG_UTILS_OBJECT_NAME_INFO_EXT, objectType=object_type,
             objectHandle=int(vk.ffi.cast("uint64_t", handle)), pObjectName=name))
 

@@ -359,6 +359,12 @@ def get_instance() -> Instance:
         return _instance
 
 
+def current_instance() -> Instance | None:
+    """The instance if one was made (and not shut down), else None; unlike get_instance() it makes none. For
+    reading what the validation layer reported (tests drain Instance.take_messages() around each test)."""
+    return _instance
+
+
 def register_closer(close) -> None:
     _closers.append(close)
 

@@ -57,6 +57,13 @@ def open_device(info: DeviceInfo) -> Device:
         return device
 
 
+def open_devices() -> list:
+    """The Devices open_device() has opened in this process and keeps (closed ones included, until reopened),
+    one per physical device index; a copy, for closing them all or checking that none was opened."""
+    with _lock:
+        return list(_open.values())
+
+
 def default_device() -> Device:
     """The device pagedvk uses when none is given (see select())."""
     return open_device(select()[0])
