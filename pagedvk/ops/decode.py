@@ -68,7 +68,7 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     key = (_oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, options)
            if alibi_slopes is None and sinks is None and return_lse is False else None)
     if key is not None:
-        plans = _oneshot_plans(device)
+        plans = oneshot_plans(device)
         entry = plans.get(key)
         if entry is None:
             entry = plans.add(key, _OneShot.make(query, key_cache, value_cache, block_tables, seq_lens, out,
@@ -119,7 +119,7 @@ def _oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, opt
     return key
 
 
-class _OneShotPlans:
+class OneShotPlans:
     """A device's cached one-shot entries, least recently used first; an evicted one is closed."""
 
     def __init__(self):
@@ -155,7 +155,7 @@ class _OneShotPlans:
             return [e.plan for e in self.entries.values()]
 
 
-_ONESHOT = weakref.WeakKeyDictionary()   # device -> _OneShotPlans
+_ONESHOT = weakref.WeakKeyDictionary()   # device -> OneShotPlans
 _ONESHOT_LOCK = threading.Lock()
 
 
@@ -168,11 +168,13 @@ def release_cached_plans(device=None) -> None:
         plans.clear()
 
 
-def _oneshot_plans(device) -> _OneShotPlans:
+def oneshot_plans(device) -> OneShotPlans:
+    """The device's kept one-shot plans (made empty on first use): what paged_attention reuses for repeated call
+    signatures. For inspecting or clearing them; release_cached_plans drops them all."""
     with _ONESHOT_LOCK:
         plans = _ONESHOT.get(device)
         if plans is None:
-            plans = _ONESHOT[device] = _OneShotPlans()
+            plans = _ONESHOT[device] = OneShotPlans()
         return plans
 
 

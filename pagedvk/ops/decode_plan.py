@@ -315,7 +315,14 @@ class DecodePlan(Owned):
 
     @property
     def closed(self) -> bool:
+        """Whether close() has run (or construction failed)."""
         return self._closed
+
+    @property
+    def recorded_launches(self) -> tuple:
+        """The launches this plan keeps recorded (at most RECORDED_LAUNCHES), least recently used first: one per
+        set of caller buffers seen, for inspection (which recordings were reused, freed or made again)."""
+        return tuple(self._launches.values())
 
     def _require_open(self) -> None:
         if self._closed:

@@ -55,7 +55,7 @@ def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, hea
     or bfloat16 caches and queries of one type; WGSL: float16; head size 64 or 128; blocks of at least
     MATRIX_MIN_BLOCK_SIZE tokens) and the device runs it (bfloat16: bfloat16 matrices too), else "" (the scalar
     kernel). A WGSL plan's backward runs the scalar
-    kernels whatever this says (_Problem.matrix_for).
+    kernels whatever this says (PrefillProblem.matrix_for).
     kernel="scalar" or "coopmat" forces the choice; "coopmat" raises ValueError where it cannot run."""
     if kernel not in PREFILL_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, PREFILL_KERNELS))}, got {kernel!r}")
@@ -154,7 +154,7 @@ def work_tiles(query_start_loc: np.ndarray, group: int, rows_per_tile, include=N
     return np.stack([seqs, firsts * per_seq[seqs]], axis=1).astype(np.int32).reshape(-1, 2)
 
 
-class _Problem:
+class PrefillProblem:
     """The checked arguments of one call: dims, device, backend, the batch's layout and the push constants."""
 
     def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=None, causal=True,
@@ -283,7 +283,7 @@ class _Problem:
         return np.concatenate([offsets, (seqs * bt.shape[1] + slots)[order]]).astype(np.int32)
 
 
-def _launch(problem: _Problem, dispatches, arrays: dict, timestamps: bool = False) -> Launch:
+def _launch(problem: PrefillProblem, dispatches, arrays: dict, timestamps: bool = False) -> Launch:
     """The dispatches recorded (see _steps). A forward's decode tokens (_DecodePart) are dispatched after the
     prefill tiles with no barrier in between, and so are the two kinds of prefill tiles: each writes other rows of
     out and lse and only reads the rest, and the decode kernel's workgroups run where the prefill's leave room
@@ -298,7 +298,7 @@ def _launch(problem: _Problem, dispatches, arrays: dict, timestamps: bool = Fals
                   independent=frozenset(range(1, len(steps) + 1)))
 
 
-def _steps(problem: _Problem, dispatches, arrays: dict) -> tuple:
+def _steps(problem: PrefillProblem, dispatches, arrays: dict) -> tuple:
     """([(pipeline, buffers, push constants, grid)], independent step indices) of the dispatches with workgroups:
     each dispatch's buffers bound by the names
     its ABI declares, from `arrays` (DeviceArrays); the forward's decode tokens are not among them (_launch). A
@@ -330,7 +330,7 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> tuple:
     return steps, frozenset(independent)
 
 
-def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict, given: dict | None = None) -> tuple:
+def _run(problem: PrefillProblem, dispatches, inputs: dict, outputs: dict, given: dict | None = None) -> tuple:
     """Run the dispatches ((kernel ABI, grid) in order, one submission) on `inputs` (copied to the device when
     on the host) and outputs allocated as `outputs` says (name -> (shape, dtype)); an output in `given` is
     written instead, a DeviceArray in place, a numpy array filled from the result. Returns the outputs in order,
@@ -435,7 +435,7 @@ def _bindable(tiles: np.ndarray) -> np.ndarray:
     return tiles if len(tiles) else np.zeros((1, 2), np.int32)
 
 
-def _tiled(p: _Problem, kernel, include: np.ndarray) -> tuple:
+def _tiled(p: PrefillProblem, kernel, include: np.ndarray) -> tuple:
     """(dispatches, tile tables) of a tiled kernel (the forward, dq) over the sequences in `include`: the scalar
     module's tiles (forward_rows) where the problem has no matrix kind; else 64-row matrix tiles, and under
     kernel="auto" the short sequences' (fewer than MATRIX_MIN_ROWS rows) scalar tiles in a second dispatch of
@@ -456,7 +456,7 @@ def _tiled(p: _Problem, kernel, include: np.ndarray) -> tuple:
 def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, alibi_slopes=None,
              logits_soft_cap=None, sinks=None, window_left=-1, **options) -> tuple:
     """The checked forward: (problem, dispatches, inputs, outputs) for _run or launch()."""
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **options)
+    p = PrefillProblem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **options)
     info = p.device.info
     if p.backend == "wgsl" and info.max_shared_memory < PREFILL_WGSL_SHARED_BYTES:
         raise UnsupportedFeatureError(
@@ -469,7 +469,7 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
     device_of(*variants.inputs.values(), device=p.device)
     p.push_fields.update(variants.push())
     q_lens = np.diff(p.query_start_loc)
-    tokens = _decode_tokens(p, q_lens) if p.kernel == "auto" else None
+    tokens = decode_tokens(p, q_lens) if p.kernel == "auto" else None
     rest = np.ones(len(q_lens), bool)   # the sequences the prefill kernels take
     if tokens is not None:
         p.decode_part = _DecodePart(p, *tokens, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
@@ -482,7 +482,7 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
             dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:-1]), np.float32)))
 
 
-def _decode_tokens(p: _Problem, q_lens: np.ndarray) -> tuple | None:
+def decode_tokens(p: PrefillProblem, q_lens: np.ndarray) -> tuple | None:
     """(s0, s1): the batch's decode tokens (sequences of one new token) where the decode kernel can take them in
     the forward's launch, else None. They must be consecutive sequences (vLLM and FlashInfer batch decode
     requests together), so that their query, out and lse rows are one range of each buffer, bound at an offset
@@ -507,7 +507,7 @@ class _DecodePart:
     1.92 ms, against 1.99 ms as separate prefill and decode calls (H200, float16). The tables' rows are read to
     the host (small; device tables are read back)."""
 
-    def __init__(self, p: _Problem, s0: int, s1: int, **variants):
+    def __init__(self, p: PrefillProblem, s0: int, s1: int, **variants):
         self.rows, self.views = (int(p.query_start_loc[s0]), s1 - s0), ()
         self.query_type, self.num_heads, self.head_size = p.query_type, p.num_heads, p.head_size
         self.row_bytes = p.query_row_bytes()
@@ -573,7 +573,7 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
 def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, query_start_loc,
               **options) -> tuple:
     """The checked backward: (problem, dispatches, inputs, outputs) for _run or launch()."""
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+    p = PrefillProblem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  cache_types=GRADIENT_CACHE_TYPES, **options)
     query_layout = "(the query's shape)"
     p.check_like("dout", dout, tuple(query.shape), query_layout, query.dtype)
@@ -600,7 +600,7 @@ class Recorded:
     (pagedvk.runtime.pipeline.Launch; submit() returns the GPU time in ns), `outputs` (DeviceArrays, as the op
     returns them). close() frees the launch, the outputs and the tables uploaded for it."""
 
-    def __init__(self, problem: _Problem, dispatches, inputs: dict, outputs: dict):
+    def __init__(self, problem: PrefillProblem, dispatches, inputs: dict, outputs: dict):
         self._owned, self.problem = [], problem
         arrays = {}
         for name, a in inputs.items():
@@ -611,7 +611,7 @@ class Recorded:
             arrays[name] = empty(shape, dtype, problem.device)
             self._owned.append(arrays[name])
         self.outputs = tuple(arrays[name] for name in outputs)
-        self.scratch = {}   # the launch's own buffers (_Problem.scratch), kept for tests to read or poison
+        self.scratch = {}   # the launch's own buffers (PrefillProblem.scratch), kept for tests to read or poison
         for name, (shape, dtype) in problem.scratch.items():
             self.scratch[name] = arrays[name] = empty(shape, dtype, problem.device)
             self._owned.append(arrays[name])
