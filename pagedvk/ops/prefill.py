@@ -377,11 +377,13 @@ def _run(problem: PrefillProblem, dispatches, inputs: dict, outputs: dict, given
             problem.decode_part.close()
 
 
-QUERY_DOC = """query        float32, float16 or bfloat16, ragged [num_tokens, num_heads, head_size] with
-                 query_start_loc, or [num_seqs, num_heads, q_len, head_size] (q_len queries per sequence)
-    query_start_loc  int32 [num_seqs + 1] (ragged query only; vLLM's query_start_loc, FlashInfer's qo_indptr):
-                 sequence s owns query tokens query_start_loc[s] .. query_start_loc[s + 1] - 1, q_len_s of them
-                 (0 allowed), the last q_len_s of its seq_lens[s] tokens; 0 first, non-decreasing, num_tokens last"""
+QUERY_DOC = """\
+query : DeviceArray or ndarray, shape (num_tokens, num_heads, head_size) or (num_seqs, num_heads, q_len, head_size)
+        float32, float16 or bfloat16: ragged, with query_start_loc, or q_len queries per sequence.
+    query_start_loc : DeviceArray or numpy.ndarray, shape (num_seqs + 1,), int32, optional
+        With a ragged query only, None otherwise (vLLM's query_start_loc, FlashInfer's qo_indptr): sequence s owns
+        query tokens query_start_loc[s] .. query_start_loc[s + 1] - 1, q_len_s of them (0 allowed), the last
+        q_len_s of its seq_lens[s] tokens; 0 first, non-decreasing, num_tokens last."""
 
 
 def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array,
@@ -391,36 +393,74 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                             out: Array | None = None, alibi_slopes: Array | None = None,
                             logits_soft_cap: float | None = None, sinks: Array | None = None,
                             window_left: int = -1, kernel: str = "auto") -> tuple[Array, Array]:
-    """Attention of each sequence's new tokens (its last q_len_s positions) over its paged KV cache: a ragged
-    batch of prompts, prompt chunks and decode tokens (q_len_s = 1) in one launch.
+    """Attention of each sequence's new tokens (its last q_len_s positions) over its paged KV cache.
 
+    A ragged batch of prompts, prompt chunks and decode tokens (q_len_s = 1) in one launch.
+
+    Parameters
+    ----------
     {query}
-    key_cache    layout "nhd" [num_blocks, block_size, num_kv_heads, head_size], "hnd" [num_blocks, num_kv_heads,
-    value_cache  block_size, head_size] or "vllm" (pagedvk.ops.layouts); float32, float16, bfloat16, float8_e4m3fn
-                 or float8_e5m2 (or uint8 with vLLM's kv_cache_dtype and k_scale / v_scale); num_heads a multiple
-                 of num_kv_heads (GQA/MQA); head_size a multiple of 4 up to 256; block_size 8, 16 or 32, and in
-                 "nhd" and "hnd" also 1, 2 or 4
-    block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids
-    seq_lens     int32 [num_seqs]: tokens per sequence, the new ones included (vLLM's seq_lens); at least
-                 q_len_s (the fixed-q_len form also takes 0, an empty sequence: zeros out, lse -inf)
-    scale        softmax scale, default 1 / sqrt(head_size); accumulation is float32
-    causal       query i of sequence s (position seq_lens[s] - q_len_s + i) sees keys 0 .. that position
-    alibi_slopes float32 [num_heads], logits_soft_cap, sinks float32 [num_heads], window_left: the attention
-                 variants (pagedvk.ops.variants); the window counts back from each query's own position
-    Returns (out like query in the query's dtype, lse float32 like query without its head_size axis:
-    [num_tokens, num_heads] or [num_seqs, num_heads, q_len]), lse the natural-log sum of exp(logit) over the
-    keys seen and the sink (FlashInfer's, in natural log): numpy for a numpy query, DeviceArrays for a
-    DeviceArray query.
-    validate=False skips the checks of the tables' values (as DecodePlan's): the kernels bound every
-    index themselves, so bad values give wrong rows for their sequences, never an access outside a buffer.
-    query_start_loc is always checked (the launch's tile table is built from it on the host).
-    out          optional, the query's shape and dtype: written with the result and returned (a DeviceArray in
-                 place, a numpy array filled), as vLLM's ops take it
-    kernel       "auto": the cooperative-matrix kernel where the device has one for these arguments
-                 (matrix_kernel), else the scalar one; "scalar" or "coopmat" to force it (ValueError where
-                 "coopmat" cannot run). The matrix kernel multiplies in float16 (bfloat16 for bfloat16 caches
-                 and queries), accumulating in float32.
+    key_cache, value_cache : DeviceArray or numpy.ndarray
+        Layout "nhd": shape (num_blocks, block_size, num_kv_heads, head_size); "hnd": (num_blocks, num_kv_heads,
+        block_size, head_size); or "vllm" (pagedvk.ops.layouts). float32, float16, bfloat16, float8_e4m3fn or
+        float8_e5m2 (or uint8 with vLLM's kv_cache_dtype and k_scale / v_scale). num_heads is a multiple of
+        num_kv_heads (GQA/MQA); head_size a multiple of 4 up to 256; block_size 8, 16 or 32, and in "nhd" and
+        "hnd" also 1, 2 or 4.
+    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+        Physical block ids.
+    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+        Tokens per sequence, the new ones included (vLLM's seq_lens); at least q_len_s (the fixed-q_len form also
+        takes 0, an empty sequence: zeros out, lse -inf).
+    scale : float, optional
+        Softmax scale; None means 1 / sqrt(head_size). Accumulation is float32.
+    causal : bool, default True
+        Query i of sequence s (position seq_lens[s] - q_len_s + i) sees keys 0 .. that position; False: all keys.
+    layout : "nhd", "hnd" or "vllm", default "nhd"
+        The caches' layout.
+    kv_cache_dtype : "auto", "fp8", "fp8_e4m3" or "fp8_e5m2", default "auto"
+        How uint8 caches are read (vLLM's names); "auto" reads the caches' own dtype.
+    k_scale, v_scale : float, default 1.0
+        fp8 caches hold key / k_scale and value / v_scale; other caches ignore them.
+    backend : "glsl" or "wgsl", optional
+        The kernel language; None means PAGEDVK_BACKEND, else "glsl".
+    validate : bool, default True
+        False skips the checks of the tables' values (as DecodePlan's): the kernels bound every index themselves,
+        so bad values give wrong rows for their sequences, never an access outside a buffer. query_start_loc is
+        always checked (the launch's tile table is built from it on the host).
+    out : DeviceArray or numpy.ndarray, optional
+        The query's shape and dtype: written with the result and returned (a DeviceArray in place, a numpy array
+        filled), as vLLM's ops take it. None allocates it.
+    alibi_slopes : DeviceArray or numpy.ndarray, shape (num_heads,), float32, optional
+    logits_soft_cap : float, optional
+    sinks : DeviceArray or numpy.ndarray, shape (num_heads,), float32, optional
+    window_left : int, default -1
+        The attention variants (pagedvk.ops.variants); None (-1 for window_left) turns each off. The window
+        counts back from each query's own position.
+    kernel : "auto", "scalar" or "coopmat", default "auto"
+        "auto": the cooperative-matrix kernel where the device has one for these arguments (matrix_kernel), else
+        the scalar one; "scalar" or "coopmat" force it. The matrix kernel multiplies in float16 (bfloat16 for
+        bfloat16 caches and queries), accumulating in float32.
 
+    Returns
+    -------
+    out : DeviceArray or numpy.ndarray
+        The query's shape and dtype.
+    lse : DeviceArray or numpy.ndarray, float32
+        The query's shape without its head_size axis: (num_tokens, num_heads) or (num_seqs, num_heads, q_len);
+        the natural-log sum of exp(logit) over the keys seen and the sink (FlashInfer's, in natural log).
+        Both are numpy for a numpy query, DeviceArrays for a DeviceArray query.
+
+    Raises
+    ------
+    ValueError
+        A bad argument; also kernel="coopmat" where it cannot run.
+    TypeError
+        An argument of the wrong kind or dtype.
+    UnsupportedFeatureError
+        The WGSL forward on a device with too little workgroup memory.
+
+    Examples
+    --------
     >>> out, lse = pagedvk.paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     """
     return _run(*_forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale=scale,
@@ -541,25 +581,46 @@ class _DecodePart:
 def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_cache: Array, block_tables: Array,
                              seq_lens: Array, out: Array, lse: Array, query_start_loc: Array | None = None, *,
                              scale: float | None = None, causal: bool = True, layout: str = "nhd",
-                             backend: str | None = None, validate: bool = True, alibi_slopes=None,
-                             logits_soft_cap=None, sinks=None, window_left: int = -1,
+                             backend: str | None = None, validate: bool = True, alibi_slopes: Array | None = None,
+                             logits_soft_cap: float | None = None, sinks: Array | None = None, window_left: int = -1,
                              kernel: str = "auto") -> tuple[Array, Array, Array]:
-    """Gradients of paged_attention_prefill: (dq, dk_cache, dv_cache) for the upstream gradient dout.
+    """Gradients of `paged_attention_prefill`: (dq, dk_cache, dv_cache) for the upstream gradient dout.
 
+    Where several sequences read one physical block their gradients add up (in a fixed order, so results are
+    deterministic), and slots no sequence reads get zero. The attention variants are not supported here yet.
+
+    Parameters
+    ----------
+    dout : DeviceArray or numpy.ndarray
+        The query's shape and dtype.
     {query}
-    dout, out    the query's shape and dtype
-    key_cache, value_cache  float32, float16 or bfloat16, any layout
-    lse          float32, the query's shape without head_size
-    out and lse are what paged_attention_prefill returned for these arguments. The gradients are float32,
-    accumulated in float32: dq has the query's shape, dk_cache and dv_cache the caches' shapes and layout.
-    Where several sequences read one physical block their gradients add up (in a fixed order, so results
-    are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a DeviceArray query
-    gives DeviceArrays. validate and kernel as for paged_attention_prefill: the cooperative-matrix dq and dk/dv
-    kernels multiply in float16 (bfloat16 for bfloat16 caches and queries; P and dS rounded to it),
-    accumulating in float32.
-    The attention variants are not supported here yet: alibi_slopes, logits_soft_cap, sinks and window_left
-    are accepted, so a forward's arguments can be passed on, and refused unless off.
+    key_cache, value_cache : DeviceArray or numpy.ndarray
+        float32, float16 or bfloat16, in any layout (see `paged_attention_prefill` for their shapes).
+    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+    out : DeviceArray or numpy.ndarray
+        What paged_attention_prefill returned for these arguments: the query's shape and dtype.
+    lse : DeviceArray or numpy.ndarray, float32
+        What paged_attention_prefill returned: the query's shape without head_size.
+    scale, causal, layout, backend, validate
+        As for `paged_attention_prefill`.
+    alibi_slopes, logits_soft_cap, sinks, window_left
+        Accepted, so that a forward's arguments can be passed on, and refused (ValueError) unless off (None,
+        -1 for window_left).
+    kernel : "auto", "scalar" or "coopmat", default "auto"
+        As for paged_attention_prefill: the cooperative-matrix dq and dk/dv kernels multiply in float16
+        (bfloat16 for bfloat16 caches and queries; P and dS rounded to it), accumulating in float32.
 
+    Returns
+    -------
+    dq : DeviceArray or numpy.ndarray, float32
+        The query's shape.
+    dk_cache, dv_cache : DeviceArray or numpy.ndarray, float32
+        The caches' shapes and layout. All three accumulate in float32; numpy for a numpy query, DeviceArrays
+        for a DeviceArray query.
+
+    Examples
+    --------
     >>> dq, dk, dv = pagedvk.paged_attention_backward(dout, q, key_cache, value_cache, block_tables, seq_lens, out, lse,
     ...                                               query_start_loc)
     """

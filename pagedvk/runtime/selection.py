@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import threading
+from typing import Union
 
 from .. import config
 from ..errors import DeviceNotFoundError
 from .device import Device
 from .instance import TYPE_PREFERENCE, DeviceInfo, get_instance
+
+# What a `device` argument takes (get_device): None (the default device), a Device, a DeviceInfo, an index or a
+# case-insensitive name substring.
+DeviceLike = Union[Device, DeviceInfo, int, str, None]
 
 _open: dict = {}  # device index -> Device
 _lock = threading.Lock()
