@@ -299,15 +299,7 @@ def empty(shape: int | tuple[int, ...], dtype: DTypeLike = np.float32, device: D
 
 
 def zeros(shape: int | tuple[int, ...], dtype: DTypeLike = np.float32, device: DeviceLike = None) -> DeviceArray:
-    """A device array of zeros.
-
-    Parameters
-    ----------
-    shape : int or tuple of int
-    dtype : numpy dtype, default float32
-        One of `DeviceArray`'s dtypes.
-    device : Device, DeviceInfo, int or str, optional
-        None means the default device.
+    """A device array of zeros; the arguments are `empty`'s.
 
     Returns
     -------
