@@ -190,22 +190,14 @@ class DecodePlan(Owned):
         self._closed = False
 
     # The choice's parts, as a plan's attributes (pagedvk.ops.decode_rules.DecodeChoice).
-    target = property(lambda self: self.choice.target,
-                      doc='The decode kernel\'s target: "cpu" or "" (the GPU kernel).')
-    matrix = property(lambda self: self.choice.matrix,
-                      doc='"coopmat" where the cooperative-matrix kernel runs, else "".')
-    group_size = property(lambda self: self.choice.group_size,
-                          doc='Query heads one workgroup serves.')
-    partition_size = property(lambda self: self.choice.partition_size,
-                              doc='Tokens per split-K partition.')
-    num_partitions = property(lambda self: self.choice.num_partitions,
-                              doc='Split-K partitions per sequence.')
-    merge_in_decode = property(lambda self: self.choice.merge_in_decode,
-                               doc='Whether the decode kernel merges its partitions itself (no reduce dispatch).')
-    constants = property(lambda self: self.choice.spec_constants,
-                         doc="The pipeline's specialization constants.")
-    key = property(lambda self: self.choice.module(),
-                   doc="The decode module's variant key.")
+    target = property(lambda self: self.choice.target, doc='The decode kernel\'s target: "cpu" or "" (the GPU kernel).')
+    matrix = property(lambda self: self.choice.matrix, doc='"coopmat" for the matrix kernel, else "".')
+    group_size = property(lambda self: self.choice.group_size, doc='Query heads one workgroup serves.')
+    partition_size = property(lambda self: self.choice.partition_size, doc='Tokens per split-K partition.')
+    num_partitions = property(lambda self: self.choice.num_partitions, doc='Split-K partitions per sequence.')
+    merge_in_decode = property(lambda self: self.choice.merge_in_decode, doc='Whether the decode merges its own split.')
+    constants = property(lambda self: self.choice.spec_constants, doc="The pipeline's specialization constants.")
+    key = property(lambda self: self.choice.module(), doc="The decode module's variant key.")
 
     @classmethod
     def for_caches(cls, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array, num_heads: int, *,
