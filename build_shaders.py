@@ -201,7 +201,7 @@ class NagaServer:
 
 
 _naga_servers = queue.SimpleQueue()   # idle NagaServers; a thread takes one, or starts one, for each module
-_naga_started = []
+naga_started = []              # every NagaServer this build started (close_naga_servers ends them)
 
 
 def translate_wgsl(source: Path, out: Path) -> None:
@@ -215,7 +215,7 @@ def translate_wgsl(source: Path, out: Path) -> None:
         server = _naga_servers.get_nowait()
     except queue.Empty:
         server = NagaServer(tool)
-        _naga_started.append(server)
+        naga_started.append(server)
     try:
         server.translate(source, out)
     finally:
@@ -225,8 +225,8 @@ def translate_wgsl(source: Path, out: Path) -> None:
 
 @atexit.register
 def close_naga_servers() -> None:
-    while _naga_started:
-        _naga_started.pop().close()
+    while naga_started:
+        naga_started.pop().close()
     while not _naga_servers.empty():
         _naga_servers.get_nowait()
 

@@ -70,13 +70,13 @@ def pytest_configure(config):
 def no_validation_messages(request):
     """With PAGEDVK_VALIDATION=1, every message the layer reported during a test (warnings included, and
     synchronization validation's) fails that test, even where no device.check() raised it."""
-    from pagedvk.runtime import instance
-    if VALIDATING and instance._instance is not None:
-        instance._instance.take_messages()   # anything left by a test that already failed, or its setup
+    from pagedvk.runtime.instance import current_instance
+    if VALIDATING and current_instance() is not None:
+        current_instance().take_messages()   # anything left by a test that already failed, or its setup
     yield
-    if not VALIDATING or instance._instance is None:
+    if not VALIDATING or current_instance() is None:
         return
-    messages = instance._instance.take_messages()
+    messages = current_instance().take_messages()
     if messages and request.node.get_closest_marker("provokes_validation") is None:
         pytest.fail(f"{len(messages)} Vulkan validation message(s) during this test:\n" + "\n\n".join(messages),
                     pytrace=False)
@@ -88,12 +88,12 @@ def no_validation_messages_at_close():
     on what the layer says then (objects destroyed while in use, say), which no test's teardown sees."""
     yield
     from pagedvk.runtime import selection
-    from pagedvk.runtime import instance
-    if not VALIDATING or instance._instance is None:
+    from pagedvk.runtime.instance import current_instance
+    if not VALIDATING or current_instance() is None:
         return
-    for device in list(selection._open.values()):
+    for device in selection.open_devices():
         device.close()
-    messages = instance._instance.take_messages()
+    messages = current_instance().take_messages()
     if messages:
         pytest.fail(f"{len(messages)} Vulkan validation message(s) when the devices closed:\n" + "\n\n".join(messages),
                     pytrace=False)

@@ -11,6 +11,7 @@ that hands out their blocks (pagedvk.engine.blocks), with the ops an engine runs
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from .. import config
 from ..dtypes import CACHE_TYPES, storage_type
@@ -21,21 +22,60 @@ from ..ops.opargs import device_of
 from ..ops.prefill import paged_attention_prefill
 from ..runtime.array import empty
 from ..runtime.owned import Owned
+from ..runtime.selection import DeviceLike
 from .blocks import BlockManager
 
 
 class KVCache(Owned):
-    """Key and value caches for num_layers layers on one device, in `layout` and `dtype`, with num_blocks
-    blocks each, or as many as `memory_fraction` of the device's memory budget holds (VK_EXT_memory_budget where
-    the device has it, else the heap size); num_host_blocks blocks of host memory to swap preempted sequences
-    to. `blocks` is the BlockManager over them: its block tables and lengths feed DecodePlan and prefill.
+    """A model's paged KV cache on one device: per-layer key and value caches, host swap space, and their blocks.
 
-    Queries are computed in float32 whatever the cache's type (accumulation is float32 throughout).
+    `blocks` is the BlockManager (pagedvk.engine.blocks) that hands out the blocks: its block tables and lengths
+    feed DecodePlan and prefill. Queries are computed in float32 whatever the cache's type (accumulation is
+    float32 throughout).
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads : int
+        At least 1.
+    head_size : int
+        A multiple of 4 (of x = 16 // itemsize in layout "vllm"), at most pagedvk.ops.layouts.MAX_HEAD_SIZE.
+    block_size : int, default 16
+        8, 16 or 32; "nhd" and "hnd" also 1, 2 or 4.
+    dtype : numpy dtype, default float16
+        float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2.
+    layout : {"vllm", "nhd", "hnd"}, default "vllm"
+    num_blocks : int, optional
+        Blocks per cache. Give exactly one of num_blocks and memory_fraction.
+    memory_fraction : float, optional
+        In (0, 1]: as many blocks as this fraction of the device's free memory budget holds (all layers' keys
+        and values; VK_EXT_memory_budget where the device has it, else the heap size).
+    num_host_blocks : int, default 0
+        Blocks of host memory to swap preempted sequences to.
+    prefix_caching : bool, default True
+        Share full prompt blocks by their token-prefix hash.
+    device : Device, DeviceInfo, int or str, optional
+        None means the default device.
+    backend : {"glsl", "wgsl"}, optional
+        The kernel language of its ops; None means PAGEDVK_BACKEND, else "glsl".
+
+    Attributes
+    ----------
+    key, value : list of DeviceArray
+        One cache per layer, of shape spec.key_shape / spec.value_shape (see `paged_attention` for the layouts).
+    host_key, host_value : list of numpy.ndarray
+        The swap space, one per layer, num_host_blocks blocks each.
+    blocks : pagedvk.engine.blocks.BlockManager
+
+    Raises
+    ------
+    ValueError, TypeError
+        A bad argument, checked by name before anything is allocated.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16, dtype=np.float16,
-                 layout: str = "vllm", num_blocks: int | None = None, memory_fraction: float | None = None,
-                 num_host_blocks: int = 0, prefix_caching: bool = True, device=None, backend: str | None = None):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16,
+                 dtype: DTypeLike = np.float16, layout: str = "vllm", num_blocks: int | None = None,
+                 memory_fraction: float | None = None, num_host_blocks: int = 0, prefix_caching: bool = True,
+                 device: DeviceLike = None, backend: str | None = None) -> None:
         # Every argument is checked here, by name, before anything is allocated: bad ones were accepted and
         # failed at the first write.
         if (num_blocks is None) == (memory_fraction is None):
@@ -84,26 +124,51 @@ class KVCache(Owned):
 
     @property
     def block_size(self) -> int:
+        """Tokens per block."""
         return self.spec.block_size
 
     @property
     def num_blocks(self) -> int:
+        """Blocks per layer's cache on the device."""
         return self.spec.num_blocks
 
-    def write(self, layer: int, k, v, slots) -> None:
-        """reshape_and_cache: k, v [n, num_kv_heads, head_size] into `slots` int32 [n] of one layer's caches
-        (negative slots skipped)."""
+    def write(self, layer: int, k: ArrayLike, v: ArrayLike, slots: ArrayLike) -> None:
+        """Write new tokens' keys and values into one layer's caches (reshape_and_cache).
+
+        Parameters
+        ----------
+        layer : int
+        k, v : array_like, shape (n, num_kv_heads, head_size)
+            Converted to float32.
+        slots : array_like, shape (n,)
+            Slot = block * block_size + offset, as the BlockManager gives them; negative slots are skipped.
+        """
         cache_ops.reshape_and_cache(np.asarray(k, np.float32), np.asarray(v, np.float32), self.key[layer],
                                     self.value[layer], np.asarray(slots, np.int32), layout=self.layout,
                                     backend=self.backend)
 
-    def copy_blocks(self, pairs) -> None:
-        """Copy-on-write copies, (src, dst) block pairs, in every layer's caches in one submission."""
+    def copy_blocks(self, pairs: ArrayLike) -> None:
+        """Copy-on-write copies in every layer's caches, in one submission.
+
+        Parameters
+        ----------
+        pairs : array_like, shape (num_pairs, 2)
+            (src, dst) block pairs (BlockManager's `copies`); empty does nothing.
+        """
         if len(pairs):
             cache_ops.copy_blocks(self.key, self.value, np.asarray(pairs, np.int64).reshape(-1, 2))
 
-    def swap(self, pairs, to_host: bool) -> None:
-        """Preemption: (device, host) block pairs out to the host, or (host, device) pairs back in."""
+    def swap(self, pairs: ArrayLike, to_host: bool) -> None:
+        """Preemption: move blocks between the device caches and the host swap space, every layer.
+
+        Parameters
+        ----------
+        pairs : array_like, shape (num_pairs, 2)
+            (device block, host block) pairs to copy out, or (host block, device block) pairs to copy back in;
+            empty does nothing.
+        to_host : bool
+            True swaps out, False swaps in.
+        """
         if not len(pairs):
             return
         mapping = np.asarray(pairs, np.int64).reshape(-1, 2)
@@ -111,11 +176,24 @@ class KVCache(Owned):
             for dev, host in ((self.key[layer], self.host_key[layer]), (self.value[layer], self.host_value[layer])):
                 cache_ops.swap_blocks(dev, host, mapping) if to_host else cache_ops.swap_blocks(host, dev, mapping)
 
-    def attend(self, layer: int, q, batch) -> np.ndarray:
-        """Attention of one step's new tokens over one layer's cache. q [sum of batch.q_lens, num_heads,
-        head_size]; sequences with one new token go through one DecodePlan per step (made at the step's first
-        layer, reused by the others), longer ones through one ragged paged_attention_prefill. batch:
-        pagedvk.demo.serve.Batch (q_lens, block_tables, seq_lens, new tokens included)."""
+    def attend(self, layer: int, q: ArrayLike, batch) -> np.ndarray:
+        """Attention of one step's new tokens over one layer's cache.
+
+        Sequences with one new token go through one DecodePlan per step (made at the step's first layer, reused by
+        the others), longer ones through one ragged paged_attention_prefill.
+
+        Parameters
+        ----------
+        layer : int
+        q : array_like, shape (sum of batch.q_lens, num_heads, head_size)
+            Converted to float32.
+        batch : pagedvk.demo.serve.Batch
+            q_lens, block_tables, seq_lens (new tokens included).
+
+        Returns
+        -------
+        numpy.ndarray, shape of q, float32
+        """
         q = np.asarray(q, np.float32)
         out = np.empty(q.shape, np.float32)
         starts = np.cumsum([0] + list(batch.q_lens))
@@ -156,9 +234,11 @@ class KVCache(Owned):
 
     @property
     def closed(self) -> bool:
+        """Whether every layer's cache was freed."""
         return all(a.closed for a in self.key + self.value)
 
     def close(self) -> None:
+        """Free the caches and the step's decode plan; safe to call twice."""
         self._close_plan()
         for a in self.key + self.value:
             a.close()

@@ -41,6 +41,13 @@ def manifest() -> dict:
     return _manifest
 
 
+def forget_manifest() -> None:
+    """Drop the manifest manifest() read, so that the next call reads SPV_DIR's again (after SPV_DIR changes:
+    tests point it at a folder of their own)."""
+    global _manifest
+    _manifest = None
+
+
 def module_path(name: str) -> Path:
     return SPV_DIR / f"{name}.spv"
 

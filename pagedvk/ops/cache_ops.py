@@ -28,25 +28,42 @@ WORKGROUP = RESHAPE_AND_CACHE.workgroup_size[0]
 def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: Array, slot_mapping: Array,
                       kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0, layout: str = "vllm",
                       *, backend: str | None = None, validate: bool = True) -> None:
-    """Write each token's key and value into the cache slot slot_mapping gives it, in place.
+    """Write each token's key and value into the cache slot `slot_mapping` gives it, in place (vLLM's).
 
-    key, value   float32, float16 or bfloat16, one dtype, [num_tokens, num_kv_heads, head_size]; numpy ones
-                 may be strided views (vLLM's key and value slices of a fused QKV tensor)
-    key_cache    layout "vllm" [num_blocks, num_kv_heads, head_size // x, block_size, x] and
-    value_cache  [num_blocks, num_kv_heads, head_size, block_size], "nhd" [num_blocks, block_size,
-                 num_kv_heads, head_size] both, or "hnd" [num_blocks, num_kv_heads, block_size, head_size] both
-                 (pagedvk.ops.layouts); float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, or uint8 with
-                 vLLM's kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2". DeviceArrays are written on the device;
-                 numpy caches are updated in place (a round trip), through the caller's view where they are one
-                 (kv[:, 0] and kv[:, 1] of one combined array).
-    slot_mapping int32 or int64 [num_tokens]: slot = block * block_size + offset; negative slots are
-                 padding and skipped
-    k_scale, v_scale  fp8 caches store key / k_scale and value / v_scale, rounded to nearest even and
-                 saturated to the type's largest finite value (vLLM's __NV_SATFINITE); other caches store
-                 the values converted to their type (round to nearest even) and ignore the scales
-    validate=False skips the check that every slot is below num_blocks * block_size: the kernel skips
-    such slots itself, so nothing outside the caches is written.
+    Parameters
+    ----------
+    key, value : DeviceArray or numpy.ndarray, shape (num_tokens, num_kv_heads, head_size)
+        float32, float16 or bfloat16, one dtype; numpy ones may be strided views (vLLM's key and value slices of
+        a fused QKV tensor).
+    key_cache, value_cache : DeviceArray or numpy.ndarray
+        Layout "vllm": key_cache (num_blocks, num_kv_heads, head_size // x, block_size, x) and value_cache
+        (num_blocks, num_kv_heads, head_size, block_size); "nhd": (num_blocks, block_size, num_kv_heads,
+        head_size) both; "hnd": (num_blocks, num_kv_heads, block_size, head_size) both (pagedvk.ops.layouts).
+        float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, or uint8 with vLLM's kv_cache_dtype "fp8" /
+        "fp8_e4m3" / "fp8_e5m2". DeviceArrays are written on the device; numpy caches are updated in place (a
+        round trip), through the caller's view where they are one (kv[:, 0] and kv[:, 1] of one combined array).
+    slot_mapping : DeviceArray or numpy.ndarray, shape (num_tokens,), int32 or int64
+        slot = block * block_size + offset; negative slots are padding and skipped.
+    kv_cache_dtype : {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}, default "auto"
+        How uint8 caches are read (vLLM's names); "auto" takes the caches' own dtype.
+    k_scale, v_scale : float, default 1.0
+        fp8 caches store key / k_scale and value / v_scale, rounded to nearest even and saturated to the type's
+        largest finite value (vLLM's __NV_SATFINITE); other caches store the values converted to their type (round
+        to nearest even) and ignore the scales.
+    layout : {"vllm", "nhd", "hnd"}, default "vllm"
+    backend : {"glsl", "wgsl"}, optional
+        The kernel language; None means PAGEDVK_BACKEND, else "glsl".
+    validate : bool, default True
+        False skips the check that every slot is below num_blocks * block_size: the kernel skips such slots
+        itself, so nothing outside the caches is written.
 
+    Raises
+    ------
+    ValueError, TypeError
+        A bad argument, or (validate) a slot outside the caches.
+
+    Examples
+    --------
     >>> pagedvk.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     """
     for name, a in (("key", key), ("value", value)):
@@ -155,15 +172,27 @@ def _grouped(copies) -> list:
     return list(groups.values())
 
 
-def copy_blocks(key_caches: list, value_caches: list, block_mapping: Array) -> None:
+def copy_blocks(key_caches: list[Array] | tuple[Array, ...], value_caches: list[Array] | tuple[Array, ...],
+                block_mapping: Array) -> None:
     """Copy blocks within each layer's caches, every layer in one submission (vLLM's copy_blocks).
 
-    key_caches, value_caches  sequences of caches, one per layer, any layout and dtype, all with the same
-                 num_blocks (shape[0]): DeviceArrays (on one device), copied on it in one submission, or numpy
-                 arrays (writable; views of a larger array too), copied in place on the host, as vLLM's CPU backend does
-    block_mapping int32 or int64 [num_pairs, 2]: block src is copied to block dst in every cache. No block may
-                 be written twice, nor written and read in one call (the copies run at once).
+    Parameters
+    ----------
+    key_caches, value_caches : list or tuple of DeviceArray or numpy.ndarray
+        One cache per layer, any layout and dtype, all with the same num_blocks (shape[0]): DeviceArrays (on one
+        device), copied on it in one submission, or numpy arrays (writable; views of a larger array too), copied
+        in place on the host, as vLLM's CPU backend does.
+    block_mapping : DeviceArray or numpy.ndarray, shape (num_pairs, 2), int32 or int64
+        (src, dst) rows: block src is copied to block dst in every cache. No block may be written twice, nor
+        written and read in one call (the copies run at once).
 
+    Raises
+    ------
+    ValueError, TypeError
+        Caches of differing num_blocks, ids outside the caches, or a block written twice or written and read.
+
+    Examples
+    --------
     >>> pagedvk.copy_blocks([k0, k1], [v0, v1], np.array([[3, 7]]))   # block 3 -> block 7 in both layers
     """
     for name, seq in (("key_caches", key_caches), ("value_caches", value_caches)):
@@ -218,14 +247,26 @@ def _distinct_targets(pairs: np.ndarray) -> None:
 
 
 def swap_blocks(src: Array, dst: Array, block_mapping: Array) -> None:
-    """Copy blocks between device and host memory, one submission a call (vLLM's swap_blocks, for
-    preemption): block_mapping[i] = (a block of src, a block of dst).
+    """Copy blocks between device and host memory, one submission a call (vLLM's swap_blocks, for preemption).
 
-    src, dst     a DeviceArray and a numpy array (either way round), or two DeviceArrays; the same dtype and
-                 block shape (shape[1:]); a numpy dst must be writable, and is written in place (through the
-                 caller's view where it is one)
-    block_mapping int32 or int64 [num_pairs, 2]; a dst block may be written once per call
+    Parameters
+    ----------
+    src, dst : DeviceArray or numpy.ndarray
+        A DeviceArray and a numpy array (either way round), or two DeviceArrays; the same dtype and block shape
+        (shape[1:]). A numpy dst must be writable, and is written in place (through the caller's view where it is
+        one).
+    block_mapping : DeviceArray or numpy.ndarray, shape (num_pairs, 2), int32 or int64
+        block_mapping[i] = (a block of src, a block of dst); a dst block may be written once per call.
 
+    Raises
+    ------
+    TypeError
+        Neither array is a DeviceArray, or their dtypes differ.
+    ValueError
+        Block shapes differ, ids are out of range, or a dst block is written twice.
+
+    Examples
+    --------
     >>> host = np.empty(key_cache.shape, key_cache.dtype)
     >>> pagedvk.swap_blocks(key_cache, host, np.array([[3, 0], [5, 1]]))   # swap out blocks 3 and 5
     """

@@ -21,38 +21,80 @@ from . import checks
 from .decode_plan import DecodePlan, argument_signature
 from .opargs import device_of
 
+
 def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array, *,
                     scale: float | None = None, out: Array | None = None, layout: str = "vllm",
                     kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
                     backend: str | None = None, validate: bool = True, alibi_slopes: Array | None = None,
                     logits_soft_cap: float | None = None, sinks: Array | None = None, window_left: int = -1,
-                    return_lse: bool = False):
+                    return_lse: bool = False) -> Array | tuple[Array, Array]:
     """Decode attention over a paged KV cache: each sequence's one query token over its cached tokens.
 
-    query        float32, float16 or bfloat16 [num_seqs, num_heads, head_size]; num_heads a multiple of
-                 num_kv_heads (MHA, GQA, MQA)
-    key_cache    layout "vllm": [num_blocks, num_kv_heads, head_size // x, block_size, x], x = 16 // itemsize
-                 layout "nhd":  [num_blocks, block_size, num_kv_heads, head_size]
-                 layout "hnd":  [num_blocks, num_kv_heads, block_size, head_size] (FlashInfer's HND)
-    value_cache  "vllm": [num_blocks, num_kv_heads, head_size, block_size]; "nhd", "hnd": as key_cache
-                 block_size 8, 16 or 32; "nhd" and "hnd" also 1, 2 or 4 (pagedvk.ops.layouts)
-                 float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2; or uint8 with
-                 kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2" (vLLM's), scaled by k_scale / v_scale
-    block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids
-    seq_lens     int32 [num_seqs]: cached tokens per sequence (0 gives zeros)
-    scale        softmax scale, default 1 / sqrt(head_size); accumulation is float32
-    out          optional array of the query's shape and dtype to write into
-    Returns [num_seqs, num_heads, head_size] in the query's dtype: numpy for a numpy query, a DeviceArray
-    for a DeviceArray. For many layers with the same block tables, make one DecodePlan and call its run()
-    per layer. validate=False skips the block-table value checks (see DecodePlan). Calls that repeat a signature
-    (shapes, dtypes, options, longest context) with numpy block tables reuse a plan the device keeps, with
-    staging for the numpy arguments: the tables and lengths are still copied in every call
-    (``pagedvk.ops.decode.release_cached_plans`` frees what is kept).
-    alibi_slopes float32 [num_heads], logits_soft_cap, sinks float32 [num_heads], window_left: the attention
-                 variants (see pagedvk.ops.variants), each composable with the others
-    return_lse   True returns (out, lse): lse float32 [num_seqs, num_heads], each head's natural-log
-                 log-sum-exp (the sink included; -inf where no key is visible), for merge_attention_states
+    vLLM's paged_attention_v1 as a function. For many layers with the same block tables, make one `DecodePlan`
+    and call its `run` per layer. Calls that repeat a signature (shapes, dtypes, options, longest context) with
+    numpy block tables reuse a plan the device keeps, with staging for the numpy arguments: the tables and
+    lengths are still copied in every call (``pagedvk.ops.decode.release_cached_plans`` frees what is kept).
 
+    Parameters
+    ----------
+    query : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads, head_size)
+        float32, float16 or bfloat16. num_heads is a multiple of num_kv_heads (MHA, GQA, MQA).
+    key_cache : DeviceArray or numpy.ndarray
+        Layout "vllm": shape (num_blocks, num_kv_heads, head_size // x, block_size, x), x = 16 // itemsize;
+        "nhd": (num_blocks, block_size, num_kv_heads, head_size); "hnd": (num_blocks, num_kv_heads, block_size,
+        head_size) (FlashInfer's HND). float32, float16, bfloat16 (ml_dtypes), float8_e4m3fn or float8_e5m2; or
+        uint8 with `kv_cache_dtype` "fp8" / "fp8_e4m3" / "fp8_e5m2" (vLLM's), scaled by `k_scale` / `v_scale`.
+        block_size 8, 16 or 32; "nhd" and "hnd" also 1, 2 or 4 (pagedvk.ops.layouts).
+    value_cache : DeviceArray or numpy.ndarray
+        "vllm": shape (num_blocks, num_kv_heads, head_size, block_size); "nhd", "hnd": key_cache's shape.
+        key_cache's dtype.
+    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+        Physical block ids.
+    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+        Cached tokens per sequence (0 gives zeros).
+    scale : float, optional
+        Softmax scale; None means 1 / sqrt(head_size). Accumulation is float32.
+    out : DeviceArray or numpy.ndarray, optional
+        An array of the query's shape and dtype to write the result into (and return); None allocates it.
+    layout : {"vllm", "nhd", "hnd"}, default "vllm"
+        The caches' layout.
+    kv_cache_dtype : {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}, default "auto"
+        How a uint8 cache is read (vLLM's names); "auto" reads the caches' own dtype.
+    k_scale, v_scale : float, default 1.0
+        fp8 caches hold key / k_scale and value / v_scale, and the kernel multiplies back; other caches ignore them.
+    backend : {"glsl", "wgsl"}, optional
+        The kernel language; None means PAGEDVK_BACKEND, else "glsl".
+    validate : bool, default True
+        False skips the checks of the block tables' values (see `DecodePlan`).
+    alibi_slopes : DeviceArray or numpy.ndarray, shape (num_heads,), float32, optional
+        ALiBi slopes (vLLM's); None is no ALiBi.
+    logits_soft_cap : float, optional
+        Logit soft cap c > 0 (logit = c * tanh(logit / c)); None or 0 is off.
+    sinks : DeviceArray or numpy.ndarray, shape (num_heads,), float32, optional
+        One more logit per head in the softmax denominator (gpt-oss); None is none.
+    window_left : int, default -1
+        A query at position p sees keys p - window_left .. p; -1 is no window. The variants (alibi_slopes,
+        logits_soft_cap, sinks, window_left; pagedvk.ops.variants) compose with each other.
+    return_lse : bool, default False
+        True returns (out, lse).
+
+    Returns
+    -------
+    out : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads, head_size)
+        In the query's dtype: numpy for a numpy query, a DeviceArray for a DeviceArray query (`out` itself when given).
+    lse : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads), float32
+        With return_lse only: each head's natural-log log-sum-exp (the sink included; -inf where no key is
+        visible), for `merge_attention_states`.
+
+    Raises
+    ------
+    ValueError, TypeError
+        An argument of the wrong shape, dtype, kind or value; the message names it.
+    UnsupportedFeatureError
+        The device lacks a Vulkan feature the kernel for these arguments needs.
+
+    Examples
+    --------
     >>> out = pagedvk.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
     """
     checks.kind("query", query)
@@ -68,7 +110,7 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     key = (_oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, options)
            if alibi_slopes is None and sinks is None and return_lse is False else None)
     if key is not None:
-        plans = _oneshot_plans(device)
+        plans = oneshot_plans(device)
         entry = plans.get(key)
         if entry is None:
             entry = plans.add(key, _OneShot.make(query, key_cache, value_cache, block_tables, seq_lens, out,
@@ -119,7 +161,7 @@ def _oneshot_key(query, key_cache, value_cache, block_tables, seq_lens, out, opt
     return key
 
 
-class _OneShotPlans:
+class OneShotPlans:
     """A device's cached one-shot entries, least recently used first; an evicted one is closed."""
 
     def __init__(self):
@@ -155,7 +197,7 @@ class _OneShotPlans:
             return [e.plan for e in self.entries.values()]
 
 
-_ONESHOT = weakref.WeakKeyDictionary()   # device -> _OneShotPlans
+_ONESHOT = weakref.WeakKeyDictionary()   # device -> OneShotPlans
 _ONESHOT_LOCK = threading.Lock()
 
 
@@ -168,11 +210,13 @@ def release_cached_plans(device=None) -> None:
         plans.clear()
 
 
-def _oneshot_plans(device) -> _OneShotPlans:
+def oneshot_plans(device) -> OneShotPlans:
+    """The device's kept one-shot plans (made empty on first use): what paged_attention reuses for repeated call
+    signatures. For inspecting or clearing them; release_cached_plans drops them all."""
     with _ONESHOT_LOCK:
         plans = _ONESHOT.get(device)
         if plans is None:
-            plans = _ONESHOT[device] = _OneShotPlans()
+            plans = _ONESHOT[device] = OneShotPlans()
         return plans
 
 

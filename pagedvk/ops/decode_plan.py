@@ -11,6 +11,7 @@ import threading
 from collections import OrderedDict
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import config
 from ..dtypes import CACHE_TYPES, KV_CACHE_DTYPES, QUERY_TYPES, fp8_scale, is_fp8, scaled, storage_type
@@ -22,6 +23,7 @@ from ..kernels.matrix import MATRIX_KIND
 from ..runtime.array import Array, DeviceArray, asarray, empty, zeros
 from ..runtime.owned import Owned
 from ..runtime.pipeline import Launch, Transfers, fold_grid
+from ..runtime.selection import DeviceLike
 from . import checks
 from .decode_rules import decode_choice, decode_matrix, plan_arguments
 from .layouts import CacheSpec, bind_caches, cache_spec
@@ -47,40 +49,78 @@ def argument_signature(arrays) -> tuple | None:
 
 
 class DecodePlan(Owned):
-    """The per-step part of decode attention, reused by every layer's ``run``.
+    """The per-step part of decode attention (FlashInfer's plan), reused by every layer's `run`.
 
-    block_tables  int32 [num_seqs, max_blocks_per_seq]: physical block ids; only each sequence's first
-                  ceil(seq_len / block_size) entries are read.
-    seq_lens      int32 [num_seqs]: tokens cached per sequence (0 gives an output of zeros).
-    num_heads, num_kv_heads, head_size, block_size, num_blocks: the model's and the caches' dims; the
-                  caches passed to ``run`` must match them and hold at least num_blocks blocks.
-    dtype         the caches' dtype: float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2.
-    query_dtype   float32, float16 or bfloat16; the output has it too. Default: dtype where it is one of
-                  those, else float16 (fp8 caches serve 16-bit models).
-    layout        "vllm", "nhd" or "hnd" (see pagedvk.ops.layouts).
-    k_scale, v_scale  fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back. Other
-                  caches ignore them, as vLLM does.
-    validate=False skips the checks of the tables' values (ids, lengths), which read device-resident
-    tables back to the host. The kernel bounds every index itself, so bad values then give wrong
-    attention for the sequences that hold them, never a read outside the caches. Lengths may grow after
-    the plan is made (the last partition takes every token past its start), up to the block-table row.
-    partition_size (tokens) overrides the split-K rule (``partitioning``; ``matrix_partitioning`` for the
-    cooperative-matrix kernel); it must be a multiple of block_size.
-    alibi_slopes, logits_soft_cap, sinks, window_left: the attention variants (pagedvk.ops.variants), the same for
-    every run of the plan. With a window, the partitions cover each sequence's window only.
-    kernel        "cpu" or "gpu": the decode kernel shaped for CPU devices or the scalar one for GPUs, whatever
-                  the device; "coopmat": the cooperative-matrix kernel (ValueError where it cannot run). Default:
-                  PAGEDVK_DECODE_KERNEL, else by the device's type, with the cooperative-matrix kernel where the
-                  device has it and the plan suits it (see ``decode_target`` and ``decode_matrix``). WGSL plans
-                  run the WGSL matrix kernel (float16 caches and queries) or the scalar GPU kernel, never "cpu".
+    A decode step runs the same attention for every layer with the same block tables: the plan does the checks,
+    puts the tables and lengths on the device, chooses the kernel and split and makes the pipeline once; `run`
+    binds one layer's caches and submits a command buffer recorded the first time those buffers were seen.
+    Close it (or use it in a ``with`` block) to free its device arrays and recorded launches.
+
+    Parameters
+    ----------
+    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+        Physical block ids; only each sequence's first ceil(seq_len / block_size) entries are read.
+    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+        Tokens cached per sequence (0 gives an output of zeros). Lengths may grow after the plan is made (the
+        last partition takes every token past its start), up to the block-table row.
+    num_heads, num_kv_heads, head_size, block_size, num_blocks : int
+        The model's and the caches' dims; the caches passed to `run` must match them and hold at least
+        num_blocks blocks.
+    dtype : numpy dtype, default float32
+        The caches' dtype: float32, float16, ml_dtypes.bfloat16, float8_e4m3fn or float8_e5m2.
+    query_dtype : numpy dtype, optional
+        float32, float16 or bfloat16; the output has it too. None means `dtype` where it is one of those, else
+        float16 (fp8 caches serve 16-bit models).
+    layout : {"vllm", "nhd", "hnd"}, default "vllm"
+        The caches' layout (see pagedvk.ops.layouts).
+    scale : float, optional
+        Softmax scale; None means 1 / sqrt(head_size).
+    k_scale, v_scale : float, default 1.0
+        fp8 caches hold key / scale and value / scale (vLLM's): the kernels multiply back. Other caches ignore
+        them, as vLLM does.
+    device : Device, DeviceInfo, int or str, optional
+        Where the plan runs; None means the device of the arrays given, else the default device.
+    backend : {"glsl", "wgsl"}, optional
+        The kernel language; None means PAGEDVK_BACKEND, else "glsl".
+    validate : bool, default True
+        False skips the checks of the tables' values (ids, lengths), which read device-resident tables back to
+        the host. The kernel bounds every index itself, so bad values then give wrong attention for the
+        sequences that hold them, never a read outside the caches.
+    partition_size : int, optional
+        Tokens per partition, overriding the split-K rule (``partitioning``; ``matrix_partitioning`` for the
+        cooperative-matrix kernel); a multiple of block_size. None applies the rule.
+    alibi_slopes : DeviceArray or numpy.ndarray, shape (num_heads,), float32, optional
+    logits_soft_cap : float, optional
+    sinks : DeviceArray or numpy.ndarray, shape (num_heads,), float32, optional
+    window_left : int, default -1
+        The attention variants (pagedvk.ops.variants), the same for every run of the plan; None (-1 for
+        window_left) turns each off. With a window, the partitions cover each sequence's window only.
+    kernel : {"cpu", "gpu", "coopmat"}, optional
+        "cpu" or "gpu": the decode kernel shaped for CPU devices or the scalar one for GPUs, whatever the device;
+        "coopmat": the cooperative-matrix kernel (ValueError where it cannot run). None means
+        PAGEDVK_DECODE_KERNEL, else by the device's type, with the cooperative-matrix kernel where the device has
+        it and the plan suits it (see ``decode_target`` and ``decode_matrix``). WGSL plans run the WGSL matrix
+        kernel (float16 caches and queries) or the scalar GPU kernel, never "cpu".
+
+    Raises
+    ------
+    ValueError, TypeError
+        A bad argument (dims, dtype, layout, table values with validate); the message names it.
+
+    Examples
+    --------
+    >>> plan = pagedvk.DecodePlan(block_tables, seq_lens, num_heads=32, num_kv_heads=8, head_size=64,
+    ...                           block_size=16, num_blocks=256)
+    >>> out = plan.run(q, key_cache[layer], value_cache[layer])
     """
 
-    def __init__(self, block_tables, seq_lens, *, num_heads: int, num_kv_heads: int, head_size: int,
-                 block_size: int, num_blocks: int, dtype=np.float32, query_dtype=None, layout: str = "vllm",
-                 scale: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0, device=None,
-                 backend: str | None = None, validate: bool = True, partition_size: int | None = None,
-                 alibi_slopes=None, logits_soft_cap: float | None = None, sinks=None, window_left: int = -1,
-                 kernel: str | None = None):
+    def __init__(self, block_tables: Array, seq_lens: Array, *, num_heads: int, num_kv_heads: int, head_size: int,
+                 block_size: int, num_blocks: int, dtype: DTypeLike = np.float32, query_dtype: DTypeLike | None = None,
+                 layout: str = "vllm", scale: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                 device: DeviceLike = None, backend: str | None = None, validate: bool = True,
+                 partition_size: int | None = None, alibi_slopes: Array | None = None,
+                 logits_soft_cap: float | None = None, sinks: Array | None = None, window_left: int = -1,
+                 kernel: str | None = None) -> None:
         self._closed, self._lock = True, threading.Lock()   # until constructed: close() works on a half-made plan
         checks.tables(block_tables, seq_lens)
         dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -150,18 +190,42 @@ class DecodePlan(Owned):
         self._closed = False
 
     # The choice's parts, as a plan's attributes (pagedvk.ops.decode_rules.DecodeChoice).
-    target = property(lambda self: self.choice.target)
-    matrix = property(lambda self: self.choice.matrix)
-    group_size = property(lambda self: self.choice.group_size)
-    partition_size = property(lambda self: self.choice.partition_size)
-    num_partitions = property(lambda self: self.choice.num_partitions)
-    merge_in_decode = property(lambda self: self.choice.merge_in_decode)
-    constants = property(lambda self: self.choice.spec_constants)
-    key = property(lambda self: self.choice.module())
+    target = property(lambda self: self.choice.target, doc='The decode kernel\'s target: "cpu" or "" (the GPU kernel).')
+    matrix = property(lambda self: self.choice.matrix, doc='"coopmat" for the matrix kernel, else "".')
+    group_size = property(lambda self: self.choice.group_size, doc='Query heads one workgroup serves.')
+    partition_size = property(lambda self: self.choice.partition_size, doc='Tokens per split-K partition.')
+    num_partitions = property(lambda self: self.choice.num_partitions, doc='Split-K partitions per sequence.')
+    merge_in_decode = property(lambda self: self.choice.merge_in_decode, doc='Whether the decode merges its own split.')
+    constants = property(lambda self: self.choice.spec_constants, doc="The pipeline's specialization constants.")
+    key = property(lambda self: self.choice.module(), doc="The decode module's variant key.")
 
     @classmethod
-    def for_caches(cls, key_cache, value_cache, block_tables, seq_lens, num_heads, *, layout="vllm",
-                   kv_cache_dtype="auto", query_dtype=None, **kw) -> "DecodePlan":
+    def for_caches(cls, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array, num_heads: int, *,
+                   layout: str = "vllm", kv_cache_dtype: str = "auto", query_dtype: DTypeLike | None = None,
+                   **kw) -> DecodePlan:
+        """A plan whose dims, dtype and device are read from the caches it will run over.
+
+        Parameters
+        ----------
+        key_cache, value_cache : DeviceArray or numpy.ndarray
+            Caches in `layout` (see `paged_attention` for their shapes and dtypes); num_kv_heads, head_size,
+            block_size, num_blocks and dtype come from them.
+        block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+        seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+        num_heads : int
+            Query heads, a multiple of num_kv_heads.
+        layout : {"vllm", "nhd", "hnd"}, default "vllm"
+        kv_cache_dtype : {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}, default "auto"
+            How uint8 caches are read (vLLM's names).
+        query_dtype : numpy dtype, optional
+            As for `DecodePlan`.
+        **kw
+            The other `DecodePlan` arguments (scale, k_scale, v_scale, device, backend, validate, ...).
+
+        Returns
+        -------
+        DecodePlan
+        """
         spec = cache_spec(key_cache, value_cache, layout, kv_cache_dtype)
         device = device_of(key_cache, value_cache, block_tables, seq_lens, device=kw.pop("device", None))
         return cls(block_tables, seq_lens, num_heads=num_heads, num_kv_heads=spec.num_kv_heads,
@@ -179,9 +243,23 @@ class DecodePlan(Owned):
             raise TypeError("lse must be given with out, and be the same kind of array (numpy or DeviceArray)")
         device_of(lse, device=self.device)
 
-    def check_run(self, query, key_cache, value_cache, out) -> None:
-        """The run arguments' checks. They read only kinds, shapes and dtypes, so arguments that look like
-        ones already passed pass again without them (a layer's run repeats the last layer's shapes)."""
+    def check_run(self, query: Array, key_cache: Array, value_cache: Array, out: Array | None) -> None:
+        """Check `run`'s arguments against the plan, raising what `run` would.
+
+        The checks read only kinds, shapes and dtypes, so arguments that look like ones already passed pass again
+        without them (a layer's run repeats the last layer's shapes).
+
+        Parameters
+        ----------
+        query : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads, head_size)
+        key_cache, value_cache : DeviceArray or numpy.ndarray
+        out : DeviceArray or numpy.ndarray or None
+
+        Raises
+        ------
+        ValueError, TypeError
+            An argument that does not match the plan.
+        """
         signature = argument_signature((query, key_cache, value_cache, out))
         if signature is not None and signature in self._checked:
             return
@@ -217,17 +295,41 @@ class DecodePlan(Owned):
                 raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
 
     def run(self, query: Array, key_cache: Array, value_cache: Array, out: Array | None = None,
-            lse: Array | None = None, return_lse: bool = False, sinks: Array | None = None):
-        """Attention of each sequence's query over its cached tokens. query [num_seqs, num_heads,
-        head_size] -> [num_seqs, num_heads, head_size]; numpy query in gives numpy out, DeviceArray in
-        gives DeviceArray out (``out`` is written and returned when given).
+            lse: Array | None = None, return_lse: bool = False,
+            sinks: Array | None = None) -> Array | tuple[Array, Array]:
+        """Attention of each sequence's query over its cached tokens, for one layer's caches.
 
-        return_lse=True (or an ``lse`` to write, given with ``out``) returns (out, lse): lse float32
-        [num_seqs, num_heads], the natural-log log-sum-exp of each head's logits (the sink's included),
-        -inf for a sequence with no visible key; pagedvk.merge_attention_states merges such results.
+        Parameters
+        ----------
+        query : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads, head_size)
+            The plan's query_dtype.
+        key_cache, value_cache : DeviceArray or numpy.ndarray
+            One layer's caches, in the plan's layout and dtype, with at least num_blocks blocks.
+        out : DeviceArray or numpy.ndarray, optional
+            The query's shape and query_dtype: written and returned. None allocates the result.
+        lse : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads), float32, optional
+            Written with each head's log-sum-exp; given with `out`, and the same kind of array.
+        return_lse : bool, default False
+            True (or an `lse` given) returns (out, lse).
+        sinks : DeviceArray or numpy.ndarray, shape (num_heads,), float32, optional
+            Stand in for the plan's sinks for this run: models whose layers have their own sinks (gpt-oss) share one
+            plan. Give them as a DeviceArray: a numpy one is copied at every run.
 
-        sinks (float32 [num_heads]) stand in for the plan's for this run: models whose layers have their own
-        sinks (gpt-oss) share one plan. Give them as a DeviceArray: a numpy one is copied at every run."""
+        Returns
+        -------
+        out : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads, head_size)
+            numpy for a numpy query, a DeviceArray for a DeviceArray query (`out` itself when given).
+        lse : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads), float32
+            With return_lse or lse only: the natural-log log-sum-exp of each head's logits (the sink's included),
+            -inf for a sequence with no visible key; `pagedvk.merge_attention_states` merges such results.
+
+        Raises
+        ------
+        ClosedError
+            The plan was closed.
+        ValueError, TypeError
+            Arguments that do not match the plan.
+        """
         self._require_open()
         self.check_run(query, key_cache, value_cache, out)
         if not isinstance(return_lse, (bool, np.bool_)):
@@ -315,7 +417,14 @@ class DecodePlan(Owned):
 
     @property
     def closed(self) -> bool:
+        """Whether close() has run (or construction failed)."""
         return self._closed
+
+    @property
+    def recorded_launches(self) -> tuple:
+        """The launches this plan keeps recorded (at most RECORDED_LAUNCHES), least recently used first: one per
+        set of caller buffers seen, for inspection (which recordings were reused, freed or made again)."""
+        return tuple(self._launches.values())
 
     def _require_open(self) -> None:
         if self._closed:
@@ -347,12 +456,34 @@ class DecodePlan(Owned):
             if not cache:
                 launch.close()
 
-    def steps(self, q, k, v, o, num_blocks: int, lse: DeviceArray | None = None,
+    def steps(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, o: DeviceArray, num_blocks: int,
+              lse: DeviceArray | None = None,
               sinks: DeviceArray | None = None) -> list:
-        """The dispatches of one run over device arrays, for a caller that records them into its own submission
-        (pagedvk.runtime.pipeline.Launch): decode, and the reduce of its partitions when split (unless the decode
-        kernel merges them in its own dispatch: merge_in_decode). Both take the same push constants; lse, when
-        given, is written; sinks, when given, stand in for the plan's. The arrays must outlive the launch."""
+        """The dispatches of one run over device arrays, for a caller recording them into its own submission.
+
+        For pagedvk.runtime.pipeline.Launch: decode, and the reduce of its partitions when split (unless the decode
+        kernel merges them in its own dispatch: merge_in_decode). Both take the same push constants. The arrays must
+        outlive the launch.
+
+        Parameters
+        ----------
+        q : DeviceArray, shape (num_seqs, num_heads, head_size)
+        k, v : DeviceArray
+            One layer's caches.
+        o : DeviceArray, shape (num_seqs, num_heads, head_size)
+            The output.
+        num_blocks : int
+            Blocks the caches hold (their shape[0]).
+        lse : DeviceArray, shape (num_seqs, num_heads), float32, optional
+            Written when given.
+        sinks : DeviceArray, shape (num_heads,), float32, optional
+            Stand in for the plan's when given.
+
+        Returns
+        -------
+        list of tuple
+            (pipeline, buffers, push constants, grid) per dispatch.
+        """
         tables = (self.block_tables.buffer, self.seq_lens.buffer)
         partials = (self.partial_out.buffer, self._stats_and_counters.buffer)
         spec = CacheSpec(self.layout, self.spec.storage, num_blocks, self.num_kv_heads, self.head_size,
@@ -386,13 +517,40 @@ class DecodePlan(Owned):
         return (self.variant_arrays["alibi_slopes"].buffer,
                 (sinks if sinks is not None else self.variant_arrays["sinks"]).buffer)
 
-    def run_staged(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, o: DeviceArray, transfers: Transfers):
-        """A run over device arrays whose recorded submission also makes `transfers`' copies (host arguments
-        staged in, the result staged out: pagedvk.ops.decode's one-call path); the launch is kept for the next call."""
+    def run_staged(self, q: DeviceArray, k: DeviceArray, v: DeviceArray, o: DeviceArray,
+                   transfers: Transfers) -> None:
+        """A run over device arrays whose recorded submission also makes `transfers`' copies.
+
+        The host arguments staged in and the result staged out (pagedvk.ops.decode's one-call path); the launch is
+        kept for the next call.
+
+        Parameters
+        ----------
+        q, k, v, o : DeviceArray
+            Query, caches and output, as for `run`.
+        transfers : pagedvk.runtime.pipeline.Transfers
+            The copies recorded before and after the dispatches.
+        """
         return self._launch(q, k, v, o, num_blocks=k.shape[0], cache=True, transfers=transfers)
 
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
-        """One launch, timed on the GPU by timestamp queries (device arrays only: no copies in the timing)."""
+        """One launch, timed on the GPU by timestamp queries.
+
+        Parameters
+        ----------
+        query, key_cache, value_cache, out : DeviceArray
+            As for `run`; device arrays only, so that no copy enters the timing.
+
+        Returns
+        -------
+        float
+            GPU time of the launch in nanoseconds.
+
+        Raises
+        ------
+        TypeError
+            An argument is not a DeviceArray.
+        """
         self._require_open()
         self.check_run(query, key_cache, value_cache, out)
         if not all(isinstance(a, DeviceArray) for a in (query, key_cache, value_cache, out)):
@@ -403,8 +561,10 @@ class DecodePlan(Owned):
         self._launches.pop(key).close()
 
     def close(self) -> None:
-        """Free the plan's recorded launches and device arrays; a run after (or racing) it raises
-        ClosedError. Safe to call twice."""
+        """Free the plan's recorded launches and device arrays; a run after (or racing) it raises ClosedError.
+
+        Safe to call twice.
+        """
         with self._lock:
             self._closed = True
             for key in list(getattr(self, "_launches", ())):

@@ -30,23 +30,45 @@ def lse_base(base) -> float:
     raise ValueError(f"base must be 'e' (natural-log lse, as pagedvk's ops give) or 2 (FlashInfer's), got {base!r}")
 
 
-def merge_attention_states(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array, *, base="e", mask=None,
+def merge_attention_states(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array, *, base: str | int = "e",
+                           mask: Array | None = None,
                            backend: str | None = None) -> tuple[Array, Array]:
     """(out, lse) of attention over the union of two disjoint key sets, from each set's result.
 
-    out_a, out_b  float32, float16 or bfloat16 [..., head_size], one shape and dtype (decode's [num_seqs,
-                  num_heads, head_size], prefill's [num_seqs, num_heads, q_len, head_size]); head_size a
-                  multiple of 4
-    lse_a, lse_b  float32 [...] (out's shape without head_size): log-sum-exps in `base`. A row with lse -inf saw
-                  no key and contributes nothing; both -inf give zeros and -inf.
-    base          the lse's base, given and returned: "e" (default; decode's return_lse and prefill give natural
-                  logs) or 2 (FlashInfer's kernels), so a state of either merges unconverted
-    mask          optional bool [...] (lse's shape): where False, b is left out and the row is a's (FlashInfer's
-                  merge_state_in_place mask)
-    Returns out (the inputs' dtype and shape) and lse (float32): numpy when out_a is numpy, else DeviceArrays.
-    Sinks: each part's lse includes its sink, so give a head's sink to one of the two parts only. With base 2 or
-    a mask, device arrays make a round trip through the host.
+    FlashInfer's merge_state: cascade and shared-prefix attention run a shared prefix and each sequence's own
+    suffix separately (with return_lse) and merge the two.
 
+    Parameters
+    ----------
+    out_a, out_b : DeviceArray or numpy.ndarray, shape (..., head_size)
+        float32, float16 or bfloat16, one shape and dtype (decode's (num_seqs, num_heads, head_size), prefill's
+        (num_seqs, num_heads, q_len, head_size)); head_size a multiple of 4.
+    lse_a, lse_b : DeviceArray or numpy.ndarray, shape (...), float32
+        out's shape without head_size: log-sum-exps in `base`. A row with lse -inf saw no key and contributes
+        nothing; both -inf give zeros and -inf.
+    base : "e" or 2, default "e"
+        The lse's base, given and returned: "e" (decode's return_lse and prefill give natural logs) or 2
+        (FlashInfer's kernels), so a state of either merges unconverted.
+    mask : numpy.ndarray or DeviceArray, shape (...), bool, optional
+        lse's shape: where False, b is left out and the row is a's (FlashInfer's merge_state_in_place mask).
+        None merges every row.
+    backend : {"glsl", "wgsl"}, optional
+        The kernel language; None means PAGEDVK_BACKEND, else "glsl".
+
+    Returns
+    -------
+    out : DeviceArray or numpy.ndarray, shape (..., head_size)
+        The inputs' dtype.
+    lse : DeviceArray or numpy.ndarray, shape (...), float32
+        In `base`. Both are numpy when out_a is numpy, else DeviceArrays.
+
+    Notes
+    -----
+    Each part's lse includes its sink, so give a head's sink to one of the two parts only. With base 2 or a mask,
+    device arrays make a round trip through the host.
+
+    Examples
+    --------
     >>> out, lse = pagedvk.merge_attention_states(out_prefix, lse_prefix, out_suffix, lse_suffix)
     """
     ln_base = lse_base(base)
@@ -71,18 +93,34 @@ def _pair_mask(mask, shape) -> np.ndarray:
     return np.stack([np.ones_like(mask), mask], axis=-2)
 
 
-def merge_states(v: Array, s: Array, *, base="e", mask=None, backend: str | None = None) -> tuple[Array, Array]:
-    """(V, S) of attention over the union of num_states disjoint key sets, from each set's output and log-sum-exp
-    (FlashInfer's merge_states, n-way).
+def merge_states(v: Array, s: Array, *, base: str | int = "e", mask: Array | None = None,
+                 backend: str | None = None) -> tuple[Array, Array]:
+    """(V, S) of attention over the union of num_states disjoint key sets (FlashInfer's merge_states, n-way).
 
-    v      [..., num_states, num_heads, head_size] float32, float16 or bfloat16 (FlashInfer's [seq_len,
-           num_states, num_heads, head_dim]); head_size a multiple of 4
-    s      float32 [..., num_states, num_heads]: each state's log-sum-exp in `base`, "e" (default, pagedvk's ops) or
-           2 (FlashInfer's kernels); -inf for a state that saw no key (its v is never read)
-    mask   optional bool [..., num_states, num_heads] or [..., num_states]: False leaves a state out of its row
-    Returns V [..., num_heads, head_size] in v's dtype and S float32 [..., num_heads] in `base`: numpy for numpy
-    v, DeviceArrays for a DeviceArray v. The states are merged on the device one after another, in float32.
+    Parameters
+    ----------
+    v : DeviceArray or numpy.ndarray, shape (..., num_states, num_heads, head_size)
+        float32, float16 or bfloat16 (FlashInfer's (seq_len, num_states, num_heads, head_dim)); head_size a
+        multiple of 4.
+    s : DeviceArray or numpy.ndarray, shape (..., num_states, num_heads), float32
+        Each state's log-sum-exp in `base`; -inf for a state that saw no key (its v is never read).
+    base : "e" or 2, default "e"
+        "e" (pagedvk's ops) or 2 (FlashInfer's kernels), for s and S alike.
+    mask : numpy.ndarray or DeviceArray, shape (..., num_states, num_heads) or (..., num_states), bool, optional
+        False leaves a state out of its row; None keeps them all.
+    backend : {"glsl", "wgsl"}, optional
+        The kernel language; None means PAGEDVK_BACKEND, else "glsl".
 
+    Returns
+    -------
+    V : DeviceArray or numpy.ndarray, shape (..., num_heads, head_size)
+        v's dtype.
+    S : DeviceArray or numpy.ndarray, shape (..., num_heads), float32
+        In `base`. numpy for a numpy v, DeviceArrays for a DeviceArray v. The states are merged on the device
+        one after another, in float32.
+
+    Examples
+    --------
     >>> V, S = pagedvk.merge_states(v, s, base=2)   # FlashInfer's states, unconverted
     """
     ln_base = lse_base(base)

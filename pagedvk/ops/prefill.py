@@ -55,7 +55,7 @@ def matrix_kernel(info: DeviceInfo, features, backend: str, kv: str, q: str, hea
     or bfloat16 caches and queries of one type; WGSL: float16; head size 64 or 128; blocks of at least
     MATRIX_MIN_BLOCK_SIZE tokens) and the device runs it (bfloat16: bfloat16 matrices too), else "" (the scalar
     kernel). A WGSL plan's backward runs the scalar
-    kernels whatever this says (_Problem.matrix_for).
+    kernels whatever this says (PrefillProblem.matrix_for).
     kernel="scalar" or "coopmat" forces the choice; "coopmat" raises ValueError where it cannot run."""
     if kernel not in PREFILL_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(map(repr, PREFILL_KERNELS))}, got {kernel!r}")
@@ -154,7 +154,7 @@ def work_tiles(query_start_loc: np.ndarray, group: int, rows_per_tile, include=N
     return np.stack([seqs, firsts * per_seq[seqs]], axis=1).astype(np.int32).reshape(-1, 2)
 
 
-class _Problem:
+class PrefillProblem:
     """The checked arguments of one call: dims, device, backend, the batch's layout and the push constants."""
 
     def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=None, causal=True,
@@ -283,7 +283,7 @@ class _Problem:
         return np.concatenate([offsets, (seqs * bt.shape[1] + slots)[order]]).astype(np.int32)
 
 
-def _launch(problem: _Problem, dispatches, arrays: dict, timestamps: bool = False) -> Launch:
+def _launch(problem: PrefillProblem, dispatches, arrays: dict, timestamps: bool = False) -> Launch:
     """The dispatches recorded (see _steps). A forward's decode tokens (_DecodePart) are dispatched after the
     prefill tiles with no barrier in between, and so are the two kinds of prefill tiles: each writes other rows of
     out and lse and only reads the rest, and the decode kernel's workgroups run where the prefill's leave room
@@ -298,7 +298,7 @@ def _launch(problem: _Problem, dispatches, arrays: dict, timestamps: bool = Fals
                   independent=frozenset(range(1, len(steps) + 1)))
 
 
-def _steps(problem: _Problem, dispatches, arrays: dict) -> tuple:
+def _steps(problem: PrefillProblem, dispatches, arrays: dict) -> tuple:
     """([(pipeline, buffers, push constants, grid)], independent step indices) of the dispatches with workgroups:
     each dispatch's buffers bound by the names
     its ABI declares, from `arrays` (DeviceArrays); the forward's decode tokens are not among them (_launch). A
@@ -330,7 +330,7 @@ def _steps(problem: _Problem, dispatches, arrays: dict) -> tuple:
     return steps, frozenset(independent)
 
 
-def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict, given: dict | None = None) -> tuple:
+def _run(problem: PrefillProblem, dispatches, inputs: dict, outputs: dict, given: dict | None = None) -> tuple:
     """Run the dispatches ((kernel ABI, grid) in order, one submission) on `inputs` (copied to the device when
     on the host) and outputs allocated as `outputs` says (name -> (shape, dtype)); an output in `given` is
     written instead, a DeviceArray in place, a numpy array filled from the result. Returns the outputs in order,
@@ -377,11 +377,13 @@ def _run(problem: _Problem, dispatches, inputs: dict, outputs: dict, given: dict
             problem.decode_part.close()
 
 
-QUERY_DOC = """query        float32, float16 or bfloat16, ragged [num_tokens, num_heads, head_size] with
-                 query_start_loc, or [num_seqs, num_heads, q_len, head_size] (q_len queries per sequence)
-    query_start_loc  int32 [num_seqs + 1] (ragged query only; vLLM's query_start_loc, FlashInfer's qo_indptr):
-                 sequence s owns query tokens query_start_loc[s] .. query_start_loc[s + 1] - 1, q_len_s of them
-                 (0 allowed), the last q_len_s of its seq_lens[s] tokens; 0 first, non-decreasing, num_tokens last"""
+QUERY_DOC = """\
+query : DeviceArray or ndarray, shape (num_tokens, num_heads, head_size) or (num_seqs, num_heads, q_len, head_size)
+        float32, float16 or bfloat16: ragged, with query_start_loc, or q_len queries per sequence.
+    query_start_loc : DeviceArray or numpy.ndarray, shape (num_seqs + 1,), int32, optional
+        With a ragged query only, None otherwise (vLLM's query_start_loc, FlashInfer's qo_indptr): sequence s owns
+        query tokens query_start_loc[s] .. query_start_loc[s + 1] - 1, q_len_s of them (0 allowed), the last
+        q_len_s of its seq_lens[s] tokens; 0 first, non-decreasing, num_tokens last."""
 
 
 def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array,
@@ -391,36 +393,74 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                             out: Array | None = None, alibi_slopes: Array | None = None,
                             logits_soft_cap: float | None = None, sinks: Array | None = None,
                             window_left: int = -1, kernel: str = "auto") -> tuple[Array, Array]:
-    """Attention of each sequence's new tokens (its last q_len_s positions) over its paged KV cache: a ragged
-    batch of prompts, prompt chunks and decode tokens (q_len_s = 1) in one launch.
+    """Attention of each sequence's new tokens (its last q_len_s positions) over its paged KV cache.
 
+    A ragged batch of prompts, prompt chunks and decode tokens (q_len_s = 1) in one launch.
+
+    Parameters
+    ----------
     {query}
-    key_cache    layout "nhd" [num_blocks, block_size, num_kv_heads, head_size], "hnd" [num_blocks, num_kv_heads,
-    value_cache  block_size, head_size] or "vllm" (pagedvk.ops.layouts); float32, float16, bfloat16, float8_e4m3fn
-                 or float8_e5m2 (or uint8 with vLLM's kv_cache_dtype and k_scale / v_scale); num_heads a multiple
-                 of num_kv_heads (GQA/MQA); head_size a multiple of 4 up to 256; block_size 8, 16 or 32, and in
-                 "nhd" and "hnd" also 1, 2 or 4
-    block_tables int32 [num_seqs, max_blocks_per_seq]: physical block ids
-    seq_lens     int32 [num_seqs]: tokens per sequence, the new ones included (vLLM's seq_lens); at least
-                 q_len_s (the fixed-q_len form also takes 0, an empty sequence: zeros out, lse -inf)
-    scale        softmax scale, default 1 / sqrt(head_size); accumulation is float32
-    causal       query i of sequence s (position seq_lens[s] - q_len_s + i) sees keys 0 .. that position
-    alibi_slopes float32 [num_heads], logits_soft_cap, sinks float32 [num_heads], window_left: the attention
-                 variants (pagedvk.ops.variants); the window counts back from each query's own position
-    Returns (out like query in the query's dtype, lse float32 like query without its head_size axis:
-    [num_tokens, num_heads] or [num_seqs, num_heads, q_len]), lse the natural-log sum of exp(logit) over the
-    keys seen and the sink (FlashInfer's, in natural log): numpy for a numpy query, DeviceArrays for a
-    DeviceArray query.
-    validate=False skips the checks of the tables' values (as DecodePlan's): the kernels bound every
-    index themselves, so bad values give wrong rows for their sequences, never an access outside a buffer.
-    query_start_loc is always checked (the launch's tile table is built from it on the host).
-    out          optional, the query's shape and dtype: written with the result and returned (a DeviceArray in
-                 place, a numpy array filled), as vLLM's ops take it
-    kernel       "auto": the cooperative-matrix kernel where the device has one for these arguments
-                 (matrix_kernel), else the scalar one; "scalar" or "coopmat" to force it (ValueError where
-                 "coopmat" cannot run). The matrix kernel multiplies in float16 (bfloat16 for bfloat16 caches
-                 and queries), accumulating in float32.
+    key_cache, value_cache : DeviceArray or numpy.ndarray
+        Layout "nhd": shape (num_blocks, block_size, num_kv_heads, head_size); "hnd": (num_blocks, num_kv_heads,
+        block_size, head_size); or "vllm" (pagedvk.ops.layouts). float32, float16, bfloat16, float8_e4m3fn or
+        float8_e5m2 (or uint8 with vLLM's kv_cache_dtype and k_scale / v_scale). num_heads is a multiple of
+        num_kv_heads (GQA/MQA); head_size a multiple of 4 up to 256; block_size 8, 16 or 32, and in "nhd" and
+        "hnd" also 1, 2 or 4.
+    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+        Physical block ids.
+    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+        Tokens per sequence, the new ones included (vLLM's seq_lens); at least q_len_s (the fixed-q_len form also
+        takes 0, an empty sequence: zeros out, lse -inf).
+    scale : float, optional
+        Softmax scale; None means 1 / sqrt(head_size). Accumulation is float32.
+    causal : bool, default True
+        Query i of sequence s (position seq_lens[s] - q_len_s + i) sees keys 0 .. that position; False: all keys.
+    layout : "nhd", "hnd" or "vllm", default "nhd"
+        The caches' layout.
+    kv_cache_dtype : "auto", "fp8", "fp8_e4m3" or "fp8_e5m2", default "auto"
+        How uint8 caches are read (vLLM's names); "auto" reads the caches' own dtype.
+    k_scale, v_scale : float, default 1.0
+        fp8 caches hold key / k_scale and value / v_scale; other caches ignore them.
+    backend : "glsl" or "wgsl", optional
+        The kernel language; None means PAGEDVK_BACKEND, else "glsl".
+    validate : bool, default True
+        False skips the checks of the tables' values (as DecodePlan's): the kernels bound every index themselves,
+        so bad values give wrong rows for their sequences, never an access outside a buffer. query_start_loc is
+        always checked (the launch's tile table is built from it on the host).
+    out : DeviceArray or numpy.ndarray, optional
+        The query's shape and dtype: written with the result and returned (a DeviceArray in place, a numpy array
+        filled), as vLLM's ops take it. None allocates it.
+    alibi_slopes : DeviceArray or numpy.ndarray, shape (num_heads,), float32, optional
+    logits_soft_cap : float, optional
+    sinks : DeviceArray or numpy.ndarray, shape (num_heads,), float32, optional
+    window_left : int, default -1
+        The attention variants (pagedvk.ops.variants); None (-1 for window_left) turns each off. The window
+        counts back from each query's own position.
+    kernel : "auto", "scalar" or "coopmat", default "auto"
+        "auto": the cooperative-matrix kernel where the device has one for these arguments (matrix_kernel), else
+        the scalar one; "scalar" or "coopmat" force it. The matrix kernel multiplies in float16 (bfloat16 for
+        bfloat16 caches and queries), accumulating in float32.
 
+    Returns
+    -------
+    out : DeviceArray or numpy.ndarray
+        The query's shape and dtype.
+    lse : DeviceArray or numpy.ndarray, float32
+        The query's shape without its head_size axis: (num_tokens, num_heads) or (num_seqs, num_heads, q_len);
+        the natural-log sum of exp(logit) over the keys seen and the sink (FlashInfer's, in natural log).
+        Both are numpy for a numpy query, DeviceArrays for a DeviceArray query.
+
+    Raises
+    ------
+    ValueError
+        A bad argument; also kernel="coopmat" where it cannot run.
+    TypeError
+        An argument of the wrong kind or dtype.
+    UnsupportedFeatureError
+        The WGSL forward on a device with too little workgroup memory.
+
+    Examples
+    --------
     >>> out, lse = pagedvk.paged_attention_prefill(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     """
     return _run(*_forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale=scale,
@@ -435,7 +475,7 @@ def _bindable(tiles: np.ndarray) -> np.ndarray:
     return tiles if len(tiles) else np.zeros((1, 2), np.int32)
 
 
-def _tiled(p: _Problem, kernel, include: np.ndarray) -> tuple:
+def _tiled(p: PrefillProblem, kernel, include: np.ndarray) -> tuple:
     """(dispatches, tile tables) of a tiled kernel (the forward, dq) over the sequences in `include`: the scalar
     module's tiles (forward_rows) where the problem has no matrix kind; else 64-row matrix tiles, and under
     kernel="auto" the short sequences' (fewer than MATRIX_MIN_ROWS rows) scalar tiles in a second dispatch of
@@ -456,7 +496,7 @@ def _tiled(p: _Problem, kernel, include: np.ndarray) -> tuple:
 def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, alibi_slopes=None,
              logits_soft_cap=None, sinks=None, window_left=-1, **options) -> tuple:
     """The checked forward: (problem, dispatches, inputs, outputs) for _run or launch()."""
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **options)
+    p = PrefillProblem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **options)
     info = p.device.info
     if p.backend == "wgsl" and info.max_shared_memory < PREFILL_WGSL_SHARED_BYTES:
         raise UnsupportedFeatureError(
@@ -469,7 +509,7 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
     device_of(*variants.inputs.values(), device=p.device)
     p.push_fields.update(variants.push())
     q_lens = np.diff(p.query_start_loc)
-    tokens = _decode_tokens(p, q_lens) if p.kernel == "auto" else None
+    tokens = decode_tokens(p, q_lens) if p.kernel == "auto" else None
     rest = np.ones(len(q_lens), bool)   # the sequences the prefill kernels take
     if tokens is not None:
         p.decode_part = _DecodePart(p, *tokens, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
@@ -482,7 +522,7 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
             dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:-1]), np.float32)))
 
 
-def _decode_tokens(p: _Problem, q_lens: np.ndarray) -> tuple | None:
+def decode_tokens(p: PrefillProblem, q_lens: np.ndarray) -> tuple | None:
     """(s0, s1): the batch's decode tokens (sequences of one new token) where the decode kernel can take them in
     the forward's launch, else None. They must be consecutive sequences (vLLM and FlashInfer batch decode
     requests together), so that their query, out and lse rows are one range of each buffer, bound at an offset
@@ -507,7 +547,7 @@ class _DecodePart:
     1.92 ms, against 1.99 ms as separate prefill and decode calls (H200, float16). The tables' rows are read to
     the host (small; device tables are read back)."""
 
-    def __init__(self, p: _Problem, s0: int, s1: int, **variants):
+    def __init__(self, p: PrefillProblem, s0: int, s1: int, **variants):
         self.rows, self.views = (int(p.query_start_loc[s0]), s1 - s0), ()
         self.query_type, self.num_heads, self.head_size = p.query_type, p.num_heads, p.head_size
         self.row_bytes = p.query_row_bytes()
@@ -541,25 +581,46 @@ class _DecodePart:
 def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_cache: Array, block_tables: Array,
                              seq_lens: Array, out: Array, lse: Array, query_start_loc: Array | None = None, *,
                              scale: float | None = None, causal: bool = True, layout: str = "nhd",
-                             backend: str | None = None, validate: bool = True, alibi_slopes=None,
-                             logits_soft_cap=None, sinks=None, window_left: int = -1,
+                             backend: str | None = None, validate: bool = True, alibi_slopes: Array | None = None,
+                             logits_soft_cap: float | None = None, sinks: Array | None = None, window_left: int = -1,
                              kernel: str = "auto") -> tuple[Array, Array, Array]:
-    """Gradients of paged_attention_prefill: (dq, dk_cache, dv_cache) for the upstream gradient dout.
+    """Gradients of `paged_attention_prefill`: (dq, dk_cache, dv_cache) for the upstream gradient dout.
 
+    Where several sequences read one physical block their gradients add up (in a fixed order, so results are
+    deterministic), and slots no sequence reads get zero. The attention variants are not supported here yet.
+
+    Parameters
+    ----------
+    dout : DeviceArray or numpy.ndarray
+        The query's shape and dtype.
     {query}
-    dout, out    the query's shape and dtype
-    key_cache, value_cache  float32, float16 or bfloat16, any layout
-    lse          float32, the query's shape without head_size
-    out and lse are what paged_attention_prefill returned for these arguments. The gradients are float32,
-    accumulated in float32: dq has the query's shape, dk_cache and dv_cache the caches' shapes and layout.
-    Where several sequences read one physical block their gradients add up (in a fixed order, so results
-    are deterministic), and slots no sequence reads get zero. numpy in, numpy out; a DeviceArray query
-    gives DeviceArrays. validate and kernel as for paged_attention_prefill: the cooperative-matrix dq and dk/dv
-    kernels multiply in float16 (bfloat16 for bfloat16 caches and queries; P and dS rounded to it),
-    accumulating in float32.
-    The attention variants are not supported here yet: alibi_slopes, logits_soft_cap, sinks and window_left
-    are accepted, so a forward's arguments can be passed on, and refused unless off.
+    key_cache, value_cache : DeviceArray or numpy.ndarray
+        float32, float16 or bfloat16, in any layout (see `paged_attention_prefill` for their shapes).
+    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+    out : DeviceArray or numpy.ndarray
+        What paged_attention_prefill returned for these arguments: the query's shape and dtype.
+    lse : DeviceArray or numpy.ndarray, float32
+        What paged_attention_prefill returned: the query's shape without head_size.
+    scale, causal, layout, backend, validate
+        As for `paged_attention_prefill`.
+    alibi_slopes, logits_soft_cap, sinks, window_left
+        Accepted, so that a forward's arguments can be passed on, and refused (ValueError) unless off (None,
+        -1 for window_left).
+    kernel : "auto", "scalar" or "coopmat", default "auto"
+        As for paged_attention_prefill: the cooperative-matrix dq and dk/dv kernels multiply in float16
+        (bfloat16 for bfloat16 caches and queries; P and dS rounded to it), accumulating in float32.
 
+    Returns
+    -------
+    dq : DeviceArray or numpy.ndarray, float32
+        The query's shape.
+    dk_cache, dv_cache : DeviceArray or numpy.ndarray, float32
+        The caches' shapes and layout. All three accumulate in float32; numpy for a numpy query, DeviceArrays
+        for a DeviceArray query.
+
+    Examples
+    --------
     >>> dq, dk, dv = pagedvk.paged_attention_backward(dout, q, key_cache, value_cache, block_tables, seq_lens, out, lse,
     ...                                               query_start_loc)
     """
@@ -573,7 +634,7 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
 def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, query_start_loc,
               **options) -> tuple:
     """The checked backward: (problem, dispatches, inputs, outputs) for _run or launch()."""
-    p = _Problem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+    p = PrefillProblem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  cache_types=GRADIENT_CACHE_TYPES, **options)
     query_layout = "(the query's shape)"
     p.check_like("dout", dout, tuple(query.shape), query_layout, query.dtype)
@@ -600,7 +661,7 @@ class Recorded:
     (pagedvk.runtime.pipeline.Launch; submit() returns the GPU time in ns), `outputs` (DeviceArrays, as the op
     returns them). close() frees the launch, the outputs and the tables uploaded for it."""
 
-    def __init__(self, problem: _Problem, dispatches, inputs: dict, outputs: dict):
+    def __init__(self, problem: PrefillProblem, dispatches, inputs: dict, outputs: dict):
         self._owned, self.problem = [], problem
         arrays = {}
         for name, a in inputs.items():
@@ -611,7 +672,7 @@ class Recorded:
             arrays[name] = empty(shape, dtype, problem.device)
             self._owned.append(arrays[name])
         self.outputs = tuple(arrays[name] for name in outputs)
-        self.scratch = {}   # the launch's own buffers (_Problem.scratch), kept for tests to read or poison
+        self.scratch = {}   # the launch's own buffers (PrefillProblem.scratch), kept for tests to read or poison
         for name, (shape, dtype) in problem.scratch.items():
             self.scratch[name] = arrays[name] = empty(shape, dtype, problem.device)
             self._owned.append(arrays[name])

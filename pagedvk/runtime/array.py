@@ -7,11 +7,12 @@ from typing import Union
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from ..errors import ClosedError
-from .memory import BufferRange
+from .memory import Buffer, BufferRange
 from .owned import Owned
-from .selection import get_device
+from .selection import DeviceLike, get_device
 
 DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn,
                                       ml_dtypes.float8_e5m2, np.int32, np.uint32, np.int64, np.int8, np.uint8))
@@ -35,15 +36,34 @@ def _shape(shape) -> tuple:
 
 
 class DeviceArray(Owned):
-    """A C-contiguous array in device memory. `numpy()` copies it back to the host.
+    """A C-contiguous array in device memory, so that data such as a KV cache stays on the GPU.
 
-    An array larger than one kernel binding can address (maxStorageBufferRange) or one allocation can hold
-    (maxMemoryAllocationSize), such as a KV cache of tens of GB, is split along its first axis into
-    segments of whole rows, one buffer each (`buffers`); ops read such caches through several bindings or
-    buffer device addresses. Everything else lives in one buffer (`buffer`).
+    `numpy()` copies it back to the host. An array larger than one kernel binding can address
+    (maxStorageBufferRange) or one allocation can hold (maxMemoryAllocationSize), such as a KV cache of tens of GB,
+    is split along its first axis into segments of whole rows, one buffer each (`buffers`); ops read such caches
+    through several bindings or buffer device addresses. Everything else lives in one buffer (`buffer`).
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+        Non-negative sizes.
+    dtype : numpy dtype
+        float32, float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, int32, uint32,
+        int64, int8 or uint8 (`DTYPES`).
+    device : Device, DeviceInfo, int or str, optional
+        None means the default device.
+
+    Raises
+    ------
+    TypeError
+        A dtype the device arrays do not support.
+    ValueError
+        A bad shape, or rows too large for one binding.
+    OutOfMemoryError
+        The device's heap cannot give the array's bytes.
     """
 
-    def __init__(self, shape, dtype, device=None):
+    def __init__(self, shape: int | tuple[int, ...], dtype: DTypeLike, device: DeviceLike = None) -> None:
         self.shape = _shape(shape)
         self.dtype = _dtype(dtype)
         nbytes = self.nbytes
@@ -78,11 +98,26 @@ class DeviceArray(Owned):
         self._address_table = None
 
     @classmethod
-    def over_buffer(cls, buffer, offset: int, shape, dtype) -> "DeviceArray":
-        """An array over bytes [offset, offset + nbytes) of an existing runtime Buffer (a BufferRange of it),
-        allocating nothing; it binds only its own range, and does not own the buffer. The decode plan keeps its
-        split's counters after partial_stats this way; tests use it to put sentinels right beside the arrays
-        they guard."""
+    def over_buffer(cls, buffer: Buffer, offset: int, shape: int | tuple[int, ...],
+                    dtype: DTypeLike) -> DeviceArray:
+        """An array over bytes [offset, offset + nbytes) of an existing runtime Buffer, allocating nothing.
+
+        It binds only its own range (a BufferRange), and does not own the buffer. The decode plan keeps its split's
+        counters after partial_stats this way; tests use it to put sentinels right beside the arrays they guard.
+
+        Parameters
+        ----------
+        buffer : pagedvk.runtime.memory.Buffer
+        offset : int
+            Byte offset of the array in the buffer.
+        shape : int or tuple of int
+        dtype : numpy dtype
+            One of `DTYPES`.
+
+        Returns
+        -------
+        DeviceArray
+        """
         self = cls.__new__(cls)
         self.shape, self.dtype, self.device = _shape(shape), _dtype(dtype), buffer.device
         self.segment_rows = self.shape[0] if self.shape else 1
@@ -91,10 +126,17 @@ class DeviceArray(Owned):
         return self
 
     @property
-    def buffer(self):
-        """The device buffer; ClosedError once the array is closed, so a closed array can never be bound to
-        a kernel (it would reach the GPU as a null descriptor). ValueError for an array split into
-        segments: it has no one buffer."""
+    def buffer(self) -> Buffer | BufferRange:
+        """The array's one device buffer.
+
+        Raises
+        ------
+        ClosedError
+            The array is closed, so a closed array can never be bound to a kernel (it would reach the GPU as a null
+            descriptor).
+        ValueError
+            The array is split into segments: it has no one buffer.
+        """
         self._require_open()
         if len(self._buffers) > 1:
             raise ValueError(f"{self!r} spans {len(self._buffers)} buffers of {self.segment_rows} rows (it is larger "
@@ -103,13 +145,19 @@ class DeviceArray(Owned):
 
     @property
     def buffers(self) -> tuple:
-        """The buffers holding consecutive segments of `segment_rows` rows."""
+        """The buffers holding consecutive segments of `segment_rows` rows (ClosedError once closed)."""
         self._require_open()
         return tuple(self._buffers)
 
-    def address_table(self) -> "DeviceArray":
-        """A uint32 array of each segment buffer's device address (low word, high word), for kernels that
-        reach the segments through buffer references; made once, freed with this array."""
+    def address_table(self) -> DeviceArray:
+        """A uint32 array of each segment buffer's device address (low word, high word).
+
+        For kernels that reach the segments through buffer references; made once, freed with this array.
+
+        Returns
+        -------
+        DeviceArray, shape (2 * len(buffers),), uint32
+        """
         self._require_open()
         if self._address_table is None:
             addresses = np.array([b.device_address() for b in self._buffers], np.uint64)
@@ -118,18 +166,22 @@ class DeviceArray(Owned):
 
     @property
     def size(self) -> int:
+        """The number of elements (a Python int: numpy's int64 product wraps)."""
         return math.prod(self.shape)   # Python ints: numpy's int64 product wraps
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return len(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """The array's size in bytes."""
         return self.size * self.dtype.itemsize
 
     @property
     def closed(self) -> bool:
+        """Whether the array's memory was freed (close(), or its device closed)."""
         buffers = getattr(self, "_buffers", None)   # none when __init__ failed
         return not buffers or buffers[0].closed
 
@@ -139,6 +191,18 @@ class DeviceArray(Owned):
                               + (f" (its device {self.device.info.name} was closed)" if self.device.closed else ""))
 
     def numpy(self) -> np.ndarray:
+        """A host copy of the array.
+
+        Returns
+        -------
+        numpy.ndarray
+            The array's shape and dtype.
+
+        Raises
+        ------
+        ClosedError
+            The array is closed.
+        """
         self._require_open()
         data = [self.device.download(b, b.nbytes) for b in self._buffers]
         return (data[0] if len(data) == 1 else np.concatenate(data)).view(self.dtype).reshape(self.shape)
@@ -151,8 +215,26 @@ class DeviceArray(Owned):
         a = self.numpy()
         return a if dtype is None else a.astype(dtype)
 
-    def write(self, array) -> "DeviceArray":
-        """Copy a host array of the same shape and dtype into this one."""
+    def write(self, array: ArrayLike) -> DeviceArray:
+        """Copy a host array of the same shape and dtype into this one.
+
+        Parameters
+        ----------
+        array : array_like
+            The array's shape and dtype.
+
+        Returns
+        -------
+        DeviceArray
+            This array.
+
+        Raises
+        ------
+        ValueError
+            A shape or dtype other than the array's.
+        ClosedError
+            The array is closed.
+        """
         self._require_open()
         a = np.asarray(array)
         if a.shape != self.shape or a.dtype != self.dtype:
@@ -194,8 +276,21 @@ def segment_limit(device) -> int:
 POISON_EMPTY = False
 
 
-def empty(shape, dtype=np.float32, device=None) -> DeviceArray:
-    """An uninitialised device array."""
+def empty(shape: int | tuple[int, ...], dtype: DTypeLike = np.float32, device: DeviceLike = None) -> DeviceArray:
+    """An uninitialised device array.
+
+    Parameters
+    ----------
+    shape : int or tuple of int
+    dtype : numpy dtype, default float32
+        One of `DeviceArray`'s dtypes.
+    device : Device, DeviceInfo, int or str, optional
+        None means the default device.
+
+    Returns
+    -------
+    DeviceArray
+    """
     a = DeviceArray(shape, dtype, device)
     if POISON_EMPTY:
         for b in a.buffers:
@@ -203,15 +298,35 @@ def empty(shape, dtype=np.float32, device=None) -> DeviceArray:
     return a
 
 
-def zeros(shape, dtype=np.float32, device=None) -> DeviceArray:
+def zeros(shape: int | tuple[int, ...], dtype: DTypeLike = np.float32, device: DeviceLike = None) -> DeviceArray:
+    """A device array of zeros; the arguments are `empty`'s.
+
+    Returns
+    -------
+    DeviceArray
+    """
     a = DeviceArray(shape, dtype, device)
     for b in a.buffers:
         a.device.fill(b, 0)
     return a
 
 
-def asarray(array, device=None, dtype=None) -> DeviceArray:
-    """A device copy of a host array (a DeviceArray on the same device is returned as it is)."""
+def asarray(array: ArrayLike | DeviceArray, device: DeviceLike = None, dtype: DTypeLike | None = None) -> DeviceArray:
+    """A device copy of a host array; a DeviceArray already on that device, of that dtype, is returned as it is.
+
+    Parameters
+    ----------
+    array : array_like or DeviceArray
+        Any shape; one of `DeviceArray`'s dtypes (after `dtype`).
+    device : Device, DeviceInfo, int or str, optional
+        None means the default device (a DeviceArray: its own).
+    dtype : numpy dtype, optional
+        Convert to it first; None keeps the array's dtype.
+
+    Returns
+    -------
+    DeviceArray
+    """
     if isinstance(array, DeviceArray):
         if (device is None or get_device(device) is array.device) and (dtype is None or np.dtype(dtype) == array.dtype):
             return array

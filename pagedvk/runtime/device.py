@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import vulkan as vk
@@ -25,15 +26,38 @@ _serials = itertools.count(1)   # tells apart Device objects opened on one GPU
 
 
 class Device(DeviceMemory, DeviceCommands, Owned):
-    """One Vulkan logical device with one compute queue.
+    """One Vulkan logical device with one compute queue, and owner of everything made on it.
 
-    Thread-safe: `lock` serializes every use of the queue, the command pool and the descriptor pools
-    (Vulkan requires that of the host), and each submission holds it until its fence is signalled.
-    A submission whose wait timed out (PAGEDVK_TIMEOUT) is still running: it stays in `_in_flight`, and
-    until it finishes, objects dropped meanwhile are destroyed later rather than under it, and every
-    later submission or host copy first waits for it."""
+    `pagedvk.get_device` and `pagedvk.default_device` open one and share it, one Device per physical device.
+    Every object it creates is destroyed by close(), which also runs at exit.
 
-    def __init__(self, info: DeviceInfo):
+    Thread-safe: `lock` serializes every use of the queue, the command pool and the descriptor pools (Vulkan
+    requires that of the host), and each submission holds it until its fence is signalled. A submission whose
+    wait timed out (PAGEDVK_TIMEOUT) is still running: it stays in `_in_flight`, and until it finishes, objects
+    dropped meanwhile are destroyed later rather than under it, and every later submission or host copy first
+    waits for it.
+
+    Parameters
+    ----------
+    info : DeviceInfo
+        The physical device to open.
+
+    Attributes
+    ----------
+    info : DeviceInfo
+    features : set of str
+        The Vulkan features turned on, by their Vulkan names ("shaderFloat16", "cooperativeMatrix", ...).
+    cooperative_matrix, bfloat16_matrix, buffer_device_address, unified_memory : bool
+    lost : str or None
+        The message of the VK_ERROR_DEVICE_LOST that ended this device, if one did.
+
+    Raises
+    ------
+    VulkanError
+        The device has no compute queue, or the logical device could not be created.
+    """
+
+    def __init__(self, info: DeviceInfo) -> None:
         self.info = info
         self.name = info.name
         self.serial = next(_serials)
@@ -130,7 +154,8 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         # With validation on, objects carry debug-utils names (set_name), so that a message names what it is about.
         # Without it nothing is named: callers test `debug_names` first and build no name.
         self.debug_names = self.instance.validation
-        self._set_object_name = (vk.vkGetInstanceProcAddr(self.instance.handle, "vkSetDebugUtilsObjectNameEXT")
+        # vkSetDebugUtilsObjectNameEXT, looked up only with validation on (set_name calls it); None without.
+        self.object_namer = (vk.vkGetInstanceProcAddr(self.instance.handle, "vkSetDebugUtilsObjectNameEXT")
                                  if self.debug_names else None)
         self.memory_properties = vk.vkGetPhysicalDeviceMemoryProperties(pd)
         self.command_pool = vk.vkCreateCommandPool(self.handle, vk.VkCommandPoolCreateInfo(
@@ -150,10 +175,12 @@ class Device(DeviceMemory, DeviceCommands, Owned):
     # -- bookkeeping ---------------------------------------------------------------------------------
 
     @contextmanager
-    def creating(self):
-        """Make Vulkan objects on this device without holding its lock (a pipeline may compile for seconds):
-        ClosedError if it is closed, and close() waits until the block is left, so nothing is made on a
-        device being destroyed (that aborted the process in the driver)."""
+    def creating(self) -> Iterator:
+        """Make Vulkan objects on this device without holding its lock (a pipeline may compile for seconds).
+
+        A context manager yielding the VkDevice handle: ClosedError if the device is closed, and close() waits until
+        the block is left, so nothing is made on a device being destroyed (that aborted the process in the driver).
+        """
         with self.lock:
             self.require_open()
             self._creators += 1
@@ -165,9 +192,21 @@ class Device(DeviceMemory, DeviceCommands, Owned):
                 if not self._creators:
                     self._idle.notify_all()
 
-    def own(self, obj, destroy) -> weakref.finalize:
-        """Tie destroy() (which must not refer to obj) to obj: it runs once, at the first of the returned
-        finalizer being called (obj.close()), obj being garbage collected, or this device closing."""
+    def own(self, obj: object, destroy: Callable[[], None]) -> weakref.finalize:
+        """Tie destroy() to obj: it runs once, at the first of the finalizer being called, obj being collected, or
+        this device closing.
+
+        Parameters
+        ----------
+        obj : object
+            The Python object whose lifetime the Vulkan object follows (obj.close() calls the returned finalizer).
+        destroy : callable
+            Destroys the Vulkan object; must not refer to obj.
+
+        Returns
+        -------
+        weakref.finalize
+        """
         key = next(self._keys)
         finalizer = weakref.finalize(obj, self._release, key, destroy)
         finalizer.atexit = False  # the device's own close at exit runs it, before the device goes
@@ -219,19 +258,31 @@ class Device(DeviceMemory, DeviceCommands, Owned):
     # What a command buffer (pagedvk.runtime.commands) tells its device about its submissions. Callers hold self.lock.
 
     def settle_timed_out(self) -> None:
-        """Before a submission: wait for the submissions whose wait timed out and run the destroys they held back,
-        so that their work goes first, as it did on the queue."""
+        """Before a submission: wait for the submissions whose wait timed out and run the destroys they held back, so
+        that their work goes first, as it did on the queue. Callers hold `lock`.
+        """
         if self._in_flight or self._deferred:
             self._settle(wait=True)
 
     def keep_in_flight(self, fence) -> None:
-        """A submission whose wait timed out or failed may still run: nothing is destroyed under it until its
-        fence signals."""
+        """Record that a submission whose wait timed out or failed may still run: nothing is destroyed under it until
+        its fence signals. Callers hold `lock`.
+
+        Parameters
+        ----------
+        fence : VkFence
+        """
         if not any(f == fence for f in self._in_flight):
             self._in_flight.append(fence)
 
     def finished(self, fence) -> None:
-        """A submission's fence was waited on and reset: nothing of it is left to wait for."""
+        """Record that a submission's fence was waited on and reset: nothing of it is left to wait for. Callers hold
+        `lock`.
+
+        Parameters
+        ----------
+        fence : VkFence
+        """
         if self._in_flight:
             self._in_flight[:] = [f for f in self._in_flight if f != fence]
 
@@ -242,6 +293,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
 
     @property
     def closed(self) -> bool:
+        """Whether close() has destroyed the device."""
         return self.handle is None
 
     def __repr__(self) -> str:
@@ -249,36 +301,76 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         return f"Device({self.name!r}, index={self.info.index}, serial={self.serial}{state})"
 
     def set_name(self, object_type: int, handle, name: str) -> None:
-        """Give a Vulkan object (VK_OBJECT_TYPE_*, its handle) the name validation messages call it by
-        (vkSetDebugUtilsObjectNameEXT). Only with validation on: callers test `debug_names` first."""
+        """Give a Vulkan object the name validation messages call it by (vkSetDebugUtilsObjectNameEXT).
+
+        Only with validation on: callers test `debug_names` first.
+
+        Parameters
+        ----------
+        object_type : int
+            VK_OBJECT_TYPE_*.
+        handle
+            The object's handle.
+        name : str
+        """
         # void vkSetDebugUtilsObjectNameEXT(VkDevice, const VkDebugUtilsObjectNameInfoEXT*)
-        self._set_object_name(self.handle, vk.VkDebugUtilsObjectNameInfoEXT(
+        self.object_namer(self.handle, vk.VkDebugUtilsObjectNameInfoEXT(
             sType=vk.VK_STRUCTURE_TYPE_DEBUG_UTILS_OBJECT_NAME_INFO_EXT, objectType=object_type,
             objectHandle=int(vk.ffi.cast("uint64_t", handle)), pObjectName=name))
 
     def require_open(self) -> None:
+        """Raise unless the device can be used.
+
+        Raises
+        ------
+        ClosedError
+            The device is closed (or closing).
+        DeviceLostError
+            The device was lost earlier.
+        """
         if self.handle is None or self._closing:
             raise ClosedError(f"device {self.info.name} is closed")
         if self.lost is not None:
             raise DeviceLostError(f"device {self.info.name} was lost earlier: {self.lost}")
 
     def check(self) -> None:
-        """Raise any validation message the calls so far produced."""
+        """Raise any validation message the calls so far produced.
+
+        Raises
+        ------
+        ValidationError
+            With PAGEDVK_VALIDATION=1, the layer reported something.
+        """
         self.instance.raise_validation_messages()
 
     def live_objects(self) -> int:
-        """How many Vulkan objects made through this device are alive (buffers, pipelines, ...), counting
-        those dropped while a timed-out submission still runs, which are destroyed once it finishes."""
+        """How many Vulkan objects made through this device are alive (buffers, pipelines, ...).
+
+        Those dropped while a timed-out submission still runs count too: they are destroyed once it finishes.
+
+        Returns
+        -------
+        int
+        """
         with self.lock:
             if self._in_flight and self.handle is not None:
                 self._settle(wait=False)
             return len(self._live) + len(self._deferred)
 
     def close(self) -> None:
-        """Destroy everything made on this device. Safe to call twice. Objects still being made in other
-        threads are waited for; timed-out submissions are waited for up to PAGEDVK_TIMEOUT, never without a
-        limit: if they still run, nothing is destroyed under them (the objects are left to the process's
-        end) and GPUTimeoutError says so, the device being closed all the same."""
+        """Destroy everything made on this device. Safe to call twice.
+
+        Objects still being made in other threads are waited for; timed-out submissions are waited for up to
+        PAGEDVK_TIMEOUT, never without a limit.
+
+        Raises
+        ------
+        GPUTimeoutError
+            Timed-out work still runs: nothing is destroyed under it (the objects are left to the process's end), the
+            device being closed all the same.
+        PagedVKError
+            Objects were still being made after PAGEDVK_COMPILE_TIMEOUT; the device stays open.
+        """
         with self.lock:
             self._idle.wait_for(lambda: not self._closing)   # another thread's close() finishes first
             if self.handle is None:

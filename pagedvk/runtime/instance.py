@@ -144,7 +144,36 @@ def check(result: int, what: str) -> None:
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """What one physical device is and offers; `pagedvk.devices()` returns one per device."""
+    """What one physical device is and offers; `pagedvk.devices()` returns one per device.
+
+    Attributes
+    ----------
+    index : int
+        The device's place in Vulkan's list (what PAGEDVK_DEVICE and `select` take).
+    name, type, vendor, driver, driver_version, api_version : str
+        type is "discrete", "integrated", "virtual", "cpu" or "other".
+    device_local_bytes : int
+        The size of the device-local heaps.
+    subgroup_size : int
+    fp16, storage16, storage8, bf16, cooperative_matrix : bool
+        shaderFloat16 arithmetic, 16-bit and 8-bit storage buffer access, VK_KHR_shader_bfloat16,
+        VK_KHR_cooperative_matrix.
+    max_storage_buffer_range, max_allocation_bytes, min_storage_buffer_offset_alignment : int
+        The limits that decide how device arrays are split and bound.
+    max_workgroup_count : tuple of int
+        maxComputeWorkGroupCount: workgroups per grid dimension.
+    compute_units : int
+        SMs / CUs where the driver says, else 0.
+    extensions : frozenset of str
+    subgroup_arithmetic, subgroup_shuffle, subgroup_vote : bool
+        The subgroup operations compute shaders may use.
+    max_shared_memory : int
+        maxComputeSharedMemorySize in bytes.
+    matrix_shapes : tuple of MatrixShape
+        The cooperative-matrix multiplies the device lists; () without VK_KHR_cooperative_matrix.
+    handle
+        The VkPhysicalDevice.
+    """
 
     index: int
     name: str
@@ -357,6 +386,12 @@ def get_instance() -> Instance:
             config.check_all()   # every PAGEDVK_* variable, before anything is made
             _instance = Instance(validation=config.validation())
         return _instance
+
+
+def current_instance() -> Instance | None:
+    """The instance if one was made (and not shut down), else None; unlike get_instance() it makes none. For
+    reading what the validation layer reported (tests drain Instance.take_messages() around each test)."""
+    return _instance
 
 
 def register_closer(close) -> None:

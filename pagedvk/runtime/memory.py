@@ -289,6 +289,13 @@ class DeviceMemory:
             self._reserved[heap] = self._reserved.get(heap, 0) + size
 
     def unreserve(self, heap: int, size: int) -> None:
+        """Give back `size` bytes reserve() counted against the heap (a buffer was freed).
+
+        Parameters
+        ----------
+        heap : int
+        size : int
+        """
         with self.lock:
             self._reserved[heap] -= size
 
@@ -310,7 +317,18 @@ class DeviceMemory:
         raise VulkanError(f"{self.info.name}: no memory type with flags {wants[-1]:#x} for bits {type_bits:#x}")
 
     def buffer(self, nbytes: int, name: str | None = None) -> Buffer:
-        """name: what it holds, for validation messages (see Buffer)."""
+        """A device-local storage buffer of nbytes (at least 16 bytes are allocated).
+
+        Parameters
+        ----------
+        nbytes : int
+        name : str, optional
+            What it holds, for validation messages (see Buffer); None names nothing.
+
+        Returns
+        -------
+        Buffer
+        """
         self.require_open()
         return Buffer(self, nbytes, name=name)
 
@@ -328,7 +346,22 @@ class DeviceMemory:
             self._staging = Buffer(self, max(nbytes, 1 << 20), host_visible=True, name="staging")
         return self._staging
 
-    def upload(self, buf: Buffer, data: np.ndarray, offset: int = 0) -> None:
+    def upload(self, buf: Buffer | BufferRange, data: np.ndarray, offset: int = 0) -> None:
+        """Copy host data into a buffer, in place where its memory is mapped, else through the staging buffer.
+
+        Parameters
+        ----------
+        buf : Buffer or BufferRange
+        data : numpy.ndarray
+            Any dtype; its bytes are copied.
+        offset : int, default 0
+            Byte offset in buf.
+
+        Raises
+        ------
+        ValueError
+            The data does not fit from `offset`.
+        """
         src = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         if offset + src.nbytes > buf.size:
             raise ValueError(f"upload of {src.nbytes} bytes at {offset} overflows a {buf.size}-byte buffer")
@@ -345,8 +378,20 @@ class DeviceMemory:
             np.frombuffer(staging.mapped, np.uint8)[:src.nbytes] = src
             self.copy_regions([(staging, buf, [(0, offset, src.nbytes)])], "upload")
 
-    def download(self, buf: Buffer, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
-        """The buffer's bytes as a new uint8 array."""
+    def download(self, buf: Buffer | BufferRange, nbytes: int | None = None, offset: int = 0) -> np.ndarray:
+        """The buffer's bytes as a new uint8 array.
+
+        Parameters
+        ----------
+        buf : Buffer or BufferRange
+        nbytes : int, optional
+            Bytes to read; None means the rest of the buffer from `offset`.
+        offset : int, default 0
+
+        Returns
+        -------
+        numpy.ndarray, shape (nbytes,), uint8
+        """
         nbytes = buf.nbytes - offset if nbytes is None else nbytes
         with self.lock:
             self.require_open()
@@ -359,7 +404,15 @@ class DeviceMemory:
                 self.copy_regions([(buf, staging, [(offset, 0, nbytes)])], "download")
             return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
 
-    def copy(self, src: Buffer, dst: Buffer, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> None:
+    def copy(self, src: Buffer | BufferRange, dst: Buffer | BufferRange, nbytes: int, src_offset: int = 0,
+             dst_offset: int = 0) -> None:
+        """Copy nbytes from src (from src_offset) to dst (from dst_offset) on the device, and wait.
+
+        Parameters
+        ----------
+        src, dst : Buffer or BufferRange
+        nbytes, src_offset, dst_offset : int
+        """
         self.copy_regions([(src, dst, [(src_offset, dst_offset, nbytes)])])
 
     def copy_regions(self, copies, name: str = "copies") -> None:
@@ -393,6 +446,12 @@ class DeviceMemory:
             self.copy_regions([(src, staging, regions) for src, regions in sources], "download")
             return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
 
-    def fill(self, buf: Buffer, value: int = 0) -> None:
-        """Set every 32-bit word of the buffer to `value`."""
+    def fill(self, buf: Buffer | BufferRange, value: int = 0) -> None:
+        """Set every 32-bit word of the buffer to `value`, and wait.
+
+        Parameters
+        ----------
+        buf : Buffer or BufferRange
+        value : int, default 0
+        """
         self.run_once(lambda cmd: vk.vkCmdFillBuffer(cmd, buf.handle, buf.offset, buf.size, value), "fill")

@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import threading
+from typing import Union
 
 from .. import config
 from ..errors import DeviceNotFoundError
 from .device import Device
 from .instance import TYPE_PREFERENCE, DeviceInfo, get_instance
 
+# What a `device` argument takes (get_device): None (the default device), a Device, a DeviceInfo, an index or a
+# case-insensitive name substring.
+DeviceLike = Union[Device, DeviceInfo, int, str, None]
+
 _open: dict = {}  # device index -> Device
 _lock = threading.Lock()
 
 
-def devices() -> list:
-    """Every Vulkan physical device, as DeviceInfo records."""
+def devices() -> list[DeviceInfo]:
+    """Every Vulkan physical device.
+
+    Returns
+    -------
+    list of DeviceInfo
+        One per device, in Vulkan's order (DeviceInfo.index).
+    """
     return list(get_instance().physical_devices())
 
 
@@ -22,9 +33,26 @@ def _listing(infos) -> str:
     return "\n".join(f"  {info}" for info in infos) or "  (none: is a Vulkan driver installed?)"
 
 
-def select(spec: str | int | None = None) -> tuple:
-    """(DeviceInfo, reason) for a device index or case-insensitive name substring; with no spec, the
-    PAGEDVK_DEVICE variable, else the first device of the most preferred type."""
+def select(spec: str | int | None = None) -> tuple[DeviceInfo, str]:
+    """The device a spec names, and why it was chosen.
+
+    Parameters
+    ----------
+    spec : int or str, optional
+        A device index or a case-insensitive name substring. None means the PAGEDVK_DEVICE variable, else the
+        first device of the most preferred type (discrete > integrated > virtual > cpu > other).
+
+    Returns
+    -------
+    info : DeviceInfo
+    reason : str
+        How it was chosen ("argument index 0", "PAGEDVK_DEVICE name match 'nvidia'", "most preferred type ...").
+
+    Raises
+    ------
+    DeviceNotFoundError
+        No device matches, or there are no Vulkan devices at all; the message lists the devices.
+    """
     infos = devices()
     source = "argument"
     if spec is None and config.device() is not None:
@@ -48,6 +76,7 @@ def select(spec: str | int | None = None) -> tuple:
 
 
 def open_device(info: DeviceInfo) -> Device:
+    """The process's open Device for a physical device, opened on first use (and again after a loss or close)."""
     with _lock:
         device = _open.get(info.index)
         if device is not None and device.lost is not None:
@@ -57,13 +86,43 @@ def open_device(info: DeviceInfo) -> Device:
         return device
 
 
+def open_devices() -> list[Device]:
+    """The Devices open_device() has opened in this process and keeps (closed ones included, until reopened),
+    one per physical device index; a copy, for closing them all or checking that none was opened."""
+    with _lock:
+        return list(_open.values())
+
+
 def default_device() -> Device:
-    """The device pagedvk uses when none is given (see select())."""
+    """The device pagedvk uses when none is given: the one `select()` picks, opened once and shared.
+
+    Returns
+    -------
+    Device
+    """
     return open_device(select()[0])
 
 
-def get_device(device=None) -> Device:
-    """A Device from None (the default), a Device, a DeviceInfo, an index or a name substring."""
+def get_device(device: DeviceLike = None) -> Device:
+    """A Device from any of the forms a `device` argument takes.
+
+    Parameters
+    ----------
+    device : Device, DeviceInfo, int or str, optional
+        None means the default device; a Device is returned as it is (ClosedError if closed); a DeviceInfo, an
+        index or a name substring is opened (or its open Device returned).
+
+    Returns
+    -------
+    Device
+
+    Raises
+    ------
+    TypeError
+        Any other kind of argument.
+    DeviceNotFoundError
+        No device matches an index or name.
+    """
     if device is None:
         return default_device()
     if isinstance(device, Device):

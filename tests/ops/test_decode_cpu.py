@@ -203,7 +203,7 @@ def test_the_one_call_op_follows_the_environment(rng, device, monkeypatch):
     for kernel in ("gpu", "cpu", "gpu"):
         monkeypatch.setenv("PAGEDVK_DECODE_KERNEL", kernel)
         assert rel_error(pagedvk.paged_attention(*case.args(), backend="glsl"), ref) <= 1e-5
-    targets = sorted(plan.key.target for plan in pagedvk.ops.decode._oneshot_plans(device).plans())
+    targets = sorted(plan.key.target for plan in pagedvk.ops.decode.oneshot_plans(device).plans())
     assert targets == ["", "cpu"]
     pagedvk.ops.decode.release_cached_plans(device)
 

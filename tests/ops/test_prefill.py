@@ -246,15 +246,15 @@ def test_independent_steps_cannot_split_timestamped_groups(device):
 
 
 def test_decode_tokens_at_an_offset_the_device_cannot_bind_stay_in_the_prefill_launch(rng, device, monkeypatch):
-    from pagedvk.ops.prefill import _decode_tokens, _Problem
+    from pagedvk.ops.prefill import PrefillProblem, decode_tokens
     # one head of 4 float32 dims: the decode tokens' query rows start at byte 32 and their lse rows at byte 8
     case = PrefillCase(rng, q_lens=[2, 1, 1], num_heads=1, num_kv_heads=1, head_size=4)
-    problem = _Problem(*case.args(), **case.options())
+    problem = PrefillProblem(*case.args(), **case.options())
     for align, tokens in ((4, (1, 3)), (8, (1, 3)), (16, None), (64, None)):
         monkeypatch.setattr(device, "info", dataclasses.replace(device.info, min_storage_buffer_offset_alignment=align))
-        assert _decode_tokens(problem, np.array([2, 1, 1])) == tokens
+        assert decode_tokens(problem, np.array([2, 1, 1])) == tokens
     first = PrefillCase(rng, q_lens=[1, 1, 2], num_heads=1, num_kv_heads=1, head_size=4)
-    assert _decode_tokens(_Problem(*first.args(), **first.options()), np.array([1, 1, 2])) == (0, 2)   # offset 0
+    assert decode_tokens(PrefillProblem(*first.args(), **first.options()), np.array([1, 1, 2])) == (0, 2)   # offset 0
 
 
 def test_backend_from_environment(rng, monkeypatch):

@@ -125,10 +125,10 @@ def test_split_batches_bind_each_dispatch_its_own_tile_table(rng, monkeypatch, d
     """The mechanics of kernel="auto"'s split on any device: the matrix kernel's part of a ragged batch is
     played by the scalar module (its tiles built by the scalar rule), so both dispatches (the forward's, or the
     backward's dq), each binding its own tile table, run here and must together write every row."""
-    scalar_key = prefill._Problem.key
+    scalar_key = prefill.PrefillProblem.key
     monkeypatch.setattr(prefill, "matrix_kernel", lambda *a: "coopmat")
     monkeypatch.setattr(prefill, "MATRIX_ROWS", lambda rows: prefill.forward_rows(64, rows))
-    monkeypatch.setattr(prefill._Problem, "key", lambda self, kernel, access="", matrix=None: scalar_key(
+    monkeypatch.setattr(prefill.PrefillProblem, "key", lambda self, kernel, access="", matrix=None: scalar_key(
         self, kernel, access, ""))
     launches, launch = [], prefill.Launch
     monkeypatch.setattr(prefill, "Launch", lambda device, steps, *a, **k: launches.append(steps) or launch(

@@ -102,7 +102,7 @@ def test_bad_spin_refused_at_startup(value):
     try:
         pagedvk.zeros(4)
     except ValueError as e:
-        assert not selection._open, "a device was opened first"
+        assert not selection.open_devices(), "a device was opened first"
         print("refused at start-up:", e)
     os.environ["PAGEDVK_SPIN_US"] = "0"
     assert right(attend())

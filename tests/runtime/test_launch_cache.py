@@ -13,7 +13,7 @@ from pagedvk.ops.decode import release_cached_plans
 @pytest.fixture
 def fresh_cache(device):
     release_cached_plans(device)
-    yield decode._oneshot_plans(device)
+    yield decode.oneshot_plans(device)
     release_cached_plans(device)
 
 
@@ -148,17 +148,17 @@ def test_recorded_launch_and_descriptor_sets_reused(rng, device):
     with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=4, partition_size=128) as plan:
         assert plan.num_partitions > 1   # decode and reduce: two descriptor sets
         plan.run(q, k, v, out)
-        (launch,) = plan._launches.values()
+        (launch,) = plan.recorded_launches
         sets = [d.handle for d in launch.descriptor_sets]
         live = device.live_objects()
         for _ in range(5):
             out.write(case.poisoned_out())
             plan.run(q, k, v, out)
             assert rel_error(out.numpy(), case.reference()) <= 1e-5
-        assert list(plan._launches.values()) == [launch] and [d.handle for d in launch.descriptor_sets] == sets
+        assert list(plan.recorded_launches) == [launch] and [d.handle for d in launch.descriptor_sets] == sets
         assert device.live_objects() == live   # nothing made per call
         plan.run(q, k, v, other)                # another output buffer: another recording
-        assert len(plan._launches) == 2
+        assert len(plan.recorded_launches) == 2
     for a in (q, k, v, bt, sl, out, other):
         a.close()
 
@@ -171,12 +171,12 @@ def test_closed_buffer_in_a_cached_launch_is_refused(rng, device):
     out = pagedvk.empty(case.query.shape)
     plan = pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=4)
     plan.run(q, k, v, out)
-    (launch,) = plan._launches.values()
+    (launch,) = plan.recorded_launches
     bt.close()
     assert launch.stale
     with pytest.raises(pagedvk.ClosedError, match="closed"):
         plan.run(q, k, v, out)
-    assert launch.closed and not plan._launches   # the stale recording is freed
+    assert launch.closed and not plan.recorded_launches   # the stale recording is freed
     v.close()
     with pytest.raises(pagedvk.ClosedError):
         plan.run(q, k, v, out)

@@ -189,7 +189,7 @@ def test_validation_messages_name_the_objects():
         q = rng.standard_normal((2, 4, 32)).astype(np.float32)
         bt = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
         pagedvk.paged_attention(q, k, v, bt, np.array([40, 17], np.int32))
-        buf = k._buffers[0]
+        buf = k.buffers[0]
         print("fill:", message("fill probe", lambda c: vk.vkCmdFillBuffer(c, buf.handle, 0, buf.size + 4, 0)))
         """, PAGEDVK_VALIDATION="1")
     out = result.stdout + result.stderr
@@ -204,9 +204,9 @@ def test_object_names_cost_nothing_without_validation():
     result = run_python("""
         import numpy as np, pagedvk
         dev = pagedvk.default_device()
-        assert not dev.instance.validation and not dev.debug_names and dev._set_object_name is None
+        assert not dev.instance.validation and not dev.debug_names and dev.object_namer is None
         a = pagedvk.asarray(np.arange(4, dtype=np.float32), device=dev)
-        assert a._buffers[0].name is None
+        assert a.buffers[0].name is None
         print("ok")
     """, PAGEDVK_VALIDATION="")
     assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr

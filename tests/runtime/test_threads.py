@@ -85,7 +85,7 @@ def test_threads_submit_one_cached_launch(rng, device, monkeypatch):
                 close(out.numpy(), ref)
 
         run_threads(body)
-        assert len(plan._launches) == 1, "the threads did not share one cached launch"
+        assert len(plan.recorded_launches) == 1, "the threads did not share one cached launch"
     for a in (q, k, v, out):
         a.close()
 

@@ -118,9 +118,9 @@ def spv_copy(tmp_path, monkeypatch):
     shutil.copytree(modules.SPV_DIR, copy)
     monkeypatch.setattr(modules, "SPV_DIR", copy)
     monkeypatch.setattr(modules, "SOURCE_SHADER_DIR", REPO / "shaders")
-    monkeypatch.setattr(modules, "_manifest", None)
+    modules.forget_manifest()
     yield copy
-    modules._manifest = None
+    modules.forget_manifest()
 
 
 def test_stale_module_is_refused(spv_copy):
@@ -665,9 +665,9 @@ def built_kernels(tmp_path, shaders_copy, monkeypatch):
     """kernels loading modules from tmp_path/out, with shaders_copy as the source checkout's shaders."""
     monkeypatch.setattr(modules, "SPV_DIR", tmp_path / "out")
     monkeypatch.setattr(modules, "SOURCE_SHADER_DIR", shaders_copy)
-    monkeypatch.setattr(modules, "_manifest", None)
+    modules.forget_manifest()
     yield tmp_path / "out"
-    modules._manifest = None
+    modules.forget_manifest()
 
 
 def test_stale_check_hashes_the_includes_the_build_recorded(built_kernels, shaders_copy, capsys):
@@ -748,7 +748,7 @@ def test_one_naga_process_translates_many_modules_and_reports_each_error(tmp_pat
         with pytest.raises(build.BuildError, match=r"(?s)naga bad\.wgsl failed.*bad\.wgsl:1"):
             build.translate_wgsl(bad, tmp_path / "b.spv")
         build.translate_wgsl(good, tmp_path / "c.spv")
-        assert len(build._naga_started) == 1   # one process did all three
+        assert len(build.naga_started) == 1   # one process did all three
         assert (tmp_path / "a.spv").read_bytes() == (tmp_path / "c.spv").read_bytes()
         assert not (tmp_path / "b.spv").exists()
     finally:
