@@ -246,8 +246,13 @@ class DeviceMemory:
             return HeapBudget(heap, size, size, None, "heap size")
         budget = vk.VkPhysicalDeviceMemoryBudgetPropertiesEXT(
             sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT)
-        vk.vkGetPhysicalDeviceMemoryProperties2(self.info.handle, vk.VkPhysicalDeviceMemoryProperties2(
-            sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2, pNext=budget))
+        # Under the lock, on an open device: the exit hook destroys the instance (and with it this physical
+        # device) only after closing every device, so a daemon thread still allocating at exit gets a
+        # ClosedError here instead of querying a destroyed instance.
+        with self.lock:
+            self.require_open()
+            vk.vkGetPhysicalDeviceMemoryProperties2(self.info.handle, vk.VkPhysicalDeviceMemoryProperties2(
+                sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2, pNext=budget))
         return HeapBudget(heap, size, budget.heapBudget[heap], budget.heapUsage[heap], MEMORY_BUDGET_EXTENSION)
 
     def room(self, heap: int) -> tuple:

@@ -86,7 +86,8 @@ def test_exit_with_daemon_threads_mid_call():
     print("exiting")
     """)
     for run in range(8):
-        result = run_python(code, [str(0.1 * (run + 1))])
+        # PYTHONFAULTHANDLER: should a run still abort, its stderr shows every thread's Python stack
+        result = run_python(code, [str(0.1 * (run + 1))], PYTHONFAULTHANDLER="1")
         assert passed(result, "exiting"), (run, result.returncode, result.stderr[-3000:])
 
 
