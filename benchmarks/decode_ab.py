@@ -81,13 +81,17 @@ def main(argv=None) -> int:
                                 modules.use(folder)
                                 r = bench.time_decode(inputs, args.backend, iters=args.iters, partition_size=size,
                                                       kernel=args.kernel)
+                                served = [m for m, from_set in modules.loaded if from_set]
                                 r.update(set=name, folder=str(folder), round=rnd,
-                                         fraction_of_read=r["GBps"] / ceiling["GBps"])
+                                         fraction_of_read=r["GBps"] / ceiling["GBps"],
+                                         modules_from_set=served,
+                                         modules_from_package=[m for m, s in modules.loaded if not s])
                                 rows.append(r)
                                 print(f"{args.backend} {shape.dtype:<14} {num_seqs:>4} x {context:<6} {name:<10} "
                                       f"{r['partitions']:>3} x {r['partition_size']:<6} {r['median_us']:9.2f} us "
                                       f"({100 * r['fraction_of_read']:.1f}% of read) rel. error {r['rel_error']:.1e} "
-                                      f"{r['kernel']}", flush=True)
+                                      f"{r['kernel']}; modules from the set: {len(served)} of "
+                                      f"{len(modules.loaded)}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"read": ceiling, "rows": rows}, indent=1, default=str))
     return 0

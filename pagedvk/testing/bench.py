@@ -245,6 +245,9 @@ class DecodeModules:
     def __init__(self, device):
         self.device, self.folder, self._load = device, None, modules.load_spirv
         self._sources = {key.source for kernel in self.KERNELS for key in kernel.keys()}
+        # (module name, whether the folder served it) for each decode module loaded since `use`: a comparison whose
+        # modules all came from the package compares nothing, so decode_ab.py prints these
+        self.loaded: list = []
 
     def __enter__(self):
         modules.load_spirv = self._load_from_folder
@@ -256,12 +259,13 @@ class DecodeModules:
 
     def _load_from_folder(self, kernel, key):
         spv = self.folder / f"{key.name}.spv" if self.folder is not None else None
-        if kernel in self.KERNELS and spv is not None and spv.is_file():
-            return spv.read_bytes()
-        return self._load(kernel, key)
+        served = kernel in self.KERNELS and spv is not None and spv.is_file()
+        if kernel in self.KERNELS:
+            self.loaded.append((key.name, served))
+        return spv.read_bytes() if served else self._load(kernel, key)
 
     def use(self, folder) -> None:
-        self.folder = folder
+        self.folder, self.loaded = folder, []
         pipelines = self.device.pipelines
         for cached in [c for c in pipelines
                        if isinstance(c, tuple) and isinstance(c[0], VariantKey) and c[0].source in self._sources]:

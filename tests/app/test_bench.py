@@ -369,6 +369,11 @@ def test_decode_ab_runs_each_sets_modules_in_turn(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert [r["set"] for r in rows] == ["main", "broken", "main", "broken"]
     assert [r["ok"] for r in rows] == [True, False, True, False]
+    # each row says which modules its set served: the broken folder holds the decode module alone, so the merge's
+    # (if the plan splits) came from the package, and the decode itself never did
+    for r in rows:
+        assert key.name in r["modules_from_set"], r
+        assert key.name not in r["modules_from_package"], r
 
 
 @pytest.mark.parametrize("sets, message", [
