@@ -92,9 +92,28 @@ def main(argv=None) -> int:
                                       f"({100 * r['fraction_of_read']:.1f}% of read) rel. error {r['rel_error']:.1e} "
                                       f"{r['kernel']}; modules from the set: {len(served)} of "
                                       f"{len(modules.loaded)}", flush=True)
+    if len(sets) > 1:
+        print(summary(rows, [name for name, _ in sets]))
     if args.json:
         Path(args.json).write_text(json.dumps({"read": ceiling, "rows": rows}, indent=1, default=str))
     return 0
+
+
+def summary(rows: list, names: list) -> str:
+    """A markdown table: each (dtype, shape, partition size), each set's best round and its change against the
+    first set's (a set's best round, since a round's median only ever rises from what the kernel can do)."""
+    best = {}
+    for r in rows:
+        key = (r["dtype"], r["num_seqs"], r["context"], r["partition_size"], r["set"])
+        best[key] = min(best.get(key, float("inf")), r["median_us"])
+    lines = ["| dtype | batch x context | " + " | ".join(names) + " |", "| --- | --- |" + " --- |" * len(names)]
+    for dtype, num_seqs, context, size in dict.fromkeys(k[:4] for k in best):
+        base = best[(dtype, num_seqs, context, size, names[0])]
+        cells = [f"{base:.2f} us"] + [
+            f"{best[(dtype, num_seqs, context, size, n)]:.2f} us "
+            f"({100 * (best[(dtype, num_seqs, context, size, n)] / base - 1):+.1f}%)" for n in names[1:]]
+        lines.append(f"| {dtype} | {num_seqs} x {context} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -357,7 +357,7 @@ def test_host_overhead_reports_issue_9s_host_rows(capsys):
     assert out.count("wall - GPU") == 2
 
 
-def test_decode_ab_runs_each_sets_modules_in_turn(tmp_path):
+def test_decode_ab_runs_each_sets_modules_in_turn(tmp_path, capsys):
     # benchmarks/decode_ab.py: a set whose folder holds a broken decode module (an ablation's: keys never loaded)
     # gives wrong results in its rounds only; the package's modules, in the rounds between, stay right.
     ab, ablations = load_benchmark("decode_ab"), load_benchmark("decode_ablations")
@@ -374,6 +374,12 @@ def test_decode_ab_runs_each_sets_modules_in_turn(tmp_path):
     for r in rows:
         assert key.name in r["modules_from_set"], r
         assert key.name not in r["modules_from_package"], r
+    # the closing table: each set's best round against the first set's
+    out = capsys.readouterr().out
+    best = {name: min(r["median_us"] for r in rows if r["set"] == name) for name in ("main", "broken")}
+    change = 100 * (best["broken"] / best["main"] - 1)
+    assert "| dtype | batch x context | main | broken |" in out
+    assert f"| float16 | 2 x 200 | {best['main']:.2f} us | {best['broken']:.2f} us ({change:+.1f}%) |" in out
 
 
 @pytest.mark.parametrize("sets, message", [
