@@ -212,12 +212,17 @@ class KVCache(Owned):
         return out
 
     def _decode_plan(self, batch, rows, num_heads: int) -> DecodePlan:
-        # One plan per step: every layer's decode uses the same block tables and lengths. Keyed on their values,
-        # not on the Batch object: a Batch updated in place for the next step got the previous step's plan.
+        # Every layer's decode of a step uses the same block tables and lengths. Keyed on their values, not on the
+        # Batch object: a Batch updated in place for the next step got the previous step's plan. A batch of the
+        # plan's shape updates the plan (DecodePlan.update: its tables written in place, nothing allocated while
+        # its split stays); another shape gets a new plan.
         tables = np.ascontiguousarray(batch.block_tables[rows], np.int32)
         lens = np.ascontiguousarray(batch.seq_lens[rows], np.int32)
         key = (num_heads, tables.shape, tables.tobytes(), lens.tobytes())
-        if self._plan_key != key:
+        if self._plan_key is not None and self._plan_key[:2] == key[:2] and self._plan_key != key:
+            self._plan.update(tables, lens)
+            self._plan_key = key
+        elif self._plan_key != key:
             self._close_plan()
             s = self.spec
             self._plan = DecodePlan(tables, lens, num_heads=num_heads, num_kv_heads=s.num_kv_heads,
@@ -225,6 +230,11 @@ class KVCache(Owned):
                                     dtype=self.dtype, query_dtype=np.float32, layout=self.layout, device=self.device,
                                     backend=self.backend)
             self._plan_key = key
+        return self._plan
+
+    @property
+    def decode_plan(self) -> DecodePlan | None:
+        """The DecodePlan the last step's decode ran (kept, and updated, while the batch keeps its shape), or None."""
         return self._plan
 
     def _close_plan(self) -> None:

@@ -25,7 +25,7 @@ from ..runtime.owned import Owned
 from ..runtime.pipeline import Launch, Transfers, fold_grid
 from ..runtime.selection import DeviceLike
 from . import checks
-from .decode_rules import decode_choice, decode_matrix, plan_arguments
+from .decode_rules import DecodeChoice, decode_choice, decode_matrix, plan_arguments
 from .layouts import CacheSpec, bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
 from .variants import Variants, in_use as variants_in_use, per_head
@@ -157,37 +157,134 @@ class DecodePlan(Owned):
         self._owned += [a for name, a in self.variant_arrays.items() if a is not self.variants.inputs[name]]
         self._no_lse = empty((4,), np.float32, self.device)   # the lse binding of runs that return none
         self._owned.append(self._no_lse)
-        lens = checks.host(seq_lens)
+        self._rule_arguments = dict(partition_size=partition_size, kernel=kernel)
+        self.choice = None
+        self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
+        self._checked = set()           # argument signatures _check_run has passed
+        self._take_choice(self._rule(int(checks.host(seq_lens).max(initial=0))))
+        self._closed = False
+
+    def _rule(self, longest: int) -> DecodeChoice:
+        """The kernel and split for sequences of at most `longest` tokens (decode_rules)."""
         # Tokens the partitions cover: the longest context, or the window where it is shorter.
-        max_seq_len = self.variants.span(min(int(lens.max(initial=0)), block_tables.shape[1] * block_size),
-                                         block_size)
-        self.choice = decode_choice(self.device.info, self.device.features, self.backend,
-                                    storage=self.spec.storage.tag, query=self.query_type.tag, num_seqs=self.num_seqs,
-                                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                    head_size=self.head_size, layout=layout, block_size=self.block_size,
-                                    max_seq_len=max_seq_len, partition_size=partition_size, kernel=kernel)
+        max_seq_len = self.variants.span(min(longest, self.block_tables.shape[1] * self.block_size), self.block_size)
+        return decode_choice(self.device.info, self.device.features, self.backend,
+                             storage=self.spec.storage.tag, query=self.query_type.tag, num_seqs=self.num_seqs,
+                             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                             head_size=self.head_size, layout=self.layout, block_size=self.block_size,
+                             max_seq_len=max_seq_len, **self._rule_arguments)
+
+    def _take_choice(self, choice: DecodeChoice) -> None:
+        """The pipeline and scratch of a choice (the constructor and update()). Where it is the one the plan holds,
+        nothing is made: a steady decode step's update allocates nothing."""
+        if choice == self.choice:
+            return
         # The pipeline for the plan's variants is made now; a run that adds lse or sinks, or reads segmented caches,
         # gets its own at first use (modules.pipeline keeps them).
-        modules.pipeline(self.device, PAGED_DECODE, self.choice.module(), variants_in_use(self.variants.push()),
-                         self.choice.spec_constants)
+        modules.pipeline(self.device, PAGED_DECODE, choice.module(), variants_in_use(self.variants.push()),
+                         choice.spec_constants)
+        # Launches recorded for the old choice carry its split in their push constants and bind its scratch.
+        for key in list(self._launches):
+            self._forget(key)
+        old_scratch = [a for a in (getattr(self, "partial_out", None), getattr(self, "_stats_and_counters", None))
+                       if a is not None]
+        self.choice = choice
+        num_seqs, num_heads = self.num_seqs, self.num_heads
         limits = self.device.info.max_workgroup_count
-        self.grid = fold_grid(num_heads // self.choice.group_size * self.num_seqs * self.num_partitions, limits)
+        self.grid = fold_grid(num_heads // choice.group_size * num_seqs * choice.num_partitions, limits)
         # Scratch for split contexts; 16-byte placeholders keep the bindings valid when there is no split. A merge
         # in the decode counts on the uint32 pairs after partial_stats' (catalogue.PAGED_DECODE), zeroed here once.
-        split = self.choice.split
-        self.partial_out = empty((self.num_seqs, num_heads, self.num_partitions, head_size) if split else (4,),
+        split = choice.split
+        self.partial_out = empty((num_seqs, num_heads, choice.num_partitions, self.head_size) if split else (4,),
                                  np.float32, self.device)
-        stats_shape = (self.num_seqs, num_heads, self.num_partitions, 2) if split else (4,)
-        units = self.num_seqs * (num_heads // self.choice.group_size) if self.merge_in_decode else 0
+        stats_shape = (num_seqs, num_heads, choice.num_partitions, 2) if split else (4,)
+        units = num_seqs * (num_heads // choice.group_size) if choice.merge_in_decode else 0
         self._stats_and_counters = zeros((math.prod(stats_shape) // 2 + units, 2), np.float32, self.device)
         self.partial_stats = DeviceArray.over_buffer(self._stats_and_counters.buffer, 0, stats_shape, np.float32)
         self.merge_counters = (DeviceArray.over_buffer(self._stats_and_counters.buffer, self.partial_stats.nbytes,
-                                                 (units, 2), np.uint32) if units else None)
+                                                       (units, 2), np.uint32) if units else None)
         self._owned += [self.partial_out, self._stats_and_counters]
-        self.reduce_grid = fold_grid(num_heads * self.num_seqs, limits)
-        self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
-        self._checked = set()           # argument signatures _check_run has passed
-        self._closed = False
+        self.reduce_grid = fold_grid(num_heads * num_seqs, limits)
+        for a in old_scratch:
+            self._owned.remove(a)
+            a.close()
+
+    def update(self, block_tables: Array, seq_lens: Array, *, max_seq_len: int | None = None,
+               validate: bool = True) -> None:
+        """Prepare the plan for the next decode step: new block tables and lengths, in the plan's own buffers.
+
+        FlashInfer's plan() for a step after the first: an engine keeps one plan for a batch shape (padding its
+        batch to it, as CUDA-graph engines do) and updates it every step instead of making a new one. Numpy tables
+        are written into the plan's device tables in place, so the launches `run` recorded stay valid; device
+        tables given here become the plan's (the same arrays, updated in place by the caller, cost nothing). The
+        kernel and split are chosen again for the new longest sequence; only where that choice changes are the
+        scratch arrays made anew and the launches recorded again, so a steady decode step allocates nothing.
+
+        Parameters
+        ----------
+        block_tables : DeviceArray, numpy.ndarray or sequence, shape (num_seqs, max_blocks_per_seq), int32
+            The plan's shape: a batch of another shape needs a plan of its own.
+        seq_lens : DeviceArray, numpy.ndarray or sequence, shape (num_seqs,), int32
+        max_seq_len : int, optional
+            The longest of seq_lens, for the choice of split; None reads it from seq_lens (reading device-resident
+            lengths back to the host). An engine knows it without that read.
+        validate : bool, default True
+            As for `DecodePlan`: False skips the checks of the tables' values.
+
+        Raises
+        ------
+        ClosedError
+            The plan was closed.
+        ValueError, TypeError
+            Tables of another kind, shape or dtype than the plan's, values outside the caches (with validate), or a
+            max_seq_len outside [0, max_blocks_per_seq * block_size]. Nothing is changed then.
+        """
+        self._require_open()
+        block_tables, seq_lens = (a if isinstance(a, (DeviceArray, np.ndarray)) else np.asarray(a, np.int32)
+                                  for a in (block_tables, seq_lens))
+        checks.tables(block_tables, seq_lens)
+        for name, given, planned in (("block_tables", block_tables, self.block_tables),
+                                     ("seq_lens", seq_lens, self.seq_lens)):
+            if given.shape != planned.shape:
+                raise ValueError(f"{name} has shape {tuple(given.shape)}, the plan's is {tuple(planned.shape)}: a "
+                                 "batch of another shape needs a plan of its own (or pad the batch to the plan's)")
+        device_of(block_tables, seq_lens, device=self.device)
+        capacity = self.block_tables.shape[1] * self.block_size
+        if max_seq_len is not None:
+            if isinstance(max_seq_len, (bool, np.bool_)) or not isinstance(max_seq_len, (int, np.integer)):
+                raise TypeError(f"max_seq_len must be an int, not {type(max_seq_len).__name__}")
+            if not 0 <= max_seq_len <= capacity:
+                raise ValueError(f"max_seq_len must be in [0, {capacity}] (max_blocks_per_seq "
+                                 f"{self.block_tables.shape[1]} x block_size {self.block_size}), got {max_seq_len}")
+        if validate:
+            checks.block_table_values(block_tables, seq_lens, self.block_size, self.num_blocks)
+        longest = int(max_seq_len) if max_seq_len is not None else int(checks.host(seq_lens).max(initial=0))
+        choice = self._rule(longest)   # before anything changes: a refusal leaves the plan as it was
+        with self._lock:
+            self._require_open()
+            for name, given in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+                self._take_table(name, given)
+            self._take_choice(choice)
+
+    def _take_table(self, name: str, given: Array) -> None:
+        """update()'s step for one table: written in place, or the caller's device array taken as the plan's."""
+        current = getattr(self, name)
+        if given is current:
+            return   # the caller's own device array, updated in place
+        if isinstance(given, DeviceArray):
+            replaced = given
+        elif current in self._owned:
+            current.write(given)   # in place: the recorded launches bind this buffer
+            return
+        else:   # the plan ran on the caller's device array until now: it takes its own, once
+            replaced = asarray(np.ascontiguousarray(given), device=self.device)
+            self._owned.append(replaced)
+        for key in list(self._launches):   # they bind the old table's buffer
+            self._forget(key)
+        if current in self._owned:
+            self._owned.remove(current)
+            current.close()
+        setattr(self, name, replaced)
 
     # The choice's parts, as a plan's attributes (pagedvk.ops.decode_rules.DecodeChoice).
     target = property(lambda self: self.choice.target, doc='The decode kernel\'s target: "cpu" or "" (the GPU kernel).')

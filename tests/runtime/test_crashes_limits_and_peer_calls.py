@@ -225,7 +225,8 @@ def test_scales_are_ignored_for_float_caches(rng, dtype, op):
 
 def test_kv_cache_plan_follows_the_batch_content(rng, device):
     # KVCache.attend kept its decode plan for the Batch object: a Batch updated in place for the next step (new
-    # lengths and tables) got the previous step's attention. The plan is keyed on the tables' values now.
+    # lengths and tables) got the previous step's attention. The plan is keyed on the tables' values now, and a
+    # batch of the same shape updates the step's plan (DecodePlan.update) instead of making a new one.
     cache = pagedvk.KVCache(num_layers=1, num_kv_heads=2, head_size=32, block_size=16, dtype=np.float32,
                             num_blocks=12)
     keys = rng.standard_normal(cache.spec.key_shape).astype(np.float32)
@@ -239,6 +240,9 @@ def test_kv_cache_plan_follows_the_batch_content(rng, device):
         out = cache.attend(0, q, batch)
         ref = pagedvk.testing.reference.paged_attention(q, keys, values, batch.block_tables, batch.seq_lens)
         assert rel_error(out, ref) <= 1e-5, step
+        if step == 0:
+            plan = cache.decode_plan
+        assert cache.decode_plan is plan and not plan.closed
         batch.seq_lens += 1                                     # the next step, in place
         batch.block_tables[:] = rng.permutation(12)[:6].reshape(2, 3)
     cache.close()
