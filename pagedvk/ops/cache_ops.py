@@ -42,7 +42,7 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
         float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, or uint8 with vLLM's kv_cache_dtype "fp8" /
         "fp8_e4m3" / "fp8_e5m2". DeviceArrays are written on the device; numpy caches are updated in place (a
         round trip), through the caller's view where they are one (kv[:, 0] and kv[:, 1] of one combined array).
-    slot_mapping : DeviceArray or numpy.ndarray, shape (num_tokens,), int32 or int64
+    slot_mapping : DeviceArray, numpy.ndarray or sequence of ints, shape (num_tokens,), int32 or int64
         slot = block * block_size + offset; negative slots are padding and skipped.
     kv_cache_dtype : {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}, default "auto"
         How uint8 caches are read (vLLM's names); "auto" takes the caches' own dtype.
@@ -80,6 +80,7 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
     checks.dim("key", key, 1, spec.num_kv_heads, "num_kv_heads, from the caches")
     checks.dim("key", key, 2, spec.head_size, "head_size, from the caches")
     num_tokens = key.shape[0]
+    slot_mapping = checks.ints("slot_mapping", slot_mapping)
     checks.kind("slot_mapping", slot_mapping)
     checks.ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
     checks.dtype("slot_mapping", slot_mapping, SLOT_DTYPES)
@@ -141,7 +142,8 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
 
 
 def _block_ids(block_mapping, name: str = "block_mapping") -> np.ndarray:
-    """block_mapping int32 or int64 [n, 2] (src, dst) pairs, as a host int64 array."""
+    """block_mapping int32 or int64 [n, 2] (src, dst) pairs (or a sequence of pairs), as a host int64 array."""
+    block_mapping = checks.ints(name, block_mapping)
     checks.kind(name, block_mapping)
     checks.ndim(name, block_mapping, 2, "[num_pairs, 2] (src, dst)")
     checks.dtype(name, block_mapping, ID_DTYPES)
@@ -182,7 +184,7 @@ def copy_blocks(key_caches: list[Array] | tuple[Array, ...], value_caches: list[
         One cache per layer, any layout and dtype, all with the same num_blocks (shape[0]): DeviceArrays (on one
         device), copied on it in one submission, or numpy arrays (writable; views of a larger array too), copied
         in place on the host, as vLLM's CPU backend does.
-    block_mapping : DeviceArray or numpy.ndarray, shape (num_pairs, 2), int32 or int64
+    block_mapping : DeviceArray, numpy.ndarray or sequence of ints, shape (num_pairs, 2), int32 or int64
         (src, dst) rows: block src is copied to block dst in every cache. No block may be written twice, nor
         written and read in one call (the copies run at once).
 
@@ -255,7 +257,7 @@ def swap_blocks(src: Array, dst: Array, block_mapping: Array) -> None:
         A DeviceArray and a numpy array (either way round), or two DeviceArrays; the same dtype and block shape
         (shape[1:]). A numpy dst must be writable, and is written in place (through the caller's view where it is
         one).
-    block_mapping : DeviceArray or numpy.ndarray, shape (num_pairs, 2), int32 or int64
+    block_mapping : DeviceArray, numpy.ndarray or sequence of ints, shape (num_pairs, 2), int32 or int64
         block_mapping[i] = (a block of src, a block of dst); a dst block may be written once per call.
 
     Raises

@@ -14,6 +14,29 @@ def kind(name: str, a) -> None:
         raise TypeError(f"{name} must be a numpy array or a pagedvk.DeviceArray, not {type(a).__name__}")
 
 
+INT32_RANGE = (-(1 << 31), (1 << 31) - 1)
+
+
+def ints(name: str, a):
+    """A Python sequence of ints (a list, tuple or range, nested for a table) as an int32 numpy array, as numpy users
+    pass block tables, lengths, slots and block pairs; numpy and device arrays, and anything else, are returned as
+    they are, for the op's checks. TypeError naming the argument for a sequence of non-integers (floats, bools,
+    ragged rows), ValueError for values outside int32."""
+    if not isinstance(a, (list, tuple, range)):
+        return a
+    try:
+        values = np.asarray(a)
+    except ValueError as e:   # ragged rows
+        raise TypeError(f"{name} must be an int32 array or a sequence of ints, got a sequence numpy cannot make an "
+                        f"array of ({e})") from None
+    if values.size and (values.dtype.kind not in "iu"):
+        raise TypeError(f"{name} must be an int32 array or a sequence of ints, got a sequence of {values.dtype} "
+                        f"values")
+    if values.size and (values.min() < INT32_RANGE[0] or values.max() > INT32_RANGE[1]):
+        raise ValueError(f"{name} holds values outside int32 ({int(values.min())} to {int(values.max())})")
+    return values.astype(np.int32)
+
+
 def writable(name: str, a) -> None:
     """A numpy array an op writes its result into: refused before the GPU runs, not by numpy after it."""
     if isinstance(a, np.ndarray) and not a.flags.writeable:

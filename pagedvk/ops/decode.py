@@ -48,9 +48,9 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     value_cache : DeviceArray or numpy.ndarray
         "vllm": shape (num_blocks, num_kv_heads, head_size, block_size); "nhd", "hnd": key_cache's shape.
         key_cache's dtype.
-    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+    block_tables : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs, max_blocks_per_seq), int32
         Physical block ids.
-    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+    seq_lens : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs,), int32
         Cached tokens per sequence (0 gives zeros).
     scale : float, optional
         Softmax scale; None means 1 / sqrt(head_size). Accumulation is float32.
@@ -97,6 +97,7 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     --------
     >>> out = pagedvk.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
     """
+    block_tables, seq_lens = checks.ints("block_tables", block_tables), checks.ints("seq_lens", seq_lens)
     checks.kind("query", query)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     query_type = storage_type("query", query, QUERY_TYPES)

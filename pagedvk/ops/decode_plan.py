@@ -58,9 +58,9 @@ class DecodePlan(Owned):
 
     Parameters
     ----------
-    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+    block_tables : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs, max_blocks_per_seq), int32
         Physical block ids; only each sequence's first ceil(seq_len / block_size) entries are read.
-    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+    seq_lens : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs,), int32
         Tokens cached per sequence (0 gives an output of zeros). Lengths may grow after the plan is made (the
         last partition takes every token past its start), up to the block-table row.
     num_heads, num_kv_heads, head_size, block_size, num_blocks : int
@@ -122,6 +122,7 @@ class DecodePlan(Owned):
                  logits_soft_cap: float | None = None, sinks: Array | None = None, window_left: int = -1,
                  kernel: str | None = None) -> None:
         self._closed, self._lock = True, threading.Lock()   # until constructed: close() works on a half-made plan
+        block_tables, seq_lens = checks.ints("block_tables", block_tables), checks.ints("seq_lens", seq_lens)
         checks.tables(block_tables, seq_lens)
         dtype = plan_arguments(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
                                block_size=block_size, num_blocks=num_blocks, dtype=dtype, scale=scale,
@@ -222,9 +223,9 @@ class DecodePlan(Owned):
 
         Parameters
         ----------
-        block_tables : DeviceArray, numpy.ndarray or sequence, shape (num_seqs, max_blocks_per_seq), int32
+        block_tables : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs, max_blocks_per_seq), int32
             The plan's shape: a batch of another shape needs a plan of its own.
-        seq_lens : DeviceArray, numpy.ndarray or sequence, shape (num_seqs,), int32
+        seq_lens : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs,), int32
         max_seq_len : int, optional
             The longest of seq_lens, for the choice of split; None reads it from seq_lens (reading device-resident
             lengths back to the host). An engine knows it without that read.
@@ -240,8 +241,7 @@ class DecodePlan(Owned):
             max_seq_len outside [0, max_blocks_per_seq * block_size]. Nothing is changed then.
         """
         self._require_open()
-        block_tables, seq_lens = (a if isinstance(a, (DeviceArray, np.ndarray)) else np.asarray(a, np.int32)
-                                  for a in (block_tables, seq_lens))
+        block_tables, seq_lens = checks.ints("block_tables", block_tables), checks.ints("seq_lens", seq_lens)
         checks.tables(block_tables, seq_lens)
         for name, given, planned in (("block_tables", block_tables, self.block_tables),
                                      ("seq_lens", seq_lens, self.seq_lens)):
@@ -307,8 +307,8 @@ class DecodePlan(Owned):
         key_cache, value_cache : DeviceArray or numpy.ndarray
             Caches in `layout` (see `paged_attention` for their shapes and dtypes); num_kv_heads, head_size,
             block_size, num_blocks and dtype come from them.
-        block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
-        seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+        block_tables : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs, max_blocks_per_seq), int32
+        seq_lens : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs,), int32
         num_heads : int
             Query heads, a multiple of num_kv_heads.
         layout : {"vllm", "nhd", "hnd"}, default "vllm"

@@ -380,7 +380,7 @@ def _run(problem: PrefillProblem, dispatches, inputs: dict, outputs: dict, given
 QUERY_DOC = """\
 query : DeviceArray or ndarray, shape (num_tokens, num_heads, head_size) or (num_seqs, num_heads, q_len, head_size)
         float32, float16 or bfloat16: ragged, with query_start_loc, or q_len queries per sequence.
-    query_start_loc : DeviceArray or numpy.ndarray, shape (num_seqs + 1,), int32, optional
+    query_start_loc : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs + 1,), int32, optional
         With a ragged query only, None otherwise (vLLM's query_start_loc, FlashInfer's qo_indptr): sequence s owns
         query tokens query_start_loc[s] .. query_start_loc[s + 1] - 1, q_len_s of them (0 allowed), the last
         q_len_s of its seq_lens[s] tokens; 0 first, non-decreasing, num_tokens last."""
@@ -406,9 +406,9 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
         float8_e5m2 (or uint8 with vLLM's kv_cache_dtype and k_scale / v_scale). num_heads is a multiple of
         num_kv_heads (GQA/MQA); head_size a multiple of 4 up to 256; block_size 8, 16 or 32, and in "nhd" and
         "hnd" also 1, 2 or 4.
-    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
+    block_tables : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs, max_blocks_per_seq), int32
         Physical block ids.
-    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+    seq_lens : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs,), int32
         Tokens per sequence, the new ones included (vLLM's seq_lens); at least q_len_s (the fixed-q_len form also
         takes 0, an empty sequence: zeros out, lse -inf).
     scale : float, optional
@@ -470,6 +470,12 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                 dict(out=out))
 
 
+def int_arguments(block_tables, seq_lens, query_start_loc) -> tuple:
+    """The three int arguments, Python sequences made int32 arrays (checks.ints)."""
+    return (checks.ints("block_tables", block_tables), checks.ints("seq_lens", seq_lens),
+            checks.ints("query_start_loc", query_start_loc))
+
+
 def _bindable(tiles: np.ndarray) -> np.ndarray:
     """A tile table a buffer can hold: one unread row where it has none (its dispatch has no workgroups)."""
     return tiles if len(tiles) else np.zeros((1, 2), np.int32)
@@ -496,6 +502,7 @@ def _tiled(p: PrefillProblem, kernel, include: np.ndarray) -> tuple:
 def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, alibi_slopes=None,
              logits_soft_cap=None, sinks=None, window_left=-1, **options) -> tuple:
     """The checked forward: (problem, dispatches, inputs, outputs) for _run or launch()."""
+    block_tables, seq_lens, query_start_loc = int_arguments(block_tables, seq_lens, query_start_loc)
     p = PrefillProblem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **options)
     info = p.device.info
     if p.backend == "wgsl" and info.max_shared_memory < PREFILL_WGSL_SHARED_BYTES:
@@ -596,8 +603,8 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
     {query}
     key_cache, value_cache : DeviceArray or numpy.ndarray
         float32, float16 or bfloat16, in any layout (see `paged_attention_prefill` for their shapes).
-    block_tables : DeviceArray or numpy.ndarray, shape (num_seqs, max_blocks_per_seq), int32
-    seq_lens : DeviceArray or numpy.ndarray, shape (num_seqs,), int32
+    block_tables : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs, max_blocks_per_seq), int32
+    seq_lens : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs,), int32
     out : DeviceArray or numpy.ndarray
         What paged_attention_prefill returned for these arguments: the query's shape and dtype.
     lse : DeviceArray or numpy.ndarray, float32
@@ -634,6 +641,7 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
 def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, query_start_loc,
               **options) -> tuple:
     """The checked backward: (problem, dispatches, inputs, outputs) for _run or launch()."""
+    block_tables, seq_lens, query_start_loc = int_arguments(block_tables, seq_lens, query_start_loc)
     p = PrefillProblem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  cache_types=GRADIENT_CACHE_TYPES, **options)
     query_layout = "(the query's shape)"

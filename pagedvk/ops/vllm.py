@@ -38,6 +38,7 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
         raise ValueError(f"num_kv_heads ({num_kv_heads}) does not match key_cache.shape[1] ({spec.num_kv_heads})")
     if spec.block_size != block_size:
         raise ValueError(f"block_size ({block_size}) does not match key_cache.shape[3] ({spec.block_size})")
+    block_tables, seq_lens = checks.ints("block_tables", block_tables), checks.ints("seq_lens", seq_lens)
     checks.tables(block_tables, seq_lens)
     lens = checks.host(seq_lens)
     if lens.size and int(np.max(lens)) > max_seq_len:
@@ -147,6 +148,8 @@ def unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_s
                            "window_size")
     if out is None:
         raise TypeError("out must be an array of q's shape (vLLM writes into it)")
+    cu_seqlens_q, seqused_k = checks.ints("cu_seqlens_q", cu_seqlens_q), checks.ints("seqused_k", seqused_k)
+    block_table = checks.ints("block_table", block_table)
     checks.kind("cu_seqlens_q", cu_seqlens_q)
     checks.kind("seqused_k", seqused_k)
     loc, lens = checks.host(cu_seqlens_q), checks.host(seqused_k)

@@ -371,7 +371,8 @@ def rejects_ragged(case, exc, match, query_start_loc):
 
 @pytest.mark.parametrize("value,exc,match", [
     (None, TypeError, r"query_start_loc \(int32 \[num_seqs \+ 1\]\) is required with a ragged query"),
-    ([0, 3, 3, 8], TypeError, "query_start_loc must be a numpy array"),
+    ([0.0, 3.0, 3.0, 8.0], TypeError, "query_start_loc must be an int32 array or a sequence of ints, got a sequence of "
+                                      "float64 values"),
     (np.array([0, 3, 3, 8], np.int64), TypeError, "query_start_loc must have dtype int32"),
     (np.array([[0, 3, 3, 8]], np.int32), ValueError, "query_start_loc must have 1 dimensions"),
     (np.array([0, 3, 8], np.int32), ValueError,
@@ -451,7 +452,7 @@ def test_unified_attention_unsupported_options(rng, name, value, match):
     (dict(out=None), TypeError, "out must be an array of q's shape"),
     (dict(max_seqlen_q=4), ValueError, r"max_seqlen_q \(4\) is less than the longest length in the batch \(5\)"),
     (dict(max_seqlen_k=1), ValueError, r"max_seqlen_k \(1\) is less than"),
-    (dict(cu_seqlens_q=[0, 3, 8]), TypeError, "cu_seqlens_q must be a numpy array"),
+    (dict(cu_seqlens_q=[0.0, 3.0, 8.0]), TypeError, "cu_seqlens_q must be an int32 array or a sequence of ints"),
 ])
 def test_unified_attention_rejects(rng, changes, exc, match):
     case = PrefillCase(rng, q_lens=[3, 5])
