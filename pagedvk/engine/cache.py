@@ -224,18 +224,42 @@ class KVCache(Owned):
             self._plan_key = key
         elif self._plan_key != key:
             self._close_plan()
-            s = self.spec
-            self._plan = DecodePlan(tables, lens, num_heads=num_heads, num_kv_heads=s.num_kv_heads,
-                                    head_size=s.head_size, block_size=s.block_size, num_blocks=s.num_blocks,
-                                    dtype=self.dtype, query_dtype=np.float32, layout=self.layout, device=self.device,
-                                    backend=self.backend)
+            self._plan = self.decode_plan(tables, lens, num_heads=num_heads, query_dtype=np.float32)
             self._plan_key = key
         return self._plan
 
     @property
-    def decode_plan(self) -> DecodePlan | None:
-        """The DecodePlan the last step's decode ran (kept, and updated, while the batch keeps its shape), or None."""
+    def step_plan(self) -> DecodePlan | None:
+        """The DecodePlan `attend`'s last decode ran (kept, and updated, while the batch keeps its shape), or None."""
         return self._plan
+
+    def decode_plan(self, block_tables: ArrayLike, seq_lens: ArrayLike, *, num_heads: int,
+                    query_dtype: DTypeLike | None = None, **options) -> DecodePlan:
+        """A DecodePlan over this cache: its dims, dtype, layout, device and backend are the cache's.
+
+        Parameters
+        ----------
+        block_tables : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs, max_blocks_per_seq), int32
+            As `blocks.block_tables(...)` gives them.
+        seq_lens : DeviceArray, numpy.ndarray or sequence of ints, shape (num_seqs,), int32
+        num_heads : int
+            The model's query heads, a multiple of the cache's num_kv_heads.
+        query_dtype : numpy dtype, optional
+            As for DecodePlan: None means the cache's dtype where it is a query type, else float16.
+        **options
+            DecodePlan's other arguments (scale, k_scale, v_scale, validate, partition_size, the attention variants,
+            kernel).
+
+        Returns
+        -------
+        DecodePlan
+            Run it on ``cache.key[layer], cache.value[layer]``; `update` it for the next step.
+        """
+        s = self.spec
+        return DecodePlan(block_tables, seq_lens, num_heads=num_heads, num_kv_heads=s.num_kv_heads,
+                          head_size=s.head_size, block_size=s.block_size, num_blocks=s.num_blocks, dtype=self.dtype,
+                          query_dtype=query_dtype, layout=self.layout, device=self.device, backend=self.backend,
+                          **options)
 
     def _close_plan(self) -> None:
         if self._plan is not None:

@@ -63,6 +63,33 @@ def test_block_tables_feed_decode(rng, layout, block_size):
             assert np.linalg.norm(out[s, h] - ref) / np.linalg.norm(ref) <= 1e-4
 
 
+@pytest.mark.parametrize("layout", ["vllm", "nhd", "hnd"])
+def test_decode_plan_takes_its_dims_from_the_cache(rng, layout):
+    # cache.decode_plan: dims, dtype, layout, device and backend from the cache; poisoned outputs against float64,
+    # then the same plan updated for the next step. A num_heads the cache's kv heads do not divide is refused by name.
+    with pagedvk.KVCache(2, 2, 32, block_size=16, dtype=np.float16, num_blocks=6, layout=layout) as cache:
+        for layer in range(2):
+            for array in (cache.key[layer], cache.value[layer]):
+                array.write(rng.standard_normal(array.shape).astype(np.float16))
+        tables, lens = [[4, 1, -1], [0, 5, 2]], [20, 40]
+        with cache.decode_plan(tables, lens, num_heads=4, query_dtype=np.float32) as plan:
+            assert (plan.layout, plan.dtype, plan.num_kv_heads, plan.head_size) == (layout, np.float16, 2, 32)
+            for step in range(2):
+                if step:
+                    tables, lens = [[4, 1, 3], [0, 5, 2]], [33, 41]
+                    plan.update(tables, lens)
+                q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+                for layer in range(2):
+                    out = np.full(q.shape, np.nan, np.float32)
+                    plan.run(q, cache.key[layer], cache.value[layer], out=out)
+                    ref = pagedvk.testing.reference.paged_attention(
+                        q, cache.key[layer].numpy(), cache.value[layer].numpy(), np.array(tables, np.int32),
+                        np.array(lens, np.int32), layout=layout)
+                    assert np.linalg.norm(out - ref) <= 2e-3 * np.linalg.norm(ref), (step, layer)
+        with pytest.raises(ValueError, match="num_heads"):
+            cache.decode_plan(tables, lens, num_heads=3)
+
+
 def test_kv_cache_rejects_bad_arguments():
     with pytest.raises(ValueError, match="exactly one of num_blocks and memory_fraction"):
         pagedvk.KVCache(1, 2, 32)

@@ -241,8 +241,8 @@ def test_kv_cache_plan_follows_the_batch_content(rng, device):
         ref = pagedvk.testing.reference.paged_attention(q, keys, values, batch.block_tables, batch.seq_lens)
         assert rel_error(out, ref) <= 1e-5, step
         if step == 0:
-            plan = cache.decode_plan
-        assert cache.decode_plan is plan and not plan.closed
+            plan = cache.step_plan
+        assert cache.step_plan is plan and not plan.closed
         batch.seq_lens += 1                                     # the next step, in place
         batch.block_tables[:] = rng.permutation(12)[:6].reshape(2, 3)
     cache.close()
