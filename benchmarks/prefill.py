@@ -50,6 +50,7 @@ SMALL_SWEEP = {
 HEADS = {"full": dict(num_heads=32, num_kv_heads=8, head_size=128), "small": dict(num_heads=4, num_kv_heads=2,
                                                                                   head_size=64)}
 BLOCK_SIZE = 16
+LAYOUT = "nhd"   # the caches' layout: FlashInfer's NHD, as BENCHMARKS.md's prefill figures were measured
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
 
 
@@ -106,20 +107,21 @@ def part(inputs, seqs, rows):
 
 
 def time_pagedvk(inputs, backend, kernel, repeats, heads, backward=True) -> dict:
-    forward = Recorded.forward(*inputs.args(), backend=backend, kernel=kernel)
+    forward = Recorded.forward(*inputs.args(), backend=backend, kernel=kernel, layout=LAYOUT)
     try:
         fwd_ns = median_ns(forward.launch, repeats)
         out, lse = forward.outputs
         loc = inputs.query_start_loc
         got = out.numpy()[loc[0]:loc[1]].astype(np.float64)
         ref, _ = reference.paged_attention_prefill(inputs.host[0][loc[0]:loc[1]], *inputs.host[1:],
-                                                   inputs.block_tables[:1], inputs.seq_lens[:1], loc[:2] - loc[0])
+                                                   inputs.block_tables[:1], inputs.seq_lens[:1], loc[:2] - loc[0],
+                                                   layout=LAYOUT)
         error = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         bwd_ns = None
         if backward:
             bwd = Recorded.backward(inputs.dout, inputs.query, inputs.key_cache, inputs.value_cache,
                                     inputs.block_tables, inputs.seq_lens, out, lse, loc, backend=backend,
-                                    kernel=kernel)
+                                    kernel=kernel, layout=LAYOUT)
             try:
                 bwd_ns = median_ns(bwd.launch, repeats)
             finally:
@@ -145,10 +147,11 @@ def time_parts(inputs, backend, repeats, heads, decode) -> float:
     prefill = np.setdiff1d(np.arange(len(loc) - 1), decode)
     rows = np.concatenate([np.arange(loc[s], loc[s + 1]) for s in prefill])
     q, tables, lens, part_loc = part(inputs, prefill, rows)
-    chunks = Recorded.forward(q, inputs.key_cache, inputs.value_cache, tables, lens, part_loc, backend=backend)
+    chunks = Recorded.forward(q, inputs.key_cache, inputs.value_cache, tables, lens, part_loc, backend=backend,
+                              layout=LAYOUT)
     dq, dtables, dlens, _ = part(inputs, decode, loc[decode])
     plan = DecodePlan(dtables, dlens, block_size=BLOCK_SIZE, num_blocks=inputs.key_cache.shape[0],
-                      dtype=inputs.dtype, query_dtype=inputs.dtype, layout="nhd", backend=backend, **heads)
+                      dtype=inputs.dtype, query_dtype=inputs.dtype, layout=LAYOUT, backend=backend, **heads)
     out = pagedvk.empty(dq.shape, inputs.dtype)
     tokens = Launch(dq.device, plan.steps(dq, inputs.key_cache, inputs.value_cache, out, inputs.key_cache.shape[0]),
                     timestamps=True)

@@ -158,7 +158,7 @@ class PrefillProblem:
     """The checked arguments of one call: dims, device, backend, the batch's layout and the push constants."""
 
     def __init__(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale=None, causal=True,
-                 layout="nhd", backend=None, validate=True, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+                 layout="vllm", backend=None, validate=True, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                  cache_types=CACHE_TYPES, kernel="auto"):
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, not {type(causal).__name__}")
@@ -388,7 +388,7 @@ query : DeviceArray or ndarray, shape (num_tokens, num_heads, head_size) or (num
 
 def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, block_tables: Array, seq_lens: Array,
                             query_start_loc: Array | None = None, *, scale: float | None = None, causal: bool = True,
-                            layout: str = "nhd", kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+                            layout: str = "vllm", kv_cache_dtype: str = "auto", k_scale: float = 1.0,
                             v_scale: float = 1.0, backend: str | None = None, validate: bool = True,
                             out: Array | None = None, alibi_slopes: Array | None = None,
                             logits_soft_cap: float | None = None, sinks: Array | None = None,
@@ -415,8 +415,8 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
         Softmax scale; None means 1 / sqrt(head_size). Accumulation is float32.
     causal : bool, default True
         Query i of sequence s (position seq_lens[s] - q_len_s + i) sees keys 0 .. that position; False: all keys.
-    layout : "nhd", "hnd" or "vllm", default "nhd"
-        The caches' layout.
+    layout : "vllm", "nhd" or "hnd", default "vllm"
+        The caches' layout, as for `paged_attention`, `DecodePlan` and `KVCache` (the one default everywhere).
     kv_cache_dtype : "auto", "fp8", "fp8_e4m3" or "fp8_e5m2", default "auto"
         How uint8 caches are read (vLLM's names); "auto" reads the caches' own dtype.
     k_scale, v_scale : float, default 1.0
@@ -587,7 +587,7 @@ class _DecodePart:
 
 def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_cache: Array, block_tables: Array,
                              seq_lens: Array, out: Array, lse: Array, query_start_loc: Array | None = None, *,
-                             scale: float | None = None, causal: bool = True, layout: str = "nhd",
+                             scale: float | None = None, causal: bool = True, layout: str = "vllm",
                              backend: str | None = None, validate: bool = True, alibi_slopes: Array | None = None,
                              logits_soft_cap: float | None = None, sinks: Array | None = None, window_left: int = -1,
                              kernel: str = "auto") -> tuple[Array, Array, Array]:

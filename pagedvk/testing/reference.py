@@ -170,7 +170,7 @@ def ragged_query(query, query_start_loc=None):
 
 
 def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
-                            causal=True, layout="nhd", alibi_slopes=None, logits_soft_cap=None, sinks=None,
+                            causal=True, layout="vllm", alibi_slopes=None, logits_soft_cap=None, sinks=None,
                             window_left=-1):
     """Ragged query [num_tokens, num_heads, head_size] with query_start_loc [num_seqs + 1] (sequence s owns tokens
     query_start_loc[s] .. query_start_loc[s + 1] - 1, its last positions), or query [num_seqs, num_heads, q_len,
@@ -198,7 +198,7 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, seq_len
 
 
 def paged_attention_backward(dout, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None,
-                             scale=None, causal=True, layout="nhd"):
+                             scale=None, causal=True, layout="vllm"):
     """Gradients of sum(dout * out) for out = paged_attention_prefill(...): (dq like query, dk_cache and
     dv_cache like the caches); query and dout in either form. Tokens of a physical block that several sequences
     read add up; blocks and slots nobody reads get zero. Probabilities are recomputed here in float64

@@ -220,8 +220,8 @@ def test_deterministic(rng, backend):
     case = PrefillCase(rng, q_len=8, seq_lens=[40, 60, 50], shared_prefix_blocks=2)
     out, lse = (a.astype(np.float32) for a in case.reference())
     dout = rng.standard_normal(case.query.shape).astype(np.float32)
-    first = pagedvk.paged_attention_backward(dout, *case.args(), out, lse, backend=backend)
-    again = pagedvk.paged_attention_backward(dout, *case.args(), out, lse, backend=backend)
+    first = pagedvk.paged_attention_backward(dout, *case.args(), out, lse, backend=backend, **case.options())
+    again = pagedvk.paged_attention_backward(dout, *case.args(), out, lse, backend=backend, **case.options())
     for a, b in zip(first, again):
         assert np.array_equal(a, b)
 
@@ -259,7 +259,7 @@ def test_batch_without_queries_has_zero_gradients(rng, backend):
     case = PrefillCase(rng, q_lens=[0, 0], seq_lens=[5, 20])
     empty = np.zeros((0, 4), np.float32)
     dq, dk, dv = pagedvk.paged_attention_backward(case.query, *case.args()[:5], case.query, empty,
-                                                  case.query_start_loc, backend=backend)
+                                                  case.query_start_loc, backend=backend, **case.options())
     assert dq.shape == case.query.shape and (dk == 0).all() and (dv == 0).all()
     assert dk.shape == case.key_cache.shape and dv.shape == case.value_cache.shape
 

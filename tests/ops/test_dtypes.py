@@ -179,7 +179,8 @@ def test_fp8_backward_is_refused(rng):
     q = rng.standard_normal((1, 2, 4, 32)).astype(np.float32)
     k, v = in_layout(case, "nhd", E4M3)
     with pytest.raises(TypeError, match="key_cache must have dtype float32, float16, bfloat16"):
-        pagedvk.paged_attention_backward(q, q, k, v, case.block_tables, case.seq_lens, q, np.zeros((1, 2, 4), np.float32))
+        pagedvk.paged_attention_backward(q, q, k, v, case.block_tables, case.seq_lens, q, np.zeros((1, 2, 4), np.float32),
+                                         layout="nhd")
 
 
 def test_bad_dtypes_name_the_argument(rng):

@@ -189,7 +189,7 @@ def test_ragged_decode_tokens_equal_decode(rng, backend):
 
 def test_batch_without_queries(rng, backend):
     case = PrefillCase(rng, q_lens=[0, 0], seq_lens=[5, 0])
-    out, lse = pagedvk.paged_attention_prefill(*case.args(), backend=backend)
+    out, lse = pagedvk.paged_attention_prefill(*case.args(), backend=backend, **case.options())
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
@@ -391,7 +391,7 @@ def test_rejects_bad_query_start_loc(ragged, value, exc, match):
 
 def test_rejects_query_start_loc_with_a_fixed_q_len_query(case):
     with pytest.raises(ValueError, match="query_start_loc goes with a ragged query"):
-        pagedvk.paged_attention_prefill(*case.args(), np.array([0, 4, 8, 12], np.int32))
+        pagedvk.paged_attention_prefill(*case.args(), np.array([0, 4, 8, 12], np.int32), **case.options())
 
 
 def test_rejects_ragged_seq_len_of_zero_with_queries(ragged):
@@ -430,7 +430,7 @@ def test_unified_attention_fp8_descales(rng):
     pagedvk.ops.vllm.unified_attention(**unified_args(case, out, k=k8, v=v8, k_descale=descale, v_descale=0.25))
     ref, _ = pagedvk.testing.reference.paged_attention_prefill(case.query, k8.astype(np.float64) * 0.5,
                                                        v8.astype(np.float64) * 0.25, case.block_tables, case.seq_lens,
-                                                       case.query_start_loc, scale=0.3)
+                                                       case.query_start_loc, scale=0.3, layout="nhd")
     assert rel_error(out, ref) <= 1e-5
 
 

@@ -411,11 +411,12 @@ def test_backward_refuses_variants(rng, name, value):
     with pytest.raises(ValueError, match=f"paged_attention_backward does not support attention variants: {name} "
                                          f"must be"):
         pagedvk.paged_attention_backward(q, q, k, v, case.block_tables, case.seq_lens, q,
-                                         np.zeros((1, 4, 3), np.float32), **{name: value})
+                                         np.zeros((1, 4, 3), np.float32), layout="nhd", **{name: value})
     with pytest.raises(ValueError, match=r"logits_soft_cap must be 0 or None \(no softcapping\), or in \["):
-        pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, logits_soft_cap=-1.0)
+        pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, layout="nhd", logits_soft_cap=-1.0)
     with pytest.raises(ValueError, match=r"sinks.shape\[0\] \(num_heads\) must be 4"):
-        pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, sinks=np.zeros(3, np.float32))
+        pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, layout="nhd",
+                                        sinks=np.zeros(3, np.float32))
 
 
 @pytest.mark.parametrize("split", (False, True), ids=("one_partition", "split"))

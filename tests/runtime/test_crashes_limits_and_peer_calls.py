@@ -628,16 +628,17 @@ def test_backward_takes_soft_cap_zero_as_off(rng):
     k, v = pagedvk.testing.reference.caches_as_nhd(case.key_cache, case.value_cache, "vllm")
     k, v = np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32)
     q = rng.standard_normal((1, 4, 3, 32)).astype(np.float32)
-    out, lse = pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, logits_soft_cap=0.0)
+    nhd = dict(layout="nhd")
+    out, lse = pagedvk.paged_attention_prefill(q, k, v, case.block_tables, case.seq_lens, logits_soft_cap=0.0, **nhd)
     dout = rng.standard_normal(q.shape).astype(np.float32)
-    plain = pagedvk.paged_attention_backward(dout, q, k, v, case.block_tables, case.seq_lens, out, lse)
+    plain = pagedvk.paged_attention_backward(dout, q, k, v, case.block_tables, case.seq_lens, out, lse, **nhd)
     capped = pagedvk.paged_attention_backward(dout, q, k, v, case.block_tables, case.seq_lens, out, lse,
-                                              logits_soft_cap=0.0)
+                                              logits_soft_cap=0.0, **nhd)
     for a, b in zip(plain, capped):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="does not support attention variants: logits_soft_cap"):
         pagedvk.paged_attention_backward(dout, q, k, v, case.block_tables, case.seq_lens, out, lse,
-                                         logits_soft_cap=5.0)
+                                         logits_soft_cap=5.0, **nhd)
 
 
 def test_copy_blocks_takes_numpy_caches(rng, device):

@@ -388,8 +388,8 @@ def test_driver_compile_does_not_count_against_the_timeout():
         bt = np.arange(8, dtype=np.int32).reshape(2, 4)
         lens = np.array([50, 64], np.int32)
         for backend in ("glsl", "wgsl"):
-            out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, lens, backend=backend)
-            ref, _ = pagedvk.testing.reference.paged_attention_prefill(q, k, v, bt, lens)
+            out, lse = pagedvk.paged_attention_prefill(q, k, v, bt, lens, backend=backend, layout="nhd")
+            ref, _ = pagedvk.testing.reference.paged_attention_prefill(q, k, v, bt, lens, layout="nhd")
             assert np.abs(out - ref).max() < 1e-3, backend
         print("ok")
     """

@@ -97,8 +97,9 @@ def test_backend_argument_picks_the_wgsl_modules(rng, monkeypatch):
     dout = rng.standard_normal(case.query.shape).astype(np.float32)
     results = {}
     for backend in ("glsl", "wgsl"):
-        out, lse = pagedvk.paged_attention_prefill(*case.args(), backend=backend)
-        results[backend] = (out, lse) + pagedvk.paged_attention_backward(dout, *case.args(), out, lse, backend=backend)
+        out, lse = pagedvk.paged_attention_prefill(*case.args(), backend=backend, **case.options())
+        results[backend] = (out, lse) + pagedvk.paged_attention_backward(dout, *case.args(), out, lse, backend=backend,
+                                                                         **case.options())
     ops = ["paged_prefill", "paged_backward_delta", "paged_backward_dq", "paged_backward_dkdv"]
     assert used == [(op, "glsl") for op in ops] + [(op, "wgsl") for op in ops]
     # The same algorithm through two compilers: equal to float32 rounding.
