@@ -10,6 +10,7 @@ import math
 import threading
 from collections import OrderedDict
 
+import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
@@ -30,6 +31,10 @@ from .layouts import CacheSpec, bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
 from .variants import Variants, in_use as variants_in_use, per_head
 
+# (a numpy query's dtype, the plan's query_dtype) that run() converts, each exact: every float16 and bfloat16 value
+# is a float32 value.
+EXACT_QUERY_CASTS = frozenset({(np.dtype(np.float16), np.dtype(np.float32)),
+                               (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))})
 RECORDED_LAUNCHES = 32                       # per plan: enough for every layer of most models
 CHECKED_SIGNATURES = 64                      # per plan: run() argument signatures that passed the checks
 
@@ -380,7 +385,11 @@ class DecodePlan(Owned):
         if spec.num_blocks < self.num_blocks:
             raise ValueError(f"key_cache num_blocks is {spec.num_blocks}, but the plan's block_tables "
                              f"were checked against {self.num_blocks} blocks")
-        checks.dtype("query", query, [self.query_dtype])
+        if np.dtype(query.dtype) != self.query_dtype:
+            hint = (f": make the plan with query_dtype={np.dtype(query.dtype).name} for such queries"
+                    if np.dtype(query.dtype) in QUERY_TYPES else "")
+            raise TypeError(f"query must have dtype {self.query_dtype} (the plan's query_dtype), got {query.dtype}"
+                            f"{hint}")
         for axis, (n, what) in enumerate([(self.num_seqs, "num_seqs"), (self.num_heads, "num_heads"),
                                           (self.head_size, "head_size")]):
             checks.dim("query", query, axis, n, what)
@@ -399,7 +408,7 @@ class DecodePlan(Owned):
         Parameters
         ----------
         query : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads, head_size)
-            The plan's query_dtype.
+            The plan's query_dtype; a numpy query of float16 or bfloat16 for a float32 plan is converted (exactly).
         key_cache, value_cache : DeviceArray or numpy.ndarray
             One layer's caches, in the plan's layout and dtype, with at least num_blocks blocks.
         out : DeviceArray or numpy.ndarray, optional
@@ -428,6 +437,7 @@ class DecodePlan(Owned):
             Arguments that do not match the plan.
         """
         self._require_open()
+        query = self._exact_query(query)
         self.check_run(query, key_cache, value_cache, out)
         if not isinstance(return_lse, (bool, np.bool_)):
             raise TypeError(f"return_lse must be a bool, not {type(return_lse).__name__}")
@@ -443,6 +453,14 @@ class DecodePlan(Owned):
         finally:
             if sinks_d is not None and sinks_d is not sinks:
                 sinks_d.close()
+
+    def _exact_query(self, query):
+        """A numpy query of a type the plan's query_dtype holds exactly (float16 or bfloat16 for a float32 plan),
+        converted to it: it is copied to the device anyway. Any other query is returned as it is, for the checks."""
+        if (isinstance(query, np.ndarray) and query.dtype != self.query_dtype
+                and (np.dtype(query.dtype), self.query_dtype) in EXACT_QUERY_CASTS):
+            return query.astype(self.query_dtype)
+        return query
 
     def _run(self, query, key_cache, value_cache, out, lse, return_lse, sinks, keep: bool):
         if return_lse or lse is not None:

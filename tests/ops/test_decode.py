@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -126,6 +127,32 @@ def test_resident_cache_plan_runs_every_layer(rng):
                 plan.run(pagedvk.asarray(q), dk, dv, out=out)
                 ref = pagedvk.testing.reference.paged_attention(q, k, v, case.block_tables, case.seq_lens)
                 assert rel_error(out.numpy(), ref) <= TOL
+
+
+@pytest.mark.parametrize("query_dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_a_float32_plan_takes_16_bit_queries_converted_exactly(rng, query_dtype):
+    # float16 and bfloat16 values are float32 values: a numpy query of either runs on a float32 plan, as numpy users
+    # expect; the result is the plan's float32, checked against float64 on the 16-bit query's values.
+    case = Case(rng, num_seqs=2, head_size=64)
+    q = case.query.astype(query_dtype)
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                            block_size=16, num_blocks=case.key_cache.shape[0]) as plan:
+        out = plan.run(q, case.key_cache, case.value_cache)
+    assert out.dtype == np.float32
+    ref = pagedvk.testing.reference.paged_attention(q.astype(np.float32), *case.args()[1:])
+    assert rel_error(out, ref) <= TOL
+
+
+def test_a_query_the_plan_cannot_hold_exactly_is_refused_naming_query_dtype(rng):
+    # float32 into a float16 plan would round: refused, saying how to make a plan for such queries.
+    case = Case(rng, num_seqs=2, head_size=64, dtype=np.float16)
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                            block_size=16, num_blocks=case.key_cache.shape[0], dtype=np.float16) as plan:
+        with pytest.raises(TypeError, match=r"query must have dtype float16 \(the plan's query_dtype\), got float32: "
+                                            r"make the plan with query_dtype=float32 for such queries"):
+            plan.run(case.query.astype(np.float32), case.key_cache, case.value_cache)
+        with pytest.raises(TypeError, match=r"query must have dtype float16 \(the plan's query_dtype\), got float64$"):
+            plan.run(case.query.astype(np.float64), case.key_cache, case.value_cache)
 
 
 def test_cache_updated_on_device_is_seen(rng):

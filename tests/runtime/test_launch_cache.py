@@ -135,7 +135,7 @@ def test_run_checks_cached_but_still_refuse(rng, device):
         with pytest.raises(ValueError, match=r"query.shape\[1\] \(num_heads\) must be 4"):
             plan.run(np.zeros((2, 8, 32), np.float32), k, v, out)
         with pytest.raises(TypeError, match="query must have dtype float32"):
-            plan.run(np.zeros((2, 4, 32), np.float16), k, v, out)
+            plan.run(np.zeros((2, 4, 32), np.float64), k, v, out)
         plan.run(q, k, v, out)
     for a in (q, k, v, bt, sl, out):
         a.close()
