@@ -219,12 +219,12 @@ class KVCache(Owned):
         tables = np.ascontiguousarray(batch.block_tables[rows], np.int32)
         lens = np.ascontiguousarray(batch.seq_lens[rows], np.int32)
         key = (num_heads, tables.shape, tables.tobytes(), lens.tobytes())
-        if self._plan_key is not None and self._plan_key[:2] == key[:2] and self._plan_key != key:
-            self._plan.update(tables, lens)
-            self._plan_key = key
-        elif self._plan_key != key:
-            self._close_plan()
-            self._plan = self.decode_plan(tables, lens, num_heads=num_heads, query_dtype=np.float32)
+        if self._plan_key != key:
+            if self._plan_key is not None and self._plan_key[:2] == key[:2]:   # same heads and table shape
+                self._plan.update(tables, lens)
+            else:
+                self._close_plan()
+                self._plan = self.decode_plan(tables, lens, num_heads=num_heads, query_dtype=np.float32)
             self._plan_key = key
         return self._plan
 

@@ -164,7 +164,7 @@ class DecodePlan(Owned):
         self._no_lse = empty((4,), np.float32, self.device)   # the lse binding of runs that return none
         self._owned.append(self._no_lse)
         self._rule_arguments = dict(partition_size=partition_size, kernel=kernel)
-        self.choice = None
+        self.choice = self.partial_out = self._stats_and_counters = None   # _take_choice makes the scratch
         self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
         self._checked = set()           # argument signatures _check_run has passed
         self._take_choice(self._rule(int(checks.host(seq_lens).max(initial=0))))
@@ -190,10 +190,8 @@ class DecodePlan(Owned):
         modules.pipeline(self.device, PAGED_DECODE, choice.module(), variants_in_use(self.variants.push()),
                          choice.spec_constants)
         # Launches recorded for the old choice carry its split in their push constants and bind its scratch.
-        for key in list(self._launches):
-            self._forget(key)
-        old_scratch = [a for a in (getattr(self, "partial_out", None), getattr(self, "_stats_and_counters", None))
-                       if a is not None]
+        self._forget_launches()
+        old_scratch = [a for a in (self.partial_out, self._stats_and_counters) if a is not None]
         self.choice = choice
         num_seqs, num_heads = self.num_seqs, self.num_heads
         limits = self.device.info.max_workgroup_count
@@ -254,16 +252,11 @@ class DecodePlan(Owned):
                 raise ValueError(f"{name} has shape {tuple(given.shape)}, the plan's is {tuple(planned.shape)}: a "
                                  "batch of another shape needs a plan of its own (or pad the batch to the plan's)")
         device_of(block_tables, seq_lens, device=self.device)
-        capacity = self.block_tables.shape[1] * self.block_size
-        if max_seq_len is not None:
-            if isinstance(max_seq_len, (bool, np.bool_)) or not isinstance(max_seq_len, (int, np.integer)):
-                raise TypeError(f"max_seq_len must be an int, not {type(max_seq_len).__name__}")
-            if not 0 <= max_seq_len <= capacity:
-                raise ValueError(f"max_seq_len must be in [0, {capacity}] (max_blocks_per_seq "
-                                 f"{self.block_tables.shape[1]} x block_size {self.block_size}), got {max_seq_len}")
+        if max_seq_len is not None:   # at most the tables' capacity, max_blocks_per_seq x block_size
+            max_seq_len = checks.integer("max_seq_len", max_seq_len, 0, self.block_tables.shape[1] * self.block_size)
         if validate:
             checks.block_table_values(block_tables, seq_lens, self.block_size, self.num_blocks)
-        longest = int(max_seq_len) if max_seq_len is not None else int(checks.host(seq_lens).max(initial=0))
+        longest = max_seq_len if max_seq_len is not None else int(checks.host(seq_lens).max(initial=0))
         choice = self._rule(longest)   # before anything changes: a refusal leaves the plan as it was
         with self._lock:
             self._require_open()
@@ -284,8 +277,7 @@ class DecodePlan(Owned):
         else:   # the plan ran on the caller's device array until now: it takes its own, once
             replaced = asarray(np.ascontiguousarray(given), device=self.device)
             self._owned.append(replaced)
-        for key in list(self._launches):   # they bind the old table's buffer
-            self._forget(key)
+        self._forget_launches()   # they bind the old table's buffer
         if current in self._owned:
             self._owned.remove(current)
             current.close()
@@ -457,8 +449,7 @@ class DecodePlan(Owned):
     def _exact_query(self, query):
         """A numpy query of a type the plan's query_dtype holds exactly (float16 or bfloat16 for a float32 plan),
         converted to it: it is copied to the device anyway. Any other query is returned as it is, for the checks."""
-        if (isinstance(query, np.ndarray) and query.dtype != self.query_dtype
-                and (np.dtype(query.dtype), self.query_dtype) in EXACT_QUERY_CASTS):
+        if isinstance(query, np.ndarray) and (np.dtype(query.dtype), self.query_dtype) in EXACT_QUERY_CASTS:
             return query.astype(self.query_dtype)
         return query
 
@@ -675,6 +666,10 @@ class DecodePlan(Owned):
     def _forget(self, key) -> None:
         self._launches.pop(key).close()
 
+    def _forget_launches(self) -> None:
+        for key in list(self._launches):
+            self._forget(key)
+
     def close(self) -> None:
         """Free the plan's recorded launches and device arrays; a run after (or racing) it raises ClosedError.
 
@@ -682,8 +677,8 @@ class DecodePlan(Owned):
         """
         with self._lock:
             self._closed = True
-            for key in list(getattr(self, "_launches", ())):
-                self._forget(key)
+            if hasattr(self, "_launches"):   # a plan whose construction failed early has none
+                self._forget_launches()
             for a in getattr(self, "_owned", ()):
                 a.close()
             self._owned = []

@@ -470,7 +470,7 @@ def paged_attention_prefill(query: Array, key_cache: Array, value_cache: Array, 
                 dict(out=out))
 
 
-def int_arguments(block_tables, seq_lens, query_start_loc) -> tuple:
+def _int_arguments(block_tables, seq_lens, query_start_loc) -> tuple:
     """The three int arguments, Python sequences made int32 arrays (checks.ints)."""
     return (checks.ints("block_tables", block_tables), checks.ints("seq_lens", seq_lens),
             checks.ints("query_start_loc", query_start_loc))
@@ -502,7 +502,7 @@ def _tiled(p: PrefillProblem, kernel, include: np.ndarray) -> tuple:
 def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out=None, alibi_slopes=None,
              logits_soft_cap=None, sinks=None, window_left=-1, **options) -> tuple:
     """The checked forward: (problem, dispatches, inputs, outputs) for _run or launch()."""
-    block_tables, seq_lens, query_start_loc = int_arguments(block_tables, seq_lens, query_start_loc)
+    block_tables, seq_lens, query_start_loc = _int_arguments(block_tables, seq_lens, query_start_loc)
     p = PrefillProblem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, **options)
     info = p.device.info
     if p.backend == "wgsl" and info.max_shared_memory < PREFILL_WGSL_SHARED_BYTES:
@@ -641,7 +641,7 @@ def paged_attention_backward(dout: Array, query: Array, key_cache: Array, value_
 def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, lse, query_start_loc,
               **options) -> tuple:
     """The checked backward: (problem, dispatches, inputs, outputs) for _run or launch()."""
-    block_tables, seq_lens, query_start_loc = int_arguments(block_tables, seq_lens, query_start_loc)
+    block_tables, seq_lens, query_start_loc = _int_arguments(block_tables, seq_lens, query_start_loc)
     p = PrefillProblem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  cache_types=GRADIENT_CACHE_TYPES, **options)
     query_layout = "(the query's shape)"

@@ -258,10 +258,11 @@ class DecodeModules:
         self.use(None)
 
     def _load_from_folder(self, kernel, key):
+        if kernel not in self.KERNELS:
+            return self._load(kernel, key)
         spv = self.folder / f"{key.name}.spv" if self.folder is not None else None
-        served = kernel in self.KERNELS and spv is not None and spv.is_file()
-        if kernel in self.KERNELS:
-            self.loaded.append((key.name, served))
+        served = spv is not None and spv.is_file()
+        self.loaded.append((key.name, served))
         return spv.read_bytes() if served else self._load(kernel, key)
 
     def use(self, folder) -> None:
