@@ -17,14 +17,17 @@ from .ops.prefill import paged_attention_backward, paged_attention_prefill
 from .runtime.array import DeviceArray, asarray, empty, zeros
 from .runtime.device import Device
 from .runtime.instance import DeviceInfo
+from .runtime.recording import RecordedStep, record
+from .runtime.stream import Event, Stream, synchronize
 from .runtime.selection import default_device, devices, get_device, select
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ClosedError", "DecodePlan", "Device", "DeviceArray", "DeviceInfo", "DeviceLostError",
-    "DeviceNotFoundError", "GPUTimeoutError", "KVCache", "NoFreeBlocksError", "OutOfMemoryError", "PagedVKError",
-    "ShaderModuleError", "UnsupportedFeatureError", "ValidationError", "VulkanError", "asarray", "copy_blocks",
-    "default_device", "devices", "empty", "get_device", "merge_attention_states", "merge_states", "paged_attention",
-    "paged_attention_backward", "paged_attention_prefill", "reshape_and_cache", "select", "swap_blocks", "zeros",
+    'ClosedError', 'DecodePlan', 'Device', 'DeviceArray', 'DeviceInfo', 'DeviceLostError', 'DeviceNotFoundError',
+    'Event', 'GPUTimeoutError', 'KVCache', 'NoFreeBlocksError', 'OutOfMemoryError', 'PagedVKError', 'RecordedStep',
+    'ShaderModuleError', 'Stream', 'UnsupportedFeatureError', 'ValidationError', 'VulkanError', 'asarray',
+    'copy_blocks', 'default_device', 'devices', 'empty', 'get_device', 'merge_attention_states', 'merge_states',
+    'paged_attention', 'paged_attention_backward', 'paged_attention_prefill', 'record', 'reshape_and_cache',
+    'select', 'swap_blocks', 'synchronize', 'zeros',
 ]

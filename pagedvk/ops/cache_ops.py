@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import config
 from ..dtypes import QUERY_TYPES, fp8_scale, storage_type
 from ..kernels import modules
 from ..kernels.abi import q_type_code
 from ..kernels.catalogue import RESHAPE_AND_CACHE
 from ..runtime.array import Array, DeviceArray, asarray
 from ..runtime.pipeline import fold_grid
+from ..runtime.recording import (active_recording, array_signature, dispatch, kept_launches, refuse_recording,
+                                 require_device_arrays)
 from . import checks
 from .layouts import bind_caches, cache_spec
 from .opargs import backend_name, device_of
@@ -66,6 +69,16 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
     --------
     >>> pagedvk.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     """
+    # An engine's per-layer call repeats one signature every step: device arrays, unvalidated slots. Its launch is
+    # kept, and a call with the signature it was recorded for (which passed the checks below) is queued at once.
+    signature = None
+    if validate is False:
+        signature = array_signature((key, value, key_cache, value_cache, slot_mapping),
+                                    ("reshape_and_cache", kv_cache_dtype, k_scale, v_scale, layout,
+                                     backend if backend is not None else config.backend()))
+        if (signature is not None and active_recording(key.device) is None
+                and kept_launches(key.device).enqueue_kept(signature)):
+            return
     for name, a in (("key", key), ("value", value)):
         checks.kind(name, a)
         checks.ndim(name, a, 3, "[num_tokens, num_kv_heads, head_size]")
@@ -100,6 +113,9 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
                              "(negative slots are padding)")
     name = backend_name(backend)
     device = device_of(key, value, key_cache, value_cache, slot_mapping)
+    if active_recording(device) is not None:
+        require_device_arrays("reshape_and_cache", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                              slot_mapping=slot_mapping)
     if num_tokens == 0:
         return
 
@@ -128,11 +144,8 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
         buffers = [arrays["key"].buffer, arrays["value"].buffer, arrays["slot_mapping"].buffer, caches.key,
                    caches.value, *caches.extra]
         elements = num_tokens * spec.num_kv_heads * spec.head_size
-        launch = pipeline.launch(buffers, push, fold_grid(-(-elements // WORKGROUP), device.info.max_workgroup_count))
-        try:
-            launch.submit()
-        finally:
-            launch.close()
+        grid = fold_grid(-(-elements // WORKGROUP), device.info.max_workgroup_count)
+        dispatch("reshape_and_cache", device, lambda: [(pipeline, buffers, push, grid)], signature=signature)
         for host, dev in ((key_cache, arrays["key_cache"]), (value_cache, arrays["value_cache"])):
             if isinstance(host, np.ndarray):
                 host[...] = dev.numpy().view(host.dtype)
@@ -220,6 +233,8 @@ def copy_blocks(key_caches: list[Array] | tuple[Array, ...], value_caches: list[
                                  f"got {a.shape[0]}")
     on_device = [a for a in caches if isinstance(a, DeviceArray)]
     device = device_of(*on_device) if on_device else None
+    if device is not None:
+        refuse_recording("copy_blocks", device)
     _ids_within(pairs, 0, num_blocks, "the caches")
     _ids_within(pairs, 1, num_blocks, "the caches")
     _distinct_targets(pairs)
@@ -293,6 +308,7 @@ def swap_blocks(src: Array, dst: Array, block_mapping: Array) -> None:
     if (counts > 1).any():
         raise ValueError(f"block_mapping writes block {int(values[counts > 1][0])} of dst more than once")
     device = device_of(src, dst)
+    refuse_recording("swap_blocks", device)
     if not len(pairs):
         return
     row = src.nbytes // src.shape[0]

@@ -16,6 +16,7 @@ from ..dtypes import QUERY_TYPES, storage_type
 from ..runtime.array import Array, DeviceArray, empty
 from ..runtime.owned import Owned
 from ..runtime.pipeline import Transfers
+from ..runtime.recording import kept_launches, refuse_recording
 from ..runtime.selection import get_device
 from . import checks
 from .decode_plan import DecodePlan, argument_signature
@@ -105,6 +106,7 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
         checks.kind("out", out)
         checks.writable("out", out)
     device = device_of(query, key_cache, value_cache, block_tables, seq_lens, out, alibi_slopes, sinks)
+    refuse_recording("paged_attention (record a DecodePlan's run instead)", device)
     options = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, layout=layout, kv_cache_dtype=kv_cache_dtype,
                    backend=backend, logits_soft_cap=logits_soft_cap, window_left=window_left)
     # Kept plans serve scalar options only: per-head arrays and an lse output take a plan of their own.
@@ -204,11 +206,14 @@ _ONESHOT_LOCK = threading.Lock()
 
 def release_cached_plans(device=None) -> None:
     """Close the plans, arrays and staging that paged_attention keeps for repeated shapes on a device
-    (default: the default device); later calls make them again."""
+    (default: the default device), and the launches other ops keep (pagedvk.runtime.recording.KeptLaunches); later
+    calls make them again."""
+    device = get_device(device)
     with _ONESHOT_LOCK:
-        plans = _ONESHOT.pop(get_device(device), None)
+        plans = _ONESHOT.pop(device, None)
     if plans is not None:
         plans.clear()
+    kept_launches(device).clear()
 
 
 def oneshot_plans(device) -> OneShotPlans:

@@ -24,6 +24,7 @@ from ..kernels.matrix import MATRIX_KIND
 from ..runtime.array import Array, DeviceArray, asarray, empty, zeros
 from ..runtime.owned import Owned
 from ..runtime.pipeline import Launch, Transfers, fold_grid
+from ..runtime.recording import active_recording, require_device_arrays
 from ..runtime.selection import DeviceLike
 from . import checks
 from .decode_rules import DecodeChoice, decode_choice, decode_matrix, plan_arguments
@@ -165,6 +166,9 @@ class DecodePlan(Owned):
         self._owned.append(self._no_lse)
         self._rule_arguments = dict(partition_size=partition_size, kernel=kernel)
         self.choice = self.partial_out = self._stats_and_counters = None   # _take_choice makes the scratch
+        # Bumped whenever what the plan's dispatches bind or push changes (a new choice, table arrays or closing):
+        # a recorded step (pagedvk.record) that ran the plan records it again.
+        self.generation = 0
         self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
         self._checked = set()           # argument signatures _check_run has passed
         self._take_choice(self._rule(int(checks.host(seq_lens).max(initial=0))))
@@ -429,6 +433,9 @@ class DecodePlan(Owned):
             Arguments that do not match the plan.
         """
         self._require_open()
+        if active_recording(self.device) is not None:
+            require_device_arrays("DecodePlan.run", query=query, key_cache=key_cache, value_cache=value_cache,
+                                  out=out, lse=lse, sinks=sinks)
         query = self._exact_query(query)
         self.check_run(query, key_cache, value_cache, out)
         if not isinstance(return_lse, (bool, np.bool_)):
@@ -454,6 +461,9 @@ class DecodePlan(Owned):
         return query
 
     def _run(self, query, key_cache, value_cache, out, lse, return_lse, sinks, keep: bool):
+        step = active_recording(self.device)
+        if step is not None:
+            return self._record(step, query, key_cache, value_cache, out, lse, return_lse, sinks)
         if return_lse or lse is not None:
             return self._run_with_lse(query, key_cache, value_cache, out, lse, sinks, keep)
         dev = self.device
@@ -463,6 +473,18 @@ class DecodePlan(Owned):
             self._launch(query, key_cache, value_cache, out, num_blocks=key_cache.shape[0], cache=keep, sinks=sinks)
             return out
         return self._run_copied(query, key_cache, value_cache, out, None, sinks, keep)
+
+    def _record(self, step, query, key_cache, value_cache, out, lse, return_lse, sinks):
+        """run() inside pagedvk.record(): the dispatches join the step; the results are device arrays the replays
+        write."""
+        if return_lse and lse is None:
+            raise TypeError("DecodePlan.run inside pagedvk.record(): give lse (a DeviceArray) to get it, not "
+                            "return_lse alone")
+        if out is None:
+            out = empty(query.shape, self.query_dtype, self.device)
+        step.add("DecodePlan.run", lambda: self.steps(query, key_cache, value_cache, out, key_cache.shape[0], lse,
+                                                      sinks), depends_on=(self,))
+        return (out, lse) if lse is not None else out
 
     def _run_with_lse(self, query, key_cache, value_cache, out, lse, sinks, keep: bool) -> tuple:
         """run() returning (out, lse): lse as given, else numpy for a numpy result, a DeviceArray for a DeviceArray."""
@@ -541,11 +563,14 @@ class DecodePlan(Owned):
         key = (q.buffer.uid, *[b.uid for b in k.buffers], *[b.uid for b in v.buffers], o.buffer.uid, timed,
                transfers.uids if transfers is not None else (), *[a.buffer.uid if a is not None else None
                                                                    for a in (lse, sinks)])
+        # Timed runs wait for their timestamps, and staged ones (transfers) for the host copies they make; the
+        # rest are queued on the current stream.
+        run = Launch.submit if timed or transfers is not None else Launch.enqueue
         launch = self._launches.get(key)
         if launch is not None:
             self._launches.move_to_end(key)
             try:
-                return launch.submit()
+                return run(launch)
             except ClosedError:
                 # A buffer it binds was closed or collected (its uid is never reused, so only a plan
                 # table given by the caller can be): record anew, which raises if one still is.
@@ -557,7 +582,7 @@ class DecodePlan(Owned):
             while len(self._launches) > RECORDED_LAUNCHES:
                 self._forget(next(iter(self._launches)))
         try:
-            return launch.submit()
+            return run(launch)
         finally:
             if not cache:
                 launch.close()
@@ -667,6 +692,7 @@ class DecodePlan(Owned):
         self._launches.pop(key).close()
 
     def _forget_launches(self) -> None:
+        self.generation += 1
         for key in list(self._launches):
             self._forget(key)
 

@@ -15,6 +15,7 @@ from ..kernels.abi import q_type_code
 from ..kernels.catalogue import ATTENTION_PUSH, MERGE_STATES
 from ..runtime.array import Array, DeviceArray, asarray, empty
 from ..runtime.pipeline import fold_grid
+from ..runtime.recording import active_recording, dispatch, refuse_recording, require_device_arrays
 from . import checks
 from .opargs import backend_name, device_of
 
@@ -74,6 +75,7 @@ def merge_attention_states(out_a: Array, lse_a: Array, out_b: Array, lse_b: Arra
     ln_base = lse_base(base)
     if ln_base != 1.0 or mask is not None:
         _check_two(out_a, lse_a, out_b, lse_b)
+        refuse_recording("merge_attention_states with base 2 or a mask", device_of(out_a, lse_a, out_b, lse_b))
         host = [a.numpy() if isinstance(a, DeviceArray) else a for a in (out_a, lse_a, out_b, lse_b)]
         out, lse = merge_states(np.stack(host[0::2], axis=-3), np.stack(host[1::2], axis=-2), base=base,
                                 mask=None if mask is None else _pair_mask(mask, np.shape(host[1])), backend=backend)
@@ -126,6 +128,7 @@ def merge_states(v: Array, s: Array, *, base: str | int = "e", mask: Array | Non
     ln_base = lse_base(base)
     checks.kind("v", v)
     checks.kind("s", s)
+    refuse_recording("merge_states", device_of(v, s, mask))
     storage_type("v", v, QUERY_TYPES)
     checks.dtype("s", s, [np.float32])
     shape = tuple(v.shape)
@@ -183,6 +186,8 @@ def _merge_two(out_a, lse_a, out_b, lse_b, backend, device=None) -> tuple:
     push = MERGE_STATES.pack_push(**{f.name: 0 for f in ATTENTION_PUSH}
                                   | dict(num_seqs=rows, head_size=head_size, scale=0.0, v_scale=0.0, softcap=0.0,
                                          q_type=q_type_code(query_type.tag)))
+    if active_recording(device) is not None:
+        require_device_arrays("merge_attention_states", out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
     temporaries, results = [], []
     try:
         inputs = []
@@ -196,11 +201,8 @@ def _merge_two(out_a, lse_a, out_b, lse_b, backend, device=None) -> tuple:
             pipeline = modules.pipeline(device, MERGE_STATES, MERGE_STATES.key(backend, q=query_type.tag),
                                         constants=MERGE_STATES.q_type_constant(query_type.tag))
             grid = fold_grid(-(-rows * head_size // 4 // WG), device.info.max_workgroup_count)
-            launch = pipeline.launch([a.buffer for a in inputs + results], push, grid)
-            try:
-                launch.submit()
-            finally:
-                launch.close()
+            buffers = [a.buffer for a in inputs + results]
+            dispatch("merge_attention_states", device, lambda: [(pipeline, buffers, push, grid)])
         if not isinstance(out_a, DeviceArray):
             return tuple(r.numpy() for r in results)
         handed, results = tuple(results), []

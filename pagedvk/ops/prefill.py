@@ -30,6 +30,7 @@ from ..kernels.matrix import MATRIX_KIND, MATRIX_SHAPE, matrix_unavailable, oper
 from ..runtime.array import Array, DeviceArray, asarray, empty
 from ..runtime.instance import DeviceInfo
 from ..runtime.pipeline import Launch, fold_grid
+from ..runtime.recording import refuse_recording
 from . import checks
 from .decode_plan import DecodePlan
 from .layouts import bind_caches, cache_spec
@@ -336,6 +337,7 @@ def _run(problem: PrefillProblem, dispatches, inputs: dict, outputs: dict, given
     written instead, a DeviceArray in place, a numpy array filled from the result. Returns the outputs in order,
     as numpy arrays when the query came from the host, else as DeviceArrays. A batch without queries launches
     nothing (its outputs have no rows, and buffers of no bytes cannot be bound)."""
+    refuse_recording("paged_attention_prefill and paged_attention_backward", problem.device)
     given = {name: a for name, a in (given or {}).items() if a is not None}
     if problem.num_tokens == 0:
         made = {name: np.zeros(shape, dtype) for name, (shape, dtype) in outputs.items()}
@@ -359,7 +361,7 @@ def _run(problem: PrefillProblem, dispatches, inputs: dict, outputs: dict, given
             temporaries.append(arrays[name])
         launch = _launch(problem, dispatches, arrays)
         try:
-            launch.submit()
+            launch.enqueue()   # host results wait below, in numpy()
         finally:
             launch.close()
         for name, a in given.items():

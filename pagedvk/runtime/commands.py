@@ -46,7 +46,8 @@ class DeviceCommands:
         return CommandBuffer(self, name)
 
     def run_once(self, record, name: str = "commands") -> None:
-        """Record `record(cmd)` into a fresh command buffer (named `name`), submit it and wait."""
+        """Record `record(cmd)` into a fresh command buffer (named `name`), submit it and wait: after the work
+        every stream has queued (submit's wait), as host copies and fills must be."""
         cmd = self.command_buffer(name)
         try:
             cmd.record(record)
@@ -88,7 +89,7 @@ class CommandBuffer(Owned):
     threads submitting one command buffer (a DecodePlan's cached launch) take turns."""
 
     def __init__(self, device: Device, name: str = "commands"):
-        self.device = device
+        self.device, self.name = device, name
         d = device.handle
         with device.lock:
             device.require_open()
@@ -107,6 +108,7 @@ class CommandBuffer(Owned):
                                                           "commandBufferCount": 1, "pCommandBuffers": self._handles})
         self._fences = vk.ffi.new("VkFence[1]", [self.fence])
         self.pending = False    # submitted, and its fence not yet seen signalled and reset
+        self.ticket = 0         # the device's number for its latest submission (pagedvk.runtime.stream)
         self.query_pool, self.queries = None, 0
         self._query_pools = []  # the finalizer's view of the query pools made by timed records
         self._elapsed = threading.local()  # each submitting thread's own timestamps (timestamps_ns)
@@ -163,19 +165,24 @@ class CommandBuffer(Owned):
         vk.vkCmdWriteTimestamp(cmd, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self.query_pool, self._stamped)
         self._stamped += 1
 
-    def submit(self, wait: bool = True, timeout: int | None = None) -> None:
-        """Submit; with wait, wait for it at most `timeout` ns (default PAGEDVK_TIMEOUT)."""
+    def submit(self, wait: bool = True, timeout: int | None = None, queue=None) -> None:
+        """Submit to `queue` (default: the device's first); with wait, first wait for the work every stream has
+        queued, then for this, at most `timeout` ns (default PAGEDVK_TIMEOUT). Without wait, the caller tracks it
+        (pagedvk.runtime.stream.Stream)."""
         dev = self.device
         # A bad PAGEDVK_TIMEOUT or PAGEDVK_SPIN_US is refused before anything is submitted: raised by the wait,
         # it left the work running untracked, and freeing its command buffer segfaulted.
-        timeout = timeout_ns() if timeout is None else timeout
-        spin = spin_ns(dev.info.type == "cpu")
+        if wait:   # a queued submission's waits read them when they come (and handle a bad value then)
+            timeout = timeout_ns() if timeout is None else timeout
+            spin = spin_ns(dev.info.type == "cpu")
         with dev.lock:
             self._require_idle()
             dev.settle_timed_out()
-            result = queue_submit(dev.queue, 1, self._submit_info, self.fence)
+            if wait:
+                dev.synchronize(timeout)   # what it reads may come from another stream's queue
+            result = queue_submit(dev.queue if queue is None else queue, 1, self._submit_info, self.fence)
             if result != vk.VK_SUCCESS:
-                raise_vk(vk_error(result), "vkQueueSubmit", device=dev)
+                raise_vk(vk_error(result), f"submitting {self.name} (vkQueueSubmit)", device=dev)
             self.pending = True
             if wait:
                 self.wait(timeout, spin)
@@ -208,11 +215,11 @@ class CommandBuffer(Owned):
             result = wait_for_fences(dev.handle, 1, self._fences, vk.VK_TRUE, timeout)
             if result == vk.VK_TIMEOUT:
                 self._keep_in_flight()
-                raise GPUTimeoutError(f"{dev.info.name}: the GPU did not finish within PAGEDVK_TIMEOUT="
+                raise GPUTimeoutError(f"{dev.info.name}: the GPU did not finish {self.name} within PAGEDVK_TIMEOUT="
                                     f"{timeout / 1e9:g} s; the work goes on, and later calls wait for it first")
             if result != vk.VK_SUCCESS:
                 self._keep_in_flight()   # it may still run: free nothing under it
-                raise_vk(vk_error(result), "vkWaitForFences", device=dev)
+                raise_vk(vk_error(result), f"waiting for {self.name} (vkWaitForFences)", device=dev)
             result = reset_fences(dev.handle, 1, self._fences)
             if result != vk.VK_SUCCESS:   # still pending: the next use waits on the signalled fence again
                 raise_vk(vk_error(result), "vkResetFences", device=dev)

@@ -23,6 +23,7 @@ from .memory import MEMORY_BUDGET_EXTENSION, DeviceMemory, raise_vk
 from .owned import Owned, count_close
 
 _serials = itertools.count(1)   # tells apart Device objects opened on one GPU
+MAX_QUEUES = 4                  # compute queues asked for: the default stream's and three for Stream()s
 
 
 class Device(DeviceMemory, DeviceCommands, Owned):
@@ -69,7 +70,9 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         self._live = {}  # key -> (weakref.finalize, destroy) of one object made on this device
         self._keys = itertools.count()
         self._in_flight = []   # fences of timed-out submissions that may still be running
-        self._deferred = []    # destroy() calls waiting for those submissions to finish
+        # (ticket, destroy) of objects released while work queued up to that ticket, or timed-out work, may still
+        # use them: destroyed once it has finished (run_deferred)
+        self._deferred = []
         self._reserved = {}    # heap -> bytes its live buffers hold (DeviceMemory.reserve)
         self.abandoned = False  # closed with work still running: its objects were left, not destroyed
         self.lost = None       # the message of the VK_ERROR_DEVICE_LOST that ended this device, if one did
@@ -84,6 +87,8 @@ class Device(DeviceMemory, DeviceCommands, Owned):
                                        bool(families[i].queueFlags & vk.VK_QUEUE_GRAPHICS_BIT)))
         self.queue_family = candidates[0]
         self.timestamp_bits = families[self.queue_family].timestampValidBits
+        # Read now: the binding's struct array may be freed once `families` is the only reference left.
+        family_queues = int(families[self.queue_family].queueCount)
         self.timestamp_period_ns = vk.vkGetPhysicalDeviceProperties(pd).limits.timestampPeriod
 
         # Turn on the optional features the kernels may use, where the device has them.
@@ -140,9 +145,12 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         extensions += [COOPERATIVE_MATRIX_EXTENSION] if self.cooperative_matrix else []
         extensions += [BFLOAT16_EXTENSION] if self.bfloat16_matrix else []
         self.has_memory_budget = MEMORY_BUDGET_EXTENSION in extensions
+        # Queues for streams (pagedvk.runtime.stream): the first is the default stream's, the others go to
+        # Stream()s in turn, so that their work runs beside it.
+        queue_count = max(1, min(family_queues, MAX_QUEUES))
         queue_info = vk.VkDeviceQueueCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO, queueFamilyIndex=self.queue_family,
-            queueCount=1, pQueuePriorities=[1.0])
+            queueCount=queue_count, pQueuePriorities=[1.0] * queue_count)
         try:
             self.handle = vk.vkCreateDevice(pd, vk.VkDeviceCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=f11, queueCreateInfoCount=1,
@@ -150,7 +158,12 @@ class Device(DeviceMemory, DeviceCommands, Owned):
                 ppEnabledExtensionNames=extensions, pEnabledFeatures=features), None)
         except vk.VkError as e:
             raise_vk(e, f"creating a logical device on {info.name}")
-        self.queue = vk.vkGetDeviceQueue(self.handle, self.queue_family, 0)
+        self.queues = [vk.vkGetDeviceQueue(self.handle, self.queue_family, i) for i in range(queue_count)]
+        self.queue = self.queues[0]
+        self._streams = weakref.WeakSet()   # every Stream made on it (synchronize() waits for each)
+        self._default_stream = None
+        self._next_queue = itertools.count()
+        self._tickets = 0   # submissions queued on streams so far (Stream.enqueue numbers them)
         # With validation on, objects carry debug-utils names (set_name), so that a message names what it is about.
         # Without it nothing is named: callers test `debug_names` first and build no name.
         self.debug_names = self.instance.validation
@@ -219,8 +232,8 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             count_close()   # first: a launch binding this buffer checks its bindings again (Launch.submit)
             if self._live.pop(key, None) is None or self.handle is None:
                 return   # close() destroyed it already
-            if self._in_flight and not self._settle(wait=False):
-                self._deferred.append(destroy)   # a timed-out submission may still use it
+            if (self._in_flight and not self._settle(wait=False)) or self._queued_work():
+                self._deferred.append((self._tickets, destroy))   # queued or timed-out work may still use it
             else:
                 destroy()
 
@@ -244,7 +257,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
                 # A lost device runs nothing more: its objects may go. (This also runs inside finalizers,
                 # which must not raise: without wait the loss is only recorded.)
                 self._in_flight.clear()
-                self._run_deferred()
+                self._run_all_deferred()
                 try:
                     raise_vk(e, "waiting for earlier work", device=self)
                 except DeviceLostError:
@@ -287,9 +300,65 @@ class Device(DeviceMemory, DeviceCommands, Owned):
             self._in_flight[:] = [f for f in self._in_flight if f != fence]
 
     def _run_deferred(self) -> None:
+        """Destroy what was released under work that has now all finished. Callers hold `lock`."""
+        if not self._deferred or self._in_flight:
+            return
+        first = self._first_pending()
+        ready = [d for t, d in self._deferred if first is None or t < first]
+        if ready:
+            self._deferred = [(t, d) for t, d in self._deferred if not (first is None or t < first)]
+            for destroy in ready:
+                destroy()
+
+    run_deferred = _run_deferred
+
+    def _run_all_deferred(self) -> None:
+        """Destroy everything held back (the device is lost, or every submission was waited for)."""
         deferred, self._deferred = self._deferred, []
-        for destroy in deferred:
+        for _, destroy in deferred:
             destroy()
+
+    # -- streams (pagedvk.runtime.stream) -------------------------------------------------------------
+
+    def stream_queue(self):
+        """A queue for a new Stream: the device's queues after the first in turn, or the first where it has one."""
+        if len(self.queues) == 1:
+            return self.queue
+        return self.queues[1 + next(self._next_queue) % (len(self.queues) - 1)]
+
+    def add_stream(self, stream) -> None:
+        with self.lock:
+            self.require_open()
+            self._streams.add(stream)
+
+    def next_ticket(self) -> int:
+        """Number a submission queued on a stream (callers hold `lock`)."""
+        self._tickets += 1
+        return self._tickets
+
+    def _first_pending(self) -> int | None:
+        """The lowest ticket of queued work not yet seen finished (after retiring what has), or None."""
+        firsts = [t for t in (stream.first_pending for stream in list(self._streams)) if t is not None]
+        return min(firsts) if firsts else None
+
+    def _queued_work(self) -> bool:
+        return self._tickets > 0 and self._first_pending() is not None
+
+    def synchronize(self, timeout: int | None = None) -> None:
+        """Wait for the work queued on every stream of this device (each op at most `timeout` ns, default
+        PAGEDVK_TIMEOUT).
+
+        Raises
+        ------
+        GPUTimeoutError, DeviceLostError
+            Naming the op that did not finish or faulted.
+        """
+        with self.lock:
+            if self.handle is None:
+                return
+            for stream in list(self._streams):
+                stream.synchronize(timeout)
+            self._run_deferred()
 
     @property
     def closed(self) -> bool:
@@ -399,7 +468,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
                                   "objects are left to the end of the process, not destroyed under it")
         # Destroyed here, not through the finalizers: at interpreter exit Python's weakref.finalize hook may
         # have run first, after which calling a finalizer does nothing (VUID-vkDestroyDevice-device-00378).
-        self._run_deferred()
+        self._run_all_deferred()
         for _, destroy in live.values():
             destroy()
         for pool in self._descriptor_pools:
@@ -412,15 +481,20 @@ class Device(DeviceMemory, DeviceCommands, Owned):
     def _wait_in_flight(self) -> bool:
         """Wait up to PAGEDVK_TIMEOUT for the submissions whose wait timed out (every other submission finished
         under the lock close() holds). Whether some still run. Never vkDeviceWaitIdle: it has no limit."""
-        if not self._in_flight:
+        queued = [s.command_buffer.fence for stream in list(self._streams) for s in stream._pending
+                  if not s.done_elsewhere]
+        fences = list(self._in_flight) + queued
+        if not fences:
             return False
         try:
-            vk.vkWaitForFences(self.handle, len(self._in_flight), self._in_flight, vk.VK_TRUE, _ns(timeout_ns))
+            vk.vkWaitForFences(self.handle, len(fences), fences, vk.VK_TRUE, _ns(timeout_ns))
         except vk.VkTimeout:
             return True
         except vk.VkError:
             pass   # a lost device runs nothing: destroying its objects is allowed
         self._in_flight.clear()
+        for stream in list(self._streams):
+            stream._pending.clear()
         return False
 
 

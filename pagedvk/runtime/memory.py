@@ -351,6 +351,12 @@ class DeviceMemory:
             self._staging = Buffer(self, max(nbytes, 1 << 20), host_visible=True, name="staging")
         return self._staging
 
+    def host_access(self) -> None:
+        """Before the host reads or writes device memory: wait for the work every stream has queued, and for
+        timed-out work, which may still use it. Callers hold `lock`."""
+        self._settle(wait=True)
+        self.synchronize()
+
     def upload(self, buf: Buffer | BufferRange, data: np.ndarray, offset: int = 0) -> None:
         """Copy host data into a buffer, in place where its memory is mapped, else through the staging buffer.
 
@@ -374,7 +380,7 @@ class DeviceMemory:
             return
         with self.lock:
             self.require_open()
-            self._settle(wait=True)   # the host must not write memory that timed-out work may still use
+            self.host_access()
             if buf.mapped is not None:
                 start = buf.offset + offset
                 np.frombuffer(buf.mapped, np.uint8)[start:start + src.nbytes] = src
@@ -400,7 +406,7 @@ class DeviceMemory:
         nbytes = buf.nbytes - offset if nbytes is None else nbytes
         with self.lock:
             self.require_open()
-            self._settle(wait=True)   # nor read what it may still write
+            self.host_access()
             if buf.mapped is not None:
                 start = buf.offset + offset
                 return np.frombuffer(buf.mapped, np.uint8)[start:start + nbytes].copy()
@@ -434,7 +440,7 @@ class DeviceMemory:
             return
         with self.lock:
             self.require_open()
-            self._settle(wait=True)   # the staging buffer may still be read by timed-out work
+            self.host_access()
             staging = self._staging_buffer(data.nbytes)
             np.frombuffer(staging.mapped, np.uint8)[:data.nbytes] = data
             self.copy_regions([(staging, dst, regions) for dst, regions in targets], "upload")
@@ -446,7 +452,7 @@ class DeviceMemory:
             return np.zeros(0, np.uint8)
         with self.lock:
             self.require_open()
-            self._settle(wait=True)
+            self.host_access()
             staging = self._staging_buffer(nbytes)
             self.copy_regions([(src, staging, regions) for src, regions in sources], "download")
             return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()

@@ -14,6 +14,7 @@ from .commands import memory_barrier
 from .device import Device
 from .memory import raise_vk, record_copies
 from .owned import Owned, closes
+from .stream import check_stream
 
 STAGE = vk.VK_SHADER_STAGE_COMPUTE_BIT
 
@@ -264,19 +265,35 @@ class Launch(Owned):
         recorded with timestamps=True, each group's times (an array) with timestamps=k, else None.
         ClosedError if a buffer it binds was closed."""
         with self.command_buffer.device.lock:   # held until the fence: nothing it binds is freed under it
-            buffers = self.buffers   # strong references for the submission's length
-            # Each binding's `closed` is checked again only when something was closed since the last check
-            # (12 property reads were a third of DecodePlan.run's Python); a collected one shows as None.
-            seen = closes()
-            if seen != self._checked_at or None in buffers:
-                require_open_buffers(buffers)
-                self._checked_at = seen
+            buffers = self._open_buffers()   # strong references for the submission's length
             self.command_buffer.submit(timeout=timeout)
             del buffers
         if not self.group:
             return None
         stamps = self.command_buffer.timestamps_ns()
         return np.diff(stamps) if self.per_group else float(stamps[-1])
+
+    def enqueue(self, stream=None) -> int:
+        """Queue it on `stream` (None: the calling thread's current stream) and return at once; the submission's
+        ticket. What it binds is destroyed only after it has run, even if closed meanwhile (pagedvk.runtime.stream).
+        ClosedError if a buffer it binds was closed."""
+        device = self.command_buffer.device
+        stream = check_stream(stream, device)
+        with device.lock:
+            self._open_buffers()
+            return stream.enqueue(self.command_buffer)
+
+    def _open_buffers(self) -> tuple:
+        """The bound buffers (strong references), ClosedError if one was closed or collected. Callers hold the
+        device lock."""
+        buffers = self.buffers
+        # Each binding's `closed` is checked again only when something was closed since the last check (12
+        # property reads were a third of DecodePlan.run's Python); a collected one shows as None.
+        seen = closes()
+        if seen != self._checked_at or None in buffers:
+            require_open_buffers(buffers)
+            self._checked_at = seen
+        return buffers
 
     @property
     def closed(self) -> bool:

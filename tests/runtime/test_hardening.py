@@ -256,9 +256,10 @@ def long_case(rng, device):
 @pytest.mark.parametrize("spin_us", ["0", "100000"])   # a PAGEDVK_TIMEOUT shorter than the fence polling too
 def test_timeout_then_the_device_goes_on(rng, warm, monkeypatch, spin_us):
     monkeypatch.setenv("PAGEDVK_SPIN_US", spin_us)
-    # PAGEDVK_TIMEOUT=1e-9: the wait gives up at once with the TimeoutError subclass while the kernel
-    # still runs. The recorded launch is then still pending: the next run must wait for it before
-    # submitting it again, and nothing it uses may be freed under it (validation checks both).
+    # PAGEDVK_TIMEOUT=1e-9: the run is queued, and the wait that follows gives up at once with the TimeoutError
+    # subclass, naming the op, while the kernel still runs. The recorded launch is then still pending: the next run
+    # must wait for it before submitting it again, and nothing it uses may be freed under it (validation checks
+    # both).
     device = warm
     live = lasting(device)
     case = long_case(rng, device)
@@ -267,8 +268,9 @@ def test_timeout_then_the_device_goes_on(rng, warm, monkeypatch, spin_us):
     with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=8, validate=False) as plan:
         expected = plan.run(q, k, v, out).numpy()
         monkeypatch.setenv("PAGEDVK_TIMEOUT", "1e-9")
-        with pytest.raises(GPUTimeoutError, match="PAGEDVK_TIMEOUT=1e-09") as e:
-            plan.run(q, k, v, out)
+        assert plan.run(q, k, v, out) is out   # queued: no wait yet
+        with pytest.raises(GPUTimeoutError, match="did not finish paged_decode.* within PAGEDVK_TIMEOUT=1e-09") as e:
+            out.numpy()
         assert isinstance(e.value, TimeoutError)
         # A call made meanwhile times out too (waiting for the first, or for its own kernel); it frees its
         # output and launch at once, but Vulkan destroys them only once nothing runs any more.

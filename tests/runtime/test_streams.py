@@ -1,0 +1,138 @@
+"""Asynchronous ops: work queued on streams returns at once, runs in order per stream, is waited for by host reads,
+streams and events, and keeps what it binds alive until it has run; faults and timeouts name the op."""
+
+import gc
+
+import numpy as np
+import pytest
+import vulkan as vk
+
+import pagedvk
+import pagedvk.testing.reference as reference
+from pagedvk.runtime import commands
+from pagedvk.runtime.stream import check_stream, current_stream, default_stream
+from support import Case, rel_error
+
+NUM_HEADS = 8
+
+
+def long_case(rng):
+    """A decode long enough on lavapipe (tens of ms) that the host sees it still queued."""
+    return Case(rng, num_seqs=4, num_heads=NUM_HEADS, num_kv_heads=2, head_size=64, block_size=16, max_len=2000)
+
+
+def on_device(case):
+    return [pagedvk.asarray(a) for a in case.args()]
+
+
+def test_an_op_over_device_arrays_returns_before_its_work_is_done(rng, device):
+    case = long_case(rng)
+    q, k, v, bt, sl = on_device(case)
+    out = pagedvk.asarray(np.full(case.query.shape, np.nan, np.float32))
+    with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS) as plan:
+        assert plan.run(q, k, v, out) is out
+        stream = default_stream(device)
+        queued = not stream.query()
+        event = stream.record_event()
+        np.testing.assert_allclose(out.numpy(), case.reference(), rtol=1e-5, atol=1e-5)   # numpy() waits
+        assert event.query() and stream.query()
+    assert queued, "the run waited for its kernel before returning"
+
+
+def test_closing_what_queued_work_binds_waits_for_the_work(rng, device):
+    # Everything the run binds is closed (or dropped) straight after it is queued; the run still reads them, and they
+    # are destroyed only once it has finished (validation would report a use of a destroyed buffer).
+    case = long_case(rng)
+    live = device.live_objects()
+    q, k, v, bt, sl = on_device(case)
+    out = pagedvk.asarray(np.full(case.query.shape, np.nan, np.float32))
+    plan = pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS)
+    plan.run(q, k, v, out)
+    for a in (plan, q, k, v, bt, sl):
+        a.close()
+    del plan, q, k, v, bt, sl
+    gc.collect()
+    np.testing.assert_allclose(out.numpy(), case.reference(), rtol=1e-5, atol=1e-5)
+    out.close()
+    pagedvk.synchronize()
+    gc.collect()
+    from pagedvk.ops.decode import release_cached_plans
+    release_cached_plans()
+    assert device.live_objects() <= live
+
+
+def test_a_stream_runs_its_ops_in_order(rng, device):
+    # A cache write and the attention that reads it, queued back to back: the attention sees the write. Each step
+    # writes a new token into every sequence and attends; all queued without a wait until the end.
+    case = Case(rng, num_heads=NUM_HEADS, num_kv_heads=2, head_size=64, block_size=16, seq_lens=[5, 20, 40])
+    k_host, v_host = case.key_cache.copy(), case.value_cache.copy()
+    k, v = pagedvk.asarray(k_host), pagedvk.asarray(v_host)
+    lens = case.seq_lens.copy()
+    outs, refs = [], []
+    with pagedvk.Stream(device) as stream:
+        assert current_stream(device) is stream
+        for step in range(3):
+            lens = lens + 1
+            slots = np.array([case.block_tables[s, (n - 1) // 16] * 16 + (n - 1) % 16 for s, n in enumerate(lens)],
+                             np.int32)
+            new_k = rng.standard_normal((3, 2, 64)).astype(np.float32)
+            new_v = rng.standard_normal((3, 2, 64)).astype(np.float32)
+            k_host, v_host = reference.reshape_and_cache(new_k, new_v, k_host, v_host, slots)
+            q = rng.standard_normal((3, NUM_HEADS, 64)).astype(np.float32)
+            arrays = [pagedvk.asarray(a) for a in (new_k, new_v, slots, q, case.block_tables, lens)]
+            pagedvk.reshape_and_cache(*arrays[:2], k, v, arrays[2])
+            with pagedvk.DecodePlan.for_caches(k, v, arrays[4], arrays[5], num_heads=NUM_HEADS) as plan:
+                outs.append(plan.run(arrays[3], k, v))
+            refs.append(reference.paged_attention(q, k_host, v_host, case.block_tables, lens))
+        stream.synchronize()
+        assert stream.query()
+    assert current_stream(device) is default_stream(device)
+    for out, ref in zip(outs, refs):
+        assert rel_error(out.numpy(), ref) <= 1e-5
+
+
+def test_two_streams_and_events(rng, device):
+    # The same decode queued on a stream of its own and on the default stream: both right. An event recorded on
+    # the side stream orders the default stream's later work after it (wait_event).
+    case = long_case(rng)
+    q, k, v, bt, sl = on_device(case)
+    side = pagedvk.Stream(device)
+    with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS) as plan_a, \
+            pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS) as plan_b:
+        with side:
+            out_side = plan_a.run(q, k, v)
+        done = side.record_event()
+        default_stream(device).wait_event(done)
+        out_main = plan_b.run(q, k, v)
+        done.synchronize()
+        assert done.query()
+        for out in (out_side, out_main):
+            np.testing.assert_allclose(out.numpy(), case.reference(), rtol=1e-5, atol=1e-5)
+    side.synchronize()
+
+
+def test_stream_arguments_are_checked(device):
+    side = pagedvk.Stream(device)
+    with pytest.raises(TypeError, match="event must be a pagedvk Event, got int"):
+        side.wait_event(3)
+    with pytest.raises(TypeError, match="stream must be a pagedvk Stream, got str"):
+        check_stream("default", device)
+
+
+def test_a_fault_found_by_a_later_wait_names_the_op(rng, device, monkeypatch):
+    # A driver that reports the device lost when the queued run's fence is polled: the wait that finds it raises
+    # DeviceLostError naming the op that was running. (Simulated: the device itself stays usable.)
+    case = Case(rng, num_seqs=2, num_heads=NUM_HEADS, num_kv_heads=2, head_size=32, block_size=16, max_len=40)
+    q, k, v, bt, sl = on_device(case)
+    out = pagedvk.empty(case.query.shape)
+    with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS) as plan:
+        plan.run(q, k, v, out)
+        real_status = commands.get_fence_status
+        monkeypatch.setattr(commands, "get_fence_status", lambda *a: vk.VK_ERROR_DEVICE_LOST)
+        try:
+            with pytest.raises(pagedvk.DeviceLostError, match="running paged_decode"):
+                default_stream(device).retire()
+        finally:
+            monkeypatch.setattr(commands, "get_fence_status", real_status)
+            device.lost = None   # simulated
+        np.testing.assert_allclose(out.numpy(), case.reference(), rtol=1e-5, atol=1e-5)
