@@ -14,6 +14,7 @@ from .ops.decode import paged_attention
 from .ops.decode_plan import DecodePlan
 from .ops.merge import merge_attention_states, merge_states
 from .ops.prefill import paged_attention_backward, paged_attention_prefill
+from .ops.prefill_plan import PrefillPlan
 from .runtime.array import DeviceArray, asarray, empty, zeros
 from .runtime.device import Device
 from .runtime.instance import DeviceInfo
@@ -25,9 +26,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     'ClosedError', 'DecodePlan', 'Device', 'DeviceArray', 'DeviceInfo', 'DeviceLostError', 'DeviceNotFoundError',
-    'Event', 'GPUTimeoutError', 'KVCache', 'NoFreeBlocksError', 'OutOfMemoryError', 'PagedVKError', 'RecordedStep',
-    'ShaderModuleError', 'Stream', 'UnsupportedFeatureError', 'ValidationError', 'VulkanError', 'asarray',
-    'copy_blocks', 'default_device', 'devices', 'empty', 'get_device', 'merge_attention_states', 'merge_states',
-    'paged_attention', 'paged_attention_backward', 'paged_attention_prefill', 'record', 'reshape_and_cache',
-    'select', 'swap_blocks', 'synchronize', 'zeros',
+    'Event', 'GPUTimeoutError', 'KVCache', 'NoFreeBlocksError', 'OutOfMemoryError', 'PagedVKError', 'PrefillPlan',
+    'RecordedStep', 'ShaderModuleError', 'Stream', 'UnsupportedFeatureError', 'ValidationError', 'VulkanError',
+    'asarray', 'copy_blocks', 'default_device', 'devices', 'empty', 'get_device', 'merge_attention_states',
+    'merge_states', 'paged_attention', 'paged_attention_backward', 'paged_attention_prefill', 'record',
+    'reshape_and_cache', 'select', 'swap_blocks', 'synchronize', 'zeros',
 ]

@@ -20,6 +20,7 @@ from ..ops.decode_plan import DecodePlan
 from ..ops.layouts import LAYOUTS, MAX_HEAD_SIZE, CacheSpec, check_block_size
 from ..ops.opargs import device_of
 from ..ops.prefill import paged_attention_prefill
+from ..ops.prefill_plan import PrefillPlan
 from ..runtime.array import empty
 from ..runtime.owned import Owned
 from ..runtime.selection import DeviceLike
@@ -260,6 +261,25 @@ class KVCache(Owned):
                           head_size=s.head_size, block_size=s.block_size, num_blocks=s.num_blocks, dtype=self.dtype,
                           query_dtype=query_dtype, layout=self.layout, device=self.device, backend=self.backend,
                           **options)
+
+    def prefill_plan(self, block_tables: ArrayLike, seq_lens: ArrayLike, query_start_loc: ArrayLike | None = None,
+                     **options) -> PrefillPlan:
+        """A PrefillPlan over this cache: its layout, device and backend are the cache's.
+
+        Parameters
+        ----------
+        block_tables, seq_lens, query_start_loc
+            As for `PrefillPlan` (`blocks.block_tables(...)` gives the first two).
+        **options
+            PrefillPlan's other arguments (scale, causal, validate, the attention variants, kernel).
+
+        Returns
+        -------
+        PrefillPlan
+            Run it on ``cache.key[layer], cache.value[layer]``; `update` it for the next step.
+        """
+        return PrefillPlan(block_tables, seq_lens, query_start_loc, layout=self.layout, backend=self.backend,
+                           device=self.device, **options)
 
     def _close_plan(self) -> None:
         if self._plan is not None:

@@ -102,20 +102,13 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
     if num_tokens * spec.num_kv_heads * spec.head_size >= 2 ** 32:
         raise ValueError(f"key has {num_tokens} tokens of {spec.num_kv_heads} x {spec.head_size} elements, more than "
                          f"2^32 elements in all: write them in several calls")
-    capacity = spec.num_blocks * spec.block_size
     if validate:
-        slots = checks.host(slot_mapping)
-        bad = np.flatnonzero(slots >= capacity)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"slot_mapping[{i}] = {int(slots[i])} is outside the caches: slots must be below "
-                             f"num_blocks x block_size = {spec.num_blocks} x {spec.block_size} = {capacity} "
-                             "(negative slots are padding)")
+        check_slots(slot_mapping, spec)
     name = backend_name(backend)
     device = device_of(key, value, key_cache, value_cache, slot_mapping)
     if active_recording(device) is not None:
-        require_device_arrays("reshape_and_cache", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                              slot_mapping=slot_mapping)
+        require_device_arrays("reshape_and_cache inside pagedvk.record()", key=key, value=value, key_cache=key_cache,
+                              value_cache=value_cache, slot_mapping=slot_mapping)
     if num_tokens == 0:
         return
 
@@ -152,6 +145,18 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
     finally:
         for a in temporaries:
             a.close()
+
+
+def check_slots(slot_mapping: Array, spec) -> None:
+    """ValueError naming the first slot at or past the caches' num_blocks x block_size (reads device slots back)."""
+    capacity = spec.num_blocks * spec.block_size
+    slots = checks.host(slot_mapping)
+    bad = np.flatnonzero(slots >= capacity)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"slot_mapping[{i}] = {int(slots[i])} is outside the caches: slots must be below "
+                         f"num_blocks x block_size = {spec.num_blocks} x {spec.block_size} = {capacity} "
+                         "(negative slots are padding)")
 
 
 def _block_ids(block_mapping, name: str = "block_mapping") -> np.ndarray:

@@ -24,9 +24,10 @@ from ..kernels.matrix import MATRIX_KIND
 from ..runtime.array import Array, DeviceArray, asarray, empty, zeros
 from ..runtime.owned import Owned
 from ..runtime.pipeline import Launch, Transfers, fold_grid
-from ..runtime.recording import active_recording, require_device_arrays
+from ..runtime.recording import active_recording, record, require_device_arrays
 from ..runtime.selection import DeviceLike
 from . import checks
+from .cache_ops import check_slots, reshape_and_cache
 from .decode_rules import DecodeChoice, decode_choice, decode_matrix, plan_arguments
 from .layouts import CacheSpec, bind_caches, cache_spec
 from .opargs import backend_name, device_of, softmax_scale
@@ -170,6 +171,7 @@ class DecodePlan(Owned):
         # a recorded step (pagedvk.record) that ran the plan records it again.
         self.generation = 0
         self._launches = OrderedDict()  # buffer uids -> recorded Launch, least recently used first
+        self._fused = OrderedDict()     # append_and_run's buffer uids -> (its recorded step, the output)
         self._checked = set()           # argument signatures _check_run has passed
         self._take_choice(self._rule(int(checks.host(seq_lens).max(initial=0))))
         self._closed = False
@@ -371,9 +373,7 @@ class DecodePlan(Owned):
         checks.kind("query", query)
         checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
         # A uint8 cache (vLLM's fp8) is read as the plan's storage type.
-        kv_cache_dtype = "auto" if np.dtype(key_cache.dtype) != np.dtype(np.uint8) else next(
-            (name for name, t in KV_CACHE_DTYPES.items() if t == self.spec.storage), "auto")
-        spec = cache_spec(key_cache, value_cache, self.layout, kv_cache_dtype)
+        spec = cache_spec(key_cache, value_cache, self.layout, self._kv_cache_dtype(key_cache))
         for name in ("num_kv_heads", "head_size", "block_size", "storage"):
             if getattr(spec, name) != getattr(self.spec, name):
                 raise ValueError(f"key_cache {name} is {getattr(spec, name)} but the plan was made for "
@@ -434,8 +434,8 @@ class DecodePlan(Owned):
         """
         self._require_open()
         if active_recording(self.device) is not None:
-            require_device_arrays("DecodePlan.run", query=query, key_cache=key_cache, value_cache=value_cache,
-                                  out=out, lse=lse, sinks=sinks)
+            require_device_arrays("DecodePlan.run inside pagedvk.record()", query=query, key_cache=key_cache,
+                                  value_cache=value_cache, out=out, lse=lse, sinks=sinks)
         query = self._exact_query(query)
         self.check_run(query, key_cache, value_cache, out)
         if not isinstance(return_lse, (bool, np.bool_)):
@@ -664,6 +664,65 @@ class DecodePlan(Owned):
         """
         return self._launch(q, k, v, o, num_blocks=k.shape[0], cache=True, transfers=transfers)
 
+    def append_and_run(self, key: DeviceArray, value: DeviceArray, slot_mapping: DeviceArray, query: DeviceArray,
+                       key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray | None = None, *,
+                       validate: bool = True) -> DeviceArray:
+        """Write the step's new keys and values into the caches and attend, in one submission (FlashInfer's
+        append_paged_kv_cache followed by decode's run).
+
+        The write is `reshape_and_cache` with the plan's layout, scales and backend; the attention is `run`, which
+        sees the tokens just written. Both are recorded once per set of arrays (a `pagedvk.record` step the plan
+        keeps) and queued together at every later call; inside a `pagedvk.record()` block they join that step.
+
+        Parameters
+        ----------
+        key, value : DeviceArray, shape (num_tokens, num_kv_heads, head_size)
+            float32, float16 or bfloat16.
+        slot_mapping : DeviceArray, shape (num_tokens,), int32 or int64
+            Each token's cache slot (block * block_size + offset); negative slots are skipped.
+        query, key_cache, value_cache, out : DeviceArray
+            As for `run`; out None allocates it at the first call with these arrays and returns that one after.
+        validate : bool, default True
+            Check every slot against the caches (reading slot_mapping back to the host); False leaves it to the
+            kernel, which skips slots outside the caches.
+
+        Returns
+        -------
+        DeviceArray
+            The attention's output.
+        """
+        self._require_open()
+        require_device_arrays("DecodePlan.append_and_run", key=key, value=value, slot_mapping=slot_mapping,
+                              query=query, key_cache=key_cache, value_cache=value_cache, out=out)
+        write = dict(kv_cache_dtype=self._kv_cache_dtype(key_cache), k_scale=self.k_scale, v_scale=self.v_scale,
+                     layout=self.layout, backend=self.backend)
+        if active_recording(self.device) is not None:   # both ops join the step being recorded
+            reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, validate=validate, **write)
+            return self.run(query, key_cache, value_cache, out)
+        if validate:
+            check_slots(slot_mapping, cache_spec(key_cache, value_cache, self.layout, write["kv_cache_dtype"]))
+        signature = tuple(a.buffer.uid if a is not None else None for a in (key, value, slot_mapping, query, out)) + \
+            tuple(b.uid for a in (key_cache, value_cache) for b in a.buffers)
+        with self._lock:
+            kept = self._fused.get(signature)
+        if kept is None:
+            with record(self.device) as step:
+                reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, validate=False, **write)
+                result = self.run(query, key_cache, value_cache, out)
+            with self._lock:
+                self._require_open()
+                kept = self._fused[signature] = (step, result)
+                while len(self._fused) > RECORDED_LAUNCHES:
+                    self._fused.popitem(last=False)[1][0].close()
+        kept[0].replay()
+        return kept[1]
+
+    def _kv_cache_dtype(self, key_cache) -> str:
+        """vLLM's kv_cache_dtype name for a cache: a uint8 (fp8) cache is read as the plan's storage type."""
+        if np.dtype(key_cache.dtype) != np.dtype(np.uint8):
+            return "auto"
+        return next((name for name, t in KV_CACHE_DTYPES.items() if t == self.spec.storage), "auto")
+
     def time_ns(self, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray) -> float:
         """One launch, timed on the GPU by timestamp queries.
 
@@ -705,6 +764,9 @@ class DecodePlan(Owned):
             self._closed = True
             if hasattr(self, "_launches"):   # a plan whose construction failed early has none
                 self._forget_launches()
+                for step, _ in self._fused.values():
+                    step.close()
+                self._fused.clear()
             for a in getattr(self, "_owned", ()):
                 a.close()
             self._owned = []

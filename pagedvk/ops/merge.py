@@ -187,7 +187,8 @@ def _merge_two(out_a, lse_a, out_b, lse_b, backend, device=None) -> tuple:
                                   | dict(num_seqs=rows, head_size=head_size, scale=0.0, v_scale=0.0, softcap=0.0,
                                          q_type=q_type_code(query_type.tag)))
     if active_recording(device) is not None:
-        require_device_arrays("merge_attention_states", out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+        require_device_arrays("merge_attention_states inside pagedvk.record()", out_a=out_a, lse_a=lse_a, out_b=out_b,
+                              lse_b=lse_b)
     temporaries, results = [], []
     try:
         inputs = []

@@ -141,11 +141,12 @@ def active_recording(device) -> RecordedStep | None:
 
 
 def require_device_arrays(op: str, **arrays) -> None:
-    """Inside a recording, every array argument given must be a DeviceArray: TypeError naming the first that is not."""
+    """Every array argument given must be a DeviceArray (inside a recording, and for ops that take nothing else):
+    TypeError naming the first that is not. `op` names the op and where, as the message starts."""
     for name, a in arrays.items():
         if a is not None and not isinstance(a, DeviceArray):
-            raise TypeError(f"{op} inside pagedvk.record(): {name} must be a DeviceArray, got {type(a).__name__} (a "
-                            "host array would be copied once, at recording, and every replay would reuse that copy)")
+            raise TypeError(f"{op}: {name} must be a DeviceArray, got {type(a).__name__} (a host array would be "
+                            "copied once, when the op is recorded, and every later run would reuse that copy)")
 
 
 def refuse_recording(op: str, device) -> None:

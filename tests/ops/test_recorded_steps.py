@@ -181,3 +181,45 @@ def test_replay_outside_the_block_and_after_close(small):
     step.close()
     with pytest.raises(pagedvk.ClosedError, match="the recorded step is closed"):
         step.replay()
+
+
+def test_append_and_run_writes_and_attends_in_one_submission(rng, monkeypatch):
+    # Three steps of one layer: each writes a new token per sequence and attends over it, fused; the first call
+    # records the pair, the later ones resubmit it (one submission each), every step against float64.
+    from pagedvk.runtime.stream import Stream
+    cache = pagedvk.KVCache(num_layers=1, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, block_size=BLOCK_SIZE,
+                            dtype=np.float32, num_blocks=NUM_BLOCKS)
+    host = (rng.standard_normal(cache.spec.key_shape).astype(np.float32),
+            rng.standard_normal(cache.spec.value_shape).astype(np.float32))
+    cache.key[0].write(host[0])
+    cache.value[0].write(host[1])
+    lens = np.array([7, 30], np.int32)
+    tables = tables_for(lens + 3, 4)
+    q, k, v = pagedvk.zeros((2, NUM_HEADS, HEAD_SIZE)), pagedvk.zeros((2, 2, HEAD_SIZE)), pagedvk.zeros((2, 2, HEAD_SIZE))
+    slots, out = pagedvk.zeros((2,), np.int32), pagedvk.zeros((2, NUM_HEADS, HEAD_SIZE))
+    enqueued = []
+    real = Stream.enqueue
+    monkeypatch.setattr(Stream, "enqueue", lambda self, cb: enqueued.append(cb.name) or real(self, cb))
+    with cache.decode_plan(tables, lens + 1, num_heads=NUM_HEADS) as plan:
+        for step in range(3):
+            lens = lens + 1
+            if step:
+                plan.update(tables, lens)
+            new = [rng.standard_normal(a.shape).astype(np.float32) for a in (q, k, v)]
+            for a, x in zip((q, k, v), new):
+                a.write(x)
+            slot_values = new_slots(tables, lens)
+            slots.write(np.array(slot_values, np.int32))
+            out.write(np.full(out.shape, np.nan, np.float32))
+            enqueued.clear()
+            assert plan.append_and_run(k, v, slots, q, cache.key[0], cache.value[0], out=out) is out
+            assert len(enqueued) == 1 and "reshape_and_cache" in enqueued[0] and "paged_decode" in enqueued[0]
+            host = reference.reshape_and_cache(new[1], new[2], *host, slot_values)
+            ref = reference.paged_attention(new[0], *host, tables, lens)
+            assert rel_error(out.numpy(), ref) <= TOL
+        with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 100000 is outside the caches"):
+            plan.append_and_run(k, v, pagedvk.asarray(np.array([0, 100000], np.int32)), q, cache.key[0],
+                                cache.value[0], out=out)
+        with pytest.raises(TypeError, match="DecodePlan.append_and_run: key must be a DeviceArray, got ndarray"):
+            plan.append_and_run(new[1], v, slots, q, cache.key[0], cache.value[0], out=out)
+    cache.close()
