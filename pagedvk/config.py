@@ -58,12 +58,15 @@ def compile_timeout_ns() -> int:
     return _seconds_ns("PAGEDVK_COMPILE_TIMEOUT", DEFAULT_COMPILE_TIMEOUT_S)
 
 
-DEFAULT_SPIN_US = 1000.0   # GPUs; CPU devices (lavapipe) default to 0: a spinning thread takes a core from the kernel
+# GPUs; CPU devices (lavapipe) default to 0: a spinning thread takes a core from the kernel. 20 us catches short work
+# at once and leaves long waits to the driver, which sleeps: on an H100 a 32-layer decode step's wait cost the
+# waiting thread 3.7% of the wait with 20 us, 51% with 1000 us (benchmarks/step.py, 2026-12-06).
+DEFAULT_SPIN_US = 20.0
 MAX_SPIN_US = 1e6
 
 
 def spin_ns(cpu_device: bool) -> int:
-    """PAGEDVK_SPIN_US (microseconds; default 1000 on GPUs, 0 on CPU devices) in nanoseconds: how long a wait
+    """PAGEDVK_SPIN_US (microseconds; default 20 on GPUs, 0 on CPU devices) in nanoseconds: how long a wait
     polls its fence before it sleeps in the driver. A driver's blocking wait wakes the thread tens of
     microseconds after the GPU finished (NVIDIA, measured: BENCHMARKS.md, host time); polling sees it at once,
     at the price of a busy core while the GPU works, as CUDA's default spin-then-block scheduling does."""

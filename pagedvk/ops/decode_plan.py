@@ -23,7 +23,7 @@ from ..kernels.catalogue import PAGED_DECODE, PAGED_DECODE_REDUCE
 from ..kernels.matrix import MATRIX_KIND
 from ..runtime.array import Array, DeviceArray, asarray, empty, zeros
 from ..runtime.owned import Owned
-from ..runtime.pipeline import Launch, Transfers, fold_grid
+from ..runtime.pipeline import Launch, RecordedInto, Transfers, fold_grid
 from ..runtime.recording import active_recording, record, require_device_arrays
 from ..runtime.selection import DeviceLike
 from . import checks
@@ -209,7 +209,9 @@ class DecodePlan(Owned):
                                  np.float32, self.device)
         stats_shape = (num_seqs, num_heads, choice.num_partitions, 2) if split else (4,)
         units = num_seqs * (num_heads // choice.group_size) if choice.merge_in_decode else 0
-        self._stats_and_counters = zeros((math.prod(stats_shape) // 2 + units, 2), np.float32, self.device)
+        # Two spare pairs: the counters' view (read by tests) covers its 16-byte-rounded range, which may end past
+        # the last counter (a plan with an odd number of stats pairs and of counters failed to make it).
+        self._stats_and_counters = zeros((math.prod(stats_shape) // 2 + units + 2, 2), np.float32, self.device)
         self.partial_stats = DeviceArray.over_buffer(self._stats_and_counters.buffer, 0, stats_shape, np.float32)
         self.merge_counters = (DeviceArray.over_buffer(self._stats_and_counters.buffer, self.partial_stats.nbytes,
                                                        (units, 2), np.uint32) if units else None)
@@ -663,6 +665,36 @@ class DecodePlan(Owned):
             The copies recorded before and after the dispatches.
         """
         return self._launch(q, k, v, o, num_blocks=k.shape[0], cache=True, transfers=transfers)
+
+    def record_into(self, command_buffer, query: DeviceArray, key_cache: DeviceArray, value_cache: DeviceArray,
+                    out: DeviceArray) -> RecordedInto:
+        """Record one run into a caller's VkCommandBuffer (between its begin and end), for an engine that submits
+        its own command buffers.
+
+        The dispatches are recorded after a barrier that makes every earlier command's writes visible to them, and
+        followed by one that makes their writes visible to every later command: the caller needs no barrier of its
+        own around them.
+
+        Parameters
+        ----------
+        command_buffer : VkCommandBuffer
+            In the recording state, on the plan's device (`Device.from_handles` for a caller's device); the `vulkan`
+            package's handle or its address as an int.
+        query, key_cache, value_cache, out : DeviceArray
+            As for `run` (`DeviceArray.from_buffer` wraps a caller's buffers).
+
+        Returns
+        -------
+        pagedvk.runtime.pipeline.RecordedInto
+            Holds the descriptor sets the dispatches bind: keep it, the plan and the arrays until the command buffer
+            has finished running, then close it. A plan `update` that changes its `generation` needs a new recording.
+        """
+        self._require_open()
+        require_device_arrays("DecodePlan.record_into", query=query, key_cache=key_cache, value_cache=value_cache,
+                              out=out)
+        self.check_run(query, key_cache, value_cache, out)
+        return RecordedInto(self.device, self.steps(query, key_cache, value_cache, out, key_cache.shape[0]),
+                            command_buffer)
 
     def append_and_run(self, key: DeviceArray, value: DeviceArray, slot_mapping: DeviceArray, query: DeviceArray,
                        key_cache: DeviceArray, value_cache: DeviceArray, out: DeviceArray | None = None, *,

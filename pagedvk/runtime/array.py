@@ -125,6 +125,43 @@ class DeviceArray(Owned):
         self._address_table = None
         return self
 
+    @classmethod
+    def from_buffer(cls, buffer, offset: int, shape: int | tuple[int, ...], dtype: DTypeLike, *, buffer_size: int,
+                    device: DeviceLike = None) -> DeviceArray:
+        """An array over bytes [offset, offset + nbytes) of a VkBuffer the caller made and owns, without a copy.
+
+        pagedvk binds the range to its kernels and copies through it (numpy(), write()); it never frees the buffer,
+        and close() only ends its own use. The buffer needs VK_BUFFER_USAGE_STORAGE_BUFFER_BIT (and TRANSFER_SRC /
+        TRANSFER_DST for numpy() and write()), and must stay alive while work that binds it is queued.
+
+        Parameters
+        ----------
+        buffer : VkBuffer
+            The `vulkan` package's handle, or its address as an int (a C or C++ caller's).
+        offset : int
+            Byte offset of the array in the buffer: a multiple of 4, and of the device's
+            minStorageBufferOffsetAlignment for the array to be bound.
+        shape : int or tuple of int
+        dtype : numpy dtype
+            One of `DTYPES`.
+        buffer_size : int
+            The buffer's size in bytes: the array's range, rounded up to 16 bytes (kernels read 16-byte chunks),
+            must lie inside it.
+        device : Device, optional
+            The device the buffer was made on (`Device.from_handles` for a caller's device); None means the default.
+
+        Returns
+        -------
+        DeviceArray
+        """
+        from .device import _handle
+        from .memory import ForeignBuffer
+        device = get_device(device)
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, (int, np.integer)) or buffer_size < 16:
+            raise ValueError(f"buffer_size must be an int of at least 16 bytes, got {buffer_size!r}")
+        return cls.over_buffer(ForeignBuffer(device, _handle("VkBuffer", buffer), int(buffer_size)), offset, shape,
+                               dtype)
+
     @property
     def buffer(self) -> Buffer | BufferRange:
         """The array's one device buffer.

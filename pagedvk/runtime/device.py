@@ -59,6 +59,70 @@ class Device(DeviceMemory, DeviceCommands, Owned):
     """
 
     def __init__(self, info: DeviceInfo) -> None:
+        self._begin(info)
+        family_queues = self._choose_family(info)
+        self._create(info, family_queues)
+        self._finish_open(info)
+
+    @classmethod
+    def from_handles(cls, physical_device, device, queue_family_index: int, queue_index: int = 0, *,
+                     features=(), instance=None) -> "Device":
+        """Run pagedvk on a Vulkan device the caller made (llama.cpp-style engines, game engines, Kompute users).
+
+        pagedvk makes its own command pool, descriptor pools, pipelines and buffers on it and destroys them at
+        close(), but never the device itself. Its work goes to the one queue given: the caller must not submit to that
+        queue from another thread while pagedvk may (Vulkan requires queues to be externally synchronized); give it a
+        queue of its own where the family has one. `pagedvk.Stream()`s on it share that queue.
+
+        Parameters
+        ----------
+        physical_device, device : VkPhysicalDevice, VkDevice
+            The `vulkan` package's handles, or their addresses as ints (a C or C++ caller's).
+        queue_family_index, queue_index : int
+            The queue pagedvk submits to; its family must support compute.
+        features : iterable of str
+            The Vulkan features (their Vulkan names: "shaderFloat16", "storageBuffer16BitAccess",
+            "storageBuffer8BitAccess", "shaderInt8", "shaderInt16", "shaderInt64", "bufferDeviceAddress",
+            "vulkanMemoryModel", "cooperativeMatrix", ...) and extensions the device was created with. Kernels that
+            need one not listed are not used (the others are chosen, or the op is refused by name).
+        instance : VkInstance, optional
+            The instance the physical device came from, for the queries that go through it (the cooperative-matrix
+            shapes it lists); None leaves the matrix kernels out.
+
+        Returns
+        -------
+        Device
+            Not shared through `get_device`: pass it as `device=` to plans, arrays and caches.
+        """
+        pd, handle = _handle("VkPhysicalDevice", physical_device), _handle("VkDevice", device)
+        from .instance import describe
+        self = cls.__new__(cls)
+        info = describe(-1, pd, None if instance is None else _handle("VkInstance", instance))
+        self._begin(info)
+        families = list(vk.vkGetPhysicalDeviceQueueFamilyProperties(pd))
+        if not 0 <= queue_family_index < len(families):
+            raise ValueError(f"queue_family_index must be in [0, {len(families)}), got {queue_family_index}")
+        family = families[queue_family_index]
+        if not family.queueFlags & vk.VK_QUEUE_COMPUTE_BIT:
+            raise ValueError(f"queue family {queue_family_index} of {info.name} has no compute queues")
+        if not 0 <= queue_index < family.queueCount:
+            raise ValueError(f"queue_index must be in [0, {family.queueCount}) for family {queue_family_index}, got "
+                             f"{queue_index}")
+        self.queue_family, self.timestamp_bits = queue_family_index, int(family.timestampValidBits)
+        self.timestamp_period_ns = vk.vkGetPhysicalDeviceProperties(pd).limits.timestampPeriod
+        self.features = frozenset(features)
+        self.buffer_device_address = "bufferDeviceAddress" in self.features and "shaderInt64" in self.features
+        self.cooperative_matrix = "cooperativeMatrix" in self.features and "vulkanMemoryModel" in self.features
+        self.bfloat16_matrix = self.cooperative_matrix and "shaderBFloat16CooperativeMatrix" in self.features
+        self.has_memory_budget = MEMORY_BUDGET_EXTENSION in self.features
+        self.owns_handle = False
+        self.handle = handle
+        self.queues = [vk.vkGetDeviceQueue(handle, queue_family_index, queue_index)]
+        self._finish_open(info, debug_names=False)
+        return self
+
+    def _begin(self, info: DeviceInfo) -> None:
+        """The bookkeeping every Device starts with."""
         self.info = info
         self.name = info.name
         self.serial = next(_serials)
@@ -77,6 +141,10 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         self.abandoned = False  # closed with work still running: its objects were left, not destroyed
         self.lost = None       # the message of the VK_ERROR_DEVICE_LOST that ended this device, if one did
         self.handle = None
+        self.owns_handle = True   # False for a caller's device (from_handles): close() leaves it
+
+    def _choose_family(self, info: DeviceInfo) -> int:
+        """The compute queue family to open; its queue count."""
         pd = info.handle
         families = list(vk.vkGetPhysicalDeviceQueueFamilyProperties(pd))
         # A compute family; prefer one without graphics (a dedicated compute queue), with timestamps.
@@ -90,7 +158,11 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         # Read now: the binding's struct array may be freed once `families` is the only reference left.
         family_queues = int(families[self.queue_family].queueCount)
         self.timestamp_period_ns = vk.vkGetPhysicalDeviceProperties(pd).limits.timestampPeriod
+        return family_queues
 
+    def _create(self, info: DeviceInfo, family_queues: int) -> None:
+        """Create the logical device with the optional features the kernels may use, and its queues."""
+        pd = info.handle
         # Turn on the optional features the kernels may use, where the device has them.
         coop = None
         # Cooperative matrices only where the device lists multiplies (the extension is there), and not under a
@@ -159,6 +231,10 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         except vk.VkError as e:
             raise_vk(e, f"creating a logical device on {info.name}")
         self.queues = [vk.vkGetDeviceQueue(self.handle, self.queue_family, i) for i in range(queue_count)]
+
+    def _finish_open(self, info: DeviceInfo, debug_names: bool | None = None) -> None:
+        """What every Device makes on its VkDevice: streams' bookkeeping, the command pool, the pipeline cache."""
+        pd = info.handle
         self.queue = self.queues[0]
         self._streams = weakref.WeakSet()   # every Stream made on it (synchronize() waits for each)
         self._default_stream = None
@@ -166,7 +242,7 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         self._tickets = 0   # submissions queued on streams so far (Stream.enqueue numbers them)
         # With validation on, objects carry debug-utils names (set_name), so that a message names what it is about.
         # Without it nothing is named: callers test `debug_names` first and build no name.
-        self.debug_names = self.instance.validation
+        self.debug_names = self.instance.validation if debug_names is None else debug_names
         # vkSetDebugUtilsObjectNameEXT, looked up only with validation on (set_name calls it); None without.
         self.object_namer = (vk.vkGetInstanceProcAddr(self.instance.handle, "vkSetDebugUtilsObjectNameEXT")
                                  if self.debug_names else None)
@@ -476,7 +552,8 @@ class Device(DeviceMemory, DeviceCommands, Owned):
         self._descriptor_pools.clear()
         vk.vkDestroyPipelineCache(handle, self.pipeline_cache, None)
         vk.vkDestroyCommandPool(handle, self.command_pool, None)
-        vk.vkDestroyDevice(handle, None)
+        if self.owns_handle:
+            vk.vkDestroyDevice(handle, None)
 
     def _wait_in_flight(self) -> bool:
         """Wait up to PAGEDVK_TIMEOUT for the submissions whose wait timed out (every other submission finished
@@ -508,3 +585,12 @@ def _ns(setting) -> int:
 
 def _seconds(setting) -> float:
     return _ns(setting) / 1e9
+
+
+def _handle(kind: str, handle):
+    """A Vulkan handle of `kind` from the `vulkan` package's cdata or an int address."""
+    if isinstance(handle, int) and not isinstance(handle, bool):
+        return vk.ffi.cast(kind, handle)
+    if isinstance(handle, vk.ffi.CData):
+        return handle
+    raise TypeError(f"a {kind} must be the vulkan package's handle or an int, got {type(handle).__name__}")

@@ -112,8 +112,9 @@ class MatrixShape:
 
 
 def matrix_shapes(instance, pd, extensions) -> tuple:
-    """The cooperative-matrix multiplies the device lists; () without VK_KHR_cooperative_matrix."""
-    if COOPERATIVE_MATRIX_EXTENSION not in extensions:
+    """The cooperative-matrix multiplies the device lists; () without VK_KHR_cooperative_matrix, or without the
+    VkInstance `pd` came from (None: a caller's device described without its instance)."""
+    if COOPERATIVE_MATRIX_EXTENSION not in extensions or instance is None:
         return ()
     name = b"vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"
     address = vk.lib.vkGetInstanceProcAddr(instance, name)

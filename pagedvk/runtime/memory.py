@@ -190,6 +190,33 @@ class BufferRange:
         self.buffer.name_role(role)   # a range has no handle of its own
 
 
+class ForeignBuffer:
+    """A caller's VkBuffer, bound by pagedvk's ops but never freed by it (DeviceArray.from_buffer): `size` bytes from
+    its start, which the caller vouches for. close() only stops pagedvk from using it."""
+
+    offset = 0
+    mapped = None
+
+    def __init__(self, device: "Device", handle, size: int):
+        self.device, self.handle, self.size, self.nbytes = device, handle, size, size
+        self.uid = next(_buffer_uids)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.device.closed
+
+    def close(self) -> None:
+        self._closed = True
+        count_close()   # launches binding it check their bindings again
+
+    def device_address(self) -> int:
+        raise ValueError("a caller's buffer has no device address pagedvk knows: pass it as one binding")
+
+    def name_role(self, role: str) -> None:
+        pass   # the caller names its own objects
+
+
 def _budget_or_none(device, host_visible: bool) -> HeapBudget | None:
     try:   # the figure for the error message; never let it hide the error itself
         return device.memory_budget(device.heap_of(host_visible))

@@ -195,6 +195,60 @@ class Transfers:
         return tuple(b for src, dst, _ in self.before + self.after for b in (src, dst))
 
 
+def record_steps(cmd, steps, descriptor_sets, independent=frozenset(), before_barrier=None) -> None:
+    """Record dispatches in order, each after a barrier that makes the one before's writes visible to it (except the
+    `independent` ones); `before_barrier(i)` runs after the barrier before step i (Launch's timestamps)."""
+    for i, ((pipeline, _, push, grid), dset) in enumerate(zip(steps, descriptor_sets)):
+        if i and i not in independent:
+            memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
+                           vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT)
+            if before_barrier is not None:
+                before_barrier(i)
+        pipeline.record_dispatch(cmd, dset, push, grid)
+
+
+class RecordedInto(Owned):
+    """Dispatches recorded into a caller's command buffer (`record_into`): the descriptor sets they bind, which must
+    live until the caller's command buffer has finished running (close it then, or let it go with the object that
+    recorded it)."""
+
+    def __init__(self, device, steps, command_buffer):
+        cmd = _command_buffer_handle(command_buffer)
+        bound = [b for _, buffers, _, _ in steps for b in buffers]
+        with device.lock:
+            require_open_buffers(bound)
+            self.descriptor_sets = [pipeline.descriptor_set(buffers) for pipeline, buffers, _, _ in steps]
+            # Before: every earlier command's writes (transfers, the caller's shaders) visible to the dispatches.
+            # After: the dispatches' writes visible to every later command of the caller's.
+            memory_barrier(cmd, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, vk.VK_ACCESS_MEMORY_WRITE_BIT,
+                           vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                           vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
+            record_steps(cmd, steps, self.descriptor_sets)
+            memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
+                           vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT,
+                           vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT)
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Free the descriptor sets; only once the caller's command buffer will not run again."""
+        self._closed = True
+        for dset in self.descriptor_sets:
+            dset.close()
+
+
+def _command_buffer_handle(command_buffer):
+    if isinstance(command_buffer, int) and not isinstance(command_buffer, bool):
+        return vk.ffi.cast("VkCommandBuffer", command_buffer)
+    if isinstance(command_buffer, vk.ffi.CData):
+        return command_buffer
+    raise TypeError(f"command_buffer must be a VkCommandBuffer (the vulkan package's handle or an int), got "
+                    f"{type(command_buffer).__name__}")
+
+
 class Launch(Owned):
     """Dispatches recorded once into one command buffer, each ordered after the one before, and their
     descriptor sets.
@@ -233,13 +287,8 @@ class Launch(Owned):
                     memory_barrier(cmd, vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_WRITE_BIT,
                                    vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
                                    vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT)
-                for i, ((pipeline, _, push, grid), dset) in enumerate(zip(steps, self.descriptor_sets)):
-                    if i and i not in independent:
-                        memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
-                                       vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_READ_BIT)
-                        if self.group and i % self.group == 0:
-                            cmd_buffer.stamp(cmd)
-                    pipeline.record_dispatch(cmd, dset, push, grid)
+                stamp = (lambda i: cmd_buffer.stamp(cmd) if i % self.group == 0 else None) if self.group else None
+                record_steps(cmd, steps, self.descriptor_sets, independent, stamp)
                 if transfers.after:
                     memory_barrier(cmd, vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, vk.VK_ACCESS_SHADER_WRITE_BIT,
                                    vk.VK_PIPELINE_STAGE_TRANSFER_BIT, vk.VK_ACCESS_TRANSFER_READ_BIT)

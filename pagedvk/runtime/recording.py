@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from ..errors import ClosedError, PagedVKError
 from .array import DeviceArray
 from .owned import Owned
-from .pipeline import Launch
+from .pipeline import Launch, RecordedInto
 from .selection import DeviceLike, get_device
 
 _active = threading.local()
@@ -76,6 +76,18 @@ class RecordedStep(Owned):
                 old.close()   # a replay still queued keeps what it binds (Device._release)
             self._launch, self._generations = Launch(self.device, dispatches), generations
         self._launch.enqueue(stream)
+
+    def record_into(self, command_buffer) -> RecordedInto:
+        """Record the step's ops into a caller's command buffer (between its begin and end), with a barrier before
+        them (after every earlier command's writes) and one after (before every later command's reads and writes).
+
+        The returned object holds the descriptor sets they bind: keep it until that command buffer has finished
+        running, then close it. The arrays and plans the step recorded must stay open as long; a plan update that
+        changes its `generation` needs a new recording.
+        """
+        if self._closed:
+            raise ClosedError("the recorded step is closed")
+        return RecordedInto(self.device, self.dispatches(), command_buffer)
 
     def dispatches(self) -> list:
         """The recorded ops' (pipeline, buffers, push constants, grid) dispatches as they stand now (benchmarks time

@@ -130,6 +130,21 @@ def test_a_split_merged_in_the_decode_leaves_its_counters_at_zero(rng, kernel, n
                     assert not plan.merge_counters.numpy().any()
 
 
+def test_merge_counters_after_an_odd_number_of_stats(rng):
+    # One sequence, one head group of 3 heads, 3 partitions: 9 stats pairs, then 1 counter. The counters' view of the
+    # plan's scratch is 16-byte rounded and ended past the buffer: the plan could not be made (found on an H100 by
+    # test_properties' decode search, 2026-12-06).
+    case = Case(rng, seq_lens=[40], num_heads=3, num_kv_heads=1, head_size=32, block_size=16)
+    with pagedvk.DecodePlan(case.block_tables, case.seq_lens, num_heads=3, num_kv_heads=1, head_size=32,
+                            block_size=16, num_blocks=case.key_cache.shape[0], partition_size=16, kernel="gpu",
+                            backend="glsl") as plan:
+        assert plan.num_partitions == 3 and plan.merge_in_decode
+        assert plan.merge_counters.shape == (1, 2)
+        out = plan.run(case.query, case.key_cache, case.value_cache)
+        assert rel_error(out, case.reference()) <= 1e-5
+        assert not plan.merge_counters.numpy().any()
+
+
 # Default tier: a 16-bit type and an fp8 one (the rule's own and a forced one), each head and block size among them;
 # the other types in the full tier (a pipeline compile costs lavapipe 10-35 s cold).
 @pytest.mark.parametrize("dtype,head_size,block_size", tiered(
