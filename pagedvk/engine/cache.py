@@ -21,7 +21,7 @@ from ..ops.layouts import LAYOUTS, MAX_HEAD_SIZE, CacheSpec, check_block_size
 from ..ops.opargs import device_of
 from ..ops.prefill import paged_attention_prefill
 from ..ops.prefill_plan import PrefillPlan
-from ..runtime.array import empty
+from ..runtime.array import DeviceArray, empty
 from ..runtime.owned import Owned
 from ..runtime.selection import DeviceLike
 from .blocks import BlockManager
@@ -139,14 +139,18 @@ class KVCache(Owned):
         Parameters
         ----------
         layer : int
-        k, v : array_like, shape (n, num_kv_heads, head_size)
-            Converted to float32.
-        slots : array_like, shape (n,)
-            Slot = block * block_size + offset, as the BlockManager gives them; negative slots are skipped.
+        k, v : DeviceArray or array_like, shape (n, num_kv_heads, head_size)
+            DeviceArrays (float32, float16 or bfloat16) are used where they are, never read back; anything else is
+            converted to float32.
+        slots : DeviceArray or array_like, shape (n,)
+            Slot = block * block_size + offset, as the BlockManager gives them; negative slots are skipped. Host
+            slots are checked against the cache; device slots are not read back (the kernel skips slots outside it).
         """
-        cache_ops.reshape_and_cache(np.asarray(k, np.float32), np.asarray(v, np.float32), self.key[layer],
-                                    self.value[layer], np.asarray(slots, np.int32), layout=self.layout,
-                                    backend=self.backend)
+        k, v = (a if isinstance(a, DeviceArray) else np.asarray(a, np.float32) for a in (k, v))
+        on_device = isinstance(slots, DeviceArray)
+        slots = slots if on_device else np.asarray(slots, np.int32)
+        cache_ops.reshape_and_cache(k, v, self.key[layer], self.value[layer], slots, layout=self.layout,
+                                    backend=self.backend, validate=not on_device)
 
     def copy_blocks(self, pairs: ArrayLike) -> None:
         """Copy-on-write copies in every layer's caches, in one submission.

@@ -220,13 +220,18 @@ class CommandBuffer(Owned):
             if result != vk.VK_SUCCESS:
                 self._keep_in_flight()   # it may still run: free nothing under it
                 raise_vk(vk_error(result), f"waiting for {self.name} (vkWaitForFences)", device=dev)
-            result = reset_fences(dev.handle, 1, self._fences)
-            if result != vk.VK_SUCCESS:   # still pending: the next use waits on the signalled fence again
-                raise_vk(vk_error(result), "vkResetFences", device=dev)
-            self.pending = False
-            dev.finished(self.fence)   # reset: nothing to wait for
-            if self.query_pool is not None:
-                self._elapsed.stamps = self._read_timestamps()
+            self.finish()
+
+    def finish(self) -> None:
+        """Its submission was seen finished (its fence signalled): reset the fence for the next one. Callers hold
+        device.lock."""
+        result = reset_fences(self.device.handle, 1, self._fences)
+        if result != vk.VK_SUCCESS:   # still pending: the next use waits on the signalled fence again
+            raise_vk(vk_error(result), "vkResetFences", device=self.device)
+        self.pending = False
+        self.device.finished(self.fence)
+        if self.query_pool is not None:
+            self._elapsed.stamps = self._read_timestamps()
 
     def _keep_in_flight(self) -> None:
         self.device.keep_in_flight(self.fence)

@@ -97,7 +97,7 @@ class Stream:
                         break
                     if result != vk.VK_SUCCESS:   # it stays queued: later waits meet the fault again
                         raise_vk(vk_error(result), f"running {s.command_buffer.name}", device=dev)
-                    s.command_buffer.wait(0, 0)   # signalled: resets the fence for its next submission
+                    s.command_buffer.finish()   # signalled: resets the fence for its next submission
                 pending.popleft()
 
     @property

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pagedvk
+import pagedvk.testing.reference
 from support import tiered
 from pagedvk.demo.serve import demo
 
@@ -108,3 +109,21 @@ def test_kv_cache_rejects_bad_arguments():
         pagedvk.KVCache(1, 1, 4, block_size=1, num_blocks=4, layout="nhd")
     with pytest.raises(ValueError, match=r"num_layers must be in \[1, inf\], got 0"):
         pagedvk.KVCache(0, 2, 32, num_blocks=4)
+
+
+def test_write_takes_device_arrays_without_reading_them_back(rng, monkeypatch):
+    # Keys, values and slots already on the device go to the kernel as they are: nothing is read back to the host.
+    cache = pagedvk.KVCache(num_layers=1, num_kv_heads=2, head_size=64, dtype=np.float16, num_blocks=4)
+    cache.key[0].write(np.zeros(cache.spec.key_shape, np.float16))
+    cache.value[0].write(np.zeros(cache.spec.value_shape, np.float16))
+    k, v = rng.standard_normal((2, 3, 2, 64)).astype(np.float16)
+    slots = np.array([0, 17, 63], np.int32)
+    dk, dv, dslots = pagedvk.asarray(k), pagedvk.asarray(v), pagedvk.asarray(slots)
+    with monkeypatch.context() as m:
+        m.setattr(pagedvk.DeviceArray, "numpy", lambda self: pytest.fail("a device input was read back"))
+        cache.write(0, dk, dv, dslots)
+    want_k, want_v = pagedvk.testing.reference.reshape_and_cache(k, v, np.zeros(cache.spec.key_shape, np.float16),
+                                                                  np.zeros(cache.spec.value_shape, np.float16), slots)
+    np.testing.assert_array_equal(cache.key[0].numpy(), want_k)
+    np.testing.assert_array_equal(cache.value[0].numpy(), want_v)
+    cache.close()
