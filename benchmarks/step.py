@@ -14,6 +14,7 @@ busy for --warm seconds (a GPU left idle drops its clocks):
                thread's CPU time per layer;
   queued       the same ops called one by one (each queued at once), then `synchronize()`: wall per step, and the
                calling thread's CPU time per op;
+  fused        each layer's write and attention as one `DecodePlan.append_and_run` (one submission a layer);
   waiting      synchronize() after queuing --wait-steps replays: the waiting thread's CPU time as a share of the
                wait's wall time (it should sleep: PAGEDVK_SPIN_US is the window it polls first).
 """
@@ -61,7 +62,11 @@ def build(args, device):
             pagedvk.reshape_and_cache(kv[2 * layer], kv[2 * layer + 1], cache.key[layer], cache.value[layer], slots,
                                       validate=False)
             plan.run(q[layer], cache.key[layer], cache.value[layer], out=out[layer])
-    return cache, plan, step, (q, kv, out, slots)
+    def fused_step():   # each layer's write and attention in one submission (DecodePlan.append_and_run)
+        for layer in range(args.layers):
+            plan.append_and_run(kv[2 * layer], kv[2 * layer + 1], slots, q[layer], cache.key[layer],
+                                cache.value[layer], out=out[layer], validate=False)
+    return cache, plan, step, fused_step, (q, kv, out, slots)
 
 
 def median(xs):
@@ -83,7 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = pagedvk.default_device()
-    cache, plan, step, keep = build(args, device)
+    cache, plan, step, fused_step, keep = build(args, device)
     ops = 2 * args.layers
     with pagedvk.record(device) as recorded:
         step()
@@ -126,6 +131,8 @@ def main(argv=None) -> int:
         replay_issue = issue_only(recorded.replay)
         queued_wall, queued_cpu = timed_steps(step)
         queued_issue = issue_only(step)
+        fused_wall, fused_cpu = timed_steps(fused_step)
+        fused_issue = issue_only(fused_step)
         # Waiting: queue several replays, then measure the wait alone.
         shares = []
         for _ in range(5):
@@ -139,7 +146,8 @@ def main(argv=None) -> int:
                        replay_issue_per_layer_us=replay_issue / args.layers / 1e3,
                        queued_wall_us=queued_wall / 1e3, queued_over_gpu=queued_wall / gpu,
                        queued_cpu_per_op_us=queued_cpu / ops / 1e3, queued_issue_per_op_us=queued_issue / ops / 1e3,
-                       wait_cpu_share=median(shares))
+                       fused_wall_us=fused_wall / 1e3, fused_over_gpu=fused_wall / gpu,
+                       fused_issue_per_layer_us=fused_issue / args.layers / 1e3, wait_cpu_share=median(shares))
     finally:
         recorded.close()
         plan.close()
@@ -152,6 +160,8 @@ def main(argv=None) -> int:
           f"{r['replay_cpu_per_layer_us']:.2f} us per layer with the wait, {r['replay_issue_per_layer_us']:.2f} to issue")
     print(f"queued    {r['queued_wall_us']:9.1f} us per step = {r['queued_over_gpu']:.3f} x GPU;  calling thread "
           f"{r['queued_cpu_per_op_us']:.2f} us per op with the wait, {r['queued_issue_per_op_us']:.2f} to issue")
+    print(f"fused     {r['fused_wall_us']:9.1f} us per step = {r['fused_over_gpu']:.3f} x GPU;  calling thread "
+          f"{r['fused_issue_per_layer_us']:.2f} us per layer to issue (append_and_run: one submission a layer)")
     print(f"waiting   the waiting thread's CPU is {100 * r['wait_cpu_share']:.1f}% of the wait")
     if args.json:
         with open(args.json, "w") as f:

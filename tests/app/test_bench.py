@@ -392,3 +392,23 @@ def test_decode_ab_refuses_sets_it_cannot_use(sets, message, capsys):
     with pytest.raises(SystemExit):
         ab.main([s.format(spv=modules.SPV_DIR) for s in sets] + ["--shapes", "1x64"])
     assert message.format(spv=modules.SPV_DIR) in capsys.readouterr().err
+
+
+def test_step_benchmark_reports_issue_38s_rows(capsys, tmp_path):
+    # benchmarks/step.py, short: a recorded step, the same ops queued one by one and fused, and the wait's CPU share.
+    step = load_benchmark("step")
+    assert step.main(["--layers", "2", "--batch", "1", "--context", "32", "--heads", "4", "--kv-heads", "2",
+                      "--head-size", "64", "--steps", "2", "--wait-steps", "2", "--warm", "0",
+                      "--json", str(tmp_path / "step.json")]) == 0
+    printed = capsys.readouterr().out
+    for row in ("GPU", "replayed", "queued", "fused", "waiting"):
+        assert f"\n{row} " in printed
+    import json
+    figures = json.loads((tmp_path / "step.json").read_text())
+    assert figures["gpu_us"] > 0 and figures["replay_wall_us"] > 0 and 0 <= figures["wait_cpu_share"] <= 1
+
+
+def test_streams_benchmark_runs(capsys):
+    streams = load_benchmark("streams")
+    assert streams.main(["--context", "64", "--repeats", "2"]) == 0
+    assert "overlap" in capsys.readouterr().out
