@@ -557,7 +557,7 @@ class _DecodePart:
     the host (small; device tables are read back)."""
 
     def __init__(self, p: PrefillProblem, s0: int, s1: int, **variants):
-        self.rows, self.views = (int(p.query_start_loc[s0]), s1 - s0), ()
+        self.rows, self.views, self.sequences = (int(p.query_start_loc[s0]), s1 - s0), (), (s0, s1)
         self.query_type, self.num_heads, self.head_size = p.query_type, p.num_heads, p.head_size
         self.row_bytes = p.query_row_bytes()
         tables, lens = checks.host(p.block_tables)[s0:s1], checks.host(p.seq_lens)[s0:s1]
@@ -566,6 +566,11 @@ class _DecodePart:
                                dtype=p.spec.storage.dtype, query_dtype=p.query_type.dtype, layout=p.spec.layout,
                                scale=p.scale, k_scale=p.k_scale, v_scale=p.v_scale, device=p.device,
                                backend=p.backend, validate=False, **variants)
+
+    def update(self, block_tables, seq_lens) -> None:
+        """The next step's tables (a PrefillPlan kept this part): its rows of them, into its plan in place."""
+        s0, s1 = self.sequences
+        self.plan.update(checks.host(block_tables)[s0:s1], checks.host(seq_lens)[s0:s1], validate=False)
 
     def steps(self, arrays: dict) -> list:
         """The decode kernel's dispatches over the tokens' rows of query, out and lse (views, no copies)."""

@@ -19,7 +19,7 @@ from ..runtime.selection import DeviceLike
 from . import checks
 from .decode_plan import RECORDED_LAUNCHES, argument_signature
 from .opargs import device_of
-from .prefill import QUERY_DOC, _forward, _int_arguments, _launch, paged_attention_prefill
+from .prefill import QUERY_DOC, _check_lengths, _forward, _int_arguments, _launch, paged_attention_prefill
 
 SHAPES_KEPT = 8   # per plan: the query / cache shapes seen (a model has one; a benchmark a few)
 
@@ -171,9 +171,11 @@ class PrefillPlan(Owned):
             launch.enqueue()
 
     def update(self, block_tables: Array, seq_lens: Array, query_start_loc: Array | None = None) -> None:
-        """Prepare the plan for the next prefill step: new tables, lengths and query lengths (the tile schedule is
-        made again at the next run). Same shapes as the plan's tables; the plan's device tables are written in
-        place."""
+        """Prepare the plan for the next prefill step: new tables and lengths, in the plan's own device tables.
+
+        Same shapes as the plan's tables. Where query_start_loc is unchanged (a steady batch of chunks), the tile
+        schedule and the recorded launches stay and nothing is allocated; a new one makes them again at the next
+        run."""
         self._require_open()
         block_tables, seq_lens, query_start_loc = _int_arguments(block_tables, seq_lens, query_start_loc)
         checks.tables(block_tables, seq_lens)
@@ -184,16 +186,26 @@ class PrefillPlan(Owned):
                                  "batch of another shape needs a plan of its own")
         if (query_start_loc is None) != (self.query_start_loc is None):
             raise ValueError("query_start_loc must be given exactly when the plan was made with one (ragged queries)")
+        new_loc = None if query_start_loc is None else np.array(checks.host(query_start_loc), np.int32)
+        same_schedule = (new_loc is None or (self.query_start_loc is not None
+                                              and np.array_equal(new_loc, self.query_start_loc)))
+        if same_schedule and self.options.get("validate", True):
+            for problem, _, _ in list(self._shapes.values()):   # what a new problem would check
+                checks.block_table_values(block_tables, seq_lens, problem.block_size, problem.num_blocks)
+                _check_lengths(checks.host(seq_lens), np.diff(problem.query_start_loc), problem.ragged)
         with self._lock:
-            self._forget_all()
+            if not same_schedule or not all(a in self._owned for a in (self.block_tables, self.seq_lens)):
+                self._forget_all()
             for name, given in (("block_tables", block_tables), ("seq_lens", seq_lens)):
                 current = getattr(self, name)
                 if current in self._owned:
                     current.write(np.asarray(checks.host(given), np.int32))
                 else:
                     setattr(self, name, self._on_device(given))
-            self.query_start_loc = (None if query_start_loc is None
-                                    else np.array(checks.host(query_start_loc), np.int32))
+            self.query_start_loc = new_loc
+            for problem, _, _ in self._shapes.values():   # kept: their decode tokens' plans take the new rows
+                if problem.decode_part is not None:
+                    problem.decode_part.update(block_tables, seq_lens)
 
     def _forget_problem(self, problem) -> None:
         if problem.decode_part is not None:

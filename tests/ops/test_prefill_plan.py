@@ -80,3 +80,30 @@ def test_unknown_options_are_refused_by_name(rng):
         pagedvk.PrefillPlan(case.block_tables, case.seq_lens, case.query_start_loc, partition_size=16)
     with pytest.raises(ValueError, match="block_tables"):
         pagedvk.PrefillPlan(case.block_tables[0], case.seq_lens, case.query_start_loc)
+
+
+def test_a_steady_update_keeps_the_schedule_and_the_launches(rng):
+    # The next step has the same query lengths (a steady batch of chunks and decode tokens), new lengths: the plan's
+    # tables are written in place, its launches and schedule stay (nothing recorded or allocated again), and the
+    # results follow the new lengths.
+    case = PrefillCase(rng, q_lens=[24, 9, 1, 1], layout="vllm", seq_lens=[60, 50, 30, 20])
+    q, k, v = (pagedvk.asarray(a) for a in (case.query, case.key_cache, case.value_cache))
+    out = pagedvk.empty(case.query.shape)
+    with pagedvk.PrefillPlan(case.block_tables, case.seq_lens, case.query_start_loc) as plan:
+        plan.run(q, k, v, out=out)
+        (problem, _, _), = plan._shapes.values()
+        assert problem.decode_part is not None   # the two decode tokens go to the decode kernel
+        launches = [kept[0] for kept in plan._launches.values()]
+        owned = list(plan._owned)
+        for step in range(1, 3):
+            lens = case.seq_lens - 3 * step
+            plan.update(case.block_tables, lens, case.query_start_loc)
+            out.write(np.full(case.query.shape, np.nan, np.float32))
+            plan.run(q, k, v, out=out)
+            assert [kept[0] for kept in plan._launches.values()] == launches and plan._owned == owned
+            ref, _ = pagedvk.testing.reference.paged_attention_prefill(case.query, case.key_cache, case.value_cache,
+                                                                        case.block_tables, lens, case.query_start_loc,
+                                                                        layout="vllm")
+            assert rel_error(out.numpy(), ref) <= TOL
+        with pytest.raises(ValueError, match=r"seq_lens\[1\] = 5 is less than q_len_s"):
+            plan.update(case.block_tables, np.array([60, 5, 30, 20], np.int32), case.query_start_loc)
