@@ -275,7 +275,7 @@ def test_timeout_then_the_device_goes_on(rng, warm, monkeypatch, spin_us):
         # A call made meanwhile times out too (waiting for the first, or for its own kernel); it frees its
         # output and launch at once, but Vulkan destroys them only once nothing runs any more.
         with pytest.raises(TimeoutError):
-            pagedvk.paged_attention(q, k, v, bt, sl, validate=False)
+            pagedvk.paged_attention(q, k, v, bt, sl, validate=False).numpy()
         monkeypatch.delenv("PAGEDVK_TIMEOUT")
         out.write(np.zeros(case.query.shape, np.float32))
         np.testing.assert_array_equal(plan.run(q, k, v, out).numpy(), expected)
