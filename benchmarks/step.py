@@ -94,7 +94,8 @@ def main(argv=None) -> int:
         step()
     results = dict(device=device.info.name, layers=args.layers, batch=args.batch, context=args.context,
                    heads=args.heads, kv_heads=args.kv_heads, head_size=args.head_size, dtype=args.dtype,
-                   spin_us=pagedvk.config.spin_ns(device.info.type == "cpu") / 1e3)
+                   spin_us=pagedvk.config.spin_ns(device.info.type == "cpu") / 1e3,
+                   batch_limit=pagedvk.config.batch())
     try:
         end = time.perf_counter() + args.warm
         while time.perf_counter() < end:
@@ -154,7 +155,8 @@ def main(argv=None) -> int:
         cache.close()
     r = results
     print(f"device: {r['device']}; {args.layers} layers, {args.batch} x {args.context}, {args.heads}q/{args.kv_heads}kv, "
-          f"head {args.head_size}, {args.dtype}; PAGEDVK_SPIN_US {r['spin_us']:g}; medians of {args.steps} steps")
+          f"head {args.head_size}, {args.dtype}; PAGEDVK_SPIN_US {r['spin_us']:g}, PAGEDVK_BATCH {r['batch_limit']}; "
+          f"medians of {args.steps} steps")
     print(f"GPU       {r['gpu_us']:9.1f} us per step (sum of its ops' GPU times)")
     print(f"replayed  {r['replay_wall_us']:9.1f} us per step = {r['replay_over_gpu']:.3f} x GPU;  calling thread "
           f"{r['replay_cpu_per_layer_us']:.2f} us per layer with the wait, {r['replay_issue_per_layer_us']:.2f} to issue")

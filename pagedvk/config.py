@@ -133,12 +133,39 @@ def check_spv_dir() -> None:
                          "which is not a folder")
 
 
+# Command buffers a stream submits in one vkQueueSubmit at most. Each submission costs the GPU a gap of about 8.6 us
+# on NVIDIA's driver (an H100, benchmarks/step.py, 2026-12-06), so ops queued while two submissions are still running
+# wait on the host and go together (Stream.enqueue); 1 submits every op on its own.
+DEFAULT_BATCH = 32
+MAX_BATCH = 1024
+
+
+def batch() -> int:
+    """PAGEDVK_BATCH (an int in [1, 1024], default 32): how many queued ops a stream submits together at most."""
+    return _parse_batch(_get("PAGEDVK_BATCH"))
+
+
+@functools.lru_cache(maxsize=16)   # read at every queued op
+def _parse_batch(text: str | None) -> int:
+    if not text:
+        return DEFAULT_BATCH
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_BATCH:
+        raise ValueError(f"PAGEDVK_BATCH must be an int in [1, {MAX_BATCH}] (command buffers per submission), "
+                         f"got {text!r}")
+    return value
+
+
 def check_all() -> None:
     """Parse every variable, so a bad one is reported before anything is made or submitted (a bad
     PAGEDVK_SPIN_US read at the first wait once segfaulted: the wait raised with the work still running)."""
     timeout_ns()
     compile_timeout_ns()
     spin_ns(cpu_device=False)
+    batch()
     backend()
     validation()
     device()

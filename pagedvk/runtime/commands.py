@@ -108,6 +108,10 @@ class CommandBuffer(Owned):
                                                           "commandBufferCount": 1, "pCommandBuffers": self._handles})
         self._fences = vk.ffi.new("VkFence[1]", [self.fence])
         self.pending = False    # submitted, and its fence not yet seen signalled and reset
+        # A stream submits several queued command buffers at once (Stream.flush) with the last one's fence: the
+        # others' `carrier` is that one, which lists them as `riders` and marks them finished with itself.
+        self.carrier, self.riders = self, []
+        self.batched = None     # the Stream whose unsubmitted batch holds it (submitted at its next flush)
         self.ticket = 0         # the device's number for its latest submission (pagedvk.runtime.stream)
         self.query_pool, self.queries = None, 0
         self._query_pools = []  # the finalizer's view of the query pools made by timed records
@@ -122,7 +126,7 @@ class CommandBuffer(Owned):
         self.device.require_open()
         if self.closed:
             raise ClosedError("the command buffer is closed")
-        if self.pending:
+        if self.pending or self.batched is not None:
             self.wait()   # its last wait timed out: it must finish before it is submitted or recorded again
 
     def record(self, body, timestamps: int = 0) -> None:
@@ -203,6 +207,10 @@ class CommandBuffer(Owned):
         submission then stays pending: nothing it uses is freed or reused until it has finished)."""
         dev = self.device
         with dev.lock:
+            if self.batched is not None:
+                self.batched.flush()   # queued on a stream, not submitted yet: it goes now
+            if self.carrier is not self:
+                return self.carrier.wait(timeout, spin)   # submitted with others: the last one's fence tells
             if not self.pending:
                 return
             try:
@@ -228,10 +236,12 @@ class CommandBuffer(Owned):
         result = reset_fences(self.device.handle, 1, self._fences)
         if result != vk.VK_SUCCESS:   # still pending: the next use waits on the signalled fence again
             raise_vk(vk_error(result), "vkResetFences", device=self.device)
-        self.pending = False
         self.device.finished(self.fence)
-        if self.query_pool is not None:
-            self._elapsed.stamps = self._read_timestamps()
+        for cb in (*self.riders, self):
+            cb.pending, cb.carrier = False, cb
+            if cb.query_pool is not None:
+                cb._elapsed.stamps = cb._read_timestamps()
+        self.riders = []
 
     def _keep_in_flight(self) -> None:
         self.device.keep_in_flight(self.fence)

@@ -558,7 +558,12 @@ class Device(DeviceMemory, DeviceCommands, Owned):
     def _wait_in_flight(self) -> bool:
         """Wait up to PAGEDVK_TIMEOUT for the submissions whose wait timed out (every other submission finished
         under the lock close() holds). Whether some still run. Never vkDeviceWaitIdle: it has no limit."""
-        queued = [s.command_buffer.fence for stream in list(self._streams) for s in stream._pending
+        for stream in list(self._streams):   # queued ops not submitted yet: they go, as a wait would send them
+            try:
+                stream.flush()
+            except PagedVKError:
+                pass   # refused by the queue: nothing of them runs (flush forgets them)
+        queued = [s.command_buffer.carrier.fence for stream in list(self._streams) for s in stream._pending
                   if not s.done_elsewhere]
         fences = list(self._in_flight) + queued
         if not fences:

@@ -97,6 +97,24 @@ def test_bad_spin_is_refused_by_name(monkeypatch, value):
         config.spin_ns(cpu_device=False)
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "1.5", "1025"])
+def test_bad_batch_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("PAGEDVK_BATCH", value)
+    with pytest.raises(ValueError, match=r"PAGEDVK_BATCH must be an int in \[1, 1024\] \(command buffers per "):
+        config.batch()
+    with pytest.raises(ValueError, match="PAGEDVK_BATCH"):
+        config.check_all()
+
+
+def test_batch_default_and_blank(monkeypatch):
+    monkeypatch.delenv("PAGEDVK_BATCH", raising=False)
+    assert config.batch() == config.DEFAULT_BATCH
+    monkeypatch.setenv("PAGEDVK_BATCH", " ")
+    assert config.batch() == config.DEFAULT_BATCH
+    monkeypatch.setenv("PAGEDVK_BATCH", " 7 ")
+    assert config.batch() == 7
+
+
 def test_spin_defaults_to_polling_on_gpus_only(monkeypatch):
     monkeypatch.delenv("PAGEDVK_SPIN_US", raising=False)
     assert config.spin_ns(cpu_device=True) == 0

@@ -25,6 +25,18 @@ def on_device(case):
     return [pagedvk.asarray(a) for a in case.args()]
 
 
+def live_after_warming(device, case):
+    """The device's live object count once the case's pipelines exist (they stay cached on the device)."""
+    q, k, v, bt, sl = on_device(case)
+    with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS) as plan:
+        plan.run(q, k, v).numpy()
+    for a in (q, k, v, bt, sl):
+        a.close()
+    from pagedvk.ops.decode import release_cached_plans
+    release_cached_plans()
+    return device.live_objects()
+
+
 def test_an_op_over_device_arrays_returns_before_its_work_is_done(rng, device, monkeypatch):
     # While run() is called the driver's fence calls say "not ready" and a wait fails the test: run() queues its
     # work and returns without waiting; numpy() then waits for it (with the real calls).
@@ -53,7 +65,7 @@ def test_closing_what_queued_work_binds_waits_for_the_work(rng, device):
     # Everything the run binds is closed (or dropped) straight after it is queued; the run still reads them, and they
     # are destroyed only once it has finished (validation would report a use of a destroyed buffer).
     case = long_case(rng)
-    live = device.live_objects()
+    live = live_after_warming(device, case)
     q, k, v, bt, sl = on_device(case)
     out = pagedvk.asarray(np.full(case.query.shape, np.nan, np.float32))
     plan = pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS)
@@ -148,3 +160,131 @@ def test_a_fault_found_by_a_later_wait_names_the_op(rng, device, monkeypatch):
             monkeypatch.setattr(commands, "get_fence_status", real_status)
             device.lost = None   # simulated
         np.testing.assert_allclose(out.numpy(), case.reference(), rtol=1e-5, atol=1e-5)
+
+
+class BusyGPU:
+    """Fences that say "not ready" (the GPU still runs the two submissions ahead), and a count of the command buffers
+    in each vkQueueSubmit."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch, self.counts = monkeypatch, []
+        real_submit = commands.queue_submit
+
+        def counting_submit(queue, n, info, fence):
+            self.counts.append(info.commandBufferCount)
+            return real_submit(queue, n, info, fence)
+
+        monkeypatch.setattr(commands, "queue_submit", counting_submit)
+        self.real_status = commands.get_fence_status
+        monkeypatch.setattr(commands, "get_fence_status", lambda *a: vk.VK_NOT_READY)
+
+    def catch_up(self):
+        """The GPU's fences tell the truth again."""
+        self.monkeypatch.setattr(commands, "get_fence_status", self.real_status)
+
+
+def decodes_into(plan, case, q, k, v, n):
+    """n outputs of one plan, each its own launch (command buffer), recorded and run once before the test counts."""
+    outs = [pagedvk.asarray(np.full(case.query.shape, np.nan, np.float32)) for _ in range(n)]
+    for out in outs:
+        plan.run(q, k, v, out)
+    pagedvk.synchronize()
+    for out in outs:
+        out.write(np.full(case.query.shape, np.nan, np.float32))   # poisoned again
+    return outs
+
+
+@pytest.mark.parametrize("batch, submissions", [(None, [1, 1, 4]), ("3", [1, 1, 3, 1]), ("1", [1] * 6)])
+def test_ops_queued_behind_two_running_submissions_go_together(rng, device, monkeypatch, batch, submissions):
+    # Six decodes queued while the GPU is busy: the first two are submitted at once, the others wait in the stream's
+    # batch and go in one vkQueueSubmit (PAGEDVK_BATCH at most) when the stream is asked about its work; each result
+    # is right.
+    case = Case(rng, num_seqs=3, num_heads=NUM_HEADS, num_kv_heads=2, head_size=32, block_size=16, max_len=60)
+    q, k, v, bt, sl = on_device(case)
+    if batch is None:
+        monkeypatch.delenv("PAGEDVK_BATCH", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDVK_BATCH", batch)
+    with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS) as plan:
+        outs = decodes_into(plan, case, q, k, v, 6)
+        gpu = BusyGPU(monkeypatch)
+        for out in outs:
+            plan.run(q, k, v, out)
+        stream = default_stream(device)
+        before_flush = list(gpu.counts)
+        assert not stream.query()   # asking sends the batch
+        assert gpu.counts == submissions
+        assert before_flush == submissions[:-1] or batch == "1"
+        gpu.catch_up()
+        for out in outs:
+            assert rel_error(out.numpy(), case.reference()) <= 1e-5
+
+
+def test_an_op_queued_again_while_it_waits_in_a_batch(rng, device, monkeypatch):
+    # A, B, C, then A again while C waits in the batch and A may still run: A's command buffer runs once at a time,
+    # so the second A waits for the first; C and the second A then go together. Results stay right, and waiting on
+    # a command buffer that went with others waits on the last one's fence.
+    case = Case(rng, num_seqs=3, num_heads=NUM_HEADS, num_kv_heads=2, head_size=32, block_size=16, max_len=60)
+    q, k, v, bt, sl = on_device(case)
+    with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS) as plan:
+        a, b, c = decodes_into(plan, case, q, k, v, 3)
+        gpu = BusyGPU(monkeypatch)
+        for out in (a, b, c):
+            plan.run(q, k, v, out)
+        assert gpu.counts == [1, 1]
+        a.write(np.full(case.query.shape, np.nan, np.float32))   # a host write waits for everything: the batch goes
+        assert gpu.counts == [1, 1, 1]
+        plan.run(q, k, v, c)
+        plan.run(q, k, v, a)
+        assert gpu.counts == [1, 1, 1, 1, 1]   # after the wait, nothing is seen running: each goes at once
+        gpu.catch_up()
+        for out in (a, b, c):
+            assert rel_error(out.numpy(), case.reference()) <= 1e-5
+
+
+def test_riders_wait_on_their_batch(rng, device, monkeypatch):
+    # Four ops, the last two submitted together: the first of those two waits on the second's fence.
+    case = Case(rng, num_seqs=2, num_heads=NUM_HEADS, num_kv_heads=2, head_size=32, block_size=16, max_len=40)
+    q, k, v, bt, sl = on_device(case)
+    with pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS) as plan:
+        outs = decodes_into(plan, case, q, k, v, 4)
+        gpu = BusyGPU(monkeypatch)
+        for out in outs:
+            plan.run(q, k, v, out)
+        stream = default_stream(device)
+        stream.flush()
+        assert gpu.counts == [1, 1, 2]
+        gpu.catch_up()
+        stream.synchronize()
+        assert stream.query()
+        for out in outs:
+            assert rel_error(out.numpy(), case.reference()) <= 1e-5
+
+
+def test_closing_what_a_batched_op_binds_waits_for_the_op(rng, device, monkeypatch):
+    # Ops still in the stream's batch (not submitted) when everything they bind is closed and collected: they run
+    # at the next wait, on live buffers, and the objects are destroyed after.
+    case = long_case(rng)
+    live = live_after_warming(device, case)
+    q, k, v, bt, sl = on_device(case)
+    plan = pagedvk.DecodePlan.for_caches(k, v, bt, sl, num_heads=NUM_HEADS)
+    outs = decodes_into(plan, case, q, k, v, 4)
+    gpu = BusyGPU(monkeypatch)
+    for out in outs:
+        plan.run(q, k, v, out)
+    assert gpu.counts == [1, 1]
+    for x in (plan, q, k, v, bt, sl):
+        x.close()
+    del plan, q, k, v, bt, sl
+    gc.collect()
+    gpu.catch_up()
+    for out in outs:
+        np.testing.assert_allclose(out.numpy(), case.reference(), rtol=1e-5, atol=1e-5)
+    assert gpu.counts == [1, 1, 2]
+    for out in outs:
+        out.close()
+    pagedvk.synchronize()
+    gc.collect()
+    from pagedvk.ops.decode import release_cached_plans
+    release_cached_plans()
+    assert device.live_objects() <= live
