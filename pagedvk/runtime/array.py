@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from typing import Union
 
@@ -385,18 +386,19 @@ class DeviceArray(Owned):
         if size == 0:   # nothing is read or written through it: bound as the base's first bytes
             offset = root._offset
         key = (offset, span)
-        ranges = root._view_ranges
-        if ranges is None:
-            ranges = root._view_ranges = OrderedDict()
-        # Views of the same bytes share one range, so that a launch recorded with one view is reused by the same
-        # view made again (an engine slices its fused projection anew every step).
-        rng = ranges.get(key)
-        if rng is None or rng.closed:
-            rng = ranges[key] = BufferRange(root._buffers[0], offset - root._offset, span, clamp=True)
-            while len(ranges) > VIEW_RANGES:
-                ranges.popitem(last=False)
-        else:
-            ranges.move_to_end(key)
+        with _VIEW_LOCK:   # threads may slice one array at once
+            ranges = root._view_ranges
+            if ranges is None:
+                ranges = root._view_ranges = OrderedDict()
+            # Views of the same bytes share one range, so that a launch recorded with one view is reused by the same
+            # view made again (an engine slices its fused projection anew every step).
+            rng = ranges.get(key)
+            if rng is None or rng.closed:
+                rng = ranges[key] = BufferRange(root._buffers[0], offset - root._offset, span, clamp=True)
+                while len(ranges) > VIEW_RANGES:
+                    ranges.popitem(last=False)
+            else:
+                ranges.move_to_end(key)
         view = DeviceArray.__new__(DeviceArray)
         view.shape, view.dtype, view.device = shape, self.dtype, self.device
         view.segment_rows = shape[0] if shape else 1
@@ -499,6 +501,7 @@ class DeviceArray(Owned):
 
 
 VIEW_RANGES = 64   # per array: the ranges its views bind, most recently used kept
+_VIEW_LOCK = threading.Lock()
 
 
 def _index_str(index) -> str:
