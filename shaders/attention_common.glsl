@@ -46,6 +46,8 @@ layout(push_constant) uniform Params {
     uint window;
     uint variants;
     uint q_type;       // query, out and dout storage (kv_storage.glsl): 0 float32, 1 float16, 2 bfloat16
+    uint q_pitch;      // elements from one token's query row to the next (num_heads * head_size: contiguous)
+    uint out_pitch;    // the same for out
 } pc;
 
 const uint WG = 128u;              // == local_size_x
@@ -117,6 +119,30 @@ uint row_base(uint q_start, uint kv_head, uint gr) {
     return (q_start * pc.num_heads + (gr / group) * pc.q_token_stride
             + (kv_head * group + gr % group) * pc.q_head_stride) * pc.head_size;
 }
+
+// query_token(t) / out_token(t): where token t's row of query / out starts, in elements. Token rows lie q_pitch /
+// out_pitch elements apart (num_heads * head_size when contiguous; more in a strided view, such as a fused QKV
+// projection's query columns), each row contiguous. One multiply, as the contiguous address had.
+uint query_token(uint t) { return t * pc.q_pitch; }
+uint out_token(uint t) { return t * pc.out_pitch; }
+
+// row_base(...) (an element of the contiguous [tokens, num_heads, head_size] order) in an array whose token rows lie
+// `pitch` elements apart: the identity where pitch is num_heads * head_size (the fixed-q_len form is only ever
+// contiguous). Once per row, outside the loops over keys.
+uint pitched(uint base, uint pitch) {
+    const uint row = pc.num_heads * pc.head_size;
+    return (base / row) * pitch + base % row;
+}
+
+// Tokens whose rows a query-typed binding of `elems` elements holds at `pitch` (the last row need not be followed by
+// a pitch's gap).
+uint tokens_held(uint elems, uint pitch) {
+    const uint row = pc.num_heads * pc.head_size;
+    return elems < row || pitch == 0u ? 0u : (elems - row) / pitch + 1u;
+}
+
+// The bound on row_base() + head_size those tokens give: a row_base() under it is a row pitched() finds in the binding.
+uint rows_held(uint elems, uint pitch) { return tokens_held(elems, pitch) * pc.num_heads * pc.head_size; }
 
 // Quad c of key token t, kv head h, from the start of its block (see above).
 uint key_offset(uint h, uint t, uint c) {

@@ -34,6 +34,8 @@ struct Params {
     window: u32,
     variants: u32,
     q_type: u32,   // query, out and dout storage (q_any.wgsl; matrix modules: ignored)
+    q_pitch: u32,     // elements from one token's query row to the next (num_heads * head_size: contiguous)
+    out_pitch: u32,   // the same for out
 }
 
 const WG: u32 = 128u;              // == @workgroup_size
@@ -113,6 +115,33 @@ fn row_base(q_start: u32, kv_head: u32, gr: u32) -> u32 {
     let group = pc.num_heads / pc.num_kv_heads;
     return (q_start * pc.num_heads + (gr / group) * pc.q_token_stride
             + (kv_head * group + gr % group) * pc.q_head_stride) * pc.head_size;
+}
+
+// Token rows of query and out at their pitches, a row_base() at a pitch, the tokens a binding holds (see
+// attention_common.glsl).
+fn query_token(t: u32) -> u32 {
+    return t * pc.q_pitch;
+}
+
+fn out_token(t: u32) -> u32 {
+    return t * pc.out_pitch;
+}
+
+fn pitched(base: u32, pitch: u32) -> u32 {
+    let row = pc.num_heads * pc.head_size;
+    return (base / row) * pitch + base % row;
+}
+
+fn tokens_held(elems: u32, pitch: u32) -> u32 {
+    let row = pc.num_heads * pc.head_size;
+    if (elems < row || pitch == 0u) {
+        return 0u;
+    }
+    return (elems - row) / pitch + 1u;
+}
+
+fn rows_held(elems: u32, pitch: u32) -> u32 {
+    return tokens_held(elems, pitch) * pc.num_heads * pc.head_size;
 }
 
 // Quad c of key token t, kv head h, from the start of its block.

@@ -116,7 +116,7 @@ void merge_partitions(uint seq, uint head0, uint heads, uint parts) {
         if (lane != 0u || !mine) continue;
         const float sink = variant_on(VARIANT_SINKS) && head < uint(sinks.length()) ? sinks[head] : NEG_INF;
         const vec2 fin = softmax_finish(m, total, sink);
-        const uint at = (row * hs >> 1) + 2u * q;
+        const uint at = ((out_token(seq) + head * hs) >> 1) + 2u * q;
         if (at + 1u < OUT_PAIRS(out_)) {
             STORE_OUT_PAIR(out_, at, acc.xy * (fin.x * pc.v_scale))
             STORE_OUT_PAIR(out_, at + 1u, acc.zw * (fin.x * pc.v_scale))

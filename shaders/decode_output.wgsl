@@ -8,7 +8,7 @@
 fn write_output_pair(seq: u32, head: u32, part: u32, d0: u32, hs: u32, o_sum: vec2<f32>, m: f32, l: f32) {
     if (pc.num_partitions == 1u) {
         let fin = softmax_finish(m, l, sink_logit(head));
-        let pair = ((seq * pc.num_heads + head) * hs + d0) >> 1u;
+        let pair = (out_token(seq) + head * hs + d0) >> 1u;
         if (pair < out_pairs()) {
             out_store(pair, o_sum * fin.x * pc.v_scale);
         }

@@ -210,7 +210,7 @@ void main() {
     const uint head0 = (wg % head_groups) * group;               // first query head of this workgroup
     const uint kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     const uint hq = hs / 4u;                                     // quads of one head
-    const uint q_quad0 = (seq * pc.num_heads + head0) * hq;
+    const uint q_quad0 = (query_token(seq) >> 2) + head0 * hq;   // q_pitch: a multiple of 4
     if (q_quad0 + group * hq > Q_QUADS(query)) return;
 
     const uint row = seq * pc.max_blocks_per_seq;
@@ -435,7 +435,7 @@ void main() {
             // Variants: the sink joins the denominator here (once: a split's reduce adds it), lse is written.
             const vec2 fin = softmax_finish(m, l, sink_logit(head));
             o *= fin.x;
-            const uint pair = ((seq * pc.num_heads + head) * hs + d0) >> 1;
+            const uint pair = (out_token(seq) + head * hs + d0) >> 1;
             if (pair < OUT_PAIRS(out_)) STORE_OUT_PAIR(out_, pair, o * pc.v_scale)
             const uint lse_row = seq * pc.num_heads + head;
             if (d0 == 0u && variant_on(VARIANT_LSE) && lse_row < uint(lse.length())) lse[lse_row] = fin.y;

@@ -153,7 +153,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let head0 = (wg % head_groups) * group;                   // first query head of this workgroup
     let kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     let hq = hs / 4u;                                         // quads of one head
-    let q_quad0 = (seq * pc.num_heads + head0) * hq;
+    let q_quad0 = (query_token(seq) >> 2u) + head0 * hq;   // q_pitch: a multiple of 4
     if (q_quad0 + group * hq > 2u * arrayLength(&query) / q_quad_words()) {
         return;
     }

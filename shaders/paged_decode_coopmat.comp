@@ -301,7 +301,7 @@ void main() {
     const uint head0 = (wg % head_groups) * group;
     const uint kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     const uint hq = D / 4u;
-    const uint q_quad0 = (seq * pc.num_heads + head0) * hq;
+    const uint q_quad0 = (query_token(seq) >> 2) + head0 * hq;   // q_pitch: a multiple of 4
     if (q_quad0 + group * hq > uint(query.length())) return;
 
     const uint row = seq * pc.max_blocks_per_seq;
@@ -656,7 +656,7 @@ void main() {
         if (pc.num_partitions == 1u) {
             const vec2 fin = softmax_finish(mg, lg, sink_logit(head));
             o2 *= fin.x;
-            const uint pair = ((seq * pc.num_heads + head) * D + d0) >> 1;
+            const uint pair = (out_token(seq) + head * D + d0) >> 1;
             if (pair < uint(out_.length())) out_[pair] = out_pair(o2 * pc.v_scale);
             const uint lse_row = seq * pc.num_heads + head;
             if (d0 == 0u && variant_on(VARIANT_LSE) && lse_row < uint(lse.length())) lse[lse_row] = fin.y;

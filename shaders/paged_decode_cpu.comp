@@ -96,7 +96,7 @@ void main() {
     const uint head0 = (wg % head_groups) * group;
     const uint kv_head = head0 / (pc.num_heads / pc.num_kv_heads);
     const uint hq = hs / 4u;
-    const uint q_quad0 = (seq * pc.num_heads + head0) * hq;
+    const uint q_quad0 = (query_token(seq) >> 2) + head0 * hq;   // q_pitch: a multiple of 4
     if (q_quad0 + group * hq > Q_QUADS(query)) return;
 
     const uint row = seq * pc.max_blocks_per_seq;
@@ -247,7 +247,7 @@ void main() {
                 const vec2 o = fin.x * vec2(element(in_b ? acc_b[4u * s + 2u * h] : acc_a[4u * s + 2u * h], gi),
                                             element(in_b ? acc_b[4u * s + 2u * h + 1u] : acc_a[4u * s + 2u * h + 1u], gi));
                 if (pc.num_partitions == 1u) {
-                    const uint pair = ((seq * pc.num_heads + head) * hs + d0) >> 1;
+                    const uint pair = (out_token(seq) + head * hs + d0) >> 1;
                     if (pair < OUT_PAIRS(out_)) STORE_OUT_PAIR(out_, pair, o * pc.v_scale)
                 } else if (partial_fits) {
                     partial_out[(slot * hs + d0) >> 1] = o;

@@ -33,7 +33,7 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     if (seq >= pc.num_seqs || pc.partition_size == 0u) {
         return;
     }
-    let o = (seq * pc.num_heads + head) * hs;
+    let o = out_token(seq) + head * hs;
     let slot0 = (seq * pc.num_heads + head) * pc.num_partitions;
     if (o + hs > 2u * q_pairs(arrayLength(&out)) || slot0 + pc.num_partitions > arrayLength(&partial_stats)
         || (slot0 + pc.num_partitions) * hs > 2u * arrayLength(&partial_out) || hs > 2u * WG) {

@@ -89,7 +89,8 @@ void main() {
     uint kv_head, seq, row0;
     if (!tile_work(workgroup_index(), kv_head, seq, row0) || hs > MAX_HEAD_SIZE || hq == 0u
         || hs != pc.head_size) return;
-    const uint query_elems = Q_QUADS(query) * 4u;
+    // The bound on row_base() + hs of the rows the query binding holds at its pitch (rows_held, attention_common.glsl).
+    const uint query_elems = rows_held(Q_QUADS(query) * 4u, pc.q_pitch);
     const uvec2 queries = sequence_queries(seq, query_elems / (hs * pc.num_heads));
     const uint q_start = queries.x, q_len = queries.y;
     const uint rows = group * q_len;
@@ -139,7 +140,7 @@ void main() {
     uvec4 v_k, v_c;
     for (uint n = 0u; n < 4u; n++) {
         const uint r = lane_row + n * row_step, gr = row0 + r, q = row_base(q_start, kv_head, gr);
-        q_src[n] = r < ROWS && gr < row_end && q + hs <= query_elems ? q / 4u + cl : NO_ROW;
+        q_src[n] = r < ROWS && gr < row_end && q + hs <= query_elems ? pitched(q, pc.q_pitch) / 4u + cl : NO_ROW;
         const uint i = tid + WG * n;
         v_k[n] = dims_contiguous ? i / hq : 4u * (i / hs);
         v_c[n] = dims_contiguous ? i % hq : i % hs;
@@ -252,16 +253,18 @@ void main() {
 
     // Each row's denominator, summed over its row group once at the end.
     l = row_group_reduce(l, rg, cg, RG, G, false);
+    const uint out_elems = rows_held(2u * OUT_PAIRS(out_), pc.out_pitch);
     for (uint i = 0u; i < 4u; i++) {
         const uint gr = row0 + 4u * rg + i;
         const uint q = row_base(q_start, kv_head, gr);
-        if (gr >= row_end || q + hs > 2u * OUT_PAIRS(out_)) continue;
+        if (gr >= row_end || q + hs > out_elems) continue;
+        const uint q_out = pitched(q, pc.out_pitch);
         // A row that sees no key gives zeros; the sink (a variant) joins the denominator and the lse.
         const vec2 fin = softmax_finish(m[i], l[i], sink_logit(heads[i]));
         const mat4 o = (i == 0u ? o0 : i == 1u ? o1 : i == 2u ? o2 : o3) * (fin.x * pc.v_scale);
         for (uint j = 0u; j < 4u; j++) {
             if (cols[j] >= hq) break;
-            const uint at = (q + 4u * cols[j]) >> 1;
+            const uint at = (q_out + 4u * cols[j]) >> 1;
             STORE_OUT_PAIR(out_, at, o[j].xy)
             STORE_OUT_PAIR(out_, at + 1u, o[j].zw)
         }

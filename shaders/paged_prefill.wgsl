@@ -266,13 +266,14 @@ fn weights(x: vec4<f32>, m: vec4<f32>) -> vec4<f32> {
 
 // Whether row gr of the sequence is there: before row_end and inside the query buffer.
 fn row_valid(q_start: u32, kv_head: u32, gr: u32, row_end: u32) -> bool {
-    return gr < row_end && row_base(q_start, kv_head, gr) + pc.head_size <= q_quads(arrayLength(&query)) * 4u;
+    return gr < row_end
+        && row_base(q_start, kv_head, gr) + pc.head_size <= rows_held(q_quads(arrayLength(&query)) * 4u, pc.q_pitch);
 }
 
 // Row r of the tile's query quad c = 0 for the thread staging head quad cl, or NO_ROW.
 fn q_source(q_start: u32, kv_head: u32, row0: u32, r: u32, n_rows: u32, row_end: u32, cl: u32) -> u32 {
     if (r < n_rows && row_valid(q_start, kv_head, row0 + r, row_end)) {
-        return row_base(q_start, kv_head, row0 + r) / 4u + cl;
+        return pitched(row_base(q_start, kv_head, row0 + r), pc.q_pitch) / 4u + cl;
     }
     return NO_ROW;
 }
@@ -282,16 +283,17 @@ fn write_row(o: mat4x4<f32>, m: f32, l: f32, head: u32, q_start: u32, kv_head: u
              cols: vec4<u32>, hq: u32, cg: u32) {
     let hs = pc.head_size;
     let q = row_base(q_start, kv_head, gr);
-    if (gr >= row_end || q + hs > 2u * q_pairs(arrayLength(&out))) {
+    if (gr >= row_end || q + hs > rows_held(2u * q_pairs(arrayLength(&out)), pc.out_pitch)) {
         return;
     }
+    let q_out = pitched(q, pc.out_pitch);
     // A row that sees no key gives zeros; the sink (a variant) joins the denominator and the lse.
     let fin = softmax_finish(m, l, sink_logit(head));
     let f = fin.x * pc.v_scale;
-    write_quad(q, cols.x, hq, o[0] * f);
-    write_quad(q, cols.y, hq, o[1] * f);
-    write_quad(q, cols.z, hq, o[2] * f);
-    write_quad(q, cols.w, hq, o[3] * f);
+    write_quad(q_out, cols.x, hq, o[0] * f);
+    write_quad(q_out, cols.y, hq, o[1] * f);
+    write_quad(q_out, cols.z, hq, o[2] * f);
+    write_quad(q_out, cols.w, hq, o[3] * f);
     if (cg == 0u && q / hs < arrayLength(&lse)) {
         lse[q / hs] = fin.y;
     }
@@ -319,7 +321,8 @@ fn main(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     let kv_head = work.x;
     let seq = work.y;
     let row0 = work.z;
-    let query_elems = q_quads(arrayLength(&query)) * 4u;
+    // The bound on row_base() + hs of the rows the query binding holds at its pitch (rows_held).
+    let query_elems = rows_held(q_quads(arrayLength(&query)) * 4u, pc.q_pitch);
     let queries = sequence_queries(seq, query_elems / (hs * pc.num_heads));
     let q_start = queries.x;
     let q_len = queries.y;

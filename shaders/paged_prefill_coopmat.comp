@@ -116,7 +116,9 @@ void main() {
     const uint group = pc.num_heads / pc.num_kv_heads;
     uint kv_head, seq, row0;
     if (!tile_work(workgroup_index(), kv_head, seq, row0) || pc.head_size != D) return;
-    const uvec2 queries = sequence_queries(seq, uint(query.length()) * 4u / (D * pc.num_heads));
+    // The bound on row_base() + D of the rows the query binding holds at its pitch (rows_held, attention_common.glsl).
+    const uint query_rows = rows_held(uint(query.length()) * 4u, pc.q_pitch);
+    const uvec2 queries = sequence_queries(seq, query_rows / (D * pc.num_heads));
     const uint rows = group * queries.y;
     if (row0 >= rows) return;
     const uint row_end = min(row0 + BR, rows);
@@ -130,12 +132,12 @@ void main() {
 
     // This lane's row for the softmax and the output (two lanes per row, each half of the columns).
     const uint my_row = warp * 16u + lane / 2u, half_ = lane & 1u;
-    const Row me = query_row(sq, kv_head, row0 + my_row, row_end, uint(query.length()) * 4u);
+    const Row me = query_row(sq, kv_head, row0 + my_row, row_end, query_rows);
 
     // The queries, staged as float16 and loaded into each subgroup's matrices; rows that are not there are zeros.
     for (uint i = tid; i < BR * DQ; i += WG) {
-        const Row q = query_row(sq, kv_head, row0 + i / DQ, row_end, uint(query.length()) * 4u);
-        s_kv[(i / DQ) * KS + i % DQ] = q.valid ? half4(query[q.base / 4u + i % DQ]) : f16vec4(0.0);
+        const Row q = query_row(sq, kv_head, row0 + i / DQ, row_end, query_rows);
+        s_kv[(i / DQ) * KS + i % DQ] = q.valid ? half4(query[pitched(q.base, pc.q_pitch) / 4u + i % DQ]) : f16vec4(0.0);
     }
     // Each element's row number, for ROWS_OF (see the top).
     if (lane < 16u) {
@@ -272,7 +274,8 @@ void main() {
         [[unroll]] for (uint j = 0u; j < D / 16u; j++) o[j][i] *= a;
     }
     // Out through shared memory, BC head dims at a time: rows of a workgroup are not evenly spaced in `out`.
-    const bool write = me.valid && me.base + D <= 2u * uint(out_.length());
+    const bool write = me.valid && me.base + D <= rows_held(2u * uint(out_.length()), pc.out_pitch);
+    const uint out_base = pitched(me.base, pc.out_pitch);
     [[unroll]] for (uint pass = 0u; pass < D / BC; pass++) {
         [[unroll]] for (uint j = 0u; j < BC / 16u; j++) {
             coopMatStore(o[pass * (BC / 16u) + j], s_s, warp * 16u * TS + j * 4u, TS, gl_CooperativeMatrixLayoutRowMajor);
@@ -283,7 +286,7 @@ void main() {
             for (uint j = 0u; j < BC / 8u; j++) {
                 const uint cq = (BC / 8u) * half_ + j;
                 const vec4 v = s_s[my_row * TS + cq];
-                const uint d = me.base + pass * BC + 4u * cq;
+                const uint d = out_base + pass * BC + 4u * cq;
                 out_[d >> 1] = out_pair(v.xy);
                 out_[(d >> 1) + 1u] = out_pair(v.zw);
             }

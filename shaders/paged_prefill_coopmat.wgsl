@@ -387,10 +387,11 @@ fn write_out(o: Acc, h: u32, my_row: u32, half_: u32, a: f32, me: Row, write: bo
     acc_out(o);
     subgroupBarrier();
     if (write) {
+        let base = pitched(me.base, pc.out_pitch);
         for (var j = 0u; j < BC / 8u; j++) {
             let cq = (BC / 8u) * half_ + j;
             let v = s_s[my_row * TS + cq] * a;
-            let d = me.base + h * BC + 4u * cq;
+            let d = base + h * BC + 4u * cq;
             out[d >> 1u] = out_pair(v.xy);
             out[(d >> 1u) + 1u] = out_pair(v.zw);
         }
@@ -410,7 +411,7 @@ fn main(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: v
     let kv_head = work.x;
     let seq = work.y;
     let row0 = work.z;
-    let row_floats = arrayLength(&query) * 4u;
+    let row_floats = rows_held(arrayLength(&query) * 4u, pc.q_pitch);   // the bound on row_base() + D (rows_held)
     let queries = sequence_queries(seq, row_floats / (D * pc.num_heads));
     let rows = group * queries.y;
     let row_end = min(row0 + BR, rows);
@@ -449,7 +450,7 @@ fn main(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: v
         let q = query_row(sq, kv_head, row0 + i / DQ, row_end, row_floats);
         var v = vec4<f16>(0.0);
         if (q.valid) {
-            v = vec4<f16>(q_quad(query[q.base / 4u + i % DQ]));
+            v = vec4<f16>(q_quad(query[pitched(q.base, pc.q_pitch) / 4u + i % DQ]));
         }
         s_kv[(i / DQ) * KS + i % DQ] = v;
     }
@@ -528,7 +529,7 @@ fn main(@builtin(local_invocation_index) tid: u32, @builtin(workgroup_id) wid: v
     // The rows' denominators; a row that sees no key gives zeros and lse -inf (or the sink's logit).
     l += subgroupShuffleXor(l, 1u);
     let fin = softmax_finish(m, l, sink_logit(me.head));
-    let write = me.valid && me.base + D <= 2u * arrayLength(&out);
+    let write = me.valid && me.base + D <= rows_held(2u * arrayLength(&out), pc.out_pitch);
     write_out(o_lo, 0u, my_row, half_, fin.x * pc.v_scale, me, write);
     if (D > 64u) {
         write_out(o_hi, 1u, my_row, half_, fin.x * pc.v_scale, me, write);

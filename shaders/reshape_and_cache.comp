@@ -19,8 +19,8 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-layout(std430, set = 0, binding = 0) readonly buffer Key { uint key[]; };      // [tokens, kv_heads, head_size]
-layout(std430, set = 0, binding = 1) readonly buffer Value { uint value[]; };  // [tokens, kv_heads, head_size]
+layout(std430, set = 0, binding = 0) readonly buffer Key { uint key[]; };      // [tokens, kv_heads, head_size], rows key_pitch apart
+layout(std430, set = 0, binding = 1) readonly buffer Value { uint value[]; };  // [tokens, kv_heads, head_size], rows value_pitch apart
 layout(std430, set = 0, binding = 2) readonly buffer Slots { int slot_mapping[]; };  // int32, or int64 as 2 words
 #if defined(KV_ADDRESSED)   // each cache binding holds its segments' device addresses (low, high word)
 layout(std430, set = 0, binding = 3) buffer KeyCache { uvec2 key_cache[]; };      // writable as declared
@@ -58,6 +58,8 @@ layout(push_constant) uniform Params {
     uint v_dim_stride;
     uint blocks_per_segment;
     uint token_type;   // key and value storage: 0 float32, 1 float16, 2 bfloat16 (kv_encode.glsl's TOKEN_ELEMENT)
+    uint key_pitch;    // elements from one token's keys to the next: num_kv_heads * head_size where contiguous,
+    uint value_pitch;  // more in a strided view (a fused QKV projection's key or value columns)
 } pc;
 
 const uint X = 128u / KV_BITS;                 // vLLM's x: elements per 16-byte key chunk
@@ -102,7 +104,8 @@ void main() {
     if (!nonnegative || slot / pc.block_size >= pc.num_blocks) return;
     const uint b = slot / pc.block_size, t = slot % pc.block_size;
 
-    float k = TOKEN_ELEMENT(key, i), v = TOKEN_ELEMENT(value, i);
+    const uint e = i - token * per_token;   // (kv head, head dim) in the token's row
+    float k = TOKEN_ELEMENT(key, token * pc.key_pitch + e), v = TOKEN_ELEMENT(value, token * pc.value_pitch + e);
 #if defined(KV_E4M3) || defined(KV_E5M2)
     k /= pc.k_scale;
     v /= pc.v_scale;

@@ -24,6 +24,8 @@ struct Params {
     v_dim_stride: u32,
     blocks_per_segment: u32,
     token_type: u32,   // key and value storage (token_input.wgsl)
+    key_pitch: u32,    // elements from one token's keys (values) to the next (reshape_and_cache.comp)
+    value_pitch: u32,
 }
 
 @group(0) @binding(0) var<storage, read> key: array<u32>;            // [tokens, kv_heads, head_size]
@@ -92,12 +94,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     let b = slot / pc.block_size;
     let t = slot % pc.block_size;
 
-    let word = token_word(i);
-    if (word >= arrayLength(&key) || word >= arrayLength(&value)) {   // a token_type the buffers do not hold
+    let ki = token * pc.key_pitch + (i - token * per_token);     // the element in key and value, whose token
+    let vi = token * pc.value_pitch + (i - token * per_token);   // rows lie key_pitch / value_pitch apart
+    let kw = token_word(ki);
+    let vw = token_word(vi);
+    if (kw >= arrayLength(&key) || vw >= arrayLength(&value)) {   // a token_type the buffers do not hold
         return;
     }
-    var k = token_element(key[word], i);
-    var v = token_element(value[word], i);
+    var k = token_element(key[kw], ki);
+    var v = token_element(value[vw], vi);
     if (KV_SCALED) {
         k = k / pc.k_scale;
         v = v / pc.v_scale;

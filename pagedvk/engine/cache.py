@@ -140,8 +140,9 @@ class KVCache(Owned):
         ----------
         layer : int
         k, v : DeviceArray or array_like, shape (n, num_kv_heads, head_size)
-            DeviceArrays (float32, float16 or bfloat16) are used where they are, never read back; anything else is
-            converted to float32.
+            DeviceArrays (float32, float16 or bfloat16) are used where they are, never read back, views whose rows
+            lie apart included (a fused QKV projection's key and value columns, ``qkv[:, q_size:q_size + kv_size]
+            .reshape(n, num_kv_heads, head_size)``); anything else is converted to float32.
         slots : DeviceArray or array_like, shape (n,)
             Slot = block * block_size + offset, as the BlockManager gives them; negative slots are skipped. Host
             slots are checked against the cache; device slots are not read back (the kernel skips slots outside it).

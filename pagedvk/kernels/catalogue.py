@@ -62,7 +62,14 @@ ATTENTION_PUSH = tuple(PushField(name, kind) for name, kind in (
     ("window", "u32"),           # a query sees keys at most window - 1 before it (window_left + 1); 0: no window
     ("variants", "u32"),         # VARIANT_* flags: which of the optional bindings below are read or written
     ("q_type", "u32"),           # storage of query, out and dout: QUERY_TYPES.index(tag) (matrix modules: ignored)
+    # Elements from one token's row of query (out) to the next: num_heads * head_size where contiguous, more for a
+    # strided view (a fused QKV projection's query columns, an output inside a wider buffer; DeviceArray.pitch). A
+    # multiple of 4. Rows are addressed through query_row / out_row (attention_common.glsl, .wgsl) and pitched()
+    # (prefill's row_base); dout, dq, lse and the backward's inputs stay contiguous.
+    ("q_pitch", "u32"),
+    ("out_pitch", "u32"),
 ))
+# Vulkan guarantees 128 bytes of push constants (maxPushConstantsSize): ATTENTION_PUSH takes 124.
 # The flags of `variants` (the kernels' VARIANT_* constants).
 VARIANT_ALIBI = 1                # alibi_slopes is read: logit += slope[head] * (key position - query position)
 VARIANT_SINKS = 2                # sinks is read: one more logit per head in the softmax denominator, no value
@@ -369,7 +376,8 @@ PAGED_BACKWARD_DKDV = KernelABI(
 # atomicOr on the word, which no two threads can then undo. Cache element strides, in elements:
 #   key (b, h, t, d):   b*k_block_stride + h*k_head_stride + t*k_token_stride + (d / x)*k_chunk_stride + d % x
 #   value (b, h, t, d): b*v_block_stride + h*v_head_stride + t*v_token_stride + d*v_dim_stride
-# key and value are [num_tokens, num_kv_heads, head_size] in the q_types; slot_mapping is int32
+# key and value are [num_tokens, num_kv_heads, head_size] in the q_types, token rows key_pitch / value_pitch
+# elements apart; slot_mapping is int32
 # (slot_words 1) or int64 (slot_words 2, read as two words); slots < 0 or >= num_blocks * block_size are
 # skipped. Workgroups: ceil(num_tokens * num_kv_heads * head_size / 128), numbered linearly over a folded grid.
 RESHAPE_AND_CACHE = KernelABI(
@@ -400,6 +408,8 @@ RESHAPE_AND_CACHE = KernelABI(
         ("v_dim_stride", "u32"),
         ("blocks_per_segment", "u32"),
         ("token_type", "u32"),          # storage of key and value: QUERY_TYPES.index(tag)
+        ("key_pitch", "u32"),           # elements from one token's keys to the next: num_kv_heads * head_size
+        ("value_pitch", "u32"),         # where contiguous, more in a strided view (a fused QKV projection's)
     )),
     workgroup_size=(128, 1, 1),
     kv_types=STORAGE_TYPES,

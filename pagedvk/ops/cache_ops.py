@@ -36,8 +36,9 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
     Parameters
     ----------
     key, value : DeviceArray or numpy.ndarray, shape (num_tokens, num_kv_heads, head_size)
-        float32, float16 or bfloat16, one dtype; numpy ones may be strided views (vLLM's key and value slices of
-        a fused QKV tensor).
+        float32, float16 or bfloat16, one dtype; numpy and DeviceArray ones may be strided views (vLLM's key and
+        value slices of a fused QKV tensor: ``qkv[:, q_size:q_size + kv_size].reshape(num_tokens, num_kv_heads,
+        head_size)``), read where they are, at their row pitch.
     key_cache, value_cache : DeviceArray or numpy.ndarray
         Layout "vllm": key_cache (num_blocks, num_kv_heads, head_size // x, block_size, x) and value_cache
         (num_blocks, num_kv_heads, head_size, block_size); "nhd": (num_blocks, block_size, num_kv_heads,
@@ -80,7 +81,7 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
                 and kept_launches(key.device).enqueue_kept(signature)):
             return
     for name, a in (("key", key), ("value", value)):
-        checks.kind(name, a)
+        checks.kind(name, a, strided=True)
         checks.ndim(name, a, 3, "[num_tokens, num_kv_heads, head_size]")
     token_type = storage_type("key", key, QUERY_TYPES)
     if value.dtype != key.dtype:
@@ -99,9 +100,11 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
     checks.dtype("slot_mapping", slot_mapping, SLOT_DTYPES)
     checks.dim("slot_mapping", slot_mapping, 0, num_tokens, "num_tokens, from key")
     k_scale, v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
-    if num_tokens * spec.num_kv_heads * spec.head_size >= 2 ** 32:
+    row = spec.num_kv_heads * spec.head_size
+    pitches = {name: checks.token_pitch(a, row) for name, a in (("key", key), ("value", value))}
+    if num_tokens * row >= 2 ** 32 or max(num_tokens - 1, 0) * max(pitches.values()) + row >= 2 ** 32:
         raise ValueError(f"key has {num_tokens} tokens of {spec.num_kv_heads} x {spec.head_size} elements, more than "
-                         f"2^32 elements in all: write them in several calls")
+                         f"2^32 elements in all (counted at the rows' pitch): write them in several calls")
     if validate:
         check_slots(slot_mapping, spec)
     name = backend_name(backend)
@@ -131,7 +134,8 @@ def reshape_and_cache(key: Array, value: Array, key_cache: Array, value_cache: A
             num_tokens=num_tokens, num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
             block_size=spec.block_size, num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes),
             slot_words=np.dtype(slot_mapping.dtype).itemsize // 4, k_scale=k_scale, v_scale=v_scale,
-            blocks_per_segment=caches.blocks_per_segment, token_type=q_type_code(token_type.tag), **element_strides)
+            blocks_per_segment=caches.blocks_per_segment, token_type=q_type_code(token_type.tag),
+            key_pitch=pitches["key"], value_pitch=pitches["value"], **element_strides)
         module = RESHAPE_AND_CACHE.key(name, spec.storage.tag, token_type.tag, access=caches.access)
         pipeline = modules.pipeline(device, RESHAPE_AND_CACHE, module)
         buffers = [arrays["key"].buffer, arrays["value"].buffer, arrays["slot_mapping"].buffer, caches.key,

@@ -7,11 +7,42 @@ import numpy as np
 from ..runtime.array import DeviceArray
 
 
-def kind(name: str, a) -> None:
+def kind(name: str, a, strided: bool = False) -> None:
     """A numpy array (any strides: the ops copy numpy inputs to the device, and write numpy outputs and caches
-    back through the caller's view) or a DeviceArray (C-contiguous by construction)."""
+    back through the caller's view) or a DeviceArray. A DeviceArray view (DeviceArray.__getitem__, reshape) is
+    bound as its own range of its base's buffer, which must start where the device allows; one whose rows lie apart
+    (not is_contiguous) only where `strided` (query, out, and the keys and values a cache write reads: the kernels
+    take their token pitch), else ValueError naming the argument."""
     if not isinstance(a, (np.ndarray, DeviceArray)):
         raise TypeError(f"{name} must be a numpy array or a pagedvk.DeviceArray, not {type(a).__name__}")
+    if isinstance(a, DeviceArray) and a.base is not None:
+        view(name, a, strided)
+
+
+def view(name: str, a: DeviceArray, strided: bool) -> None:
+    """A DeviceArray view's checks (see `kind`)."""
+    if not a.is_contiguous:
+        if not strided:
+            raise ValueError(f"{name} is a strided view (rows {a.pitch} elements apart, strides {a.strides}): this "
+                             "argument must be contiguous (query, out, and a cache write's key and value take views "
+                             "with rows apart)")
+        if a.pitch % 4:
+            raise ValueError(f"{name} is a view whose rows lie {a.pitch} elements apart (strides {a.strides}): the "
+                             "kernels read and write whole quads, so the row pitch must be a multiple of 4 elements")
+    if a.closed:
+        return   # the op raises ClosedError when it binds it
+    align = a.device.info.min_storage_buffer_offset_alignment
+    at = a.buffer.offset
+    if at % align:
+        raise ValueError(f"{name} is a view starting at byte {at} of its buffer, not a multiple of {align} "
+                         f"(minStorageBufferOffsetAlignment of {a.device.info.name}): a kernel can bind it only "
+                         "from such an offset (slice at a column whose byte offset is one)")
+
+
+def token_pitch(a, row: int) -> int:
+    """Elements from one token's row of `a` ([tokens, ...]) to the next, as a kernel's q_pitch / out_pitch /
+    key_pitch: a DeviceArray view's pitch, else `row` (numpy arguments are copied contiguous)."""
+    return a.pitch if isinstance(a, DeviceArray) and a.ndim >= 1 and a.shape[0] > 1 else row
 
 
 INT32_RANGE = (-(1 << 31), (1 << 31) - 1)

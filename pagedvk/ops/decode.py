@@ -39,7 +39,9 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     Parameters
     ----------
     query : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads, head_size)
-        float32, float16 or bfloat16. num_heads is a multiple of num_kv_heads (MHA, GQA, MQA).
+        float32, float16 or bfloat16. num_heads is a multiple of num_kv_heads (MHA, GQA, MQA). A DeviceArray view
+        whose rows lie apart (a fused QKV projection's query columns, ``qkv[:, :q_size].reshape(...)``) is read
+        where it is.
     key_cache : DeviceArray or numpy.ndarray
         Layout "vllm": shape (num_blocks, num_kv_heads, head_size // x, block_size, x), x = 16 // itemsize;
         "nhd": (num_blocks, block_size, num_kv_heads, head_size); "hnd": (num_blocks, num_kv_heads, block_size,
@@ -56,7 +58,8 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     scale : float, optional
         Softmax scale; None means 1 / sqrt(head_size). Accumulation is float32.
     out : DeviceArray or numpy.ndarray, optional
-        An array of the query's shape and dtype to write the result into (and return); None allocates it.
+        An array of the query's shape and dtype to write the result into (and return); None allocates it. A
+        DeviceArray view whose rows lie apart is written in place.
     layout : {"vllm", "nhd", "hnd"}, default "vllm"
         The caches' layout.
     kv_cache_dtype : {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}, default "auto"
@@ -99,11 +102,11 @@ def paged_attention(query: Array, key_cache: Array, value_cache: Array, block_ta
     >>> out = pagedvk.paged_attention(q, key_cache, value_cache, block_tables, seq_lens)
     """
     block_tables, seq_lens = checks.ints("block_tables", block_tables), checks.ints("seq_lens", seq_lens)
-    checks.kind("query", query)
+    checks.kind("query", query, strided=True)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     query_type = storage_type("query", query, QUERY_TYPES)
     if out is not None:   # before a plan is made for the call (which uploads its tables)
-        checks.kind("out", out)
+        checks.kind("out", out, strided=True)
         checks.writable("out", out)
     device = device_of(query, key_cache, value_cache, block_tables, seq_lens, out, alibi_slopes, sinks)
     refuse_recording("paged_attention (record a DecodePlan's run instead)", device)

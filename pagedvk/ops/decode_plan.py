@@ -42,12 +42,13 @@ CHECKED_SIGNATURES = 64                      # per plan: run() argument signatur
 
 
 def argument_signature(arrays) -> tuple | None:
-    """What the run checks read of these arrays (None stays None): kind, contiguity, writability, shape, dtype; None
-    when one is not an array (the checks reject it)."""
+    """What the run checks read of these arrays (None stays None): kind, contiguity, writability, shape, dtype, and a
+    device array's strides and offset (a view's rows and where it is bound); None when one is not an array (the
+    checks reject it)."""
     signature = []
     for a in arrays:
         if a is None or type(a) is DeviceArray:
-            signature.append(a if a is None else (DeviceArray, a.shape, a.dtype))
+            signature.append(a if a is None else (DeviceArray, a.shape, a.dtype, a.strides, a.offset))
         elif isinstance(a, np.ndarray):
             signature.append((type(a), a.shape, a.dtype, a.flags.c_contiguous, a.flags.writeable))
         else:
@@ -372,7 +373,7 @@ class DecodePlan(Owned):
             self._checked.add(signature)
 
     def _check_run_arguments(self, query, key_cache, value_cache, out) -> None:
-        checks.kind("query", query)
+        checks.kind("query", query, strided=True)   # a view of a fused QKV projection, say
         checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
         # A uint8 cache (vLLM's fp8) is read as the plan's storage type.
         spec = cache_spec(key_cache, value_cache, self.layout, self._kv_cache_dtype(key_cache))
@@ -392,7 +393,7 @@ class DecodePlan(Owned):
                                           (self.head_size, "head_size")]):
             checks.dim("query", query, axis, n, what)
         if out is not None:
-            checks.kind("out", out)
+            checks.kind("out", out, strided=True)
             checks.writable("out", out)
             checks.dtype("out", out, [self.query_dtype])
             if tuple(out.shape) != tuple(query.shape):
@@ -407,10 +408,13 @@ class DecodePlan(Owned):
         ----------
         query : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads, head_size)
             The plan's query_dtype; a numpy query of float16 or bfloat16 for a float32 plan is converted (exactly).
+            A DeviceArray view whose rows lie apart, such as ``qkv[:, :q_size].reshape(num_seqs, num_heads,
+            head_size)`` of a fused QKV projection, is read where it is (no copy).
         key_cache, value_cache : DeviceArray or numpy.ndarray
             One layer's caches, in the plan's layout and dtype, with at least num_blocks blocks.
         out : DeviceArray or numpy.ndarray, optional
-            The query's shape and query_dtype: written and returned. None allocates the result.
+            The query's shape and query_dtype: written and returned. None allocates the result. A DeviceArray view
+            whose rows lie apart (columns of a wider array) is written in place, nothing between its rows.
         lse : DeviceArray or numpy.ndarray, shape (num_seqs, num_heads), float32, optional
             Written with each head's log-sum-exp; given with `out`, and the same kind of array.
         return_lse : bool, default False
@@ -562,7 +566,8 @@ class DecodePlan(Owned):
 
     def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool, transfers, lse, sinks):
         # The plan's own tables and scratch are the same in every launch: the key holds the callers' buffers.
-        key = (q.buffer.uid, *[b.uid for b in k.buffers], *[b.uid for b in v.buffers], o.buffer.uid, timed,
+        key = (q.buffer.uid, q.pitch, *[b.uid for b in k.buffers], *[b.uid for b in v.buffers], o.buffer.uid, o.pitch,
+               timed,
                transfers.uids if transfers is not None else (), *[a.buffer.uid if a is not None else None
                                                                    for a in (lse, sinks)])
         # Timed runs wait for their timestamps, and staged ones (transfers) for the host copies they make; the
@@ -601,10 +606,11 @@ class DecodePlan(Owned):
         Parameters
         ----------
         q : DeviceArray, shape (num_seqs, num_heads, head_size)
+            A view whose rows lie apart (a fused QKV projection's query columns) is read at its pitch.
         k, v : DeviceArray
             One layer's caches.
         o : DeviceArray, shape (num_seqs, num_heads, head_size)
-            The output.
+            The output; a view whose rows lie apart is written at its pitch, nothing between its rows.
         num_blocks : int
             Blocks the caches hold (their shape[0]).
         lse : DeviceArray, shape (num_seqs, num_heads), float32, optional
@@ -625,11 +631,13 @@ class DecodePlan(Owned):
         key = self.choice.module(caches.access)
         variant_push = self.variants.push(lse=lse is not None, sinks=sinks is not None)
         variants = variants_in_use(variant_push)
+        row = self.num_heads * self.head_size   # a contiguous query's (and out's) pitch; views have their own
         push = PAGED_DECODE.pack_push(
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
             block_size=self.block_size, max_blocks_per_seq=self.block_tables.shape[1],
             num_blocks=spec.blocks_held(caches.key_bytes, caches.value_bytes), num_seqs=self.num_seqs,
             q_token_stride=self.num_heads, q_head_stride=1, causal=0, scale=self.logit_scale,
+            q_pitch=checks.token_pitch(q, row), out_pitch=checks.token_pitch(o, row),
             v_scale=self.v_scale, group_size=self.group_size, partition_size=self.partition_size,
             num_partitions=self.num_partitions, blocks_per_segment=caches.blocks_per_segment, **spec.strides(),
             q_type=q_type_code(self.query_type.tag), **variant_push)
@@ -709,7 +717,8 @@ class DecodePlan(Owned):
         Parameters
         ----------
         key, value : DeviceArray, shape (num_tokens, num_kv_heads, head_size)
-            float32, float16 or bfloat16.
+            float32, float16 or bfloat16; views whose rows lie apart (a fused QKV projection's key and value
+            columns) are read at their pitch.
         slot_mapping : DeviceArray, shape (num_tokens,), int32 or int64
             Each token's cache slot (block * block_size + offset); negative slots are skipped.
         query, key_cache, value_cache, out : DeviceArray
@@ -733,7 +742,8 @@ class DecodePlan(Owned):
             return self.run(query, key_cache, value_cache, out)
         if validate:
             check_slots(slot_mapping, cache_spec(key_cache, value_cache, self.layout, write["kv_cache_dtype"]))
-        signature = tuple(a.buffer.uid if a is not None else None for a in (key, value, slot_mapping, query, out)) + \
+        signature = tuple((a.buffer.uid, a.strides) if a is not None else None
+                          for a in (key, value, slot_mapping, query, out)) + \
             tuple(b.uid for a in (key_cache, value_cache) for b in a.buffers)
         with self._lock:
             kept = self._fused.get(signature)

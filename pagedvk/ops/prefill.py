@@ -163,8 +163,12 @@ class PrefillProblem:
                  cache_types=CACHE_TYPES, kernel="auto"):
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, not {type(causal).__name__}")
-        checks.kind("query", query)
+        checks.kind("query", query, strided=True)   # a fused QKV projection's query columns, say
         self.ragged = len(query.shape) == 3
+        if not self.ragged and isinstance(query, DeviceArray) and not query.is_contiguous:
+            raise ValueError(f"query is a strided view (strides {query.strides}) of the fixed-q_len form [num_seqs, "
+                             "num_heads, q_len, head_size]: only a ragged query [num_tokens, num_heads, head_size] "
+                             "(with query_start_loc) may have its rows apart")
         if len(query.shape) not in (3, 4):
             raise ValueError(f"query must have 3 dimensions [num_tokens, num_heads, head_size] (with query_start_loc) "
                              f"or 4 [num_seqs, num_heads, q_len, head_size], got shape {tuple(query.shape)}")
@@ -248,18 +252,24 @@ class PrefillProblem:
                               matrix)
         return kernel.key(self.backend, self.spec.storage.tag, self.query_type.tag, access=access)
 
-    def push(self, caches) -> bytes:
-        """The push constants for caches bound as `caches` (pagedvk.ops.layouts.CacheBinding)."""
+    def push(self, caches, arrays: dict) -> bytes:
+        """The push constants for caches bound as `caches` (pagedvk.ops.layouts.CacheBinding) and the launch's
+        `arrays`: the query's and out's token pitch (a view's rows may lie apart; the fixed-q_len form and the
+        backward's arrays are contiguous, num_heads * head_size)."""
+        row = self.num_heads * self.head_size
+        pitch = {name: checks.token_pitch(arrays[name], row) if self.ragged and name in arrays else row
+                 for name in ("query", "out")}
         return PAGED_PREFILL.pack_push(**dict(
             self.push_fields, blocks_per_segment=caches.blocks_per_segment,
-            num_blocks=self.spec.blocks_held(caches.key_bytes, caches.value_bytes)))
+            num_blocks=self.spec.blocks_held(caches.key_bytes, caches.value_bytes), q_pitch=pitch["query"],
+            out_pitch=pitch["out"]))
 
     def grid(self, tiles: np.ndarray) -> tuple:
         """Workgroups (kv head, tile), numbered linearly over a grid folded to the device's limits."""
         return fold_grid(len(tiles) * self.num_kv_heads, self.device.info.max_workgroup_count)
 
-    def check_like(self, name: str, a, shape: tuple, layout: str, dtype) -> None:
-        checks.kind(name, a)
+    def check_like(self, name: str, a, shape: tuple, layout: str, dtype, strided: bool = False) -> None:
+        checks.kind(name, a, strided=strided and self.ragged)
         if name == "out":
             checks.writable(name, a)
         checks.ndim(name, a, len(shape), layout)
@@ -327,7 +337,7 @@ def _steps(problem: PrefillProblem, dispatches, arrays: dict) -> tuple:
         pipeline = modules.pipeline(problem.device, abi, key, variants_in_use(problem.push_fields),
                                     {**abi.q_type_constant(problem.query_type.tag),
                                      **head_size_constant(PrefillSpec.HEAD_SIZE, problem.head_size)})
-        steps.append((pipeline, buffers, problem.push(caches), grid))
+        steps.append((pipeline, buffers, problem.push(caches, arrays), grid))
     return steps, frozenset(independent)
 
 
@@ -511,14 +521,14 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
         raise UnsupportedFeatureError(
             f"the WGSL prefill forward needs {PREFILL_WGSL_SHARED_BYTES} bytes of workgroup memory; {info.name} offers "
             f"{info.max_shared_memory} (maxComputeSharedMemorySize): use backend='glsl'")
-    if out is not None:
-        p.check_like("out", out, tuple(query.shape), "(the query's shape)", query.dtype)
+    if out is not None:   # a view whose rows lie apart (a ragged out inside a wider array) is written at its pitch
+        p.check_like("out", out, tuple(query.shape), "(the query's shape)", query.dtype, strided=True)
     variants = Variants(p.num_heads, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sinks=sinks,
                         window_left=window_left)
     device_of(*variants.inputs.values(), device=p.device)
     p.push_fields.update(variants.push())
     q_lens = np.diff(p.query_start_loc)
-    tokens = decode_tokens(p, q_lens) if p.kernel == "auto" else None
+    tokens = decode_tokens(p, q_lens, query, out) if p.kernel == "auto" else None
     rest = np.ones(len(q_lens), bool)   # the sequences the prefill kernels take
     if tokens is not None:
         p.decode_part = _DecodePart(p, *tokens, alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap,
@@ -531,18 +541,24 @@ def _forward(query, key_cache, value_cache, block_tables, seq_lens, query_start_
             dict(out=(tuple(query.shape), query.dtype), lse=(tuple(query.shape[:-1]), np.float32)))
 
 
-def decode_tokens(p: PrefillProblem, q_lens: np.ndarray) -> tuple | None:
+def decode_tokens(p: PrefillProblem, q_lens: np.ndarray, query=None, out=None) -> tuple | None:
     """(s0, s1): the batch's decode tokens (sequences of one new token) where the decode kernel can take them in
     the forward's launch, else None. They must be consecutive sequences (vLLM and FlashInfer batch decode
-    requests together), so that their query, out and lse rows are one range of each buffer, bound at an offset
-    the device allows."""
+    requests together), so that their query, out and lse rows are one range of each buffer (at the query's and
+    out's row pitch, where they are views), bound at an offset the device allows."""
     single = np.flatnonzero(q_lens == 1)
     if single.size == 0 or single[-1] - single[0] + 1 != single.size:
         return None
     s0, s1 = int(single[0]), int(single[-1]) + 1
     r0 = int(p.query_start_loc[s0])
     align = p.device.info.min_storage_buffer_offset_alignment
-    if (r0 * p.query_row_bytes()) % align or (r0 * p.num_heads * 4) % align:
+
+    def start(a):   # where row r0 of query or out lies in the buffer it is bound from
+        if isinstance(a, DeviceArray) and not a.closed:
+            return a.buffer.offset + r0 * a.strides[0]
+        return r0 * p.query_row_bytes()   # a numpy array, or an out the op allocates: contiguous from byte 0
+
+    if start(query) % align or start(out) % align or (r0 * p.num_heads * 4) % align:
         return None
     return s0, s1
 
@@ -575,14 +591,8 @@ class _DecodePart:
     def steps(self, arrays: dict) -> list:
         """The decode kernel's dispatches over the tokens' rows of query, out and lse (views, no copies)."""
         r0, n = self.rows
-        row = self.row_bytes
-
-        def rows(name, nbytes, shape, dtype):
-            return DeviceArray.over_buffer(arrays[name].buffer, r0 * nbytes, shape, dtype)
-
-        shape = (n, self.num_heads, self.head_size)
-        query, out = (rows(name, row, shape, self.query_type.dtype) for name in ("query", "out"))
-        lse = rows("lse", self.num_heads * 4, (n, self.num_heads), np.float32)
+        # Row views of query, out (at their pitch, where they are views themselves) and lse.
+        query, out, lse = (arrays[name][r0:r0 + n] for name in ("query", "out", "lse"))
         self.views = (query, out, lse)   # a launch binds its arrays weakly: these must outlive it
         return self.plan.steps(query, arrays["key_cache"], arrays["value_cache"], out,
                                 arrays["key_cache"].shape[0], lse=lse)
@@ -649,6 +659,7 @@ def _backward(dout, query, key_cache, value_cache, block_tables, seq_lens, out, 
               **options) -> tuple:
     """The checked backward: (problem, dispatches, inputs, outputs) for _run or launch()."""
     block_tables, seq_lens, query_start_loc = _int_arguments(block_tables, seq_lens, query_start_loc)
+    checks.kind("query", query)   # the backward reads contiguous queries only: a strided view is refused by name
     p = PrefillProblem(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  cache_types=GRADIENT_CACHE_TYPES, **options)
     query_layout = "(the query's shape)"

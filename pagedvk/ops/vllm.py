@@ -31,7 +31,7 @@ def _plan(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables,
         raise _unsupported("block-sparse attention", "blocksparse_vert_stride > 1")
     if out is None:
         raise TypeError("out must be an array of the query's shape (vLLM writes into it)")
-    checks.kind("query", query)
+    checks.kind("query", query, strided=True)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     spec = cache_spec(key_cache, value_cache, "vllm", kv_cache_dtype)
     if spec.num_kv_heads != num_kv_heads:
@@ -79,7 +79,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, val
     max_num_partitions = ceil(max_seq_len / 512), are vLLM's scratch: their shapes are checked, and numpy ones
     are filled as vLLM fills them (each partition's sum of exp(logit - max), its max logit and its normalized
     output)."""
-    checks.kind("query", query)
+    checks.kind("query", query, strided=True)
     checks.ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
     partitions = max(1, -(-int(max_seq_len) // V2_PARTITION_SIZE))
     stats_shape = tuple(query.shape[:2]) + (partitions,)

@@ -156,10 +156,13 @@ class BufferRange:
     and copies add `offset`, a descriptor binds [offset, offset + size) and nothing of the rest. Tests lay an
     array and the sentinels guarding it out in one buffer this way, so a stray access past the array's
     binding would land in a sentinel. It keeps its buffer alive until closed; closing it frees nothing else.
-    Like a Buffer's, `size` is nbytes rounded up to 16 bytes (kernels read in 16-byte chunks)."""
+    Like a Buffer's, `size` is nbytes rounded up to 16 bytes (kernels read in 16-byte chunks); with `clamp`, no
+    further than the buffer's end (a DeviceArray view ending at its base's last byte)."""
 
-    def __init__(self, buffer: Buffer, offset: int, nbytes: int):
+    def __init__(self, buffer: Buffer, offset: int, nbytes: int, clamp: bool = False):
         size = max(16, (nbytes + 15) // 16 * 16)
+        if clamp:   # a view's range (DeviceArray views): rounded up only as far as the buffer goes
+            size = max(min(size, buffer.size - offset), nbytes)
         if offset % 4 or not 0 <= offset <= buffer.size - size:
             raise ValueError(f"offset must be a multiple of 4 in [0, {buffer.size - size}] for a {nbytes}-byte "
                              f"range of a {buffer.size}-byte buffer, got {offset}")
