@@ -43,12 +43,12 @@ CHECKED_SIGNATURES = 64                      # per plan: run() argument signatur
 
 def argument_signature(arrays) -> tuple | None:
     """What the run checks read of these arrays (None stays None): kind, contiguity, writability, shape, dtype, and a
-    device array's strides and offset (a view's rows and where it is bound); None when one is not an array (the
+    device array's row pitch and offset (a view's rows and where it is bound; with shape and dtype, its strides); None when one is not an array (the
     checks reject it)."""
     signature = []
     for a in arrays:
         if a is None or type(a) is DeviceArray:
-            signature.append(a if a is None else (DeviceArray, a.shape, a.dtype, a.strides, a.offset))
+            signature.append(a if a is None else (DeviceArray, a.shape, a.dtype, a.pitch, a.offset))
         elif isinstance(a, np.ndarray):
             signature.append((type(a), a.shape, a.dtype, a.flags.c_contiguous, a.flags.writeable))
         else:

@@ -244,9 +244,9 @@ def dispatch(op: str, device, make_dispatches, depends_on=(), signature=None) ->
 
 def array_signature(arrays, options: tuple) -> tuple | None:
     """A call's signature for KeptLaunches when every array is a DeviceArray: their devices, buffers (a view's is its
-    own range of its base's buffer), shapes, dtypes and strides (a view's row pitch, which the launch pushes), then
+    own range of its base's buffer), shapes, dtypes and row pitches (a view's, which the launch pushes), then
     `options`; None otherwise."""
     if any(type(a) is not DeviceArray for a in arrays):
         return None
-    return tuple((a.device, tuple(b.uid for b in a._buffers), a.shape, a.dtype, a.strides)
+    return tuple((a.device, tuple(b.uid for b in a._buffers), a.shape, a.dtype, a.pitch)
                  for a in arrays) + options
