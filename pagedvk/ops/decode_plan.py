@@ -43,8 +43,8 @@ CHECKED_SIGNATURES = 64                      # per plan: run() argument signatur
 
 def argument_signature(arrays) -> tuple | None:
     """What the run checks read of these arrays (None stays None): kind, contiguity, writability, shape, dtype, and a
-    device array's row pitch and offset (a view's rows and where it is bound; with shape and dtype, its strides); None when one is not an array (the
-    checks reject it)."""
+    device array's row pitch and offset (a view's rows and where it is bound; with shape and dtype, its strides); None
+    when one is not an array (the checks reject it). Not the buffers: every layer's arrays of one shape share it."""
     signature = []
     for a in arrays:
         if a is None or type(a) is DeviceArray:
@@ -566,10 +566,8 @@ class DecodePlan(Owned):
 
     def _launch_locked(self, q, k, v, o, num_blocks: int, cache: bool, timed: bool, transfers, lse, sinks):
         # The plan's own tables and scratch are the same in every launch: the key holds the callers' buffers.
-        key = (q.buffer.uid, q.pitch, *[b.uid for b in k.buffers], *[b.uid for b in v.buffers], o.buffer.uid, o.pitch,
-               timed,
-               transfers.uids if transfers is not None else (), *[a.buffer.uid if a is not None else None
-                                                                   for a in (lse, sinks)])
+        key = (q.binding, k.binding, v.binding, o.binding, timed, transfers.uids if transfers is not None else (),
+               lse.binding if lse is not None else None, sinks.binding if sinks is not None else None)
         # Timed runs wait for their timestamps, and staged ones (transfers) for the host copies they make; the
         # rest are queued on the current stream.
         run = Launch.submit if timed or transfers is not None else Launch.enqueue

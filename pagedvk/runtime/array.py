@@ -336,6 +336,16 @@ class DeviceArray(Owned):
         return self._offset
 
     @property
+    def binding(self) -> tuple:
+        """What a launch recorded over this array depends on: its buffers' uids (a view's own range), shape, dtype and
+        row pitch. Fixed for the array's life, and made once: ops key their kept launches and passed checks by it at
+        every call. A closed array keeps it (the launch found by it refuses to run)."""
+        binding = self.__dict__.get("_binding")
+        if binding is None:
+            binding = self._binding = (tuple(b.uid for b in self._buffers), self.shape, self.dtype, self._pitch)
+        return binding
+
+    @property
     def pitch(self) -> int:
         """Elements from one row of the first axis to the next: prod(shape[1:]) where contiguous."""
         return self._pitch

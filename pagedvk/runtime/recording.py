@@ -22,6 +22,10 @@ from .pipeline import Launch, RecordedInto
 from .selection import DeviceLike, get_device
 
 _active = threading.local()
+# record() blocks open in any thread: while there are none, no op is being recorded, found without reading the
+# thread's stack (every op asks, once or twice a call).
+_recording = 0
+_recording_lock = threading.Lock()
 
 
 class RecordedStep(Owned):
@@ -134,18 +138,25 @@ def record(device: DeviceLike = None):
     ...         plan.run(q[layer], cache.key[layer], cache.value[layer], out=out[layer])
     >>> step.replay()            # every layer, one submission
     """
+    global _recording
     step = RecordedStep(get_device(device))
     stack = _active.__dict__.setdefault("stack", [])
     stack.append(step)
+    with _recording_lock:
+        _recording += 1
     try:
         yield step
     finally:
         stack.remove(step)
         step._recording = False
+        with _recording_lock:
+            _recording -= 1
 
 
 def active_recording(device) -> RecordedStep | None:
     """The step the calling thread is recording for `device`, or None."""
+    if not _recording:
+        return None
     for step in reversed(getattr(_active, "stack", ())):
         if step.device is device:
             return step
@@ -248,5 +259,4 @@ def array_signature(arrays, options: tuple) -> tuple | None:
     `options`; None otherwise."""
     if any(type(a) is not DeviceArray for a in arrays):
         return None
-    return tuple((a.device, tuple(b.uid for b in a._buffers), a.shape, a.dtype, a.pitch)
-                 for a in arrays) + options
+    return tuple([(a.device, a.binding) for a in arrays]) + options
