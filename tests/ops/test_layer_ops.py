@@ -121,6 +121,15 @@ def test_fused_add_rms_norm(rng, device, backend, dtype, hidden):
     check(d_residual, ref_residual)
 
 
+def test_more_rows_than_one_grid_axis_holds(rng, device, backend):
+    # One workgroup per row: 66000 rows pass maxComputeWorkGroupCount[0] (65535 on lavapipe and NVIDIA), and the
+    # grid folds into a second axis (fold_grid) that the kernel numbers through.
+    x, weight = random(rng, (66000, 8), np.float16), random(rng, 8, np.float16)
+    out = poisoned(x.shape, np.float16)
+    pagedvk.rms_norm(out, x, weight, EPS, backend=backend)
+    check(out, reference.rms_norm(x, weight, EPS))
+
+
 def test_norms_of_numpy_arrays_are_written_in_place_through_views(rng, device, backend):
     x = random(rng, (2, 5, 64), np.float16)   # any leading axes
     weight = random(rng, 64, ml_dtypes.bfloat16)
