@@ -3,7 +3,9 @@ fused_add_rms_norm, silu_and_mul and rotary_embedding, and rope_cos_sin_cache, w
 
 Each op checks every argument (an error names it) before anything reaches the device, then queues one dispatch on the
 current stream through the path every op takes (pagedvk.runtime.recording.dispatch: a kept launch, or the active
-``pagedvk.record()`` step) and returns. Arrays are numpy arrays or DeviceArrays, as for reshape_and_cache: numpy inputs
+``pagedvk.record()`` step) and returns. A call over DeviceArrays alone that repeats a checked call's arrays and options
+(an engine's per-layer call, every step) queues that call's kept launch at once, as reshape_and_cache with
+validate=False does; ops that read ids or positions back take that path only with validate=False. Arrays are numpy arrays or DeviceArrays, as for reshape_and_cache: numpy inputs
 are copied to the device for the call, and a numpy array an op writes is written back in place (through the caller's
 view) once the op has run; DeviceArrays are read and written where they are, views whose rows lie apart included (a
 fused QKV projection's query and key columns). Activations are float32, float16 or bfloat16 and are computed in
@@ -26,7 +28,8 @@ from ..kernels.catalogue import (EMBEDDING, RMS_ADD_RESIDUAL, RMS_NORM, RMS_WRIT
                                  SILU_AND_MUL)
 from ..runtime.array import Array, DeviceArray, asarray, empty
 from ..runtime.pipeline import fold_grid
-from ..runtime.recording import active_recording, dispatch, require_device_arrays
+from ..runtime.recording import (active_recording, array_signature, dispatch, kept_launches,
+                                 require_device_arrays)
 from . import checks
 from .opargs import backend_name, device_of
 
@@ -70,6 +73,11 @@ def embedding(token_ids: Array, weight: Array, out: Array | None = None, *, back
     --------
     >>> hidden = pagedvk.embedding(np.array([1, 15043, 3186]), embed_tokens)   # embed_tokens a DeviceArray
     """
+    signature = None
+    if out is not None and validate is False:
+        signature, queued = _queued_again("embedding", (token_ids, weight, out), (), backend)
+        if queued:
+            return out
     token_ids = _indices("token_ids", token_ids)
     checks.kind("weight", weight)
     checks.ndim("weight", weight, 2, "[vocab_size, hidden_size]")
@@ -97,7 +105,7 @@ def embedding(token_ids: Array, weight: Array, out: Array | None = None, *, back
                                out_type=_type_code("out", result), out_pitch=out_pitch)
     try:
         _launch("embedding", EMBEDDING, name, device, dict(token_ids=token_ids, weight=weight, out=result), push,
-                out_rows * hidden_size // 2, written=("out",), fresh=("out",))
+                out_rows * hidden_size // 2, written=("out",), fresh=("out",), signature=signature)
     except BaseException:
         if result is not out:
             result.close()
@@ -134,6 +142,9 @@ def rms_norm(out: Array, input: Array, weight: Array, epsilon: float, *, backend
     --------
     >>> pagedvk.rms_norm(normed, hidden, input_layernorm_weight, 1e-5)
     """
+    signature, queued = _queued_again("rms_norm", (out, input, weight), (type(epsilon), epsilon), backend)
+    if queued:
+        return
     checks.kind("input", input, strided=True)
     x_type = _type_code("input", input)
     hidden_size = _hidden("input", input)
@@ -154,7 +165,7 @@ def rms_norm(out: Array, input: Array, weight: Array, epsilon: float, *, backend
     _launch("rms_norm", RMS_NORM, backend_name(backend), device_of(out, input, weight),
             dict(x=input, residual=target, weight=weight, out=target), push, rows, per_workgroup=1,
             written=("out",) if not in_place else ("x",), fresh=() if in_place else ("out",),
-            given=dict(out=out, input=input, weight=weight))
+            given=dict(out=out, input=input, weight=weight), signature=signature)
 
 
 def fused_add_rms_norm(input: Array, residual: Array, weight: Array, epsilon: float, *,
@@ -185,6 +196,10 @@ def fused_add_rms_norm(input: Array, residual: Array, weight: Array, epsilon: fl
     --------
     >>> pagedvk.fused_add_rms_norm(attn_out, hidden, post_attention_layernorm_weight, 1e-5)
     """
+    signature, queued = _queued_again("fused_add_rms_norm", (input, residual, weight), (type(epsilon), epsilon),
+                                      backend)
+    if queued:
+        return
     checks.kind("input", input, strided=True)
     checks.writable("input", input)
     x_type = _type_code("input", input)
@@ -205,7 +220,7 @@ def fused_add_rms_norm(input: Array, residual: Array, weight: Array, epsilon: fl
     # The out binding is unused (the result goes into input): it holds input.
     _launch("fused_add_rms_norm", RMS_NORM, backend_name(backend), device_of(input, residual, weight),
             dict(x=input, residual=residual, weight=weight, out=input), push, rows, per_workgroup=1,
-            written=("x", "residual"), given=dict(input=input, residual=residual, weight=weight))
+            written=("x", "residual"), given=dict(input=input, residual=residual, weight=weight), signature=signature)
 
 
 def silu_and_mul(out: Array, x: Array, *, backend: str | None = None) -> None:
@@ -229,6 +244,9 @@ def silu_and_mul(out: Array, x: Array, *, backend: str | None = None) -> None:
     --------
     >>> pagedvk.silu_and_mul(act, gate_up)   # gate_up [num_tokens, 2 * intermediate_size]
     """
+    signature, queued = _queued_again("silu_and_mul", (out, x), (), backend)
+    if queued:
+        return
     checks.kind("x", x, strided=True)
     x_type = _type_code("x", x)
     if len(x.shape) < 1 or x.shape[-1] < 4 or x.shape[-1] % 4:
@@ -245,7 +263,7 @@ def silu_and_mul(out: Array, x: Array, *, backend: str | None = None) -> None:
         raise ValueError("out must not be x (out is half x's width)")
     push = SILU_AND_MUL.pack_push(num_rows=rows, d=d, x_type=x_type, x_pitch=x_pitch, out_pitch=out_pitch)
     _launch("silu_and_mul", SILU_AND_MUL, backend_name(backend), device_of(out, x), dict(x=x, out=out), push,
-            rows * d // 2, written=("out",), fresh=("out",))
+            rows * d // 2, written=("out",), fresh=("out",), signature=signature)
 
 
 def rotary_embedding(positions: Array, query: Array, key: Array | None, head_size: int, cos_sin_cache: Array,
@@ -288,6 +306,13 @@ def rotary_embedding(positions: Array, query: Array, key: Array | None, head_siz
     >>> cos_sin = pagedvk.asarray(pagedvk.rope_cos_sin_cache(4096, 128, 500000.0))
     >>> pagedvk.rotary_embedding(positions, q, k, 128, cos_sin, is_neox=True)
     """
+    signature = None
+    if validate is False:
+        arrays = (positions, query, cos_sin_cache) + ((key,) if key is not None else ())
+        signature, queued = _queued_again("rotary_embedding", arrays, (type(head_size), head_size, type(is_neox),
+                                                                       is_neox, key is None), backend)
+        if queued:
+            return
     head_size = checks.integer("head_size", head_size, 2)
     if head_size % 2:
         raise ValueError(f"head_size must be even, got {head_size}")
@@ -329,7 +354,7 @@ def rotary_embedding(positions: Array, query: Array, key: Array | None, head_siz
             device_of(positions, query, key, cos_sin_cache),
             dict(positions=positions, query=query, key=key if key is not None else query, cos_sin_cache=cos_sin_cache),
             push, num_tokens * (num_heads + num_kv_heads) * rot_dim // 4, written=("query", "key"),
-            given=dict(positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache))
+            given=dict(positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache), signature=signature)
 
 
 def rope_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0, dtype=np.float32) -> np.ndarray:
@@ -513,14 +538,26 @@ def _same_or_apart(name_a: str, a, name_b: str, b) -> bool:
 
 # -- the launch ----------------------------------------------------------------------------------------------------
 
+def _queued_again(op: str, arrays: tuple, options: tuple, backend: str | None) -> tuple:
+    """(signature, queued) of a call: its signature where every array is a DeviceArray (recording.array_signature:
+    devices, buffers, shapes, dtypes and row pitches, then the op, its options and the kernel language), else None;
+    queued is True where a launch kept for that signature (by a call that passed every check) was queued again."""
+    signature = array_signature(arrays, (op, *options, backend_name(backend)))
+    if signature is None or active_recording(arrays[0].device) is not None:
+        return signature, False
+    return signature, kept_launches(arrays[0].device).enqueue_kept(signature)
+
+
 def _launch(op: str, kernel, backend: str, device, bindings: dict, push: bytes, threads: int, *,
-            per_workgroup: int = WORKGROUP, written: tuple = (), fresh: tuple = (), given: dict | None = None) -> None:
+            per_workgroup: int = WORKGROUP, written: tuple = (), fresh: tuple = (), given: dict | None = None,
+            signature: tuple | None = None) -> None:
     """Queue one dispatch of `kernel` over `bindings` ({binding name: array}, in the kernel's order; one array may
     fill several bindings) through recording.dispatch: ceil(threads / per_workgroup) workgroups on a folded grid.
 
     `given` (default: `bindings`) are the caller's arguments by name, which inside a recording must be DeviceArrays.
     Numpy arrays are copied to the device first, those of the `fresh` bindings (outputs only) allocated instead, and
-    those of the `written` bindings copied back into the caller's array once the dispatch has run."""
+    those of the `written` bindings copied back into the caller's array once the dispatch has run. `signature`
+    (`_queued_again`'s) keys the kept launch where the call copied nothing."""
     if active_recording(device) is not None:
         require_device_arrays(f"{op} inside pagedvk.record()", **(given if given is not None else bindings))
     if threads == 0:
@@ -538,7 +575,7 @@ def _launch(op: str, kernel, backend: str, device, bindings: dict, push: bytes, 
         pipeline = modules.pipeline(device, kernel, kernel.key(backend))
         buffers = [on_device[id(a)].buffer for a in bindings.values()]
         grid = fold_grid(-(-threads // per_workgroup), device.info.max_workgroup_count)
-        dispatch(op, device, lambda: [(pipeline, buffers, push, grid)])
+        dispatch(op, device, lambda: [(pipeline, buffers, push, grid)], signature=None if temporaries else signature)
         for a in {id(bindings[name]): bindings[name] for name in written}.values():
             if isinstance(a, np.ndarray):
                 a[...] = on_device[id(a)].numpy()

@@ -18,7 +18,7 @@ import pytest
 
 import pagedvk
 from pagedvk.testing import reference
-from support import assert_untouched, fenced, rel_error, tiered
+from support import assert_untouched, fenced, record_launches, rel_error, tiered
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 DTYPE_IDS = ["f32", "f16", "bf16"]
@@ -326,6 +326,34 @@ def test_a_layer_recorded_once_replays_on_new_inputs(rng, device, backend):
         check(residual, res)
         check(act, reference.silu_and_mul(q.astype(np.float32)))
     step.close()
+
+
+def test_a_repeated_device_call_queues_its_kept_launch_without_checks(rng, device, backend, monkeypatch):
+    # An engine calls each op per layer with the same arrays every step: after one checked call, the same arrays and
+    # options queue the launch kept for them (no checks, no recording); other options are checked and recorded anew.
+    import pagedvk.ops.layer_ops as layer_ops
+    _, launches = record_launches(monkeypatch)
+    checked = []
+    rows = layer_ops._rows
+    monkeypatch.setattr(layer_ops, "_rows", lambda *a: (checked.append(a[0]), rows(*a))[1])
+    x, weight = pagedvk.asarray(random(rng, (TOKENS, 576), np.float32), device), random(rng, 576, np.float32)
+    d_weight, out = pagedvk.asarray(weight, device), pagedvk.empty((TOKENS, 576), np.float32, device)
+    cache = pagedvk.asarray(pagedvk.rope_cos_sin_cache(64, 64), device)
+    positions = pagedvk.asarray(rng.integers(0, 64, TOKENS).astype(np.int32), device)
+    for step in range(3):
+        new = random(rng, (TOKENS, 576), np.float32)
+        x.write(new)
+        pagedvk.rms_norm(out, x, d_weight, EPS, backend=backend)
+        check(out, reference.rms_norm(new, weight, EPS))
+        pagedvk.rotary_embedding(positions, out, None, 64, cache, True, backend=backend, validate=False)
+        check(out, reference.rotary_embedding(positions.numpy(), reference.rms_norm(new, weight, EPS), None, 64,
+                                              cache.numpy(), True)[0])
+    assert len(launches) == 2 and checked == ["input", "out", "query"]
+    pagedvk.rms_norm(out, x, d_weight, 1e-3, backend=backend)   # another epsilon: checked, recorded, right
+    check(out, reference.rms_norm(x.numpy(), weight, 1e-3))
+    assert len(launches) == 3 and checked[3:] == ["input", "out"]
+    with pytest.raises(ValueError, match="epsilon must be positive"):
+        pagedvk.rms_norm(out, x, d_weight, float("nan"), backend=backend)
 
 
 def test_host_arrays_are_refused_inside_a_recording_by_name(rng, device):
