@@ -12,6 +12,8 @@ from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeo
 from .ops.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from .ops.decode import paged_attention
 from .ops.decode_plan import DecodePlan
+from .ops.layer_ops import (embedding, fused_add_rms_norm, rms_norm, rope_cos_sin_cache, rotary_embedding,
+                            silu_and_mul)
 from .ops.merge import merge_attention_states, merge_states
 from .ops.prefill import paged_attention_backward, paged_attention_prefill
 from .ops.prefill_plan import PrefillPlan
@@ -28,7 +30,8 @@ __all__ = [
     'ClosedError', 'DecodePlan', 'Device', 'DeviceArray', 'DeviceInfo', 'DeviceLostError', 'DeviceNotFoundError',
     'Event', 'GPUTimeoutError', 'KVCache', 'NoFreeBlocksError', 'OutOfMemoryError', 'PagedVKError', 'PrefillPlan',
     'RecordedStep', 'ShaderModuleError', 'Stream', 'UnsupportedFeatureError', 'ValidationError', 'VulkanError',
-    'asarray', 'copy_blocks', 'default_device', 'devices', 'empty', 'get_device', 'merge_attention_states',
-    'merge_states', 'paged_attention', 'paged_attention_backward', 'paged_attention_prefill', 'record',
-    'reshape_and_cache', 'select', 'swap_blocks', 'synchronize', 'zeros',
+    'asarray', 'copy_blocks', 'default_device', 'devices', 'embedding', 'empty', 'fused_add_rms_norm', 'get_device',
+    'merge_attention_states', 'merge_states', 'paged_attention', 'paged_attention_backward',
+    'paged_attention_prefill', 'record', 'reshape_and_cache', 'rms_norm', 'rope_cos_sin_cache', 'rotary_embedding',
+    'select', 'silu_and_mul', 'swap_blocks', 'synchronize', 'zeros',
 ]

@@ -1,7 +1,8 @@
 """The kernels: each one's interface and module variants, declared once (the mechanism: pagedvk/kernels/abi.py).
 
-Nine kernels: the decode and the reduce that merges its partitions, the merge of two attention states, the device's
-read bandwidth (benchmarks), the prefill forward, the backward's three steps, and the cache writer. Each declaration
+Thirteen kernels: the decode and the reduce that merges its partitions, the merge of two attention states, the device's
+read bandwidth (benchmarks), the prefill forward, the backward's three steps, the cache writer, and the layer's other
+ops (embedding, RMS norm, SiLU-and-mul, rotary embedding). Each declaration
 says what its sources bind, push and specialize, and which modules the build makes of it. Stdlib-only, as abi:
 build_shaders.py loads it by file path.
 """
@@ -417,5 +418,65 @@ RESHAPE_AND_CACHE = KernelABI(
     writes_cache=True,   # and its WGSL sources include the write-side storage files
 )
 
+# The layer's other ops (pagedvk/ops/layer_ops.py): embedding, RMS norms, SiLU-and-mul and rotary embedding. One module
+# per backend each: every activation, weight and table is bound as 32-bit words and read in pairs of elements of the
+# float type its push constant names (QUERY_TYPES' codes; shaders/layer_elements.glsl, .wgsl), so the element types
+# add no module. Row lengths and pitches are even (a pair never spans two rows), counted in elements. Grids are
+# numbered linearly over a folded grid, 128 threads a workgroup.
+LAYER_WORKGROUP = (128, 1, 1)
+
+
+def _push(*fields) -> tuple:
+    return tuple(PushField(name, kind) for name, kind in fields)
+
+
+# out[t] = weight[token_ids[t]]: one thread per pair of a row; an id outside [0, vocab_size) gives zeros.
+# Workgroups: ceil(num_tokens * hidden_size / 2 / 128).
+EMBEDDING = KernelABI(
+    op="embedding",
+    bindings=(Binding("token_ids", readonly=True), Binding("weight", readonly=True), Binding("out", readonly=False)),
+    push=_push(("num_tokens", "u32"), ("hidden_size", "u32"), ("vocab_size", "u32"),
+               ("id_words", "u32"),         # 1: int32 ids, 2: int64 (two words, low first)
+               ("weight_type", "u32"), ("out_type", "u32"), ("out_pitch", "u32")),
+    workgroup_size=LAYER_WORKGROUP,
+)
+
+# RMS norm of each row, optionally after adding it into the residual (vLLM's fused_add_rms_norm): one workgroup per
+# row, reduced in float32 in shared memory. x, residual and out have x_type; flags: RMS_ADD_RESIDUAL,
+# RMS_WRITE_INPUT. Workgroups: num_tokens.
+RMS_NORM = KernelABI(
+    op="rms_norm",
+    bindings=(Binding("x", readonly=False), Binding("residual", readonly=False), Binding("weight", readonly=True),
+              Binding("out", readonly=False)),
+    push=_push(("num_tokens", "u32"), ("hidden_size", "u32"), ("epsilon", "f32"), ("x_type", "u32"),
+               ("weight_type", "u32"), ("flags", "u32"), ("x_pitch", "u32"), ("residual_pitch", "u32"),
+               ("out_pitch", "u32")),
+    workgroup_size=LAYER_WORKGROUP,
+)
+RMS_ADD_RESIDUAL = 1   # residual += x (stored rounded to its type), and the sum is normalized
+RMS_WRITE_INPUT = 2    # the result goes into x (the out binding is unused)
+
+# out = silu(x[:, :d]) * x[:, d:], one thread per pair of an output row. Workgroups: ceil(num_rows * d / 2 / 128).
+SILU_AND_MUL = KernelABI(
+    op="silu_and_mul",
+    bindings=(Binding("x", readonly=True), Binding("out", readonly=False)),
+    push=_push(("num_rows", "u32"), ("d", "u32"), ("x_type", "u32"), ("x_pitch", "u32"), ("out_pitch", "u32")),
+    workgroup_size=LAYER_WORKGROUP,
+)
+
+# vLLM's rotary_embedding, in place on query and key (key unused where num_kv_heads is 0): one thread per two
+# rotations of one head. Workgroups: ceil(num_tokens * (num_heads + num_kv_heads) * rot_dim / 4 / 128).
+ROTARY_EMBEDDING = KernelABI(
+    op="rotary_embedding",
+    bindings=(Binding("positions", readonly=True), Binding("query", readonly=False), Binding("key", readonly=False),
+              Binding("cos_sin_cache", readonly=True)),
+    push=_push(("num_tokens", "u32"), ("num_heads", "u32"), ("num_kv_heads", "u32"), ("head_size", "u32"),
+               ("rot_dim", "u32"), ("max_position", "u32"), ("is_neox", "u32"),
+               ("position_words", "u32"),   # 1: int32 positions, 2: int64
+               ("x_type", "u32"), ("cache_type", "u32"), ("query_pitch", "u32"), ("key_pitch", "u32")),
+    workgroup_size=LAYER_WORKGROUP,
+)
+
 KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, MERGE_STATES, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DELTA,
-           PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE)
+           PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE, EMBEDDING, RMS_NORM, SILU_AND_MUL,
+           ROTARY_EMBEDDING)

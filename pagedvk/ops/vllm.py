@@ -10,6 +10,7 @@ from ..dtypes import QUERY_TYPES, storage_type
 from . import cache_ops, checks
 from .decode import paged_attention as _paged_attention
 from .decode_plan import DecodePlan
+from .layer_ops import embedding, fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul  # noqa: F401 (vLLM's)
 from .layouts import cache_spec
 from .opargs import device_of
 from .prefill import paged_attention_prefill

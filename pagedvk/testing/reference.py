@@ -265,3 +265,56 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layout="
         kc.transpose(0, 3, 1, 2, 4)[b, t] = k.reshape(len(k), kc.shape[1], kc.shape[2], kc.shape[4])
         vc.transpose(0, 3, 1, 2)[b, t] = v
     return kc, vc
+
+
+# -- the layer's other ops (pagedvk.ops.layer_ops) --------------------------------------------------------------------
+
+def embedding(token_ids, weight):
+    """The rows of weight [vocab_size, hidden_size] that token_ids name: token_ids.shape + (hidden_size,)."""
+    return np.asarray(weight, np.float64)[np.asarray(token_ids, np.int64)]
+
+
+def rms_norm(x, weight, epsilon):
+    """x / sqrt(mean(x^2) + epsilon) * weight over the last axis."""
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + epsilon) * np.asarray(weight, np.float64)
+
+
+def fused_add_rms_norm(x, residual, weight, epsilon):
+    """(normalized, residual after): the residual x + residual rounded to residual's dtype (as the op stores it),
+    and the rms_norm of that rounded sum (as the op normalizes what it stored)."""
+    dtype = np.asarray(residual).dtype
+    summed = (np.asarray(x, np.float64) + np.asarray(residual, np.float64)).astype(dtype).astype(np.float64)
+    return rms_norm(summed, weight, epsilon), summed
+
+
+def silu_and_mul(x):
+    """silu(x[..., :d]) * x[..., d:], silu(a) = a / (1 + exp(-a))."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1] // 2
+    a, b = x[..., :d], x[..., d:]
+    return a / (1.0 + np.exp(-a)) * b
+
+
+def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
+    """(query, key) rotated (vLLM's rotary_embedding), in their shapes; key None gives None. Rotation i < rot_dim / 2
+    pairs dims (i, i + rot_dim / 2) with is_neox, (2i, 2i + 1) without, by cos_sin_cache[position, i] and
+    cos_sin_cache[position, rot_dim / 2 + i]; dims from rot_dim on are left as they are."""
+    table = np.asarray(cos_sin_cache, np.float64)[np.asarray(positions, np.int64)]   # [tokens, rot_dim]
+    rot_dim = table.shape[1]
+    half = rot_dim // 2
+    cos, sin = table[:, None, :half], table[:, None, half:]
+    first = np.arange(half) if is_neox else np.arange(0, rot_dim, 2)
+    second = first + half if is_neox else first + 1
+
+    def rotate(x):
+        if x is None:
+            return None
+        shape = np.shape(x)
+        x = np.array(x, np.float64).reshape(shape[0], -1, head_size)
+        x1, x2 = x[..., first].copy(), x[..., second].copy()
+        x[..., first] = x1 * cos - x2 * sin
+        x[..., second] = x2 * cos + x1 * sin
+        return x.reshape(shape)
+
+    return rotate(query), rotate(key)

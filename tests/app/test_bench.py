@@ -412,3 +412,10 @@ def test_streams_benchmark_runs(capsys):
     streams = load_benchmark("streams")
     assert streams.main(["--context", "64", "--repeats", "2"]) == 0
     assert "overlap" in capsys.readouterr().out
+
+
+def test_layer_ops_host_cost_prints_every_op(capsys):
+    assert load_benchmark("layer_ops_host").main(["--iters", "3"]) == 0
+    text = capsys.readouterr().out
+    for op in ("embedding", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
+        assert f"| {op} | " in text
