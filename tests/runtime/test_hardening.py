@@ -269,7 +269,10 @@ def test_timeout_then_the_device_goes_on(rng, warm, monkeypatch, spin_us):
         expected = plan.run(q, k, v, out).numpy()
         monkeypatch.setenv("PAGEDVK_TIMEOUT", "1e-9")
         assert plan.run(q, k, v, out) is out   # queued: no wait yet
-        with pytest.raises(GPUTimeoutError, match="did not finish paged_decode.* within PAGEDVK_TIMEOUT=1e-09") as e:
+        # The wait names the op it gave up on: the decode, or, where the decode ended before the read came (a fast
+        # GPU under a busy host), the read's own copy.
+        with pytest.raises(GPUTimeoutError, match="did not finish (paged_decode|download).* within "
+                                                  "PAGEDVK_TIMEOUT=1e-09") as e:
             out.numpy()
         assert isinstance(e.value, TimeoutError)
         # A call made meanwhile times out too (waiting for the first, or for its own kernel); it frees its

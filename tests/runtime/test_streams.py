@@ -283,7 +283,9 @@ def test_closing_what_a_batched_op_binds_waits_for_the_op(rng, device, monkeypat
     gpu.catch_up()
     for out in outs:
         np.testing.assert_allclose(out.numpy(), case.reference(), rtol=1e-5, atol=1e-5)
-    assert gpu.counts == [1, 1, 2]
+    # The batch went at the first wait; each read of memory that is not mapped (a discrete GPU's) is a staging copy.
+    downloads = [1] * len(outs) if outs[0].buffer.mapped is None else []
+    assert gpu.counts == [1, 1, 2] + downloads
     for out in outs:
         out.close()
     pagedvk.synchronize()
