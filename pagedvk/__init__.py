@@ -12,6 +12,7 @@ from .errors import (ClosedError, DeviceLostError, DeviceNotFoundError, GPUTimeo
 from .ops.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from .ops.decode import paged_attention
 from .ops.decode_plan import DecodePlan
+from .ops.linear import linear
 from .ops.merge import merge_attention_states, merge_states
 from .ops.prefill import paged_attention_backward, paged_attention_prefill
 from .ops.prefill_plan import PrefillPlan
@@ -28,7 +29,7 @@ __all__ = [
     'ClosedError', 'DecodePlan', 'Device', 'DeviceArray', 'DeviceInfo', 'DeviceLostError', 'DeviceNotFoundError',
     'Event', 'GPUTimeoutError', 'KVCache', 'NoFreeBlocksError', 'OutOfMemoryError', 'PagedVKError', 'PrefillPlan',
     'RecordedStep', 'ShaderModuleError', 'Stream', 'UnsupportedFeatureError', 'ValidationError', 'VulkanError',
-    'asarray', 'copy_blocks', 'default_device', 'devices', 'empty', 'get_device', 'merge_attention_states',
+    'asarray', 'copy_blocks', 'default_device', 'devices', 'empty', 'get_device', 'linear', 'merge_attention_states',
     'merge_states', 'paged_attention', 'paged_attention_backward', 'paged_attention_prefill', 'record',
     'reshape_and_cache', 'select', 'swap_blocks', 'synchronize', 'zeros',
 ]

@@ -2,7 +2,7 @@
 
 A kernel's interface to the GPU is data, a ``KernelABI``: its descriptor bindings in order, its push-constant
 block, its workgroup size, its specialization constants, and the axes its modules vary along (cache storage type,
-cache access, kernels for a kind of device or matrix unit), drawn from the vocabulary below. The nine kernels are
+cache access, kernels for a kind of device or matrix unit), drawn from the vocabulary below. The kernels are
 declared in pagedvk/kernels/catalogue.py. The query type is not an axis: kernels read it from the push constants
 (``q_type``), except the cooperative-matrix modules, which are built for one. A module is named by a
 ``VariantKey``, built by ``KernelABI.key`` and nowhere else; ``KernelABI.keys`` lists every module of a kernel as

@@ -1,7 +1,8 @@
 """The kernels: each one's interface and module variants, declared once (the mechanism: pagedvk/kernels/abi.py).
 
-Nine kernels: the decode and the reduce that merges its partitions, the merge of two attention states, the device's
-read bandwidth (benchmarks), the prefill forward, the backward's three steps, and the cache writer. Each declaration
+Eleven kernels: the decode and the reduce that merges its partitions, the merge of two attention states, the device's
+read bandwidth (benchmarks), the prefill forward, the backward's three steps, the cache writer, and the linear layer's
+two (matrix-vector and matrix-matrix). Each declaration
 says what its sources bind, push and specialize, and which modules the build makes of it. Stdlib-only, as abi:
 build_shaders.py loads it by file path.
 """
@@ -417,5 +418,33 @@ RESHAPE_AND_CACHE = KernelABI(
     writes_cache=True,   # and its WGSL sources include the write-side storage files
 )
 
+# A linear layer, y = x @ weight.T (+ bias) (pagedvk/ops/linear.py): x [tokens, in_features], weight [out_features,
+# in_features] row-major (PyTorch's, GGUF's), bias [out_features], y [tokens, out_features], each in a QUERY_TYPES
+# type its push constant names (all bound as 32-bit words, weight as 16-byte chunks), accumulated in float32. bias
+# unused (has_bias 0) is bound to weight's buffer and never read. 16-bit outputs share words across rows and
+# workgroups: written with atomicAnd / atomicOr on the word, as reshape_and_cache writes caches.
+LINEAR_KERNEL = dict(
+    bindings=(
+        Binding("x", readonly=True),
+        Binding("weight", readonly=True),
+        Binding("bias", readonly=True),
+        Binding("y", readonly=False),
+    ),
+    push=tuple(PushField(name, "u32") for name in (
+        "tokens", "in_features", "out_features", "x_type", "weight_type", "bias_type", "y_type", "has_bias")),
+)
+# The decode's matrix-vector product: each workgroup takes LINEAR_GEMV_ROWS weight rows (32 threads a row, each
+# reading 16-byte chunks of it) for up to LINEAR_GEMV_TOKENS tokens, so a weight is read once for all of them.
+# Workgroups: ceil(out_features / LINEAR_GEMV_ROWS) x ceil(tokens / LINEAR_GEMV_TOKENS), row groups fastest,
+# numbered linearly over a folded grid.
+LINEAR_GEMV = KernelABI(op="linear_gemv", workgroup_size=(128, 1, 1), **LINEAR_KERNEL)
+LINEAR_GEMV_ROWS = 4
+LINEAR_GEMV_TOKENS = 8
+# The prefill's matrix product: 64 x 64 tiles of y (tokens x out_features) through shared memory, 16 of in_features
+# a step, each thread 4 x 4 outputs. Workgroups: ceil(out_features / 64) x ceil(tokens / 64), column tiles fastest,
+# numbered linearly over a folded grid.
+LINEAR_GEMM = KernelABI(op="linear_gemm", workgroup_size=(256, 1, 1), **LINEAR_KERNEL)
+LINEAR_GEMM_TILE = 64
+
 KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, MERGE_STATES, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DELTA,
-           PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE)
+           PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE, LINEAR_GEMV, LINEAR_GEMM)

@@ -265,3 +265,11 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layout="
         kc.transpose(0, 3, 1, 2, 4)[b, t] = k.reshape(len(k), kc.shape[1], kc.shape[2], kc.shape[4])
         vc.transpose(0, 3, 1, 2)[b, t] = v
     return kc, vc
+
+
+# -- the model's other layers ---------------------------------------------------------------------------------
+
+def linear(x, weight, bias=None):
+    """y = x @ weight.T + bias in float64: x [tokens, in_features], weight [out_features, in_features]."""
+    y = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
+    return y + np.asarray(bias, np.float64) if bias is not None else y
