@@ -16,6 +16,7 @@ from .ops.linear import linear
 from .ops.merge import merge_attention_states, merge_states
 from .ops.prefill import paged_attention_backward, paged_attention_prefill
 from .ops.prefill_plan import PrefillPlan
+from .ops.sampling import greedy_sample, sample
 from .runtime.array import DeviceArray, asarray, empty, zeros
 from .runtime.device import Device
 from .runtime.instance import DeviceInfo
@@ -29,7 +30,7 @@ __all__ = [
     'ClosedError', 'DecodePlan', 'Device', 'DeviceArray', 'DeviceInfo', 'DeviceLostError', 'DeviceNotFoundError',
     'Event', 'GPUTimeoutError', 'KVCache', 'NoFreeBlocksError', 'OutOfMemoryError', 'PagedVKError', 'PrefillPlan',
     'RecordedStep', 'ShaderModuleError', 'Stream', 'UnsupportedFeatureError', 'ValidationError', 'VulkanError',
-    'asarray', 'copy_blocks', 'default_device', 'devices', 'empty', 'get_device', 'linear', 'merge_attention_states',
-    'merge_states', 'paged_attention', 'paged_attention_backward', 'paged_attention_prefill', 'record',
-    'reshape_and_cache', 'select', 'swap_blocks', 'synchronize', 'zeros',
+    'asarray', 'copy_blocks', 'default_device', 'devices', 'empty', 'get_device', 'greedy_sample', 'linear',
+    'merge_attention_states', 'merge_states', 'paged_attention', 'paged_attention_backward', 'paged_attention_prefill', 'record',
+    'reshape_and_cache', 'sample', 'select', 'swap_blocks', 'synchronize', 'zeros',
 ]

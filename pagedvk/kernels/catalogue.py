@@ -1,8 +1,8 @@
 """The kernels: each one's interface and module variants, declared once (the mechanism: pagedvk/kernels/abi.py).
 
-Eleven kernels: the decode and the reduce that merges its partitions, the merge of two attention states, the device's
-read bandwidth (benchmarks), the prefill forward, the backward's three steps, the cache writer, and the linear layer's
-two (matrix-vector and matrix-matrix). Each declaration
+Twelve kernels: the decode and the reduce that merges its partitions, the merge of two attention states, the device's
+read bandwidth (benchmarks), the prefill forward, the backward's three steps, the cache writer, the linear layer's
+two (matrix-vector and matrix-matrix), and the sampler. Each declaration
 says what its sources bind, push and specialize, and which modules the build makes of it. Stdlib-only, as abi:
 build_shaders.py loads it by file path.
 """
@@ -446,5 +446,30 @@ LINEAR_GEMV_TOKENS = 8
 LINEAR_GEMM = KernelABI(op="linear_gemm", workgroup_size=(256, 1, 1), **LINEAR_KERNEL)
 LINEAR_GEMM_TILE = 64
 
+# One token per row of logits (pagedvk/ops/sampling.py): greedy, or temperature, top-k and top-p then a seeded draw,
+# shaders/sampling.comp says how. logits [batch, vocab] in a QUERY_TYPES type (logits_type), bound as words; the
+# per-row arrays (float32 temperatures and top_ps, int32 top_ks, int64 seeds, [batch] each) are read where per_row's
+# bit says so, else the push constants' values serve every row and the binding is the logits' buffer, unread.
+# tokens: int32 [batch]. Workgroups: batch, one a row, numbered linearly over a folded grid.
+SAMPLING = KernelABI(
+    op="sampling",
+    bindings=(
+        Binding("logits", readonly=True),
+        Binding("temperatures", readonly=True),
+        Binding("top_ks", readonly=True),
+        Binding("top_ps", readonly=True),
+        Binding("seeds", readonly=True),
+        Binding("tokens", readonly=False),
+    ),
+    push=tuple(PushField(name, kind) for name, kind in (
+        ("batch", "u32"), ("vocab", "u32"), ("logits_type", "u32"), ("temperature", "f32"), ("top_k", "u32"),
+        ("top_p", "f32"), ("seed_lo", "u32"), ("seed_hi", "u32"), ("offset", "u32"),
+        ("per_row", "u32"),   # SAMPLING_PER_ROW's bits: the arrays read
+        ("mix_row", "u32"),   # 1: one seed for the batch, each row's draw keyed by its row too
+    )),
+    workgroup_size=(256, 1, 1),
+)
+SAMPLING_PER_ROW = {"temperatures": 1, "top_ks": 2, "top_ps": 4, "seeds": 8}
+
 KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, MERGE_STATES, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DELTA,
-           PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE, LINEAR_GEMV, LINEAR_GEMM)
+           PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE, LINEAR_GEMV, LINEAR_GEMM, SAMPLING)
