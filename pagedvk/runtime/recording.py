@@ -114,8 +114,9 @@ class RecordedStep(Owned):
 def record(device: DeviceLike = None):
     """Record the ops called in the block (on this thread, for `device`) into a `RecordedStep`, running none of them.
 
-    Recordable: `DecodePlan.run`, `reshape_and_cache`, `merge_attention_states`, `linear` and `sample` over DeviceArrays. Other ops
-    raise inside the block, as does an op given a host array (it would be copied once, at recording).
+    Recordable: `DecodePlan.run`, `reshape_and_cache`, `merge_attention_states`, `linear` and `sample` over
+    DeviceArrays. Other ops raise inside the block, as does an op given a host array (it would be copied once, at
+    recording).
 
     Parameters
     ----------
