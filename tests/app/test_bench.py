@@ -412,3 +412,14 @@ def test_streams_benchmark_runs(capsys):
     streams = load_benchmark("streams")
     assert streams.main(["--context", "64", "--repeats", "2"]) == 0
     assert "overlap" in capsys.readouterr().out
+
+
+def test_linear_benchmark_small(tmp_path, capsys):
+    # benchmarks/linear.py --small: each shape checked against float64, timed, and compared with the read kernel.
+    linear = load_benchmark("linear")
+    assert linear.main(["--small", "--iters", "2", "--tokens", "1,9", "--json", str(tmp_path / "linear.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "| 96 | 300 | 9 | gemm |" in printed and "of read" in printed
+    import json
+    rows = json.loads((tmp_path / "linear.json").read_text())["rows"]
+    assert [r["kernel"] for r in rows] == ["gemv", "gemm"] * 2 and all(r["median_us"] > 0 for r in rows)
