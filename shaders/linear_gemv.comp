@@ -13,6 +13,7 @@
 #include "linear_common.glsl"
 
 const uint ROWS = 4u, LANES = 32u, TOKENS = 8u;   // catalogue.LINEAR_GEMV_ROWS, LINEAR_GEMV_TOKENS
+const uint UNROLL = 4u;
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 shared float partial[TOKENS][ROWS * LANES];
@@ -34,15 +35,26 @@ void main() {
         const uint end = min((start + K + per - 1u) / per, weight.length());
         float v[8];
         if (K % per == 0u) {
-            for (uint c = start / per + lane; c < end; c += LANES) {
-                unpack_chunk(weight[c], v);
-                const uint k = c * per - start;
-                for (uint t = 0u; t < TOKENS; ++t) {
-                    if (t >= group) break;
-                    const uint xi = (t0 + t) * K + k;
-                    float s = dot(vec4(v[0], v[1], v[2], v[3]), x_quad(xi));
-                    if (per == 8u) s += dot(vec4(v[4], v[5], v[6], v[7]), x_quad(xi + 4u));
-                    acc[t] += s;
+            // UNROLL chunks' loads issued before any is used: bytes in flight to cover the memory's latency where a
+            // grid of few rows, or long rows, leaves few threads per core
+            for (uint c0 = start / per + lane; c0 < end; c0 += UNROLL * LANES) {
+                uvec4 chunk[UNROLL];
+                for (uint u = 0u; u < UNROLL; ++u) {
+                    const uint c = c0 + u * LANES;
+                    chunk[u] = c < end ? weight[c] : uvec4(0u);
+                }
+                for (uint u = 0u; u < UNROLL; ++u) {
+                    const uint c = c0 + u * LANES;
+                    if (c >= end) break;
+                    unpack_chunk(chunk[u], v);
+                    const uint k = c * per - start;
+                    for (uint t = 0u; t < TOKENS; ++t) {
+                        if (t >= group) break;
+                        const uint xi = (t0 + t) * K + k;
+                        float s = dot(vec4(v[0], v[1], v[2], v[3]), x_quad(xi));
+                        if (per == 8u) s += dot(vec4(v[4], v[5], v[6], v[7]), x_quad(xi + 4u));
+                        acc[t] += s;
+                    }
                 }
             }
         } else {

@@ -6,6 +6,7 @@
 const ROWS: u32 = 4u;
 const LANES: u32 = 32u;
 const TOKENS: u32 = 8u;
+const UNROLL: u32 = 4u;   // chunks' loads in flight per thread (linear_gemv.comp)
 const WG: u32 = 128u;
 
 var<workgroup> partial: array<f32, 1024>;   // [TOKENS][ROWS * LANES]
@@ -34,16 +35,27 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         let start = n * K;
         let end = min((start + K + per - 1u) / per, arrayLength(&weight));
         if (K % per == 0u) {
-            for (var c = start / per + lane; c < end; c += LANES) {
-                let v = unpack_chunk(weight[c]);
-                let k = c * per - start;
-                for (var t = 0u; t < group; t++) {
-                    let xi = (t0 + t) * K + k;
-                    var s = dot(v[0], x_quad(xi));
-                    if (per == 8u) {
-                        s += dot(v[1], x_quad(xi + 4u));
+            for (var c0 = start / per + lane; c0 < end; c0 += UNROLL * LANES) {
+                var chunk: array<vec4<u32>, 4>;
+                for (var u = 0u; u < UNROLL; u++) {
+                    let c = c0 + u * LANES;
+                    chunk[u] = select(vec4<u32>(0u), weight[min(c, end - 1u)], c < end);
+                }
+                for (var u = 0u; u < UNROLL; u++) {
+                    let c = c0 + u * LANES;
+                    if (c >= end) {
+                        break;
                     }
-                    acc[t] += s;
+                    let v = unpack_chunk(chunk[u]);
+                    let k = c * per - start;
+                    for (var t = 0u; t < group; t++) {
+                        let xi = (t0 + t) * K + k;
+                        var s = dot(v[0], x_quad(xi));
+                        if (per == 8u) {
+                            s += dot(v[1], x_quad(xi + 4u));
+                        }
+                        acc[t] += s;
+                    }
                 }
             }
         } else {

@@ -14,9 +14,10 @@ from pagedvk.testing import reference
 from support import assert_untouched, fenced, rel_error
 
 TYPES = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
-# (tokens, in_features, out_features): in_features off the 16-byte chunk and the 16-wide k step (100, 36), off 64
-# (576, 1536), out_features odd and off the 4-row and 64-wide tiles.
-SHAPES = [(1, 576, 33), (3, 100, 17), (8, 1536, 7), (33, 100, 65), (2, 36, 130)]
+# (tokens, in_features, out_features): in_features off the 16-byte chunk of 16-bit weights and the 16-wide k step (100,
+# 36), off float32's 4-element chunk too (37: rows straddle chunks in every type), off 64 (576, 1536); out_features odd
+# and off the 4-row and 64-wide tiles.
+SHAPES = [(1, 576, 33), (3, 100, 17), (8, 1536, 7), (33, 100, 65), (2, 36, 130), (5, 37, 9)]
 # The reference takes the inputs as stored, so the error is float32 accumulation (sqrt(K) * 2^-24 ~ 1e-6 typical)
 # plus the output's rounding to nearest even: 2^-12 relative at most in float16, 2^-9 in bfloat16.
 TOL = {TYPES[0]: 1e-5, TYPES[1]: 5e-4, TYPES[2]: 2.5e-3}
