@@ -150,3 +150,15 @@ def test_rejected_host_arrays_when_recording(device):
             pagedvk.linear(**{**args, "weight": args["weight"].numpy()})
     assert step.ops == []
     step.close()
+
+
+def test_views(rng, device, backend):
+    """A block of rows of a larger weight (a fused QKV projection's q rows) is read where it is; a strided view of x is
+    refused with the argument named."""
+    x, w = random(rng, (2, 64), np.float32), random(rng, (48, 64), np.float16)
+    wd = pagedvk.asarray(w, device)
+    y = pagedvk.linear(x, wd[16:40], backend=backend)
+    assert rel_error(y, reference.linear(x, w[16:40])) <= 1e-5
+    wide = pagedvk.asarray(random(rng, (2, 128), np.float32), device)
+    with pytest.raises(ValueError, match="x is a strided view"):
+        pagedvk.linear(wide[:, :64], wd, backend=backend)
