@@ -50,6 +50,15 @@ def test_draw_within_kept_set(rng, device, backend, temperature, top_k, top_p):
         np.testing.assert_array_equal(tokens, np.argmax(logits.astype(np.float32), axis=1))
 
 
+def test_large_vocabulary(rng, device, backend):
+    """Qwen's 152064-token vocabulary: 594 logits a thread, top-k and top-p over them."""
+    logits = (rng.standard_normal((3, 152064)) * 4).astype(ml_dtypes.bfloat16)
+    allowed = kept(logits, 1.0, np.array([0, 50, 1000]), np.array([0.9, 1.0, 0.5]))
+    tokens = pagedvk.sample(logits, 1.0, np.array([0, 50, 1000], np.int32), np.array([0.9, 1.0, 0.5], np.float32),
+                            seed=np.array([1, 2, 3]), backend=backend)
+    assert allowed[np.arange(3), tokens].all()
+
+
 def test_per_row_parameters(rng, device, backend):
     batch = 6
     logits = rng.standard_normal((batch, 500)).astype(np.float32)
