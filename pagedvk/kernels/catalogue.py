@@ -1,9 +1,9 @@
 """The kernels: each one's interface and module variants, declared once (the mechanism: pagedvk/kernels/abi.py).
 
-Twelve kernels: the decode and the reduce that merges its partitions, the merge of two attention states, the device's
+They are the decode and the reduce that merges its partitions, the merge of two attention states, the device's
 read bandwidth (benchmarks), the prefill forward, the backward's three steps, the cache writer, the linear layer's
-two (matrix-vector and matrix-matrix), and the sampler. Each declaration
-says what its sources bind, push and specialize, and which modules the build makes of it. Stdlib-only, as abi:
+two (matrix-vector and matrix-matrix) and the sampler. Each declaration says what its sources bind, push and
+specialize, and which modules the build makes of it. Stdlib-only, as abi:
 build_shaders.py loads it by file path.
 """
 
