@@ -4,11 +4,12 @@
 //
 //   temperature 0: the argmax (ties: the lowest index).
 //   else, vLLM's and FlashInfer's top-k then top-p over softmax(logits / temperature), by thresholds, not a sort:
-//   1. top-k: the k-th largest logit, found bit by bit on the logits' order-preserving 32-bit keys (32 counting
-//      passes: the largest key t with at least k logits >= t). Ties with it are kept.
+//   1. top-k: the k-th largest logit's order-preserving 32-bit key, the largest key t with at least k logits >= t,
+//      found 4 bits a pass (threshold_search: 8 counting passes). Ties with it are kept.
 //   2. top-p: among those, the largest key t whose logits >= t still hold top_p of the kept probability (the
-//      same search over sums of exp((l - max) / temperature)); every logit at or above it is kept, so the kept set
-//      is the shortest prefix of the sorted probabilities reaching top_p, and its ties.
+//      same search over sums of exp((l - max) / temperature), after one pass for their total); every logit at or
+//      above it is kept, so the kept set is the shortest prefix of the sorted probabilities reaching top_p, and
+//      its ties.
 //   3. the draw: the kept logit maximizing l / temperature - log(E), E exponential from a counter-based hash of
 //      (seed, offset, index) (PCG's pcg4d): the exponential race, distributed exactly as the kept softmax, in one
 //      pass, as vLLM's `probs / q.exponential_()` argmax. The same (seed, offset) gives the same token.
@@ -75,17 +76,6 @@ float workgroup_sum(float v) {
     return red_f[0];
 }
 
-uint workgroup_count(uint v) {
-    barrier();
-    red_u[gl_LocalInvocationID.x] = v;
-    barrier();
-    for (uint s = WG / 2u; s > 0u; s >>= 1) {
-        if (gl_LocalInvocationID.x < s) red_u[gl_LocalInvocationID.x] += red_u[gl_LocalInvocationID.x + s];
-        barrier();
-    }
-    return red_u[0];
-}
-
 // The index of the largest value over the workgroup (ties: the lowest index; index 0xffffffff: none).
 uint workgroup_argmax(float v, uint index) {
     barrier();
@@ -102,6 +92,47 @@ uint workgroup_argmax(float v, uint index) {
         barrier();
     }
     return red_u[0];
+}
+
+shared float red_digits[15][WG / 2u];
+
+// The largest key t whose logits at or above both t and floor_key weigh at least `want` (each 1, or where `weighted`
+// its exp((l - top) * inv_t)), given that t = 0 does. Four bits a pass, most significant first: a pass weighs, for
+// each next digit d = 1 .. 15, the logits at or above t's bits so far followed by d (then zeros), and keeps the
+// largest d that still weighs enough (0 always does). Counts are exact in float32 up to 2^24 logits.
+uint threshold_search(uint base, uint floor_key, float want, bool weighted, float top, float inv_t) {
+    const uint tid = gl_LocalInvocationID.x;
+    uint found = 0u;
+    for (int level = 7; level >= 0; --level) {
+        const uint shift = 4u * uint(level);
+        const uint prefix = level == 7 ? 0u : found >> (shift + 4u);   // the bits fixed so far
+        float part[15];
+        for (uint d = 0u; d < 15u; ++d) part[d] = 0.0;
+        for (uint i = tid; i < pc.vocab; i += WG) {
+            const float l = logit(base + i);
+            const uint key = order_key(l);
+            const uint high = level == 7 ? 0u : key >> (shift + 4u);
+            if (key < floor_key || high < prefix) continue;
+            const uint digit = high > prefix ? 16u : (key >> shift) & 15u;   // 16: above every candidate
+            const float w = weighted ? exp((l - top) * inv_t) : 1.0;
+            for (uint d = 0u; d < 15u; ++d) part[d] += digit > d ? w : 0.0;   // part[d]: keys >= digit d + 1
+        }
+        barrier();   // every thread has read the previous pass's sums
+        if (tid >= WG / 2u) for (uint d = 0u; d < 15u; ++d) red_digits[d][tid - WG / 2u] = part[d];
+        barrier();
+        if (tid < WG / 2u) for (uint d = 0u; d < 15u; ++d) red_digits[d][tid] += part[d];
+        barrier();
+        for (uint s = WG / 4u; s > 0u; s >>= 1) {
+            if (tid < s) for (uint d = 0u; d < 15u; ++d) red_digits[d][tid] += red_digits[d][tid + s];
+            barrier();
+        }
+        uint digit = 0u;
+        for (uint d = 15u; d > 0u; --d) {
+            if (red_digits[d - 1u][0] >= want) { digit = d; break; }
+        }
+        found |= digit << shift;
+    }
+    return found;
 }
 
 void main() {
@@ -133,12 +164,7 @@ void main() {
     // 1. top-k's threshold key
     uint threshold = 0u;
     if (k_given > 0 && uint(k_given) < pc.vocab) {
-        for (int bit = 31; bit >= 0; --bit) {
-            const uint candidate = threshold | (1u << uint(bit));
-            uint n = 0u;
-            for (uint i = tid; i < pc.vocab; i += WG) n += order_key(logit(base + i)) >= candidate ? 1u : 0u;
-            if (workgroup_count(n) >= uint(k_given)) threshold = candidate;
-        }
+        threshold = threshold_search(base, 0u, float(k_given), false, top, inv_t);
     }
     // 2. top-p's, at or above it
     if (top_p < 1.0) {
@@ -147,18 +173,8 @@ void main() {
             const float l = logit(base + i);
             z += order_key(l) >= threshold ? exp((l - top) * inv_t) : 0.0;
         }
-        const float target = top_p * workgroup_sum(z);
-        uint found = 0u;
-        for (int bit = 31; bit >= 0; --bit) {
-            const uint candidate = max(found | (1u << uint(bit)), threshold);
-            float s = 0.0;
-            for (uint i = tid; i < pc.vocab; i += WG) {
-                const float l = logit(base + i);
-                s += order_key(l) >= candidate ? exp((l - top) * inv_t) : 0.0;
-            }
-            if (workgroup_sum(s) >= target) found = found | (1u << uint(bit));
-        }
-        threshold = max(threshold, found);
+        const float want = top_p * workgroup_sum(z);
+        threshold = max(threshold, threshold_search(base, threshold, want, true, top, inv_t));
     }
     // 3. the exponential race over the kept logits
     uint seed_lo = pc.seed_lo, seed_hi = pc.seed_hi;

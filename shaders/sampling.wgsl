@@ -82,19 +82,6 @@ fn workgroup_sum(tid: u32, v: f32) -> f32 {
     return workgroupUniformLoad(&red_f[0]);
 }
 
-fn workgroup_count(tid: u32, v: u32) -> u32 {
-    workgroupBarrier();
-    red_u[tid] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (tid < s) {
-            red_u[tid] += red_u[tid + s];
-        }
-        workgroupBarrier();
-    }
-    return workgroupUniformLoad(&red_u[0]);
-}
-
 // (index, value) of the largest value; ties: the lowest index.
 fn workgroup_argmax(tid: u32, v: f32, index: u32) -> u32 {
     workgroupBarrier();
@@ -113,6 +100,77 @@ fn workgroup_argmax(tid: u32, v: f32, index: u32) -> u32 {
         workgroupBarrier();
     }
     return workgroupUniformLoad(&red_u[0]);
+}
+
+var<workgroup> red_digits: array<f32, 1920>;   // [15][WG / 2]
+
+// threshold_search of sampling.comp: the largest key t whose logits at or above both t and floor_key weigh at least
+// `wanted`, four bits a level.
+fn threshold_search(tid: u32, base: u32, floor_key: u32, wanted: f32, weighted: bool, top: f32, inv_t: f32) -> u32 {
+    let half = WG / 2u;
+    var found = 0u;
+    for (var level = 7i; level >= 0i; level--) {
+        let shift = 4u * u32(level);
+        var prefix = 0u;
+        if (level != 7i) {
+            prefix = found >> (shift + 4u);
+        }
+        var part: array<f32, 15>;
+        for (var d = 0u; d < 15u; d++) {
+            part[d] = 0.0;
+        }
+        for (var i = tid; i < pc.vocab; i += WG) {
+            let l = logit(base + i);
+            let key = order_key(l);
+            var high = 0u;
+            if (level != 7i) {
+                high = key >> (shift + 4u);
+            }
+            if (key < floor_key || high < prefix) {
+                continue;
+            }
+            let digit = select((key >> shift) & 15u, 16u, high > prefix);
+            var w = 1.0;
+            if (weighted) {
+                w = exp((l - top) * inv_t);
+            }
+            for (var d = 0u; d < 15u; d++) {
+                if (digit > d) {
+                    part[d] += w;
+                }
+            }
+        }
+        workgroupBarrier();
+        if (tid >= half) {
+            for (var d = 0u; d < 15u; d++) {
+                red_digits[d * half + tid - half] = part[d];
+            }
+        }
+        workgroupBarrier();
+        if (tid < half) {
+            for (var d = 0u; d < 15u; d++) {
+                red_digits[d * half + tid] += part[d];
+            }
+        }
+        workgroupBarrier();
+        for (var s = WG / 4u; s > 0u; s >>= 1u) {
+            if (tid < s) {
+                for (var d = 0u; d < 15u; d++) {
+                    red_digits[d * half + tid] += red_digits[d * half + tid + s];
+                }
+            }
+            workgroupBarrier();
+        }
+        var digit = 0u;
+        for (var d = 15u; d > 0u; d--) {
+            if (red_digits[(d - 1u) * half] >= wanted) {
+                digit = d;
+                break;
+            }
+        }
+        found |= digit << shift;
+    }
+    return found;
 }
 
 @compute @workgroup_size(256, 1, 1)
@@ -157,16 +215,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
 
     var threshold = 0u;
     if (k_given > 0 && u32(k_given) < pc.vocab) {
-        for (var bit = 31i; bit >= 0i; bit--) {
-            let candidate = threshold | (1u << u32(bit));
-            var n = 0u;
-            for (var i = tid; i < pc.vocab; i += WG) {
-                n += select(0u, 1u, order_key(logit(base + i)) >= candidate);
-            }
-            if (workgroup_count(tid, n) >= u32(k_given)) {
-                threshold = candidate;
-            }
-        }
+        threshold = threshold_search(tid, base, 0u, f32(k_given), false, top, inv_t);
     }
     if (top_p < 1.0) {
         var z = 0.0;
@@ -177,21 +226,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
             }
         }
         let wanted = top_p * workgroup_sum(tid, z);
-        var found = 0u;
-        for (var bit = 31i; bit >= 0i; bit--) {
-            let candidate = max(found | (1u << u32(bit)), threshold);
-            var s = 0.0;
-            for (var i = tid; i < pc.vocab; i += WG) {
-                let l = logit(base + i);
-                if (order_key(l) >= candidate) {
-                    s += exp((l - top) * inv_t);
-                }
-            }
-            if (workgroup_sum(tid, s) >= wanted) {
-                found = found | (1u << u32(bit));
-            }
-        }
-        threshold = max(threshold, found);
+        threshold = max(threshold, threshold_search(tid, base, threshold, wanted, true, top, inv_t));
     }
     var seed_lo = pc.seed_lo;
     var seed_hi = pc.seed_hi;

@@ -17,6 +17,7 @@ from . import checks
 from .opargs import backend_name, device_of
 
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)   # int64 or uint64, taken as 64 bits
+MAX_VOCAB = 1 << 24   # top-k counts logits in float32, exact up to 2^24
 
 
 def sample(logits: Array, temperature=1.0, top_k=0, top_p=1.0, seed=0, offset: int = 0, out: Array | None = None, *,
@@ -68,8 +69,9 @@ def sample(logits: Array, temperature=1.0, top_k=0, top_p=1.0, seed=0, offset: i
     checks.ndim("logits", logits, 2, "[batch, vocab]")
     logits_type = storage_type("logits", logits, QUERY_TYPES)
     batch, vocab = logits.shape
-    if vocab < 1:
-        raise ValueError(f"logits must have at least one column (vocab), got shape {tuple(logits.shape)}")
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"logits must have 1 to {MAX_VOCAB} columns (vocab; the kernel counts logits in float32), "
+                         f"got shape {tuple(logits.shape)}")
     if batch * vocab >= 2 ** 32:
         raise ValueError(f"logits has {batch * vocab} elements, more than the kernel indexes (2^32 - 1): split the "
                          "batch")

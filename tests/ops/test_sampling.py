@@ -97,12 +97,14 @@ def chi_square_limit(df: int, p: float = 1e-6) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("per_row_seeds", [False, True])
+# each backend with one of the two ways of seeding (a draw of 4000 rows takes seconds on lavapipe)
+@pytest.mark.parametrize("backend,per_row_seeds", [("glsl", False), ("wgsl", True)])
 def test_distribution_matches_reference(device, backend, per_row_seeds):
     """4000 draws of one row of 12 logits (4000 rows of it, one seed each or one for the batch), counted: every
     token outside the kept set never, the kept ones as the reference's probabilities within chi-square's 1e-6 tail.
     The draws are fixed by their seeds, so the test cannot flake: a wrong distribution fails at once, a right one
-    fails with probability 1e-6 over the choice of seeds."""
+    fails with probability 1e-6 over the choice of seeds. Its power, measured (2026-12-06): draws at temperature 0.9
+    for the reference's 0.8 score 38 and 59 on these seeds, right ones 3 to 6."""
     row = np.array([2.0, 1.5, 1.4, 1.0, 0.9, 0.5, 0.0, -0.5, -1.0, 3.0, -2.0, 1.45], np.float32)
     temperature, top_k, top_p = 0.8, 9, 0.9
     n = 4000
@@ -140,7 +142,7 @@ def arguments(device):
 @pytest.mark.parametrize("change,exc,match", [
     (dict(logits=np.zeros(50, np.float32)), ValueError, "logits must have 2 dimensions"),
     (dict(logits=np.zeros((4, 50), np.float64)), TypeError, "logits must have dtype"),
-    (dict(logits=np.zeros((4, 0), np.float32)), ValueError, "logits must have at least one column"),
+    (dict(logits=np.zeros((4, 0), np.float32)), ValueError, "logits must have 1 to 16777216 columns"),
     (dict(temperature=-0.5), ValueError, "temperature must be 0 .greedy. or a finite positive number, got -0.5"),
     (dict(temperature=float("nan")), ValueError, "temperature must be"),
     (dict(temperature=float("inf")), ValueError, "temperature must be"),
