@@ -11,6 +11,7 @@ import pytest
 
 import pagedvk
 from pagedvk.testing import reference
+from support import assert_untouched, fenced
 
 TYPES = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 
@@ -118,6 +119,18 @@ def test_distribution_matches_reference(device, backend, per_row_seeds):
     expected = n * probs[keep]
     statistic = float(((counts[keep] - expected) ** 2 / expected).sum())
     assert keep.sum() >= 4 and statistic < chi_square_limit(int(keep.sum()) - 1), (statistic, counts, expected)
+
+
+def test_reads_and_writes_stay_inside_their_buffers(rng, device, backend):
+    """Odd batch and vocabulary, 16-bit logits (a row ends mid-word), per-row arrays: every access lands in its own
+    buffer, none in the sentinels around them."""
+    logits = rng.standard_normal((5, 301)).astype(np.float16)
+    arrays = (logits, np.full(5, 0.9, np.float32), np.full(5, 7, np.int32), np.full(5, 0.8, np.float32),
+              np.arange(5, dtype=np.int64), np.full(5, -1, np.int32))
+    (ld, td, kd, pd, sd, out), sentinels = fenced(device, *arrays)
+    pagedvk.sample(ld, td, kd, pd, seed=sd, out=out, backend=backend)
+    assert kept(logits, 0.9, 7, 0.8)[np.arange(5), out.numpy()].all()
+    assert_untouched(*sentinels)
 
 
 def test_recorded(rng, device):
