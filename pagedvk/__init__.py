@@ -14,9 +14,11 @@ from .ops.decode import paged_attention
 from .ops.decode_plan import DecodePlan
 from .ops.layer_ops import (embedding, fused_add_rms_norm, rms_norm, rope_cos_sin_cache, rotary_embedding,
                             silu_and_mul)
+from .ops.linear import linear
 from .ops.merge import merge_attention_states, merge_states
 from .ops.prefill import paged_attention_backward, paged_attention_prefill
 from .ops.prefill_plan import PrefillPlan
+from .ops.sampling import greedy_sample, sample
 from .runtime.array import DeviceArray, asarray, empty, zeros
 from .runtime.device import Device
 from .runtime.instance import DeviceInfo
@@ -31,7 +33,8 @@ __all__ = [
     'Event', 'GPUTimeoutError', 'KVCache', 'NoFreeBlocksError', 'OutOfMemoryError', 'PagedVKError', 'PrefillPlan',
     'RecordedStep', 'ShaderModuleError', 'Stream', 'UnsupportedFeatureError', 'ValidationError', 'VulkanError',
     'asarray', 'copy_blocks', 'default_device', 'devices', 'embedding', 'empty', 'fused_add_rms_norm', 'get_device',
-    'merge_attention_states', 'merge_states', 'paged_attention', 'paged_attention_backward',
-    'paged_attention_prefill', 'record', 'reshape_and_cache', 'rms_norm', 'rope_cos_sin_cache', 'rotary_embedding',
-    'select', 'silu_and_mul', 'swap_blocks', 'synchronize', 'zeros',
+    'greedy_sample', 'linear', 'merge_attention_states', 'merge_states', 'paged_attention',
+    'paged_attention_backward', 'paged_attention_prefill', 'record', 'reshape_and_cache', 'rms_norm',
+    'rope_cos_sin_cache', 'rotary_embedding', 'sample', 'select', 'silu_and_mul', 'swap_blocks', 'synchronize',
+    'zeros',
 ]

@@ -1,9 +1,10 @@
 """The kernels: each one's interface and module variants, declared once (the mechanism: pagedvk/kernels/abi.py).
 
-Thirteen kernels: the decode and the reduce that merges its partitions, the merge of two attention states, the device's
-read bandwidth (benchmarks), the prefill forward, the backward's three steps, the cache writer, and the layer's other
-ops (embedding, RMS norm, SiLU-and-mul, rotary embedding). Each declaration
-says what its sources bind, push and specialize, and which modules the build makes of it. Stdlib-only, as abi:
+They are the decode and the reduce that merges its partitions, the merge of two attention states, the device's
+read bandwidth (benchmarks), the prefill forward, the backward's three steps, the cache writer, the layer's other
+ops (embedding, RMS norm, SiLU-and-mul, rotary embedding), the linear layer's two (matrix-vector and
+matrix-matrix) and the sampler. Each declaration says what its sources bind, push and specialize, and which
+modules the build makes of it. Stdlib-only, as abi:
 build_shaders.py loads it by file path.
 """
 
@@ -477,6 +478,59 @@ ROTARY_EMBEDDING = KernelABI(
     workgroup_size=LAYER_WORKGROUP,
 )
 
+# A linear layer, y = x @ weight.T (+ bias) (pagedvk/ops/linear.py): x [tokens, in_features], weight [out_features,
+# in_features] row-major (PyTorch's, GGUF's), bias [out_features], y [tokens, out_features], each in a QUERY_TYPES
+# type its push constant names (all bound as 32-bit words, weight as 16-byte chunks), accumulated in float32. bias
+# unused (has_bias 0) is bound to weight's buffer and never read. 16-bit outputs share words across rows and
+# workgroups: written with atomicAnd / atomicOr on the word, as reshape_and_cache writes caches.
+LINEAR_KERNEL = dict(
+    bindings=(
+        Binding("x", readonly=True),
+        Binding("weight", readonly=True),
+        Binding("bias", readonly=True),
+        Binding("y", readonly=False),
+    ),
+    push=tuple(PushField(name, "u32") for name in (
+        "tokens", "in_features", "out_features", "x_type", "weight_type", "bias_type", "y_type", "has_bias")),
+)
+# The decode's matrix-vector product: each workgroup takes LINEAR_GEMV_ROWS weight rows (32 threads a row, each
+# reading 16-byte chunks of it) for up to LINEAR_GEMV_TOKENS tokens, so a weight is read once for all of them.
+# Workgroups: ceil(out_features / LINEAR_GEMV_ROWS) x ceil(tokens / LINEAR_GEMV_TOKENS), row groups fastest,
+# numbered linearly over a folded grid.
+LINEAR_GEMV = KernelABI(op="linear_gemv", workgroup_size=(128, 1, 1), **LINEAR_KERNEL)
+LINEAR_GEMV_ROWS = 4
+LINEAR_GEMV_TOKENS = 8
+# The prefill's matrix product: 64 x 64 tiles of y (tokens x out_features) through shared memory, 16 of in_features
+# a step, each thread 4 x 4 outputs. Workgroups: ceil(out_features / 64) x ceil(tokens / 64), column tiles fastest,
+# numbered linearly over a folded grid.
+LINEAR_GEMM = KernelABI(op="linear_gemm", workgroup_size=(256, 1, 1), **LINEAR_KERNEL)
+LINEAR_GEMM_TILE = 64
+
+# One token per row of logits (pagedvk/ops/sampling.py): greedy, or temperature, top-k and top-p then a seeded draw,
+# shaders/sampling.comp says how. logits [batch, vocab] in a QUERY_TYPES type (logits_type), bound as words; the
+# per-row arrays (float32 temperatures and top_ps, int32 top_ks, int64 seeds, [batch] each) are read where per_row's
+# bit says so, else the push constants' values serve every row and the binding is the logits' buffer, unread.
+# tokens: int32 [batch]. Workgroups: batch, one a row, numbered linearly over a folded grid.
+SAMPLING = KernelABI(
+    op="sampling",
+    bindings=(
+        Binding("logits", readonly=True),
+        Binding("temperatures", readonly=True),
+        Binding("top_ks", readonly=True),
+        Binding("top_ps", readonly=True),
+        Binding("seeds", readonly=True),
+        Binding("tokens", readonly=False),
+    ),
+    push=tuple(PushField(name, kind) for name, kind in (
+        ("batch", "u32"), ("vocab", "u32"), ("logits_type", "u32"), ("temperature", "f32"), ("top_k", "u32"),
+        ("top_p", "f32"), ("seed_lo", "u32"), ("seed_hi", "u32"), ("offset", "u32"),
+        ("per_row", "u32"),   # SAMPLING_PER_ROW's bits: the arrays read
+        ("mix_row", "u32"),   # 1: one seed for the batch, each row's draw keyed by its row too
+    )),
+    workgroup_size=(256, 1, 1),
+)
+SAMPLING_PER_ROW = {"temperatures": 1, "top_ks": 2, "top_ps": 4, "seeds": 8}
+
 KERNELS = (PAGED_DECODE, PAGED_DECODE_REDUCE, MERGE_STATES, READ_BANDWIDTH, PAGED_PREFILL, PAGED_BACKWARD_DELTA,
            PAGED_BACKWARD_DQ, PAGED_BACKWARD_DKDV, RESHAPE_AND_CACHE, EMBEDDING, RMS_NORM, SILU_AND_MUL,
-           ROTARY_EMBEDDING)
+           ROTARY_EMBEDDING, LINEAR_GEMV, LINEAR_GEMM, SAMPLING)

@@ -118,9 +118,10 @@ class RecordedStep(Owned):
 def record(device: DeviceLike = None):
     """Record the ops called in the block (on this thread, for `device`) into a `RecordedStep`, running none of them.
 
-    Recordable: `DecodePlan.run`, `reshape_and_cache`, `merge_attention_states` and the layer ops (`embedding`,
-    `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`) over DeviceArrays. Other ops raise inside
-    the block, as does an op given a host array (it would be copied once, at recording).
+    Recordable: `DecodePlan.run`, `reshape_and_cache`, `merge_attention_states`, the layer ops (`embedding`,
+    `rms_norm`, `fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`), `linear` and `sample` over
+    DeviceArrays. Other ops raise inside the block, as does an op given a host array (it would be copied once,
+    at recording).
 
     Parameters
     ----------
@@ -177,7 +178,7 @@ def refuse_recording(op: str, device) -> None:
     """Ops that cannot be recorded raise inside a recording for their device."""
     if active_recording(device) is not None:
         raise PagedVKError(f"{op} cannot be recorded in pagedvk.record() (recordable: DecodePlan.run, "
-                           "reshape_and_cache, merge_attention_states and the layer ops); call it outside the block")
+                           "reshape_and_cache, merge_attention_states, the layer ops, linear, sample); call it outside the block")
 
 
 KEPT_LAUNCHES = 256   # per device: a cache write per layer of the largest models, and some

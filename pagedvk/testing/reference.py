@@ -318,3 +318,41 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
         return x.reshape(shape)
 
     return rotate(query), rotate(key)
+
+
+# -- the model's other layers ---------------------------------------------------------------------------------
+
+def linear(x, weight, bias=None):
+    """y = x @ weight.T + bias in float64: x [tokens, in_features], weight [out_features, in_features]."""
+    y = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
+    return y + np.asarray(bias, np.float64) if bias is not None else y
+
+
+def sampling_probabilities(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """float64 [batch, vocab]: the distribution each row's token is drawn from (pagedvk.sample), zero outside the
+    kept tokens. Per row (scalars serve every row): NaN as -inf; temperature 0 puts everything on the first largest
+    logit; else top-k keeps the logits >= the k-th largest (0, -1 or k >= vocab: all), then top-p keeps the fewest
+    most probable of those whose probabilities (softmax of logits / temperature over the kept) sum to at least
+    top_p, and every token as probable as the last of them."""
+    x = np.asarray(logits, np.float64)
+    x = np.where(np.isnan(x), -np.inf, x)
+    batch, vocab = x.shape
+    per_row = [np.broadcast_to(np.asarray(a), (batch,)) for a in (temperature, top_k, top_p)]
+    out = np.zeros_like(x)
+    for r, (t, k, p) in enumerate(zip(*per_row)):
+        row = x[r]
+        if t == 0:
+            out[r, np.argmax(row)] = 1.0
+            continue
+        keep = np.ones(vocab, bool)
+        if 0 < k < vocab:
+            keep = row >= np.sort(row)[::-1][k - 1]
+        probs = np.where(keep, np.exp((row - row.max()) / float(t)), 0.0)
+        probs /= probs.sum()
+        if p < 1:
+            ordered = np.sort(probs)[::-1]
+            last = min(int(np.searchsorted(np.cumsum(ordered), p)), vocab - 1)   # the first prefix reaching p
+            probs = np.where(probs >= ordered[last], probs, 0.0)
+            probs /= probs.sum()
+        out[r] = probs
+    return out

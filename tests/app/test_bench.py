@@ -419,3 +419,14 @@ def test_layer_ops_host_cost_prints_every_op(capsys):
     text = capsys.readouterr().out
     for op in ("embedding", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
         assert f"| {op} | " in text
+
+
+def test_linear_benchmark_small(tmp_path, capsys):
+    # benchmarks/linear.py --small: each shape checked against float64, timed, and compared with the read kernel.
+    linear = load_benchmark("linear")
+    assert linear.main(["--small", "--iters", "2", "--tokens", "1,9", "--json", str(tmp_path / "linear.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "| 96 | 300 | 9 | gemm |" in printed and "of read" in printed
+    import json
+    rows = json.loads((tmp_path / "linear.json").read_text())["rows"]
+    assert [r["kernel"] for r in rows] == ["gemv", "gemm"] * 2 and all(r["median_us"] > 0 for r in rows)

@@ -1,0 +1,147 @@
+"""A linear layer, y = x @ weight.T (+ bias), on the device: a matrix-vector kernel for the decode's few tokens, which
+reads each weight once for up to eight tokens, and a tiled matrix product for prefill (shaders/linear_gemv.comp,
+linear_gemm.comp and their WGSL twins). Quantized GGUF weights are turned into float16 or float32 when loaded
+(pagedvk.ops.quant.dequantize)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import QUERY_TYPES, storage_type
+from ..kernels import modules
+from ..kernels.abi import q_type_code
+from ..kernels.catalogue import LINEAR_GEMM, LINEAR_GEMM_TILE, LINEAR_GEMV, LINEAR_GEMV_ROWS, LINEAR_GEMV_TOKENS
+from ..runtime.array import Array, DeviceArray, asarray, empty, segment_limit
+from ..runtime.pipeline import fold_grid
+from ..runtime.recording import active_recording, dispatch, require_device_arrays
+from . import checks
+from .opargs import backend_name, device_of
+
+LINEAR_KERNELS = ("auto", "gemv", "gemm")
+
+
+def linear_kernel(tokens: int) -> str:
+    """The kernel "auto" picks: the matrix-vector one while its weights, read once per LINEAR_GEMV_TOKENS tokens, are
+    read once in all (a decode step's batch); the tiled product beyond, which reads them once per 64 tokens."""
+    return "gemv" if tokens <= LINEAR_GEMV_TOKENS else "gemm"
+
+
+def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None = None, *,
+           kernel: str = "auto", backend: str | None = None) -> Array:
+    """y = x @ weight.T + bias (PyTorch's and vLLM's linear layer), accumulated in float32.
+
+    Parameters
+    ----------
+    x : DeviceArray or numpy.ndarray, shape (tokens, in_features)
+        float32, float16 or bfloat16.
+    weight : DeviceArray or numpy.ndarray, shape (out_features, in_features)
+        float32, float16 or bfloat16, row-major (PyTorch's, GGUF's; ``pagedvk.ops.quant.dequantize`` turns GGUF's
+        Q4_0, Q4_1 and Q8_0 blocks into such an array). At most one binding's bytes (maxStorageBufferRange; 4 GiB on
+        NVIDIA, 128 MiB on lavapipe). Keep it a DeviceArray: a numpy weight is copied at every call.
+    bias : DeviceArray or numpy.ndarray, shape (out_features,), optional
+        float32, float16 or bfloat16; added in float32.
+    out : DeviceArray or numpy.ndarray, shape (tokens, out_features), optional
+        float32, float16 or bfloat16: written (rounded to nearest even) and returned. None allocates it, of x's dtype.
+    kernel : {"auto", "gemv", "gemm"}, default "auto"
+        "gemv" reads each weight once per 8 tokens (the decode's kernel), "gemm" tiles 64 tokens x 64 outputs
+        through shared memory (prefill's); "auto" takes "gemv" up to 8 tokens (`linear_kernel`).
+    backend : {"glsl", "wgsl"}, optional
+        The kernel language; None means PAGEDVK_BACKEND, else "glsl".
+
+    Returns
+    -------
+    DeviceArray or numpy.ndarray, shape (tokens, out_features)
+        `out` itself when given; else numpy for a numpy x, a DeviceArray for a DeviceArray x.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A bad argument (named), before anything reaches the GPU.
+
+    Examples
+    --------
+    >>> w = pagedvk.asarray(layer_weight.astype(np.float16))     # once, at load
+    >>> y = pagedvk.linear(x, w)                                  # x [tokens, in_features] DeviceArray
+    """
+    checks.kind("x", x)
+    checks.kind("weight", weight)
+    checks.ndim("x", x, 2, "[tokens, in_features]")
+    checks.ndim("weight", weight, 2, "[out_features, in_features]")
+    types = {"x": storage_type("x", x, QUERY_TYPES), "weight": _weight_type(weight)}
+    tokens, in_features = x.shape
+    out_features = weight.shape[0]
+    checks.dim("weight", weight, 1, in_features, "in_features, from x")
+    if bias is not None:
+        checks.kind("bias", bias)
+        checks.ndim("bias", bias, 1, "[out_features]")
+        checks.dim("bias", bias, 0, out_features, "out_features, from weight")
+        types["bias"] = storage_type("bias", bias, QUERY_TYPES)
+    if out is not None:
+        checks.kind("out", out)
+        checks.writable("out", out)
+        checks.ndim("out", out, 2, "[tokens, out_features]")
+        checks.dim("out", out, 0, tokens, "tokens, from x")
+        checks.dim("out", out, 1, out_features, "out_features, from weight")
+        types["out"] = storage_type("out", out, QUERY_TYPES)
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, LINEAR_KERNELS))}, got {kernel!r}")
+    for name, count in (("x", tokens * in_features), ("weight", out_features * in_features),
+                        ("out", tokens * out_features)):
+        if count >= 2 ** 32:
+            raise ValueError(f"{name} has {count} elements, more than the kernels index (2^32 - 1): split the call")
+    device = device_of(x, weight, bias, out)
+    limit = segment_limit(device)
+    if weight.nbytes > limit:
+        raise ValueError(f"weight is {weight.nbytes} bytes, more than {device.info.name} binds at once ({limit} bytes, "
+                         "maxStorageBufferRange): split its output features over several calls")
+    recording = active_recording(device) is not None
+    if recording:
+        require_device_arrays("linear inside pagedvk.record()", x=x, weight=weight, bias=bias, out=out)
+    out_dtype = np.dtype(out.dtype) if out is not None else np.dtype(x.dtype)
+    name = backend_name(backend)
+    chosen = linear_kernel(tokens) if kernel == "auto" else kernel
+    abi = LINEAR_GEMV if chosen == "gemv" else LINEAR_GEMM
+
+    temporaries = []
+    try:
+        def on_device(a):
+            d = asarray(a, device=device)
+            if d is not a:
+                temporaries.append(d)
+            return d
+
+        xd, wd = on_device(x), on_device(weight)
+        bd = on_device(bias) if bias is not None else wd   # unread (has_bias 0): any read-only buffer binds
+        yd = out if isinstance(out, DeviceArray) else empty((tokens, out_features), out_dtype, device)
+        if yd is not out and not (out is None and isinstance(x, DeviceArray)):
+            temporaries.append(yd)
+        if tokens and out_features:
+            if chosen == "gemv":
+                groups = -(-out_features // LINEAR_GEMV_ROWS) * -(-tokens // LINEAR_GEMV_TOKENS)
+            else:
+                groups = -(-out_features // LINEAR_GEMM_TILE) * -(-tokens // LINEAR_GEMM_TILE)
+            push = abi.pack_push(
+                tokens=tokens, in_features=in_features, out_features=out_features,
+                x_type=q_type_code(types["x"].tag), weight_type=q_type_code(types["weight"].tag),
+                bias_type=q_type_code(types["bias"].tag) if bias is not None else 0,
+                y_type=q_type_code(QUERY_TYPES[out_dtype].tag), has_bias=int(bias is not None))
+            pipeline = modules.pipeline(device, abi, abi.key(name))
+            buffers = [xd.buffer, wd.buffer, bd.buffer, yd.buffer]
+            grid = fold_grid(groups, device.info.max_workgroup_count)
+            dispatch("linear", device, lambda: [(pipeline, buffers, push, grid)])
+        if isinstance(out, np.ndarray):
+            out[...] = yd.numpy()
+            return out
+        if out is not None:
+            return out
+        return yd.numpy() if isinstance(x, np.ndarray) else yd
+    finally:
+        for a in temporaries:
+            a.close()
+
+
+def _weight_type(weight):
+    if np.dtype(weight.dtype) in (np.dtype(np.uint8), np.dtype(np.int8)):
+        raise TypeError(f"weight must have dtype float32, float16 or bfloat16, got {weight.dtype}: turn GGUF's "
+                        "quantized blocks into float16 first (pagedvk.ops.quant.dequantize)")
+    return storage_type("weight", weight, QUERY_TYPES)

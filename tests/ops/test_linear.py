@@ -1,0 +1,164 @@
+"""pagedvk.linear against float64 on random data: both kernels (the decode's matrix-vector one and the tiled
+product) in both backends, every weight, activation, bias and output type, sizes off every tile (in_features 100,
+576, 1536; odd out_features; 1, 3, 8, 33 tokens), outputs poisoned first; writes stay inside the output; the
+return types; a recorded step; every rejected input, which changes nothing."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pagedvk
+from pagedvk.ops import linear as linear_ops
+from pagedvk.ops import quant
+from pagedvk.testing import reference
+from support import assert_untouched, fenced, rel_error
+
+TYPES = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+# (tokens, in_features, out_features): in_features off the 16-byte chunk of 16-bit weights and the 16-wide k step (100,
+# 36), off float32's 4-element chunk too (37: rows straddle chunks in every type), off 64 (576, 1536); out_features odd
+# and off the 4-row and 64-wide tiles.
+SHAPES = [(1, 576, 33), (3, 100, 17), (8, 1536, 7), (33, 100, 65), (2, 36, 130), (5, 37, 9)]
+# The reference takes the inputs as stored, so the error is float32 accumulation (sqrt(K) * 2^-24 ~ 1e-6 typical)
+# plus the output's rounding to nearest even: 2^-12 relative at most in float16, 2^-9 in bfloat16.
+TOL = {TYPES[0]: 1e-5, TYPES[1]: 5e-4, TYPES[2]: 2.5e-3}
+
+
+def random(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemm"])
+@pytest.mark.parametrize("weight_type", range(3))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear(rng, device, backend, kernel, weight_type, shape):
+    tokens, k, n = shape
+    w_dtype = TYPES[weight_type]
+    x_dtype, b_dtype, y_dtype = TYPES[(weight_type + 1) % 3], TYPES[(weight_type + 2) % 3], TYPES[sum(shape) % 3]
+    x, w, b = random(rng, (tokens, k), x_dtype), random(rng, (n, k), w_dtype), random(rng, n, b_dtype)
+    out = pagedvk.empty((tokens, n), y_dtype, device)   # poisoned (NaN) by the suite
+    got = pagedvk.linear(pagedvk.asarray(x, device), pagedvk.asarray(w, device), pagedvk.asarray(b, device), out,
+                         kernel=kernel, backend=backend)
+    assert got is out
+    ref = reference.linear(x, w, b)
+    assert rel_error(out.numpy(), ref) <= TOL[y_dtype]
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 9, 33])
+def test_auto_kernel_without_bias(rng, device, backend, tokens):
+    x, w = random(rng, (tokens, 200), np.float32), random(rng, (75, 200), np.float16)
+    y = pagedvk.linear(x, w, backend=backend)
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32 and y.shape == (tokens, 75)
+    assert rel_error(y, reference.linear(x, w)) <= 1e-5
+    assert linear_ops.linear_kernel(tokens) == ("gemv" if tokens <= 8 else "gemm")
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemm"])
+def test_writes_stay_inside_out(rng, device, backend, kernel):
+    x, w = random(rng, (5, 40), np.float16), random(rng, (13, 40), np.float16)
+    poison = np.full((5, 13), np.nan, np.float16)
+    (xd, wd, yd), sentinels = fenced(device, x, w, poison)
+    pagedvk.linear(xd, wd, out=yd, kernel=kernel, backend=backend)
+    assert rel_error(yd.numpy(), reference.linear(x, w)) <= TOL[TYPES[1]]
+    assert_untouched(*sentinels)
+
+
+def test_return_types(rng, device):
+    x, w, b = random(rng, (2, 64), np.float16), random(rng, (24, 64), np.float32), random(rng, 24, np.float32)
+    ref = reference.linear(x, w, b)
+    y = pagedvk.linear(pagedvk.asarray(x, device), w, b)          # a DeviceArray x: a DeviceArray, x's dtype
+    assert isinstance(y, pagedvk.DeviceArray) and y.dtype == np.float16
+    assert rel_error(y.numpy(), ref) <= TOL[TYPES[1]]
+    out = np.full((2, 24), np.nan, np.float32)                    # a numpy out: written and returned
+    assert pagedvk.linear(x, pagedvk.asarray(w, device), b, out=out) is out
+    assert rel_error(out, ref) <= 1e-5
+    empty = pagedvk.linear(np.zeros((0, 64), np.float32), w)      # no tokens
+    assert isinstance(empty, np.ndarray) and empty.shape == (0, 24)
+
+
+def test_recorded(rng, device):
+    x, w = random(rng, (3, 96), np.float32), random(rng, (50, 96), ml_dtypes.bfloat16)
+    xd, wd, yd = pagedvk.asarray(x, device), pagedvk.asarray(w, device), pagedvk.empty((3, 50), np.float32, device)
+    with pagedvk.record(device) as step:
+        pagedvk.linear(xd, wd, out=yd)
+    assert step.ops == ["linear"]
+    for _ in range(2):   # new activations written in place between replays
+        x = random(rng, (3, 96), np.float32)
+        xd.write(x)
+        step.replay()
+        assert rel_error(yd.numpy(), reference.linear(x, w)) <= 1e-5
+    step.close()
+
+
+def test_quantized_weights(rng, device, backend):
+    """A Q4_0 weight dequantized to float16 at load, then applied."""
+    blocks = rng.integers(0, 256, (48, 3, 18), dtype=np.uint8)
+    blocks[..., :2] = (rng.random((48, 3, 1)) * 0.1).astype(np.float16).view(np.uint8)
+    w = quant.dequantize(blocks.tobytes(), "Q4_0", (48, 96), np.float16)
+    x = random(rng, (2, 96), np.float32)
+    y = pagedvk.linear(x, pagedvk.asarray(w, device), backend=backend)
+    assert rel_error(y, reference.linear(x, w)) <= 1e-5
+
+
+def arguments(device):
+    rng = np.random.default_rng(0)
+    return dict(x=pagedvk.asarray(rng.standard_normal((4, 32)).astype(np.float32), device),
+                weight=pagedvk.asarray(rng.standard_normal((10, 32)).astype(np.float16), device),
+                bias=pagedvk.asarray(np.ones(10, np.float32), device),
+                out=pagedvk.asarray(np.full((4, 10), 7.0, np.float32), device))
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a: dict(x=a["x"].numpy()[0]), ValueError, "x must have 2 dimensions"),
+    (lambda a: dict(x=a["x"].numpy()[:, :31]), ValueError, r"weight.shape\[1\] \(in_features, from x\)"),
+    (lambda a: dict(x=a["x"].numpy().astype(np.float64)), TypeError, "x must have dtype"),
+    (lambda a: dict(weight=np.zeros((10, 32), np.int8)), TypeError, "weight .*quant.dequantize"),
+    (lambda a: dict(weight=np.zeros((10, 32, 1), np.float16)), ValueError, "weight must have 2 dimensions"),
+    (lambda a: dict(bias=np.zeros(9, np.float32)), ValueError, r"bias.shape\[0\] \(out_features"),
+    (lambda a: dict(bias=np.zeros(10, np.int32)), TypeError, "bias must have dtype"),
+    (lambda a: dict(bias=[1.0] * 10), TypeError, "bias must be a numpy array"),
+    (lambda a: dict(out=np.zeros((4, 11), np.float32)), ValueError, r"out.shape\[1\] \(out_features"),
+    (lambda a: dict(out=np.zeros((3, 10), np.float32)), ValueError, r"out.shape\[0\] \(tokens"),
+    (lambda a: dict(out=_readonly()), ValueError, "out must be writable"),
+    (lambda a: dict(out=np.zeros((4, 10), np.int32)), TypeError, "out must have dtype"),
+    (lambda a: dict(kernel="coopmat"), ValueError, "kernel must be one of"),
+])
+def test_rejected(device, change, exc, match):
+    args = arguments(device)
+    before = args["out"].numpy().copy()
+    with pytest.raises(exc, match=match):
+        pagedvk.linear(**{**args, **change(args)})
+    np.testing.assert_array_equal(args["out"].numpy(), before)
+
+
+def _readonly():
+    a = np.zeros((4, 10), np.float32)
+    a.setflags(write=False)
+    return a
+
+
+def test_rejected_weight_larger_than_a_binding(device, monkeypatch):
+    monkeypatch.setattr(linear_ops, "segment_limit", lambda device: 512)
+    args = arguments(device)
+    with pytest.raises(ValueError, match="weight is 640 bytes, more than .* binds at once"):
+        pagedvk.linear(**args)
+
+
+def test_rejected_host_arrays_when_recording(device):
+    args = arguments(device)
+    with pagedvk.record(device) as step:
+        with pytest.raises(TypeError, match="linear inside pagedvk.record\\(\\): weight must be a DeviceArray"):
+            pagedvk.linear(**{**args, "weight": args["weight"].numpy()})
+    assert step.ops == []
+    step.close()
+
+
+def test_views(rng, device, backend):
+    """A block of rows of a larger weight (a fused QKV projection's q rows) is read where it is; a strided view of x is
+    refused with the argument named."""
+    x, w = random(rng, (2, 64), np.float32), random(rng, (48, 64), np.float16)
+    wd = pagedvk.asarray(w, device)
+    y = pagedvk.linear(x, wd[16:40], backend=backend)
+    assert rel_error(y, reference.linear(x, w[16:40])) <= 1e-5
+    wide = pagedvk.asarray(random(rng, (2, 128), np.float32), device)
+    with pytest.raises(ValueError, match="x is a strided view"):
+        pagedvk.linear(wide[:, :64], wd, backend=backend)
