@@ -394,6 +394,23 @@ def test_decode_ab_refuses_sets_it_cannot_use(sets, message, capsys):
     assert message.format(spv=modules.SPV_DIR) in capsys.readouterr().err
 
 
+def test_queue_probe_restores_the_stream_and_barriers(capsys, tmp_path):
+    # benchmarks/queue_probe.py, short: every row printed, and what it changed for its rows put back after.
+    from pagedvk.runtime import commands
+    from pagedvk.runtime.stream import Stream
+    import pagedvk.config
+    barrier, in_flight, batch = commands.memory_barrier, Stream.IN_FLIGHT, pagedvk.config.batch()
+    probe = load_benchmark("queue_probe")
+    assert probe.main(["--layers", "2", "--batch", "1", "--context", "32", "--steps", "2", "--warm", "0",
+                       "--json", str(tmp_path / "probe.json")]) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads((tmp_path / "probe.json").read_text())
+    for row in ("gpu_us", "replay_us", "queued_inflight2_us", "one_submit_us", "light_one_submit_us"):
+        assert figures[row] > 0 and f"\n{row} " in printed
+    assert commands.memory_barrier is barrier and Stream.IN_FLIGHT == in_flight
+    assert pagedvk.config.batch() == batch   # PAGEDVK_BATCH as it was
+
+
 def test_step_benchmark_reports_issue_38s_rows(capsys, tmp_path):
     # benchmarks/step.py, short: a recorded step, the same ops queued one by one and fused, and the wait's CPU share.
     step = load_benchmark("step")
