@@ -437,22 +437,32 @@ def build(out_dir: Path, backends: tuple = ("glsl", "wgsl"), keys=None, verbose:
     try:
         todo = [key for key in keys if not is_current(modules.get(key.name), key, out_dir, shader_dir,
                                                        fingerprints[key.backend, bool(key.matrix)])]
-        # The compilers are separate processes: run a few at once. The first failure cancels what has not begun.
+        # The compilers are separate processes: run a few at once. The first failure cancels what has not begun,
+        # each future by itself (a future cancelled by the pool's shutdown never tells as_completed, which then
+        # waited forever), and what was running is waited for, its module kept.
+        def keep(future) -> None:
+            nonlocal built
+            try:
+                name, entry = future.result()
+            except Exception as e:   # noqa: BLE001 - re-raised below, after the manifest is written
+                errors.append(e)
+                return
+            modules[name] = entry
+            built += 1
+            if verbose:
+                print(f"built {name}.spv")
+
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
             futures = [pool.submit(build_module, key, out_dir, shader_dir=shader_dir) for key in todo]
+            seen = set()
             for future in concurrent.futures.as_completed(futures):
-                if future.cancelled():
-                    continue
-                try:
-                    name, entry = future.result()
-                except Exception as e:   # noqa: BLE001 - re-raised below, after the manifest is written
-                    errors.append(e)
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    continue
-                modules[name] = entry
-                built += 1
-                if verbose:
-                    print(f"built {name}.spv")
+                seen.add(future)
+                keep(future)
+                if errors:
+                    break
+            for future in futures:
+                if future not in seen and not future.cancel():
+                    keep(future)
     finally:
         close_naga_servers()
         manifest = write_manifest(out_dir, modules)

@@ -660,6 +660,32 @@ def test_failed_build_leaves_no_partial_module_nor_a_claim(tmp_path, shaders_cop
     assert json.loads((fresh / "manifest.json").read_text()) == {"backends": []}
 
 
+def test_a_failed_module_cancels_what_has_not_begun_and_returns(tmp_path, shaders_copy, capsys):
+    # The first failure cancels the modules not yet begun. A future cancelled by the pool's shutdown never told
+    # as_completed, so a build with more modules than compilers at once waited forever after its first error.
+    import threading
+    build_shaders = build_script()
+    (shaders_copy / "read_bandwidth.comp").write_text("#version 450\nvoid main() { undefined_name = 1; }\n")
+    others = [f"reshape_and_cache.kv_{kv}{access}.glsl" for kv in ("f32", "f16", "bf16", "e4m3", "e5m2")
+              for access in ("", ".seg")]
+    raised = []
+
+    def build():
+        try:
+            build_shaders.build(tmp_path / "out", keys=keys_named("read_bandwidth.glsl", *others),
+                                shader_dir=shaders_copy)
+        except build_shaders.BuildError as e:
+            raised.append(e)
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    builder.join(timeout=300)
+    assert not builder.is_alive(), "the build did not return after its first failure"
+    assert raised and "undefined_name" in str(raised[0])
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert all((tmp_path / "out" / (name + ".spv")).is_file() for name in manifest if name != "backends")
+    capsys.readouterr()
+
+
 @pytest.fixture
 def built_kernels(tmp_path, shaders_copy, monkeypatch):
     """kernels loading modules from tmp_path/out, with shaders_copy as the source checkout's shaders."""
