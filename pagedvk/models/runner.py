@@ -179,7 +179,8 @@ class ModelRunner(Owned):
                 gate_up=upload(np.concatenate([model.layer(i, "ffn_gate"), model.layer(i, "ffn_up")])),
                 down=upload(model.layer(i, "ffn_down"))))
         self.cos_sin = upload(rope_cos_sin_cache(self.max_context, c.rope_dim, c.rope_theta))
-        self.logits = None   # the last step's logits [batch, vocab] (a DeviceArray), while generate runs
+        self.logits = None        # the last step's logits [batch, vocab] (a DeviceArray), while generate runs
+        self.decode_step = None   # the recorded decode step (a RecordedStep) generate replays, while it runs
 
     # -- the forward, shared by prefill and decode ---------------------------------------------------------------
 
@@ -235,7 +236,8 @@ class ModelRunner(Owned):
         Yields
         ------
         numpy.ndarray, shape (len(prompts),), int32
-            Each step's token per sequence; `self.logits` holds that step's logits [len(prompts), vocab] meanwhile.
+            Each step's token per sequence; meanwhile `self.logits` holds that step's logits [len(prompts), vocab]
+            and, from the second step, `self.decode_step` the RecordedStep each decode step replays.
         """
         self._require_open()
         prompts = self._check_prompts(prompts, max_new_tokens)
@@ -263,7 +265,7 @@ class ModelRunner(Owned):
                     break
                 tokens = self._decode(tokens, step, decode, sampler, owned)
         finally:
-            self.logits = None
+            self.logits, self.decode_step = None, None
             for row in rows:
                 blocks.free(row)
             for o in reversed(owned):
@@ -323,14 +325,14 @@ class ModelRunner(Owned):
             self._plan = plan = self.cache.decode_plan(tables, seq_lens, num_heads=self.config.num_heads,
                                                        query_dtype=ACTIVATIONS)
             owned.append(plan)
-            with record(self.device) as self._step:
+            with record(self.device) as self.decode_step:
                 self._layers(a, lambda layer, q, out: plan.run(q, self.cache.key[layer], self.cache.value[layer],
                                                                out=out))
                 self._head(a, sampler)
-            owned.append(self._step)
+            owned.append(self.decode_step)
         else:
             self._plan.update(tables, seq_lens, max_seq_len=int(seq_lens.max()))
-        self._step.replay()
+        self.decode_step.replay()
         return a.ids.numpy()
 
     # -- lifetime ------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ the same weights (tiny random models written by tiny_model.py; SmolLM2 where the
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -143,7 +144,7 @@ def run(model, prompts, backend="glsl", cache_dtype=np.float16, **options):
 
 @pytest.mark.parametrize("name, backend, cache_dtype", [
     ("llama-f16", "glsl", np.float16), ("llama-f16", "wgsl", np.float32), ("llama-q8_0", "glsl", np.float32),
-    ("qwen2-q4_1", "glsl", np.float16)])
+    ("llama-q8_0", "glsl", ml_dtypes.float8_e4m3fn), ("qwen2-q4_1", "glsl", np.float16)])
 def test_greedy_tokens_and_logits_match_the_float64_reference(files, name, backend, cache_dtype):
     path, want = files[name]
     tokens, logits = run(pagedvk.load_model(path), PROMPTS, backend, cache_dtype)
@@ -154,6 +155,20 @@ def test_greedy_tokens_and_logits_match_the_float64_reference(files, name, backe
         ref = reference.forward(want, prompt, cache_dtype)[-1]
         assert np.linalg.norm(logits[row] - ref) <= 1e-4 * np.linalg.norm(ref)
         assert tokens[row].tolist() == reference.greedy(want, prompt, NEW_TOKENS, cache_dtype)
+
+
+def test_each_decode_step_is_one_recorded_step(files):
+    model = pagedvk.load_model(files["llama-f16"][0])
+    layers = model.config.num_layers
+    with pagedvk.ModelRunner(model) as runner:
+        steps = []
+        for _ in runner.generate([PROMPTS[0]], 4):
+            steps.append(runner.decode_step)
+        assert steps[0] is None and steps[1] is not None and all(s is steps[1] for s in steps[2:])
+        ops = steps[1].ops   # recorded once, replayed by every decode step: the whole forward and the sampling
+        assert ops[0] == "embedding" and ops[-2:] == ["linear", "sample"]
+        assert ops.count("linear") == 4 * layers + 1 and ops.count("rotary_embedding") == layers
+        assert runner.decode_step is None
 
 
 def test_sampling_is_seeded(files):
