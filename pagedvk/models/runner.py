@@ -57,9 +57,6 @@ class LayerWeights:
     gate_up: DeviceArray        # [2 * intermediate, hidden]: gate rows, then up rows (silu_and_mul's order)
     down: DeviceArray
 
-    def arrays(self):
-        return [a for a in vars(self).values() if a is not None]
-
 
 class Activations(Owned):
     """One step's device arrays for n tokens, with the views the ops read in place."""
@@ -156,14 +153,25 @@ class ModelRunner(Owned):
             "max_context", max_context, 1, c.context_length)
         self.max_batch = checks.integer("max_batch", max_batch, 1)
         self.device, self.backend = get_device(device), backend
-        self.max_blocks = math.ceil(self.max_context / block_size)
+        self.max_blocks = math.ceil(self.max_context / checks.integer("block_size", block_size, 1))
         self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_size, block_size=block_size, dtype=cache_dtype,
                              num_blocks=self.max_batch * self.max_blocks, prefix_caching=False, device=self.device,
                              backend=backend)
-        self._closed = False
+        self._closed, self._uploaded = False, []
+        try:
+            self._upload_weights(model)
+        except BaseException:
+            self.close()   # what was uploaded so far, and the cache
+            raise
+        self.logits = None        # the last step's logits [batch, vocab] (a DeviceArray), while generate runs
+        self.decode_step = None   # the recorded decode step (a RecordedStep) generate replays, while it runs
+
+    def _upload_weights(self, model: Model) -> None:
+        c = self.config
 
         def upload(a):
-            return asarray(np.ascontiguousarray(a), device=self.device)
+            self._uploaded.append(asarray(np.ascontiguousarray(a), device=self.device))
+            return self._uploaded[-1]
 
         self.embed = upload(model.tensor("token_embd.weight"))
         self.lm_head = self.embed if c.tied_embeddings else upload(model.tensor("output.weight"))
@@ -179,8 +187,6 @@ class ModelRunner(Owned):
                 gate_up=upload(np.concatenate([model.layer(i, "ffn_gate"), model.layer(i, "ffn_up")])),
                 down=upload(model.layer(i, "ffn_down"))))
         self.cos_sin = upload(rope_cos_sin_cache(self.max_context, c.rope_dim, c.rope_theta))
-        self.logits = None        # the last step's logits [batch, vocab] (a DeviceArray), while generate runs
-        self.decode_step = None   # the recorded decode step (a RecordedStep) generate replays, while it runs
 
     # -- the forward, shared by prefill and decode ---------------------------------------------------------------
 
@@ -350,9 +356,6 @@ class ModelRunner(Owned):
         if self._closed:
             return
         self._closed = True
-        arrays = [self.embed, self.lm_head, self.output_norm, self.cos_sin]
-        for w in self.layers:
-            arrays += w.arrays()
-        for a in arrays:
+        for a in self._uploaded:
             a.close()
         self.cache.close()

