@@ -95,6 +95,22 @@ def test_gpt2_pre_tokenizer_keeps_numbers_whole(tmp_path):
     assert tok.encode("12") == [tok.tokens.index("12")]
 
 
+@pytest.mark.parametrize("pre, pieces", [("llama-bpe", ["12", "3", "4", "5"]), ("qwen2", ["1", "2", "3", "4", "5"]),
+                                         ("gpt-2", ["12", "3", "4", "5"]), ("smollm", ["1", "2", "3", "4", "5"])])
+def test_pre_tokenizers_split_numbers_their_way(tmp_path, pre, pieces):
+    # Llama 3 splits numbers into runs of up to three digits ("123", "45": the merge "1 2" applies in the first),
+    # GPT-2 keeps a number whole, Qwen2 and SmolLM split every digit.
+    tiny_model.write(tmp_path / "m.gguf", pre=pre, layers=1)
+    tok = pagedvk.load_model(tmp_path / "m.gguf").tokenizer
+    assert [tok.tokens[i] for i in tok.encode("12345")] == pieces
+
+
+def test_mistral_loads_as_llama(tmp_path):
+    want = tiny_model.write(tmp_path / "mistral.gguf", arch="mistral", layers=1)
+    model = pagedvk.load_model(tmp_path / "mistral.gguf")
+    assert model.config == want.config and not model.config.neox and not model.config.qkv_bias
+
+
 def test_chat_renders_chatml_with_the_default_system_message(files):
     tok = pagedvk.load_model(files["llama-f16"][0]).tokenizer
     assert tok.chat("hi") == ("<|im_start|>system\nYou are a tiny test model<|im_end|>\n"
