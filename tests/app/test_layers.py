@@ -25,6 +25,7 @@ LAYERS = (
     ("ops",),
     ("engine",),
     ("testing",),
+    ("models",),
     ("demo",),
     ("cli", ""),
 )
