@@ -31,7 +31,8 @@
 
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
-const uint ROWS = 8u;        // catalogue.LINEAR_GEMV_CPU_ROWS
+const uint ROWS = 8u;        // rows a pass
+const uint BLOCKS = 4u;      // passes a workgroup: ROWS * BLOCKS rows (catalogue.LINEAR_GEMV_CPU_ROWS)
 const uint MIN_LANES = 4u;   // narrower subgroups are not given the kernel (pagedvk/ops/linear.py)
 const uint ANY_TYPE = 3u;    // a type constant left unset: read the push constant
 // catalogue.LinearSpec: the tokens of a pass (1 to 8; the host takes 1, 2, 4 or 8), the weight's and x's
@@ -65,7 +66,7 @@ void unpack(uvec4 c, uint wt, out vec4 lo, out vec4 hi) {
 
 // Rows whose chunks are whole (in_features a multiple of the chunk's elements): stripe by stripe, lane i takes chunk
 // i of the stripe in each of the ROWS rows, with its x chunk loaded once per token for all of them. wt and xt are
-// constants in every call (main's branches), so each copy of the loop has no type branch inside.
+// the specialization constants in every pipeline the host makes, so the loop keeps no type branch.
 void whole_chunks(uint wt, uint xt, uint lane, uint lanes, uint n0, uint rows, uint t0, uint group) {
     const uint K = pc.in_features, per = wt == T_F32 ? 4u : 8u;
     const uint row_chunks = K / per, chunks = weight.length();
@@ -115,38 +116,50 @@ void straddling_chunks(uint lane, uint lanes, uint n0, uint rows, uint t0, uint 
     }
 }
 
-void main() {
-    if (gl_SubgroupID != 0u) return;   // one subgroup takes the workgroup's work: no barrier anywhere
-    const uint lane = gl_SubgroupInvocationID, lanes = gl_SubgroupSize;
-    const uint row_groups = (pc.out_features + ROWS - 1u) / ROWS;
-    const uint wg = workgroup_index();
-    if (wg >= row_groups * ((pc.tokens + TOKENS - 1u) / TOKENS) || lanes < MIN_LANES) return;
-    if ((WEIGHT_TYPE != ANY_TYPE && WEIGHT_TYPE != pc.weight_type) || (X_TYPE != ANY_TYPE && X_TYPE != pc.x_type))
-        return;
-    const uint n0 = (wg % row_groups) * ROWS, rows = min(ROWS, pc.out_features - n0);
-    const uint t0 = (wg / row_groups) * TOKENS, group = min(TOKENS, pc.tokens - t0);
-    const uint wt = WEIGHT_TYPE != ANY_TYPE ? WEIGHT_TYPE : pc.weight_type;
-    const uint xt = X_TYPE != ANY_TYPE ? X_TYPE : pc.x_type;
-
+void clear() {
     [[unroll]] for (uint r = 0u; r < ROWS; r++) {
         [[unroll]] for (uint t = 0u; t < TOKENS; t++) acc[r][t] = 0.0;
     }
-    if (pc.in_features % chunk_elements() == 0u) {
-        // one copy of the loop per type pair, each with constant types (specialized pipelines keep one)
-        [[unroll]] for (uint w = 0u; w < 3u; w++) {
-            [[unroll]] for (uint xx = 0u; xx < 3u; xx++) {
-                if (wt == w && xt == xx) whole_chunks(w, xx, lane, lanes, n0, rows, t0, group);
-            }
-        }
-    } else {
-        straddling_chunks(lane, lanes, n0, rows, t0, group);
-    }
+}
 
+// The pass's sums meet; lane 0 adds the bias and stores rows n0 .. n0 + rows - 1 of tokens t0 .. t0 + group - 1.
+void finish(uint lane, uint n0, uint rows, uint t0, uint group) {
     [[unroll]] for (uint r = 0u; r < ROWS; r++) {
         const float b = r < rows ? bias_of(n0 + r) : 0.0;
         [[unroll]] for (uint t = 0u; t < TOKENS; t++) {
             const float sum = subgroupAdd(acc[r][t]);
             if (lane == 0u && r < rows && t < group) store_y((t0 + t) * pc.out_features + n0 + r, sum + b);
+        }
+    }
+}
+
+void main() {
+    if (gl_SubgroupID != 0u) return;   // one subgroup takes the workgroup's work: no barrier anywhere
+    const uint lane = gl_SubgroupInvocationID, lanes = gl_SubgroupSize;
+    const uint row_groups = (pc.out_features + ROWS * BLOCKS - 1u) / (ROWS * BLOCKS);
+    const uint wg = workgroup_index();
+    if (wg >= row_groups * ((pc.tokens + TOKENS - 1u) / TOKENS) || lanes < MIN_LANES) return;
+    if ((WEIGHT_TYPE != ANY_TYPE && WEIGHT_TYPE != pc.weight_type) || (X_TYPE != ANY_TYPE && X_TYPE != pc.x_type))
+        return;
+    const uint first = (wg % row_groups) * ROWS * BLOCKS, end = min(first + ROWS * BLOCKS, pc.out_features);
+    const uint t0 = (wg / row_groups) * TOKENS, group = min(TOKENS, pc.tokens - t0);
+    const uint wt = WEIGHT_TYPE != ANY_TYPE ? WEIGHT_TYPE : pc.weight_type;
+    const uint xt = X_TYPE != ANY_TYPE ? X_TYPE : pc.x_type;
+
+    if (pc.in_features % chunk_elements() == 0u) {
+        // the test is outside the passes: llvmpipe runs both sides of a branch, the one not taken masked off
+        [[dont_unroll]] for (uint n0 = first; n0 < end; n0 += ROWS) {
+            const uint rows = min(ROWS, pc.out_features - n0);
+            clear();
+            whole_chunks(wt, xt, lane, lanes, n0, rows, t0, group);
+            finish(lane, n0, rows, t0, group);
+        }
+    } else {
+        [[dont_unroll]] for (uint n0 = first; n0 < end; n0 += ROWS) {
+            const uint rows = min(ROWS, pc.out_features - n0);
+            clear();
+            straddling_chunks(lane, lanes, n0, rows, t0, group);
+            finish(lane, n0, rows, t0, group);
         }
     }
 }

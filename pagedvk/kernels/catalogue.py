@@ -516,7 +516,7 @@ LINEAR_GEMV = KernelABI(op="linear_gemv", workgroup_size=(128, 1, 1), spec_ids=L
                         **LINEAR_KERNEL)
 LINEAR_GEMV_ROWS = 4
 LINEAR_GEMV_TOKENS = 8
-LINEAR_GEMV_CPU_ROWS = 8
+LINEAR_GEMV_CPU_ROWS = 32
 # The prefill's matrix product: 64 x 64 tiles of y (tokens x out_features) through shared memory, 16 of in_features
 # a step, each thread 4 x 4 outputs. Workgroups: ceil(out_features / 64) x ceil(tokens / 64), column tiles fastest,
 # numbered linearly over a folded grid.
