@@ -15,8 +15,8 @@
 //   * the tokens of a pass (TOKENS), the weight type and x's type are specialization constants the host sets per
 //     launch (pagedvk/ops/linear.py): the loops over rows and tokens unroll, every register array is indexed by
 //     their counters only, and no type branch is left in the loop;
-//   * float32 sums; the bias added once; lane 0 stores the workgroup's outputs (store_y's atomics keep 16-bit
-//     outputs, whose words other workgroups share, right).
+//   * float32 sums; the bias added once; each lane stores its own rows of the pass (store_y's atomics keep 16-bit
+//     outputs, whose words neighbouring lanes and other workgroups share, right).
 // The stripe loop does not unroll (a bound known at run time): llvmpipe makes every memory instruction a loop
 // over the lanes, and unrolling many of them multiplies its compile time.
 //
@@ -122,13 +122,23 @@ void clear() {
     }
 }
 
-// The pass's sums meet; lane 0 adds the bias and stores rows n0 .. n0 + rows - 1 of tokens t0 .. t0 + group - 1.
-void finish(uint lane, uint n0, uint rows, uint t0, uint group) {
-    [[unroll]] for (uint r = 0u; r < ROWS; r++) {
-        const float b = r < rows ? bias_of(n0 + r) : 0.0;
-        [[unroll]] for (uint t = 0u; t < TOKENS; t++) {
+// The pass's sums meet (subgroupAdd, the result in every lane), and lane i stores rows i and lanes + i of the pass
+// (lanes >= MIN_LANES = ROWS / 2), with their bias: one store_y, whose type branches and atomics run lane by lane
+// whatever the mask, for every lane's row at once rather than one a row.
+void finish(uint lane, uint lanes, uint n0, uint rows, uint t0, uint group) {
+    const uint lo = lane, hi = lanes + lane;   // the lane's rows of the pass
+    const float b_lo = lo < rows ? bias_of(n0 + lo) : 0.0, b_hi = hi < rows ? bias_of(n0 + hi) : 0.0;
+    [[unroll]] for (uint t = 0u; t < TOKENS; t++) {
+        float y_lo = 0.0, y_hi = 0.0;
+        [[unroll]] for (uint r = 0u; r < ROWS; r++) {
             const float sum = subgroupAdd(acc[r][t]);
-            if (lane == 0u && r < rows && t < group) store_y((t0 + t) * pc.out_features + n0 + r, sum + b);
+            if (r == lo) y_lo = sum;
+            if (r == hi) y_hi = sum;
+        }
+        if (t < group) {
+            const uint at = (t0 + t) * pc.out_features + n0;
+            if (lo < rows) store_y(at + lo, y_lo + b_lo);
+            if (hi < rows) store_y(at + hi, y_hi + b_hi);
         }
     }
 }
@@ -152,14 +162,14 @@ void main() {
             const uint rows = min(ROWS, pc.out_features - n0);
             clear();
             whole_chunks(wt, xt, lane, lanes, n0, rows, t0, group);
-            finish(lane, n0, rows, t0, group);
+            finish(lane, lanes, n0, rows, t0, group);
         }
     } else {
         [[dont_unroll]] for (uint n0 = first; n0 < end; n0 += ROWS) {
             const uint rows = min(ROWS, pc.out_features - n0);
             clear();
             straddling_chunks(lane, lanes, n0, rows, t0, group);
-            finish(lane, n0, rows, t0, group);
+            finish(lane, lanes, n0, rows, t0, group);
         }
     }
 }
