@@ -18,6 +18,7 @@ from .dtypes import CACHE_TYPES, device_dtypes
 from .ops.layouts import BLOCK_SIZES, LAYOUTS, MAX_HEAD_SIZE, VLLM_BLOCK_SIZES, check_block_size
 from .kernels.matrix import matrix_unavailable
 from .errors import PagedVKError
+from .ops.linear import describe_linear_kernel
 from .ops.prefill import describe_choice
 from .runtime.memory import host_memory
 from .runtime.selection import devices, get_device, select
@@ -72,6 +73,7 @@ def cmd_devices(args) -> int:
     for i in infos:   # which prefill kernel each device gets, and why; which decode kernel, and how it reduces
         print(f"prefill kernels on [{i.index}]: {describe_choice(i)}")
         print(f"decode kernel on [{i.index}]: " + describe_decode_kernel(i))
+        print(f"linear matrix-vector kernel on [{i.index}]: " + describe_linear_kernel(i))
         print(f"decode reductions on [{i.index}]: " + ("subgroup arithmetic" if subgroup_reductions(i) else
               "shared memory (the device lacks subgroup arithmetic or has subgroups under 4 invocations)"))
     return 0

@@ -40,6 +40,13 @@ def linear_target(info, backend: str, kernel: str = "gemv") -> str:
     return "cpu" if wanted and able else ""
 
 
+def describe_linear_kernel(info) -> str:
+    """Which matrix-vector kernel (up to 8 tokens) a device's GLSL calls of pagedvk.linear run by default."""
+    if linear_target(info, "glsl") == "cpu":
+        return "cpu (shaders/linear_gemv_cpu.comp; WGSL calls run the gpu kernel)"
+    return "gpu (shaders/linear_gemv.comp)"
+
+
 def cpu_pass_tokens(tokens: int) -> int:
     """The CPU kernel's tokens a pass (LinearSpec.TOKENS): 1, 2, 4 or 8, the fewest at least min(tokens, 8), so that
     a decode's few tokens run no idle sums and a device builds at most four such pipelines per type pair."""
