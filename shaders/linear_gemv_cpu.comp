@@ -10,8 +10,10 @@
 // on the element types inside the loop, which llvmpipe runs masked rather than skips. So here:
 //   * one subgroup does the workgroup's work (the others return at once): no shared memory, no barrier; the sums
 //     meet with subgroupAdd;
-//   * a workgroup takes ROWS weight rows; lane i reads chunk i of each stripe of a row (a stripe: one chunk a lane,
-//     one contiguous read), and loads its x chunk of the stripe once for all ROWS rows;
+//   * a workgroup takes ROWS * BLOCKS weight rows (32), in passes of ROWS (8): lane i reads chunk i of each stripe
+//     of a row (a stripe: one chunk a lane, one contiguous read), and loads its x chunk of the stripe once for all
+//     ROWS rows of the pass; several passes a workgroup spread the workgroup's own costs (its idle subgroups, the
+//     masked-off side of its branches) over more bytes;
 //   * the tokens of a pass (TOKENS), the weight type and x's type are specialization constants the host sets per
 //     launch (pagedvk/ops/linear.py): the loops over rows and tokens unroll, every register array is indexed by
 //     their counters only, and no type branch is left in the loop;

@@ -507,8 +507,8 @@ LINEAR_KERNEL = dict(
 # reading 16-byte chunks of it) for up to LINEAR_GEMV_TOKENS tokens, so a weight is read once for all of them.
 # Workgroups: ceil(out_features / LINEAR_GEMV_ROWS) x ceil(tokens / LINEAR_GEMV_TOKENS), row groups fastest,
 # numbered linearly over a folded grid.
-# Its CPU kernel (target "cpu", shaders/linear_gemv_cpu.comp): one subgroup a workgroup, LINEAR_GEMV_CPU_ROWS rows,
-# LinearSpec.TOKENS tokens a pass; workgroups ceil(out_features / LINEAR_GEMV_CPU_ROWS) x ceil(tokens / TOKENS),
+# Its CPU kernel (target "cpu", shaders/linear_gemv_cpu.comp): one subgroup a workgroup, LINEAR_GEMV_CPU_ROWS rows
+# (passes of 8), LinearSpec.TOKENS tokens a pass; workgroups ceil(out_features / LINEAR_GEMV_CPU_ROWS) x ceil(tokens / TOKENS),
 # numbered likewise. pagedvk/ops/linear.py chooses it (linear_target).
 LINEAR_GEMV = KernelABI(op="linear_gemv", workgroup_size=(128, 1, 1), spec_ids=LinearSpec, targets=TARGETS,
                         target_spec_constants=(("cpu", ((LinearSpec.TOKENS, "uint32"), (LinearSpec.WEIGHT_TYPE, "uint32"),
