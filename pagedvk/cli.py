@@ -23,6 +23,7 @@ from .errors import PagedVKError
 from .models.gguf_file import load_model
 from .models.runner import ModelRunner
 from .models.tokenizer import TextStream
+from .ops.linear import describe_linear_kernel
 from .ops.prefill import describe_choice
 from .runtime.memory import host_memory
 from .runtime.selection import devices, get_device, select
@@ -77,6 +78,7 @@ def cmd_devices(args) -> int:
     for i in infos:   # which prefill kernel each device gets, and why; which decode kernel, and how it reduces
         print(f"prefill kernels on [{i.index}]: {describe_choice(i)}")
         print(f"decode kernel on [{i.index}]: " + describe_decode_kernel(i))
+        print(f"linear matrix-vector kernel on [{i.index}]: " + describe_linear_kernel(i))
         print(f"decode reductions on [{i.index}]: " + ("subgroup arithmetic" if subgroup_reductions(i) else
               "shared memory (the device lacks subgroup arithmetic or has subgroups under 4 invocations)"))
     return 0

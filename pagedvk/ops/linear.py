@@ -10,20 +10,48 @@ import numpy as np
 from ..dtypes import QUERY_TYPES, storage_type
 from ..kernels import modules
 from ..kernels.abi import q_type_code
-from ..kernels.catalogue import LINEAR_GEMM, LINEAR_GEMM_TILE, LINEAR_GEMV, LINEAR_GEMV_ROWS, LINEAR_GEMV_TOKENS
+from ..kernels.catalogue import (LINEAR_GEMM, LINEAR_GEMM_TILE, LINEAR_GEMV, LINEAR_GEMV_CPU_ROWS, LINEAR_GEMV_ROWS,
+                                  LINEAR_GEMV_TOKENS, LinearSpec)
 from ..runtime.array import Array, DeviceArray, asarray, empty, segment_limit
 from ..runtime.pipeline import fold_grid
 from ..runtime.recording import active_recording, dispatch, require_device_arrays
 from . import checks
 from .opargs import backend_name, device_of
 
-LINEAR_KERNELS = ("auto", "gemv", "gemm")
+LINEAR_KERNELS = ("auto", "gemv", "gemm", "gemv-cpu", "gemv-gpu")
+MIN_CPU_LANES = 4   # shaders/linear_gemv_cpu.comp's MIN_LANES
 
 
 def linear_kernel(tokens: int) -> str:
     """The kernel "auto" picks: the matrix-vector one while its weights, read once per LINEAR_GEMV_TOKENS tokens, are
     read once in all (a decode step's batch); the tiled product beyond, which reads them once per 64 tokens."""
     return "gemv" if tokens <= LINEAR_GEMV_TOKENS else "gemm"
+
+
+def linear_target(info, backend: str, kernel: str = "gemv") -> str:
+    """The matrix-vector kernel's abi.TARGETS tag: "cpu" (shaders/linear_gemv_cpu.comp) on CPU devices
+    (info.type "cpu") or where `kernel` is "gemv-cpu"; "" (shaders/linear_gemv.comp, the one GPUs run) otherwise, or
+    "gemv-gpu" forced. lavapipe loads memory lane by lane and reads shared memory likewise, and linear_gemv.comp
+    moved weights at 42-48 MB/s there (BENCHMARKS.md, "Linear layers on lavapipe"). The CPU kernel is GLSL only and
+    needs subgroup arithmetic with subgroups of at least 4 invocations; elsewhere the generic kernel runs, forced or
+    not."""
+    wanted = info.type == "cpu" if kernel in ("gemv", "auto") else kernel == "gemv-cpu"
+    able = backend == "glsl" and info.subgroup_arithmetic and info.subgroup_size >= MIN_CPU_LANES
+    return "cpu" if wanted and able else ""
+
+
+def describe_linear_kernel(info) -> str:
+    """Which matrix-vector kernel (up to 8 tokens) a device's GLSL calls of pagedvk.linear run by default."""
+    if linear_target(info, "glsl") == "cpu":
+        return "cpu (shaders/linear_gemv_cpu.comp; WGSL calls run the gpu kernel)"
+    return "gpu (shaders/linear_gemv.comp)"
+
+
+def cpu_pass_tokens(tokens: int) -> int:
+    """The CPU kernel's tokens a pass (LinearSpec.TOKENS): 1, 2, 4 or 8, the fewest at least min(tokens, 8), so that
+    a decode's few tokens run no idle sums and a device builds at most four such pipelines per type pair."""
+    n = min(max(tokens, 1), LINEAR_GEMV_TOKENS)
+    return 1 << (n - 1).bit_length()
 
 
 def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None = None, *,
@@ -42,9 +70,12 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
         float32, float16 or bfloat16; added in float32.
     out : DeviceArray or numpy.ndarray, shape (tokens, out_features), optional
         float32, float16 or bfloat16: written (rounded to nearest even) and returned. None allocates it, of x's dtype.
-    kernel : {"auto", "gemv", "gemm"}, default "auto"
+    kernel : {"auto", "gemv", "gemm", "gemv-cpu", "gemv-gpu"}, default "auto"
         "gemv" reads each weight once per 8 tokens (the decode's kernel), "gemm" tiles 64 tokens x 64 outputs
-        through shared memory (prefill's); "auto" takes "gemv" up to 8 tokens (`linear_kernel`).
+        through shared memory (prefill's); "auto" takes "gemv" up to 8 tokens (`linear_kernel`). "gemv" runs in
+        the device's shape (`linear_target`): shaders/linear_gemv_cpu.comp on CPU devices (lavapipe), where
+        subgroup arithmetic (subgroups of at least 4) and the GLSL backend allow, else shaders/linear_gemv.comp;
+        "gemv-cpu" and "gemv-gpu" force one shape, whatever the device (the CPU one where it can run).
     backend : {"glsl", "wgsl"}, optional
         The kernel language; None means PAGEDVK_BACKEND, else "glsl".
 
@@ -100,7 +131,9 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
     out_dtype = np.dtype(out.dtype) if out is not None else np.dtype(x.dtype)
     name = backend_name(backend)
     chosen = linear_kernel(tokens) if kernel == "auto" else kernel
-    abi = LINEAR_GEMV if chosen == "gemv" else LINEAR_GEMM
+    gemv = chosen != "gemm"
+    target = linear_target(device.info, name, chosen) if gemv else ""
+    abi = LINEAR_GEMV if gemv else LINEAR_GEMM
 
     temporaries = []
     try:
@@ -116,7 +149,13 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
         if yd is not out and not (out is None and isinstance(x, DeviceArray)):
             temporaries.append(yd)
         if tokens and out_features:
-            if chosen == "gemv":
+            constants = None
+            if target == "cpu":
+                pass_tokens = cpu_pass_tokens(tokens)
+                groups = -(-out_features // LINEAR_GEMV_CPU_ROWS) * -(-tokens // pass_tokens)
+                constants = {LinearSpec.TOKENS: pass_tokens, LinearSpec.WEIGHT_TYPE: q_type_code(types["weight"].tag),
+                             LinearSpec.X_TYPE: q_type_code(types["x"].tag)}
+            elif gemv:
                 groups = -(-out_features // LINEAR_GEMV_ROWS) * -(-tokens // LINEAR_GEMV_TOKENS)
             else:
                 groups = -(-out_features // LINEAR_GEMM_TILE) * -(-tokens // LINEAR_GEMM_TILE)
@@ -125,7 +164,7 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
                 x_type=q_type_code(types["x"].tag), weight_type=q_type_code(types["weight"].tag),
                 bias_type=q_type_code(types["bias"].tag) if bias is not None else 0,
                 y_type=q_type_code(QUERY_TYPES[out_dtype].tag), has_bias=int(bias is not None))
-            pipeline = modules.pipeline(device, abi, abi.key(name))
+            pipeline = modules.pipeline(device, abi, abi.key(name, target=target), constants=constants)
             buffers = [xd.buffer, wd.buffer, bd.buffer, yd.buffer]
             grid = fold_grid(groups, device.info.max_workgroup_count)
             dispatch("linear", device, lambda: [(pipeline, buffers, push, grid)])

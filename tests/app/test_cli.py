@@ -7,6 +7,7 @@ import pytest
 
 import pagedvk
 import pagedvk.ops.decode_rules
+import pagedvk.ops.linear
 import pagedvk.ops.prefill
 from pagedvk.kernels.matrix import matrix_unavailable
 
@@ -32,6 +33,8 @@ def test_devices_lists_the_selected_device():
         kernel = ("cpu (" if info.type == "cpu" else "gpu (" if matrix_unavailable(info)
                   else "coopmat (")
         assert f"decode kernel on [{info.index}]: {kernel}" in result.stdout
+        linear = "cpu (" if pagedvk.ops.linear.linear_target(info, "glsl") == "cpu" else "gpu ("
+        assert f"linear matrix-vector kernel on [{info.index}]: {linear}" in result.stdout
 
 
 def test_bench_small_shape_passes_its_check():

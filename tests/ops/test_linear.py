@@ -1,7 +1,9 @@
-"""pagedvk.linear against float64 on random data: both kernels (the decode's matrix-vector one and the tiled
-product) in both backends, every weight, activation, bias and output type, sizes off every tile (in_features 100,
+"""pagedvk.linear against float64 on random data: every kernel (the decode's matrix-vector one in the device's shape,
+forced to the GPU's and to the CPU's shape, and the tiled product) in both backends, every weight, activation, bias and output type, sizes off every tile (in_features 100,
 576, 1536; odd out_features; 1, 3, 8, 33 tokens), outputs poisoned first; writes stay inside the output; the
 return types; a recorded step; every rejected input, which changes nothing."""
+
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -27,7 +29,7 @@ def random(rng, shape, dtype):
     return rng.standard_normal(shape).astype(dtype)
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemm"])
+@pytest.mark.parametrize("kernel", ["gemv", "gemv-gpu", "gemm"])
 @pytest.mark.parametrize("weight_type", range(3))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_linear(rng, device, backend, kernel, weight_type, shape):
@@ -52,14 +54,64 @@ def test_auto_kernel_without_bias(rng, device, backend, tokens):
     assert linear_ops.linear_kernel(tokens) == ("gemv" if tokens <= 8 else "gemm")
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemm"])
-def test_writes_stay_inside_out(rng, device, backend, kernel):
-    x, w = random(rng, (5, 40), np.float16), random(rng, (13, 40), np.float16)
+@pytest.mark.parametrize("kernel", ["gemv", "gemv-cpu", "gemv-gpu", "gemm"])
+@pytest.mark.parametrize("in_features", [40, 37])
+def test_writes_stay_inside_out(rng, device, backend, kernel, in_features):
+    """Fenced x, weight and out: nothing read or written past them (in_features 37: rows straddle chunks, and the
+    last row's last chunk runs past the weight's end)."""
+    x, w = random(rng, (5, in_features), np.float16), random(rng, (13, in_features), np.float16)
     poison = np.full((5, 13), np.nan, np.float16)
     (xd, wd, yd), sentinels = fenced(device, x, w, poison)
     pagedvk.linear(xd, wd, out=yd, kernel=kernel, backend=backend)
     assert rel_error(yd.numpy(), reference.linear(x, w)) <= TOL[TYPES[1]]
     assert_untouched(*sentinels)
+
+
+# The CPU-shaped matrix-vector kernel (shaders/linear_gemv_cpu.comp), which CPU devices (lavapipe, the suite's
+# device) run for "auto" and "gemv": every (weight, x) type pair with every output type over the pairs, in_features
+# whole chunks (576, 1536) and straddling ones (37, 100), odd out_features (on and off its 8-row groups), 1, 3 and 8
+# tokens (its passes of 1, 4 and 8 tokens).
+CPU_SHAPES = [(1, 576, 33), (3, 100, 17), (8, 1536, 7), (3, 37, 9), (1, 1536, 5), (8, 576, 19)]
+
+
+@pytest.mark.parametrize("pair", range(9))
+@pytest.mark.parametrize("shape", CPU_SHAPES)
+def test_cpu_kernel(rng, device, shape, pair):
+    tokens, k, n = shape
+    w_dtype, x_dtype, y_dtype = TYPES[pair // 3], TYPES[pair % 3], TYPES[(pair + sum(shape)) % 3]
+    x, w, b = random(rng, (tokens, k), x_dtype), random(rng, (n, k), w_dtype), random(rng, n, TYPES[pair % 2])
+    out = pagedvk.empty((tokens, n), y_dtype, device)   # poisoned (NaN) by the suite
+    pagedvk.linear(pagedvk.asarray(x, device), pagedvk.asarray(w, device), pagedvk.asarray(b, device), out,
+                   kernel="gemv-cpu", backend="glsl")
+    assert rel_error(out.numpy(), reference.linear(x, w, b)) <= TOL[y_dtype]
+
+
+def test_cpu_kernel_chosen(rng, device):
+    """"auto" and "gemv" run the CPU kernel on a CPU device (the suite's lavapipe), with the same results as the
+    forced one; the rule itself on made-up devices."""
+    info = device.info
+    assert linear_ops.linear_target(info, "glsl") == ("cpu" if info.type == "cpu" and info.subgroup_arithmetic
+                                                      and info.subgroup_size >= 4 else "")
+    x, w = random(rng, (3, 576), np.float16), random(rng, (45, 576), np.float16)
+    xd, wd = pagedvk.asarray(x, device), pagedvk.asarray(w, device)
+    got = {k: pagedvk.linear(xd, wd, kernel=k).numpy() for k in ("auto", "gemv", "gemv-cpu", "gemv-gpu")}
+    for y in got.values():
+        assert rel_error(y, reference.linear(x, w)) <= TOL[TYPES[1]]
+    if linear_ops.linear_target(info, "glsl") == "cpu":
+        np.testing.assert_array_equal(got["auto"], got["gemv-cpu"])
+        np.testing.assert_array_equal(got["gemv"], got["gemv-cpu"])
+
+    def made_up(kind, arithmetic=True, lanes=8):
+        return SimpleNamespace(type=kind, subgroup_arithmetic=arithmetic, subgroup_size=lanes)
+
+    target = linear_ops.linear_target
+    assert target(made_up("cpu"), "glsl") == "cpu" and target(made_up("cpu"), "glsl", "auto") == "cpu"
+    assert target(made_up("cpu"), "glsl", "gemv-gpu") == ""
+    assert target(made_up("cpu"), "wgsl") == "" and target(made_up("cpu"), "wgsl", "gemv-cpu") == ""
+    assert target(made_up("cpu", arithmetic=False), "glsl") == "" and target(made_up("cpu", lanes=2), "glsl") == ""
+    assert target(made_up("discrete", lanes=32), "glsl") == ""
+    assert target(made_up("discrete", lanes=32), "glsl", "gemv-cpu") == "cpu"
+    assert [linear_ops.cpu_pass_tokens(t) for t in (0, 1, 2, 3, 4, 5, 8, 9, 33)] == [1, 1, 2, 4, 4, 8, 8, 8, 8]
 
 
 def test_return_types(rng, device):
