@@ -520,7 +520,10 @@ LINEAR_GEMV_CPU_ROWS = 32
 # The prefill's matrix product: 64 x 64 tiles of y (tokens x out_features) through shared memory, 16 of in_features
 # a step, each thread 4 x 4 outputs. Workgroups: ceil(out_features / 64) x ceil(tokens / 64), column tiles fastest,
 # numbered linearly over a folded grid.
-LINEAR_GEMM = KernelABI(op="linear_gemm", workgroup_size=(256, 1, 1), **LINEAR_KERNEL)
+# Its cooperative-matrix module (shaders/linear_gemm_coopmat.comp: float16 weights, 128 invocations, the same tiles and
+# grid), which pagedvk/ops/linear.py picks where the device has the multiply: its storage axis is the weights'.
+LINEAR_GEMM = KernelABI(op="linear_gemm", workgroup_size=(256, 1, 1), matrix_variants=(("coopmat", "f16", "", 0),),
+                        matrix_accesses=("",), **LINEAR_KERNEL)
 LINEAR_GEMM_TILE = 64
 
 # One token per row of logits (pagedvk/ops/sampling.py): greedy, or temperature, top-k and top-p then a seeded draw,

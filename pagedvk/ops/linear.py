@@ -12,13 +12,14 @@ from ..kernels import modules
 from ..kernels.abi import q_type_code
 from ..kernels.catalogue import (LINEAR_GEMM, LINEAR_GEMM_TILE, LINEAR_GEMV, LINEAR_GEMV_CPU_ROWS, LINEAR_GEMV_ROWS,
                                   LINEAR_GEMV_TOKENS, LinearSpec)
+from ..kernels.matrix import MATRIX_KIND, matrix_unavailable
 from ..runtime.array import Array, DeviceArray, asarray, empty, segment_limit
 from ..runtime.pipeline import fold_grid
 from ..runtime.recording import active_recording, dispatch, require_device_arrays
 from . import checks
 from .opargs import backend_name, device_of
 
-LINEAR_KERNELS = ("auto", "gemv", "gemm", "gemv-cpu", "gemv-gpu")
+LINEAR_KERNELS = ("auto", "gemv", "gemm", "coopmat", "gemv-cpu", "gemv-gpu")
 MIN_CPU_LANES = 4   # shaders/linear_gemv_cpu.comp's MIN_LANES
 
 
@@ -26,6 +27,18 @@ def linear_kernel(tokens: int) -> str:
     """The kernel "auto" picks: the matrix-vector one while its weights, read once per LINEAR_GEMV_TOKENS tokens, are
     read once in all (a decode step's batch); the tiled product beyond, which reads them once per 64 tokens."""
     return "gemv" if tokens <= LINEAR_GEMV_TOKENS else "gemm"
+
+
+def coopmat_unavailable(device, backend: str, weight_tag: str, in_features: int) -> str:
+    """Why shaders/linear_gemm_coopmat.comp cannot run this call, or "": it is GLSL, for float16 weights whose rows
+    are whole 16-byte chunks (in_features a multiple of 8), on devices with kernels/matrix.py's multiply."""
+    if backend != "glsl":
+        return "the cooperative-matrix linear kernel is GLSL only"
+    if weight_tag != "f16":
+        return f"the cooperative-matrix linear kernel takes float16 weights, not {weight_tag}"
+    if in_features % 8:
+        return f"the cooperative-matrix linear kernel takes in_features a multiple of 8, not {in_features}"
+    return matrix_unavailable(device.info, device.features)
 
 
 def linear_target(info, backend: str, kernel: str = "gemv") -> str:
@@ -70,9 +83,12 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
         float32, float16 or bfloat16; added in float32.
     out : DeviceArray or numpy.ndarray, shape (tokens, out_features), optional
         float32, float16 or bfloat16: written (rounded to nearest even) and returned. None allocates it, of x's dtype.
-    kernel : {"auto", "gemv", "gemm", "gemv-cpu", "gemv-gpu"}, default "auto"
+    kernel : {"auto", "gemv", "gemm", "coopmat", "gemv-cpu", "gemv-gpu"}, default "auto"
         "gemv" reads each weight once per 8 tokens (the decode's kernel), "gemm" tiles 64 tokens x 64 outputs
-        through shared memory (prefill's); "auto" takes "gemv" up to 8 tokens (`linear_kernel`). "gemv" runs in
+        through shared memory (prefill's), "coopmat" tiles them likewise on cooperative matrices (float16 products,
+        x rounded to float16; GLSL, float16 weights, in_features a multiple of 8, devices with
+        VK_KHR_cooperative_matrix: `coopmat_unavailable` says why not); "auto" takes "gemv" up to 8 tokens
+        (`linear_kernel`), beyond it "coopmat" where it can run, else "gemm". "gemv" runs in
         the device's shape (`linear_target`): shaders/linear_gemv_cpu.comp on CPU devices (lavapipe), where
         subgroup arithmetic (subgroups of at least 4) and the GLSL backend allow, else shaders/linear_gemv.comp;
         "gemv-cpu" and "gemv-gpu" force one shape, whatever the device (the CPU one where it can run).
@@ -131,7 +147,12 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
     out_dtype = np.dtype(out.dtype) if out is not None else np.dtype(x.dtype)
     name = backend_name(backend)
     chosen = linear_kernel(tokens) if kernel == "auto" else kernel
-    gemv = chosen != "gemm"
+    why_not_matrix = coopmat_unavailable(device, name, types["weight"].tag, in_features) \
+        if chosen in ("gemm", "coopmat") else "not a tiled product"
+    if kernel == "coopmat" and why_not_matrix:
+        raise ValueError(f"kernel='coopmat' cannot run on {device.info.name}: {why_not_matrix}")
+    matrix = chosen == "coopmat" or (kernel == "auto" and chosen == "gemm" and not why_not_matrix)
+    gemv = chosen not in ("gemm", "coopmat")
     target = linear_target(device.info, name, chosen) if gemv else ""
     abi = LINEAR_GEMV if gemv else LINEAR_GEMM
 
@@ -164,7 +185,8 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
                 x_type=q_type_code(types["x"].tag), weight_type=q_type_code(types["weight"].tag),
                 bias_type=q_type_code(types["bias"].tag) if bias is not None else 0,
                 y_type=q_type_code(QUERY_TYPES[out_dtype].tag), has_bias=int(bias is not None))
-            pipeline = modules.pipeline(device, abi, abi.key(name, target=target), constants=constants)
+            key = abi.key(name, kv="f16", matrix=MATRIX_KIND) if matrix else abi.key(name, target=target)
+            pipeline = modules.pipeline(device, abi, key, constants=constants)
             buffers = [xd.buffer, wd.buffer, bd.buffer, yd.buffer]
             grid = fold_grid(groups, device.info.max_workgroup_count)
             dispatch("linear", device, lambda: [(pipeline, buffers, push, grid)])

@@ -45,20 +45,48 @@ def test_linear(rng, device, backend, kernel, weight_type, shape):
     assert rel_error(out.numpy(), ref) <= TOL[y_dtype]
 
 
+# The cooperative-matrix tiled product (shaders/linear_gemm_coopmat.comp): float16 weights with in_features a multiple of
+# 8, x of every type (rounded to float16 as it is staged: the reference takes it so rounded), sizes off the 64 x 64
+# tile and the 64-wide k step (in_features 40, 136, 576), several tiles of tokens and features.
+_why_no_matrix = linear_ops.coopmat_unavailable(pagedvk.default_device(), "glsl", "f16", 64)
+needs_coopmat = pytest.mark.skipif(bool(_why_no_matrix), reason=f"needs VK_KHR_cooperative_matrix: {_why_no_matrix}")
+COOPMAT_SHAPES = [(9, 40, 33), (33, 576, 65), (64, 136, 130), (130, 576, 200), (200, 2048, 70)]
+
+
+@needs_coopmat
+@pytest.mark.parametrize("x_type", range(3))
+@pytest.mark.parametrize("shape", COOPMAT_SHAPES)
+def test_coopmat(rng, device, x_type, shape):
+    tokens, k, n = shape
+    x_dtype, y_dtype = TYPES[x_type], TYPES[(x_type + sum(shape)) % 3]
+    x, w, b = random(rng, (tokens, k), x_dtype), random(rng, (n, k), np.float16), random(rng, n, np.float32)
+    out = pagedvk.empty((tokens, n), y_dtype, device)   # poisoned (NaN) by the suite
+    pagedvk.linear(pagedvk.asarray(x, device), pagedvk.asarray(w, device), pagedvk.asarray(b, device), out,
+                   kernel="coopmat")
+    ref = reference.linear(x.astype(np.float16), w, b)
+    assert rel_error(out.numpy(), ref) <= max(TOL[y_dtype], 2e-5)
+    auto = pagedvk.linear(pagedvk.asarray(x, device), pagedvk.asarray(w, device), pagedvk.asarray(b, device),
+                          pagedvk.empty((tokens, n), y_dtype, device))
+    np.testing.assert_array_equal(auto.numpy(), out.numpy())   # "auto" takes it past 8 tokens
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 9, 33])
 def test_auto_kernel_without_bias(rng, device, backend, tokens):
     x, w = random(rng, (tokens, 200), np.float32), random(rng, (75, 200), np.float16)
     y = pagedvk.linear(x, w, backend=backend)
     assert isinstance(y, np.ndarray) and y.dtype == np.float32 and y.shape == (tokens, 75)
     assert rel_error(y, reference.linear(x, w)) <= 1e-5
-    assert linear_ops.linear_kernel(tokens) == ("gemv" if tokens <= 8 else "gemm")
+    assert linear_ops.linear_kernel(tokens) == ("gemv" if tokens <= 8 else "gemm")   # "coopmat" where it can run
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemv-cpu", "gemv-gpu", "gemm"])
+@pytest.mark.parametrize("kernel", ["gemv", "gemv-cpu", "gemv-gpu", "gemm",
+                                    pytest.param("coopmat", marks=needs_coopmat)])
 @pytest.mark.parametrize("in_features", [40, 37])
 def test_writes_stay_inside_out(rng, device, backend, kernel, in_features):
     """Fenced x, weight and out: nothing read or written past them (in_features 37: rows straddle chunks, and the
     last row's last chunk runs past the weight's end)."""
+    if kernel == "coopmat" and (in_features % 8 or backend != "glsl"):
+        pytest.skip("the cooperative-matrix kernel takes in_features a multiple of 8, in GLSL (test_rejected)")
     x, w = random(rng, (5, in_features), np.float16), random(rng, (13, in_features), np.float16)
     poison = np.full((5, 13), np.nan, np.float16)
     (xd, wd, yd), sentinels = fenced(device, x, w, poison)
@@ -172,7 +200,11 @@ def arguments(device):
     (lambda a: dict(out=np.zeros((3, 10), np.float32)), ValueError, r"out.shape\[0\] \(tokens"),
     (lambda a: dict(out=_readonly()), ValueError, "out must be writable"),
     (lambda a: dict(out=np.zeros((4, 10), np.int32)), TypeError, "out must have dtype"),
-    (lambda a: dict(kernel="coopmat"), ValueError, "kernel must be one of"),
+    (lambda a: dict(kernel="tensor"), ValueError, "kernel must be one of"),
+    # checked before the device's matrices: the same message on every device
+    (lambda a: dict(weight=a["weight"].numpy().astype(np.float32), kernel="coopmat"), ValueError,
+     "kernel='coopmat' cannot run on .*: .*takes float16 weights, not f32"),
+    (lambda a: dict(kernel="coopmat", backend="wgsl"), ValueError, "kernel='coopmat' cannot run on .*GLSL only"),
 ])
 def test_rejected(device, change, exc, match):
     args = arguments(device)
