@@ -7,6 +7,11 @@
 #define LINEAR_COMMON_GLSL
 
 layout(std430, set = 0, binding = 0) readonly buffer X { uint x[]; };       // [tokens, in_features]
+// x's buffer again, read a quad of elements per load (x_quad): one 16-byte load of float32, one 8-byte load of the
+// 16-bit types, where four 4-byte loads were (on the H200 the matrix-vector kernel's loads of x, four to eight per
+// weight chunk, held it to 0.67 TB/s)
+layout(std430, set = 0, binding = 0) readonly buffer XQuads { uvec4 x_quads[]; };
+layout(std430, set = 0, binding = 0) readonly buffer XPairs { uvec2 x_pairs[]; };
 layout(std430, set = 0, binding = 1) readonly buffer W { uvec4 weight[]; };     // [out_features, in_features]
 layout(std430, set = 0, binding = 2) readonly buffer B { uint bias[]; };    // [out_features]
 layout(std430, set = 0, binding = 3) buffer Y { uint y[]; };                // [tokens, out_features]
@@ -36,10 +41,9 @@ float from_word(uint w, uint i, uint type) {
 
 // Elements i .. i + 3 of x, i a multiple of 4.
 vec4 x_quad(uint i) {
-    if (pc.x_type == T_F32) {
-        return uintBitsToFloat(uvec4(x[i], x[i + 1u], x[i + 2u], x[i + 3u]));
-    }
-    const uint w0 = x[i >> 1], w1 = x[(i >> 1) + 1u];
+    if (pc.x_type == T_F32) return uintBitsToFloat(x_quads[i >> 2]);
+    const uvec2 w = x_pairs[i >> 2];
+    const uint w0 = w.x, w1 = w.y;
     if (pc.x_type == T_F16) return vec4(unpackHalf2x16(w0), unpackHalf2x16(w1));
     return vec4(uintBitsToFloat(w0 << 16), uintBitsToFloat(w0 & 0xffff0000u),
                 uintBitsToFloat(w1 << 16), uintBitsToFloat(w1 & 0xffff0000u));

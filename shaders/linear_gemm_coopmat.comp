@@ -1,8 +1,11 @@
 #version 450
 // linear_gemm on cooperative matrices (VK_KHR_cooperative_matrix): y = x @ weight.T (+ bias) for float16 weights, with
 // linear_gemm.comp's bindings, push constants and grid (LINEAR_GEMM in pagedvk/kernels/catalogue.py). The products
-// are 16x16x16 float16 multiplies accumulated in float32 (kernels/matrix.py's MATRIX_SHAPE): x is rounded to float16
-// as it is staged (llama.cpp's matrix kernels do the same), the weights are float16 already. pagedvk/ops/linear.py
+// are 16x16x16 float16 multiplies accumulated in float32 (kernels/matrix.py's MATRIX_SHAPE). The weights are float16
+// already; float16 and bfloat16 x convert exactly (bfloat16 within float16's range); float32 x is split as it is
+// staged into a float16 high part and the float16 rounding of the rest, x = hi + lo to about 2^-22, and both are
+// multiplied: results as close to float32 products as the scalar kernels' (llama.cpp's matrix kernels round x to
+// float16 once; the products are cheap here, the weights' bytes are the cost). pagedvk/ops/linear.py
 // chooses it for float16 weights whose in_features is a multiple of 8 (a 16-byte chunk never straddles two rows),
 // on devices that list the multiply, with 32-lane subgroups.
 //
@@ -31,6 +34,7 @@ const uint OS = TILE / 4u + 1u;           // the output tile's row stride in vec
 layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
 
 shared f16vec4 xs[TILE * KS];             // [token][k]
+shared f16vec4 xs_lo[TILE * KS];          // [token][k]: float32 x's remainder (x - xs)
 shared f16vec4 ws[TILE * KS];             // [feature][k]
 shared vec4 ys[TILE * OS];                // [token][feature], the finished tile
 
@@ -63,7 +67,9 @@ void stage_step() {
     const uint tid = gl_LocalInvocationID.x;
     [[unroll]] for (uint q = 0u; q < X_QUADS; ++q) {
         const uint e = tid + 128u * q;
-        xs[(e / (BK / 4u)) * KS + e % (BK / 4u)] = f16vec4(x_regs[q]);
+        const f16vec4 hi = f16vec4(x_regs[q]);
+        xs[(e / (BK / 4u)) * KS + e % (BK / 4u)] = hi;
+        if (pc.x_type == T_F32) xs_lo[(e / (BK / 4u)) * KS + e % (BK / 4u)] = f16vec4(x_regs[q] - vec4(hi));
     }
     [[unroll]] for (uint q = 0u; q < W_CHUNKS; ++q) {
         const uint c = tid + 128u * q, at = (c / (BK / 8u)) * KS + 2u * (c % (BK / 8u));
@@ -97,6 +103,12 @@ void main() {
                 coopMatLoad(b[j], ws, (cols + 16u * j) * KS + 4u * kk, KS, gl_CooperativeMatrixLayoutColumnMajor);
             [[unroll]] for (uint i = 0u; i < 2u; ++i) [[unroll]] for (uint j = 0u; j < 2u; ++j)
                 acc[i][j] = coopMatMulAdd(a[i], b[j], acc[i][j]);
+            if (pc.x_type == T_F32) {
+                [[unroll]] for (uint i = 0u; i < 2u; ++i)
+                    coopMatLoad(a[i], xs_lo, (rows + 16u * i) * KS + 4u * kk, KS, gl_CooperativeMatrixLayoutRowMajor);
+                [[unroll]] for (uint i = 0u; i < 2u; ++i) [[unroll]] for (uint j = 0u; j < 2u; ++j)
+                    acc[i][j] = coopMatMulAdd(a[i], b[j], acc[i][j]);
+            }
         }
     }
     [[unroll]] for (uint i = 0u; i < 2u; ++i) [[unroll]] for (uint j = 0u; j < 2u; ++j)

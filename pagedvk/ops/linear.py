@@ -85,9 +85,10 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
         float32, float16 or bfloat16: written (rounded to nearest even) and returned. None allocates it, of x's dtype.
     kernel : {"auto", "gemv", "gemm", "coopmat", "gemv-cpu", "gemv-gpu"}, default "auto"
         "gemv" reads each weight once per 8 tokens (the decode's kernel), "gemm" tiles 64 tokens x 64 outputs
-        through shared memory (prefill's), "coopmat" tiles them likewise on cooperative matrices (float16 products,
-        x rounded to float16; GLSL, float16 weights, in_features a multiple of 8, devices with
-        VK_KHR_cooperative_matrix: `coopmat_unavailable` says why not); "auto" takes "gemv" up to 8 tokens
+        through shared memory (prefill's), "coopmat" tiles them likewise on cooperative matrices (float16 products
+        accumulated in float32, a float32 x as two float16 parts: float32's accuracy for |x| < 65504; GLSL, float16
+        weights, in_features a multiple of 8, devices with VK_KHR_cooperative_matrix: `coopmat_unavailable` says
+        why not); "auto" takes "gemv" up to 8 tokens
         (`linear_kernel`), beyond it "coopmat" where it can run, else "gemm". "gemv" runs in
         the device's shape (`linear_target`): shaders/linear_gemv_cpu.comp on CPU devices (lavapipe), where
         subgroup arithmetic (subgroups of at least 4) and the GLSL backend allow, else shaders/linear_gemv.comp;
