@@ -57,6 +57,13 @@ class DeviceArray(Owned):
         int64, int8 or uint8 (`DTYPES`).
     device : Device, DeviceInfo, int or str, optional
         None means the default device.
+    host_visible : bool, default False
+        Place it in host memory the device reads and writes (mapped): `write` and `numpy` are then a copy on the
+        host, with no transfer submitted, as CUDA's pinned host memory. For a step's small inputs and outputs
+        (token ids, positions, slots, block tables, sampled ids) rewritten every step: on a discrete GPU each
+        write of device-local memory is a staging copy and a wait (NVIDIA's H200: about 0.8 ms a step for the six
+        a model's decode step made). Kernels read it over the bus: not for anything large or read often. At most
+        one binding's bytes.
 
     Raises
     ------
@@ -68,7 +75,8 @@ class DeviceArray(Owned):
         The device's heap cannot give the array's bytes.
     """
 
-    def __init__(self, shape: int | tuple[int, ...], dtype: DTypeLike, device: DeviceLike = None) -> None:
+    def __init__(self, shape: int | tuple[int, ...], dtype: DTypeLike, device: DeviceLike = None, *,
+                 host_visible: bool = False) -> None:
         self.shape = _shape(shape)
         self.dtype = _dtype(dtype)
         nbytes = self.nbytes
@@ -89,10 +97,17 @@ class DeviceArray(Owned):
                     f"{self.device.info.name} can bind or allocate at once ({limit} bytes): split its first axis "
                     "finer")
             self.segment_rows = limit // row_bytes
+        if host_visible and nbytes > limit:
+            raise ValueError(f"a host-visible array is one binding: shape {self.shape} ({self.dtype}) is {nbytes} "
+                             f"bytes, more than {self.device.info.name} binds at once ({limit} bytes)")
         row_bytes = nbytes // rows if rows else 0
+        self._host_visible = bool(host_visible)
         self._buffers = []
         try:
-            for first in range(0, max(rows, 1), max(self.segment_rows, 1)):
+            if host_visible:
+                self._buffers.append(self.device.host_buffer(nbytes, name=(
+                    f"host array {self.shape} {np.dtype(self.dtype).name}" if self.device.debug_names else None)))
+            for first in range(0, max(rows, 1) if not host_visible else 0, max(self.segment_rows, 1)):
                 n = min(self.segment_rows, rows - first) if rows else 0
                 self._buffers.append(self.device.buffer(n * row_bytes if self.shape else nbytes, name=(
                     f"array {self.shape} {np.dtype(self.dtype).name}" if self.device.debug_names else None)))
@@ -102,6 +117,13 @@ class DeviceArray(Owned):
             raise
         self._address_table = None
         self._init_layout()
+
+    _host_visible = False   # arrays made by over_buffer and from_buffer wrap memory they do not choose
+
+    @property
+    def host_visible(self) -> bool:
+        """Whether it was made in mapped host memory (host_visible=True; a view: its base)."""
+        return (self._base if self._base is not None else self)._host_visible
 
     def _init_layout(self) -> None:
         """An array owning its layout: contiguous, starting at its buffer's first byte."""
@@ -542,7 +564,8 @@ def segment_limit(device) -> int:
 POISON_EMPTY = False
 
 
-def empty(shape: int | tuple[int, ...], dtype: DTypeLike = np.float32, device: DeviceLike = None) -> DeviceArray:
+def empty(shape: int | tuple[int, ...], dtype: DTypeLike = np.float32, device: DeviceLike = None, *,
+          host_visible: bool = False) -> DeviceArray:
     """An uninitialised device array.
 
     Parameters
@@ -552,12 +575,14 @@ def empty(shape: int | tuple[int, ...], dtype: DTypeLike = np.float32, device: D
         One of `DeviceArray`'s dtypes.
     device : Device, DeviceInfo, int or str, optional
         None means the default device.
+    host_visible : bool, default False
+        In mapped host memory (`DeviceArray`'s parameter): for small inputs rewritten every step.
 
     Returns
     -------
     DeviceArray
     """
-    a = DeviceArray(shape, dtype, device)
+    a = DeviceArray(shape, dtype, device, host_visible=host_visible)
     if POISON_EMPTY:
         for b in a.buffers:
             a.device.fill(b, 0xFFFFFFFF)

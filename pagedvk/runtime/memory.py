@@ -471,6 +471,13 @@ class DeviceMemory:
         with self.lock:
             self.require_open()
             self.host_access()
+            if all(dst.mapped is not None for dst, _ in targets):   # in place, as upload() does
+                for dst, regions in targets:
+                    memory = np.frombuffer(dst.mapped, np.uint8)
+                    for src_offset, dst_offset, nbytes in regions:
+                        start = dst.offset + dst_offset
+                        memory[start:start + nbytes] = data[src_offset:src_offset + nbytes]
+                return
             staging = self._staging_buffer(data.nbytes)
             np.frombuffer(staging.mapped, np.uint8)[:data.nbytes] = data
             self.copy_regions([(staging, dst, regions) for dst, regions in targets], "upload")
@@ -483,6 +490,13 @@ class DeviceMemory:
         with self.lock:
             self.require_open()
             self.host_access()
+            if all(src.mapped is not None for src, _ in sources):   # in place, as download() does
+                out = np.empty(nbytes, np.uint8)
+                for src, regions in sources:
+                    memory = np.frombuffer(src.mapped, np.uint8)
+                    for src_offset, offset, n in regions:
+                        out[offset:offset + n] = memory[src.offset + src_offset:src.offset + src_offset + n]
+                return out
             staging = self._staging_buffer(nbytes)
             self.copy_regions([(src, staging, regions) for src, regions in sources], "download")
             return np.frombuffer(staging.mapped, np.uint8)[:nbytes].copy()
