@@ -156,14 +156,27 @@ class LLMEngine:
             A bad argument, named; nothing is queued then.
         """
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         try:
             in_use = request_id in self._requests
         except TypeError:
             raise TypeError(f"request_id must be hashable, got {type(request_id).__name__}") from None
         if in_use:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        prompt = self.check_request(prompt_token_ids, params)
+        seed = int(self._rng.integers(0, 1 << 63)) if params.seed is None else params.seed
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        req = _Request(request_id, prompt, params, seed, self._arrivals, stops)
+        req.samples.append(_Sample(0, (request_id, 0)))
+        self._arrivals += 1
+        self._requests[request_id] = req
+        self.waiting.append(req)
+
+    def check_request(self, prompt_token_ids, params: SamplingParams) -> list[int]:
+        """add_request's checks of a prompt and its params (ValueError or TypeError naming the argument); returns the
+        prompt as a list of ints. It reads only the runner's and the cache's sizes, never what a step changes, so a
+        server's request threads may call it while the engine steps."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         r = self.runner
         prompt = check_prompt("prompt_token_ids", prompt_token_ids, r.config.vocab_size, r.max_context,
                               params.max_tokens, "max_tokens").tolist()
@@ -180,13 +193,7 @@ class LLMEngine:
             raise ValueError(f"n ({params.n}) samples of max_tokens {params.max_tokens} after prompt_token_ids "
                              f"({len(prompt)} tokens) need {alone} blocks, more than the cache's "
                              f"{self.blocks.num_blocks}")
-        seed = int(self._rng.integers(0, 1 << 63)) if params.seed is None else params.seed
-        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        req = _Request(request_id, prompt, params, seed, self._arrivals, stops)
-        req.samples.append(_Sample(0, (request_id, 0)))
-        self._arrivals += 1
-        self._requests[request_id] = req
-        self.waiting.append(req)
+        return prompt
 
     def abort(self, request_id) -> bool:
         """Drop a request wherever it is (waiting, running or swapped out), freeing its blocks; False where there is
