@@ -83,7 +83,7 @@ def create_app(worker: EngineWorker, model_name: str) -> FastAPI:
                                    f"{len(ids) + limit}", limit_field, code="context_length_exceeded")
         try:
             params = SamplingParams(max_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                    n=body.n)
+                                    n=body.n, ignore_eos=body.ignore_eos)
             worker.check(ids, params)
         except (ValueError, TypeError) as e:   # the messages start with the argument's name
             name = str(e).split(" ", 1)[0].split("[", 1)[0]

@@ -171,6 +171,25 @@ def test_stop_strings_end_the_text_before_them(tiny, server):
     assert not server.engine.has_unfinished_requests()
 
 
+def test_an_end_of_sequence_token_ends_the_text_unless_ignored(tiny, server):
+    _, model, want = tiny
+    tok = model.tokenizer
+    ids = tok.encode(" the and")
+    tokens = reference.greedy(want, ids, 8, np.float16)
+    eos = tokens[3]
+    cut = tokens[:tokens.index(eos)]
+    kept = server.engine.eos_token_ids
+    server.engine.eos_token_ids = frozenset({eos})     # as a model whose end-of-sequence token it were
+    try:
+        stopped = server.post("/v1/completions", prompt=ids, max_tokens=8, temperature=0).json()
+        ignored = server.post("/v1/completions", prompt=ids, max_tokens=8, temperature=0, ignore_eos=True).json()
+    finally:
+        server.engine.eos_token_ids = kept
+    assert (stopped["choices"][0]["text"], stopped["choices"][0]["finish_reason"]) == (tok.decode(cut), "stop")
+    assert stopped["usage"]["completion_tokens"] == len(cut) + 1   # the end-of-sequence token counts, unshown
+    assert (ignored["choices"][0]["text"], ignored["choices"][0]["finish_reason"]) == (tok.decode(tokens), "length")
+
+
 def test_sample_text_holds_back_what_may_begin_a_stop_string(tiny):
     tok = tiny[1].tokenizer
     ids = lambda text: tok.encode(text)
