@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ops import checks
+from .batch import StepBatch, check_prompt, draw_seed
 from .params import RequestOutput, SampleOutput, SamplingParams
-from .runner import ModelRunner, StepBatch, check_prompt, draw_seed
 
 DEFAULT_TOKEN_BUDGET = 512   # tokens a step computes at most, by default (vLLM's chunked-prefill budget is 512-8192)
 GREEDY_BELOW = 1e-5          # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
@@ -111,8 +111,9 @@ class LLMEngine:
     ...         print(out.request_id, out.outputs[0].new_token_ids, out.finished)
     """
 
-    def __init__(self, runner: ModelRunner, *, max_num_batched_tokens: int | None = None) -> None:
-        if not isinstance(runner, ModelRunner):
+    def __init__(self, runner, *, max_num_batched_tokens: int | None = None) -> None:
+        # Not imported: pagedvk.models.runner builds its `generate` on this module.
+        if not all(hasattr(runner, a) for a in ("execute", "cache", "max_batch", "max_blocks", "model")):
             raise TypeError(f"runner must be a ModelRunner, got {type(runner).__name__}")
         self.runner, self.blocks = runner, runner.cache.blocks
         self.max_batch = runner.max_batch

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 from ..dtypes import FLOAT32_MAX
 from ..ops import checks
-
-UINT64 = (1 << 64) - 1
+from .batch import UINT64
 
 
 @dataclass(frozen=True)

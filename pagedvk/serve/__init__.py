@@ -1,4 +1,4 @@
-"""`pagedvk serve`: an OpenAI-compatible HTTP server (FastAPI and uvicorn, the `serve` extra) over an LLMEngine that
+"""Layer 8, `pagedvk serve`: an OpenAI-compatible HTTP server (FastAPI and uvicorn, the `serve` extra) over an LLMEngine that
 steps in a thread of its own (worker), the endpoints and their shapes (app, protocol), and a sample's text with stop
 strings (text).
 
