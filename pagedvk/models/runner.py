@@ -1,5 +1,7 @@
-"""A Llama-family model run on the device over a KVCache: prefill of the prompts, then decode steps, each step one
-recorded submission. The host hands in token ids and reads back the sampled ids, nothing else.
+"""A Llama-family model run on the device over a KVCache. The host hands in a step's rows (token ids, positions, cache
+slots, block tables, which rows to sample and how) and reads back the sampled ids, nothing else; which rows a step
+holds is the engine's choice (pagedvk.models.engine: continuous batching, chunked prefill, prefix caching, forks,
+swapping), and `generate` is a static batch over that engine.
 
 Weights go to the device once, as float16 (or the model's dtype): the query, key and value projections fused into one
 [q + k + v, hidden] matrix (one linear; the cache write, the rotary embedding and the attention read its column
@@ -7,20 +9,22 @@ slices where they lie), the gate and up projections into one [2 * intermediate, 
 silu_and_mul). Activations are float32: the ops compute in float32 anyway, and a float16 residual stream would round
 each layer's sum.
 
-A step over n tokens (prefill: every prompt token; decode: one per sequence):
+A step over n rows (prompt tokens, prompt chunks after cached tokens, one token per decoding sequence):
 
     residual = embedding(ids)
     per layer:  x = rms_norm(residual) (the first) or fused_add_rms_norm(x, residual) (the others: residual += x)
                 qkv = linear(x, w_qkv) (+ bias); rotary_embedding(q, k); cache.write(k, v, slots)
-                attn = attention(q, cache)            prefill: a PrefillPlan (queued); decode: a DecodePlan (recorded)
+                attn = attention(q, cache)            a PrefillPlan (ragged, queued) or a DecodePlan (recorded)
                 x = linear(attn, w_o); fused_add_rms_norm(x, residual)
                 x = linear(silu_and_mul(linear(x, w_gate_up)), w_down)
     x = fused_add_rms_norm(x, residual)               the output norm
-    ids = sample(linear(x[last rows], lm_head))        decode's ids: the next step's input, on the device
+    ids = sample(linear(x[sampled rows], lm_head))    per row its temperature, top_p and seed
 
-Prefill is queued op by op: `PrefillPlan.run` cannot be recorded (pagedvk.record refuses it), and a prompt is
-prefilled once. Decode records its ops once per batch and replays them each step, positions, slots, block tables and
-lengths written in place; the sampled ids written by one replay are the next replay's input ids.
+A step with any prompt rows runs the ragged forward op by op (`PrefillPlan.run` cannot be recorded; decode rows are
+its q_len 1 sequences, which the prefill op hands to the decode kernel), and gathers the rows to sample (the
+embedding op is a row gather: a prompt's last row, once per sample to draw from it). A step of decode rows only
+replays a step recorded once for its batch size and kept (CUDA graphs are captured per batch size), its tables,
+lengths, positions, slots and sampling settings written in place.
 """
 
 from __future__ import annotations
@@ -41,10 +45,13 @@ from ..runtime.array import DeviceArray, asarray, empty
 from ..runtime.owned import Owned
 from ..runtime.recording import record
 from ..runtime.selection import DeviceLike, get_device
-from .llama import Model
+from .batch import UINT64, StepBatch, check_prompt, draw_seed
+from .engine import LLMEngine
+from .llama import Model, ModelConfig
+from .params import SamplingParams
 
 ACTIVATIONS = np.float32
-UINT64 = (1 << 64) - 1
+PREFILL_PLANS_KEPT = 16   # ragged plans kept, one per number of sequences in a step (updated in place)
 
 
 @dataclass
@@ -59,65 +66,90 @@ class LayerWeights:
 
 
 class Activations(Owned):
-    """One step's device arrays for n tokens, with the views the ops read in place."""
+    """A step's device arrays for n tokens, with the views the ops read in place: arrays of their own, or views of
+    the first n rows of a larger Activations (`rows`), so that steps of any size up to its capacity allocate
+    nothing."""
 
-    def __init__(self, model: Model, n: int, device) -> None:
-        c = model.config
+    FIELDS = ("ids", "positions", "slots", "residual", "x", "qkv", "attn", "gate_up", "act")
+
+    def __init__(self, config: ModelConfig, n: int, device=None, *, base: Activations | None = None) -> None:
+        c = self.config = config
         self.n = n
-        self.ids, self.positions, self.slots = (empty(n, np.int32, device) for _ in range(3))
-        self.residual = empty((n, c.hidden_size), ACTIVATIONS, device)
-        self.x = empty((n, c.hidden_size), ACTIVATIONS, device)
-        self.qkv = empty((n, c.q_size + 2 * c.kv_size), ACTIVATIONS, device)
-        self.attn = empty((n, c.q_size), ACTIVATIONS, device)
-        self.gate_up = empty((n, 2 * c.intermediate_size), ACTIVATIONS, device)
-        self.act = empty((n, c.intermediate_size), ACTIVATIONS, device)
+        if base is None:
+            widths = {"residual": c.hidden_size, "x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size,
+                      "attn": c.q_size, "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size}
+            for name in self.FIELDS:
+                setattr(self, name, empty((n, widths[name]) if name in widths else n,
+                                          ACTIVATIONS if name in widths else np.int32, device))
+        else:
+            for name in self.FIELDS:
+                setattr(self, name, getattr(base, name)[:n])
+        self._owns = base is None
         q_end, k_end = c.q_size, c.q_size + c.kv_size
         self.q, self.k = self.qkv[:, :q_end], self.qkv[:, q_end:k_end]          # [n, heads * head_size] views
         self.q_heads = self.q.reshape(n, c.num_heads, c.head_size)
         self.k_heads = self.k.reshape(n, c.num_kv_heads, c.head_size)
         self.v_heads = self.qkv[:, k_end:].reshape(n, c.num_kv_heads, c.head_size)
         self.attn_heads = self.attn.reshape(n, c.num_heads, c.head_size)
-        self._owned = [self.ids, self.positions, self.slots, self.residual, self.x, self.qkv, self.attn,
-                       self.gate_up, self.act]
+
+    def rows(self, n: int) -> Activations:
+        """Views of the first n rows (n <= this one's)."""
+        return Activations(self.config, n, base=self)
 
     @property
     def closed(self) -> bool:
-        return all(a.closed for a in self._owned)
+        return all(getattr(self, name).closed for name in self.FIELDS)
 
     def close(self) -> None:
-        for a in self._owned:
-            a.close()
+        if self._owns:
+            for name in self.FIELDS:
+                getattr(self, name).close()
 
 
 class Sampler(Owned):
-    """The decode batch's logits and per-row sampling settings, on the device: `sample` reads them in the recorded
-    step, and a new seed per row and step is written in place (the draw's offset is a push constant, fixed when
-    recorded)."""
+    """The sampled rows' hidden states, logits and per-row sampling settings, on the device, for up to `capacity`
+    rows: `rows(r)` views the first r. `sample` reads the settings from the device (in a recorded step too), so a
+    step writes them in place: each row's seed is its own key (a request's seed mixed with the sample and the
+    token's index), so that a request's draws do not depend on its place in the batch."""
 
-    def __init__(self, batch: int, vocab: int, temperature: float, top_p: float, seed: int, device) -> None:
-        self.seed = seed
-        self.logits = empty((batch, vocab), np.float32, device)
-        self.temperature = asarray(np.full(batch, temperature, np.float32), device=device)
-        self.top_p = asarray(np.full(batch, top_p, np.float32), device=device)
-        self.seeds = empty(batch, np.int64, device)
+    FIELDS = ("gather", "x", "logits", "temperature", "top_p", "seeds", "ids")
 
-    def set_step(self, step: int) -> None:
-        mixed = [((self.seed & UINT64) * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + row) & UINT64
-                 for row in range(self.seeds.shape[0])]
-        self.seeds.write(np.array(mixed, np.uint64).view(np.int64))
+    def __init__(self, config: ModelConfig, capacity: int, device=None, *, base: Sampler | None = None) -> None:
+        self.config, self.n = config, capacity
+        if base is None:
+            shapes = {"gather": (capacity, np.int32), "x": ((capacity, config.hidden_size), ACTIVATIONS),
+                      "logits": ((capacity, config.vocab_size), np.float32), "temperature": (capacity, np.float32),
+                      "top_p": (capacity, np.float32), "seeds": (capacity, np.int64), "ids": (capacity, np.int32)}
+            for name in self.FIELDS:
+                setattr(self, name, empty(*shapes[name], device))
+        else:
+            for name in self.FIELDS:
+                setattr(self, name, getattr(base, name)[:capacity])
+        self._owns = base is None
+
+    def rows(self, r: int) -> Sampler:
+        return Sampler(self.config, r, base=self)
+
+    def write(self, batch: StepBatch) -> None:
+        """The draws' settings (and the rows to gather) of a step."""
+        self.gather.write(np.asarray(batch.sample_rows, np.int32))
+        self.temperature.write(np.asarray(batch.temperature, np.float32))
+        self.top_p.write(np.asarray(batch.top_p, np.float32))
+        self.seeds.write(np.asarray(batch.seeds, np.uint64).view(np.int64))
 
     @property
     def closed(self) -> bool:
-        return self.logits.closed
+        return all(getattr(self, name).closed for name in self.FIELDS)
 
     def close(self) -> None:
-        for a in (self.logits, self.temperature, self.top_p, self.seeds):
-            a.close()
+        if self._owns:
+            for name in self.FIELDS:
+                getattr(self, name).close()
 
 
 class ModelRunner(Owned):
-    """Generates with a `Model` on a device: its weights uploaded once, a KVCache for max_batch sequences of up to
-    max_context tokens.
+    """A `Model` on a device: its weights uploaded once, a KVCache, and the forward of a step's rows (`execute`).
+    `generate` runs a static batch of prompts; `pagedvk.models.engine.LLMEngine` serves a stream of requests.
 
     Parameters
     ----------
@@ -126,11 +158,18 @@ class ModelRunner(Owned):
     cache_dtype : numpy dtype, default float16
         The KV cache's type: float16 or float32 (any `KVCache` dtype: bfloat16, fp8 with unit scales).
     max_context : int, optional
-        Tokens per sequence, prompt and generated together; None means the model's context_length. Sizes the cache
-        (max_batch sequences of this many tokens) and the rotary table.
+        Tokens per sequence, prompt and generated together; None means the model's context_length. Sizes the block
+        tables and the rotary table.
     max_batch : int, default 1
-        Sequences generated together.
+        Sequences (samples) in a step, and rows sampled in a step.
     block_size : int, default 16
+    num_blocks : int, optional
+        The cache's blocks; None means max_batch sequences of max_context tokens (then nothing is ever preempted).
+    num_host_blocks : int, default 0
+        Host blocks that preempted sequences swap to (an engine over fewer than the default num_blocks needs
+        max_batch sequences' worth: see LLMEngine).
+    prefix_caching : bool, default True
+        Share full prompt blocks by their token-prefix hash.
     device : Device, DeviceInfo, int or str, optional
         None means the default device.
     backend : {"glsl", "wgsl"}, optional
@@ -145,7 +184,8 @@ class ModelRunner(Owned):
     """
 
     def __init__(self, model: Model, *, cache_dtype=np.float16, max_context: int | None = None, max_batch: int = 1,
-                 block_size: int = 16, device: DeviceLike = None, backend: str | None = None) -> None:
+                 block_size: int = 16, num_blocks: int | None = None, num_host_blocks: int = 0,
+                 prefix_caching: bool = True, device: DeviceLike = None, backend: str | None = None) -> None:
         self._closed = True
         c = self.config = model.config
         self.model = model
@@ -154,17 +194,24 @@ class ModelRunner(Owned):
         self.max_batch = checks.integer("max_batch", max_batch, 1)
         self.device, self.backend = get_device(device), backend
         self.max_blocks = math.ceil(self.max_context / checks.integer("block_size", block_size, 1))
+        num_blocks = self.max_batch * self.max_blocks if num_blocks is None else checks.integer(
+            "num_blocks", num_blocks, self.max_blocks)   # one sequence of max_context tokens at least
         self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_size, block_size=block_size, dtype=cache_dtype,
-                             num_blocks=self.max_batch * self.max_blocks, prefix_caching=False, device=self.device,
-                             backend=backend)
+                             num_blocks=num_blocks, num_host_blocks=num_host_blocks,
+                             prefix_caching=prefix_caching, device=self.device, backend=backend)
         self._closed, self._uploaded = False, []
+        self._decode_steps = {}    # batch size -> (RecordedStep, DecodePlan, Activations rows, Sampler rows)
+        self._prefill_plans = {}   # number of sequences -> PrefillPlan, updated step to step
+        self._ragged = None        # Activations of the ragged steps, grown to the largest step so far
         try:
             self._upload_weights(model)
+            self._decode = Activations(c, self.max_batch, self.device)   # the recorded steps' rows
+            self._sampler = Sampler(c, self.max_batch, self.device)
         except BaseException:
             self.close()   # what was uploaded so far, and the cache
             raise
-        self.logits = None        # the last step's logits [batch, vocab] (a DeviceArray), while generate runs
-        self.decode_step = None   # the recorded decode step (a RecordedStep) generate replays, while it runs
+        self.logits = None        # the last step's logits [sampled rows, vocab] (a DeviceArray view)
+        self.decode_step = None   # the RecordedStep the last step replayed (None: a ragged step)
 
     def _upload_weights(self, model: Model) -> None:
         c = self.config
@@ -188,7 +235,7 @@ class ModelRunner(Owned):
                 down=upload(model.layer(i, "ffn_down"))))
         self.cos_sin = upload(rope_cos_sin_cache(self.max_context, c.rope_dim, c.rope_theta))
 
-    # -- the forward, shared by prefill and decode ---------------------------------------------------------------
+    # -- the forward -----------------------------------------------------------------------------------------------
 
     def _layers(self, a: Activations, attention) -> None:
         """Every layer over a's tokens, then the output norm: a.x holds the normalized final hidden states.
@@ -212,17 +259,95 @@ class ModelRunner(Owned):
             linear(a.act, w.down, out=a.x, backend=backend)
         fused_add_rms_norm(a.x, a.residual, self.output_norm, c.rms_eps, backend=backend)
 
-    def _head(self, a: Activations, sampler: Sampler) -> None:
-        """The logits of a's tokens and one sampled id each, written into a.ids (the next decode step's input)."""
-        linear(a.x, self.lm_head, out=sampler.logits, backend=self.backend)
-        sample(sampler.logits, sampler.temperature, top_p=sampler.top_p, seed=sampler.seeds, out=a.ids,
-               backend=self.backend, validate=False)
+    def _head(self, x: DeviceArray, s: Sampler) -> None:
+        """The logits of x's rows and one sampled id each, into s.logits and s.ids."""
+        linear(x, self.lm_head, out=s.logits, backend=self.backend)
+        sample(s.logits, s.temperature, top_p=s.top_p, seed=s.seeds, out=s.ids, backend=self.backend,
+               validate=False)
+
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        """Run one step's rows through the model and sample: returns the sampled ids, int32 [len(sample_rows)].
+
+        The engine's tables are trusted (it made them with the cache's BlockManager); `self.logits` then holds the
+        sampled rows' logits and `self.decode_step` the RecordedStep replayed (None for a ragged step)."""
+        self._require_open()
+        r = len(batch.sample_rows)
+        if r > self.max_batch:
+            raise ValueError(f"batch samples {r} rows, more than max_batch ({self.max_batch})")
+        s = self._sampler.rows(r)
+        if r:
+            s.write(batch)
+        if batch.decode_only:
+            self.decode_step = self._replay_decode(batch, s)
+        else:
+            self.decode_step = None
+            self._run_ragged(batch, s)
+        self.logits = s.logits
+        return s.ids.numpy() if r else np.zeros(0, np.int32)
+
+    @staticmethod
+    def _write_rows(a: Activations, batch: StepBatch) -> None:
+        a.ids.write(np.asarray(batch.ids, np.int32))
+        a.positions.write(np.asarray(batch.positions, np.int32))
+        a.slots.write(np.asarray(batch.slots, np.int32))
+
+    def _run_ragged(self, batch: StepBatch, s: Sampler) -> None:
+        """Prompt rows (and decode rows beside them): one ragged forward, queued op by op, then the sampled rows
+        gathered out of it (the embedding op is a row gather) for the head."""
+        n = len(batch.ids)
+        if self._ragged is None or self._ragged.n < n:
+            if self._ragged is not None:
+                self._ragged.close()
+            self._ragged = None
+            self._ragged = Activations(self.config, 1 << (n - 1).bit_length(), self.device)   # doubling
+        a = self._ragged.rows(n)
+        self._write_rows(a, batch)
+        plan = self._prefill_plans.pop(len(batch.seq_lens), None)
+        if plan is None:
+            plan = self.cache.prefill_plan(batch.block_tables, batch.seq_lens, batch.query_start_loc)
+        else:
+            plan.update(batch.block_tables, batch.seq_lens, batch.query_start_loc)
+        self._prefill_plans[len(batch.seq_lens)] = plan   # the most recent last
+        while len(self._prefill_plans) > PREFILL_PLANS_KEPT:
+            self._prefill_plans.pop(next(iter(self._prefill_plans))).close()
+        key, value = self.cache.key, self.cache.value
+        self._layers(a, lambda layer, q, out: plan.run(q, key[layer], value[layer], out=out))
+        if s.n:
+            embedding(s.gather, a.x, out=s.x, backend=self.backend, validate=False)
+            self._head(s.x, s)
+
+    def _replay_decode(self, batch: StepBatch, s: Sampler):
+        """Decode rows only: the step recorded for this batch size (recorded at its first use and kept), its
+        plan's tables and the rows' inputs updated in place, replayed in one submission."""
+        b = len(batch.ids)
+        kept = self._decode_steps.get(b)
+        a = kept[2] if kept else self._decode.rows(b)
+        self._write_rows(a, batch)
+        if kept is None:
+            plan = self.cache.decode_plan(batch.block_tables, batch.seq_lens, num_heads=self.config.num_heads,
+                                          query_dtype=ACTIVATIONS)
+            key, value = self.cache.key, self.cache.value
+            try:
+                with record(self.device) as step:
+                    self._layers(a, lambda layer, q, out: plan.run(q, key[layer], value[layer], out=out))
+                    self._head(a.x, s)
+            except BaseException:
+                plan.close()
+                raise
+            kept = self._decode_steps[b] = (step, plan, a, s)
+        else:
+            # The plan re-records the step where its kernel or split changes (its generation); else the replay
+            # binds the same buffers with the new tables.
+            kept[1].update(batch.block_tables, batch.seq_lens, max_seq_len=int(np.max(batch.seq_lens)))
+        kept[0].replay()
+        return kept[0]
 
     # -- generation ----------------------------------------------------------------------------------------------
 
     def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_ids=()):
-        """Generate a continuation of each prompt, a step at a time.
+        """Generate a continuation of each prompt, a step at a time: a static batch served by an LLMEngine over
+        this runner (every prompt prefilled in the first step, then one token per sequence a step).
 
         Parameters
         ----------
@@ -246,100 +371,43 @@ class ModelRunner(Owned):
             and, from the second step, `self.decode_step` the RecordedStep each decode step replays.
         """
         self._require_open()
-        prompts = self._check_prompts(prompts, max_new_tokens)
-        checks.integer("seed", seed, -(1 << 63), UINT64)
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        batch, blocks = len(prompts), self.cache.blocks
-        sampler = Sampler(batch, self.config.vocab_size, temperature, top_p, seed, self.device)
-        decode = Activations(self.model, batch, self.device)
-        owned, rows = [sampler, decode], []
-        stops, done = {int(s) for s in stop_ids}, np.zeros(batch, bool)
-        try:
-            slots = []
-            for row, prompt in enumerate(prompts):
-                slots.append(blocks.add_sequence(row, prompt).slots)
-                rows.append(row)
-            self.logits = sampler.logits
-            tokens = self._prefill(prompts, slots, decode, sampler, owned)
-            for step in range(1, max_new_tokens + 1):
-                yield tokens
-                done |= np.isin(tokens, list(stops))
-                if step == max_new_tokens or done.all():
-                    break
-                tokens = self._decode(tokens, step, decode, sampler, owned)
-        finally:
-            self.logits, self.decode_step = None, None
-            for row in rows:
-                blocks.free(row)
-            for o in reversed(owned):
-                o.close()
-
-    def _check_prompts(self, prompts, max_new_tokens: int) -> list[np.ndarray]:
         max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not 1 <= len(prompts) <= \
                 self.max_batch:
             raise ValueError(f"prompts must be a list of 1 to max_batch ({self.max_batch}) lists of token ids, got "
                              f"{type(prompts).__name__}" + (f" of {len(prompts)}" if hasattr(prompts, "__len__") else ""))
-        checked = []
-        for i, p in enumerate(prompts):
-            p = np.asarray(p)
-            if p.ndim != 1 or not len(p) or p.dtype.kind not in "iu":
-                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p.tolist()!r:.60}")
-            if p.min() < 0 or p.max() >= self.config.vocab_size:
-                raise ValueError(f"prompts[{i}] holds token ids outside [0, {self.config.vocab_size}) (the vocabulary)")
-            if len(p) + max_new_tokens > self.max_context:
-                raise ValueError(f"prompts[{i}] has {len(p)} tokens: with max_new_tokens {max_new_tokens} that is "
-                                 f"longer than max_context ({self.max_context} tokens)")
-            checked.append(p.astype(np.int32))
-        return checked
-
-    def _prefill(self, prompts, slots, decode: Activations, sampler: Sampler, owned: list) -> np.ndarray:
-        """Every prompt's tokens through the model in one ragged batch (queued ops), then the first token of each."""
-        lens = [len(p) for p in prompts]
-        a = Activations(self.model, sum(lens), self.device)
-        owned.append(a)
-        a.ids.write(np.concatenate(prompts))
-        a.positions.write(np.concatenate([np.arange(n, dtype=np.int32) for n in lens]))
-        a.slots.write(np.concatenate(slots).astype(np.int32))
-        starts = np.cumsum([0] + lens).astype(np.int32)
-        tables, seq_lens = self.cache.blocks.block_tables(range(len(prompts)), self.max_blocks)
-        plan = self.cache.prefill_plan(tables, seq_lens, starts)
-        owned.append(plan)
-        self._layers(a, lambda layer, q, out: plan.run(q, self.cache.key[layer], self.cache.value[layer], out=out))
-        # Each prompt's last row, gathered into the decode batch's rows: the embedding op is a row gather.
-        last_rows = asarray(starts[1:] - 1, device=self.device)
-        owned.append(last_rows)
-        embedding(last_rows, a.x, out=decode.x, backend=self.backend, validate=False)
-        sampler.set_step(0)
-        self._head(decode, sampler)
-        return decode.ids.numpy()
-
-    def _decode(self, tokens, step: int, a: Activations, sampler: Sampler, owned: list) -> np.ndarray:
-        """One decode step: the tokens just sampled (already in a.ids on the device) appended to their sequences."""
-        blocks = self.cache.blocks
-        slots = [blocks.append_tokens(row, [int(t)]).slots for row, t in enumerate(tokens)]
-        tables, seq_lens = blocks.block_tables(range(len(tokens)), self.max_blocks)
-        a.positions.write(seq_lens - 1)
-        a.slots.write(np.concatenate(slots).astype(np.int32))
-        sampler.set_step(step)
-        if step == 1:
-            # One recording for the whole generation: every later step updates the plan's tables in place (the
-            # plan re-records the step where its kernel or split changes) and replays it.
-            self._plan = plan = self.cache.decode_plan(tables, seq_lens, num_heads=self.config.num_heads,
-                                                       query_dtype=ACTIVATIONS)
-            owned.append(plan)
-            with record(self.device) as self.decode_step:
-                self._layers(a, lambda layer, q, out: plan.run(q, self.cache.key[layer], self.cache.value[layer],
-                                                               out=out))
-                self._head(a, sampler)
-            owned.append(self.decode_step)
-        else:
-            self._plan.update(tables, seq_lens, max_seq_len=int(seq_lens.max()))
-        self.decode_step.replay()
-        return a.ids.numpy()
+        prompts = [check_prompt(f"prompts[{i}]", p, self.config.vocab_size, self.max_context, max_new_tokens,
+                                "max_new_tokens") for i, p in enumerate(prompts)]
+        checks.integer("seed", seed, -(1 << 63), UINT64)
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        # Every prompt in the first step: a budget of all their tokens.
+        engine = LLMEngine(self, max_num_batched_tokens=max(sum(map(len, prompts)), self.max_batch))
+        for row, prompt in enumerate(prompts):
+            # Each row its own key, as the same prompt twice draws differently; ignore_eos: `stop_ids` are the
+            # caller's, who gets every sequence's tokens until all have stopped.
+            engine.add_request(row, prompt, SamplingParams(
+                max_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
+                seed=draw_seed(seed, row, 0), ignore_eos=True))
+        stops, done = {int(s) for s in stop_ids}, np.zeros(len(prompts), bool)
+        got, step = [[] for _ in prompts], 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    got[out.request_id] += out.outputs[0].new_token_ids
+                while step < max_new_tokens and all(len(g) > step for g in got):
+                    tokens = np.array([g[step] for g in got], np.int32)
+                    step += 1
+                    yield tokens
+                    done |= np.isin(tokens, list(stops))
+                    if done.all():
+                        return
+        finally:
+            self.logits, self.decode_step = None, None
+            for row in range(len(prompts)):
+                engine.abort(row)   # what is still running frees its blocks
 
     # -- lifetime ------------------------------------------------------------------------------------------------
 
@@ -352,10 +420,19 @@ class ModelRunner(Owned):
         return self._closed
 
     def close(self) -> None:
-        """Free the weights and the cache; safe to call twice."""
+        """Free the weights, the cache, the recorded steps and their plans; safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        for step, plan, _, _ in self._decode_steps.values():
+            step.close()
+            plan.close()
+        for plan in self._prefill_plans.values():
+            plan.close()
+        self._decode_steps, self._prefill_plans = {}, {}
+        for owned in (self._ragged, getattr(self, "_decode", None), getattr(self, "_sampler", None)):
+            if owned is not None:
+                owned.close()
         for a in self._uploaded:
             a.close()
         self.cache.close()

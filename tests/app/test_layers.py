@@ -27,6 +27,7 @@ LAYERS = (
     ("testing",),
     ("models",),
     ("demo",),
+    ("serve",),
     ("cli", ""),
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -54,6 +54,23 @@ def test_prefix_hit_shares_full_blocks_but_not_the_last_token():
     assert m.stats["prefix_hit_blocks"] == 3
 
 
+def test_cached_prefix_tells_what_add_sequence_would_share():
+    m = BlockManager(8, 2)
+    m.add_sequence(0, [1, 2, 3, 4, 5])
+    free = m.num_free_blocks
+    assert m.cached_prefix([1, 2, 3, 4, 9, 9]) == (4, 0)   # two blocks in use by sequence 0: none taken from free
+    assert m.cached_prefix([1, 2, 3, 4]) == (2, 0)         # not the block holding the last token
+    assert m.cached_prefix([1, 2]) == (0, 0) and m.cached_prefix([7, 2, 3]) == (0, 0)
+    assert m.num_free_blocks == free and m.stats["prefix_hit_blocks"] == 0   # a query: nothing taken or counted
+    m.free(0)                                              # its full blocks stay cached, now free
+    assert m.cached_prefix([1, 2, 3, 4, 9]) == (4, 2)
+    # the two free hits and one new block: as many as sequence 0 held
+    assert m.add_sequence(1, [1, 2, 3, 4, 9]).num_cached == 4 and m.num_free_blocks == free
+    assert BlockManager(8, 2, prefix_caching=False).cached_prefix([1, 2, 3]) == (0, 0)
+    with pytest.raises(ValueError, match="tokens must hold at least 1 token"):
+        m.cached_prefix([])
+
+
 def test_freed_blocks_stay_cached_until_evicted_lru():
     m = BlockManager(4, 2)
     m.add_sequence(0, [1, 2, 3])
