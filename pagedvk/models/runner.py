@@ -78,9 +78,9 @@ class Activations(Owned):
         if base is None:
             widths = {"residual": c.hidden_size, "x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size,
                       "attn": c.q_size, "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size}
-            for name in self.FIELDS:
-                setattr(self, name, empty((n, widths[name]) if name in widths else n,
-                                          ACTIVATIONS if name in widths else np.int32, device))
+            for name in self.FIELDS:   # the host's per-step inputs in mapped memory: written with no transfer
+                setattr(self, name, empty((n, widths[name]), ACTIVATIONS, device) if name in widths
+                        else empty(n, np.int32, device, host_visible=True))
         else:
             for name in self.FIELDS:
                 setattr(self, name, getattr(base, name)[:n])
@@ -120,8 +120,8 @@ class Sampler(Owned):
             shapes = {"gather": (capacity, np.int32), "x": ((capacity, config.hidden_size), ACTIVATIONS),
                       "logits": ((capacity, config.vocab_size), np.float32), "temperature": (capacity, np.float32),
                       "top_p": (capacity, np.float32), "seeds": (capacity, np.int64), "ids": (capacity, np.int32)}
-            for name in self.FIELDS:
-                setattr(self, name, empty(*shapes[name], device))
+            for name in self.FIELDS:   # the host writes the settings and reads the ids: mapped, no transfers
+                setattr(self, name, empty(*shapes[name], device, host_visible=name not in ("x", "logits")))
         else:
             for name in self.FIELDS:
                 setattr(self, name, getattr(base, name)[:capacity])
@@ -201,6 +201,7 @@ class ModelRunner(Owned):
                              prefix_caching=prefix_caching, device=self.device, backend=backend)
         self._closed, self._uploaded = False, []
         self._decode_steps = {}    # batch size -> (RecordedStep, DecodePlan, Activations rows, Sampler rows)
+        self._step_tables = []     # the recorded steps' plans' tables and lengths (mapped), the runner's to free
         self._prefill_plans = {}   # number of sequences -> PrefillPlan, updated step to step
         self._ragged = None        # Activations of the ragged steps, grown to the largest step so far
         try:
@@ -324,8 +325,13 @@ class ModelRunner(Owned):
         a = kept[2] if kept else self._decode.rows(b)
         self._write_rows(a, batch)
         if kept is None:
-            plan = self.cache.decode_plan(batch.block_tables, batch.seq_lens, num_heads=self.config.num_heads,
-                                          query_dtype=ACTIVATIONS)
+            # The plan binds the step's own tables, in mapped memory: each step rewrites them with no transfer.
+            tables = empty(batch.block_tables.shape, np.int32, self.device, host_visible=True)
+            seq_lens = empty(len(batch.seq_lens), np.int32, self.device, host_visible=True)
+            tables.write(batch.block_tables)
+            seq_lens.write(np.asarray(batch.seq_lens, np.int32))
+            plan = self.cache.decode_plan(tables, seq_lens, num_heads=self.config.num_heads, query_dtype=ACTIVATIONS)
+            self._step_tables.append((tables, seq_lens))
             key, value = self.cache.key, self.cache.value
             try:
                 with record(self.device) as step:
@@ -338,7 +344,10 @@ class ModelRunner(Owned):
         else:
             # The plan re-records the step where its kernel or split changes (its generation); else the replay
             # binds the same buffers with the new tables.
-            kept[1].update(batch.block_tables, batch.seq_lens, max_seq_len=int(np.max(batch.seq_lens)))
+            plan = kept[1]
+            plan.block_tables.write(batch.block_tables)
+            plan.seq_lens.write(np.asarray(batch.seq_lens, np.int32))
+            plan.update(plan.block_tables, plan.seq_lens, max_seq_len=int(np.max(batch.seq_lens)), validate=False)
         kept[0].replay()
         return kept[0]
 
@@ -430,6 +439,9 @@ class ModelRunner(Owned):
         for plan in self._prefill_plans.values():
             plan.close()
         self._decode_steps, self._prefill_plans = {}, {}
+        for tables in self._step_tables:
+            for a in tables:
+                a.close()
         for owned in (self._ragged, getattr(self, "_decode", None), getattr(self, "_sampler", None)):
             if owned is not None:
                 owned.close()
