@@ -72,11 +72,18 @@ void main() {
         }
     }
 
-    for (uint t = 0u; t < TOKENS; ++t) partial[t][gl_LocalInvocationID.x] = acc[t];
+    // the group's tokens only (a decode of one sequence adds one token's sums, not eight)
+    for (uint t = 0u; t < TOKENS; ++t) {
+        if (t >= group) break;
+        partial[t][gl_LocalInvocationID.x] = acc[t];
+    }
     barrier();
     for (uint s = LANES / 2u; s > 0u; s >>= 1) {
         if (lane < s) {
-            for (uint t = 0u; t < TOKENS; ++t) partial[t][gl_LocalInvocationID.x] += partial[t][gl_LocalInvocationID.x + s];
+            for (uint t = 0u; t < TOKENS; ++t) {
+                if (t >= group) break;
+                partial[t][gl_LocalInvocationID.x] += partial[t][gl_LocalInvocationID.x + s];
+            }
         }
         barrier();
     }
