@@ -37,3 +37,8 @@ tar -cJf .devkit/suite/naga_wasm.tar.xz node_modules
 tar -C pagedvk/spv -cJf .devkit/suite/spv.tar.xz .
 ls .devkit/suite/deb .devkit/suite/whl
 echo "ready: carry [\".devkit\"] and begin each device command with: source tools/device_env.sh;"
+# The serve extra for the device's Python (pagedvk serve's tests): carried only where the carry has room for it
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .devkit/serve fastapi uvicorn httpx
+rm -f .devkit/serve/numpy-*.whl

@@ -31,6 +31,14 @@ reset_fences = vk.lib.vkResetFences
 get_fence_status = vk.lib.vkGetFenceStatus
 
 
+# The binding (vulkan 1.3.275) gives a few extension error codes a positive value, VK_ERROR_OUT_OF_POOL_MEMORY among
+# them (1000069000 for -1000069000), so that a driver's real code raised KeyError from its wrappers, not the error:
+# a descriptor pool filling up (a model's recorded steps on the H100) crashed instead of opening the next pool.
+for _code, _error in list(vk.exception_codes.items()):
+    if isinstance(_code, int) and _code > 0 and _error.__name__.startswith("VkError"):
+        vk.exception_codes.setdefault(-_code, _error)
+
+
 def vk_error(result: int) -> Exception:
     """The binding's exception for a VkResult error code (what its wrappers raise)."""
     return vk.exception_codes.get(result, vk.VkError)()

@@ -518,3 +518,13 @@ def test_spinning_wait_polls_and_sees_the_result(rng, warm, monkeypatch):
     out = pagedvk.paged_attention(*case.args())
     np.testing.assert_allclose(out, case.reference(), rtol=1e-5, atol=1e-5)
     assert polls
+
+
+def test_extension_error_codes_raise_their_errors():
+    """The binding's table has VK_ERROR_OUT_OF_POOL_MEMORY and a few other extension errors at positive values;
+    pagedvk adds the codes drivers return, so that a full descriptor pool raises VkErrorOutOfPoolMemory (and the
+    next pool opens) instead of a KeyError from the binding."""
+    import vulkan as vk
+    from pagedvk.runtime import commands
+    assert vk.exception_codes[-1000069000] is vk.VkErrorOutOfPoolMemory
+    assert isinstance(commands.vk_error(-1000069000), vk.VkErrorOutOfPoolMemory)
