@@ -129,10 +129,15 @@ def create_app(worker: EngineWorker, model_name: str) -> FastAPI:
             if answer.response.chat:   # each choice's first chunk names the role, as OpenAI's do
                 yield sse(answer.response.chunk([answer.response.choice(i, "", None, delta=True, first=True)
                                                  for i in range(answer.n)]))
-            async for choices in answer.events(outputs, worker, request_id):
-                yield sse(answer.response.chunk(choices))
-            if include_usage:
-                yield sse(answer.response.chunk([], answer.usage()))
+            try:
+                async for choices in answer.events(outputs, worker, request_id):
+                    yield sse(answer.response.chunk(choices))
+            except OpenAIError as e:   # the status line has gone: the error is the stream's last event
+                answer.done = True
+                yield sse(e.body())
+            else:
+                if include_usage:
+                    yield sse(answer.response.chunk([], answer.usage()))
             yield "data: [DONE]\n\n"
         finally:
             if not answer.done:            # cancelled: the client went away

@@ -192,6 +192,24 @@ def test_an_end_of_sequence_token_ends_the_text_unless_ignored(tiny, server):
     assert (ignored["choices"][0]["text"], ignored["choices"][0]["finish_reason"]) == (tok.decode(tokens), "length")
 
 
+def test_an_engine_failure_ends_its_requests_with_500_and_the_server_goes_on(server):
+    step = server.engine.step
+
+    def failing():
+        server.engine.step = step                      # once
+        raise RuntimeError("device lost (a test's)")
+
+    server.engine.step = failing
+    r = server.post("/v1/completions", prompt=" the", max_tokens=4, temperature=0)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "the engine failed: device lost (a test's)" in r.json()["error"]["message"]
+    server.engine.step = failing
+    chunks, lines = server.stream("/v1/completions", prompt=" the", max_tokens=4, temperature=0)
+    assert "device lost" in chunks[-1]["error"]["message"]   # the stream's last event, before [DONE]
+    assert server.post("/v1/completions", prompt=" the", max_tokens=4, temperature=0).status_code == 200
+    assert server.runner.cache.blocks.num_free_blocks == server.runner.cache.num_blocks
+
+
 def test_sample_text_holds_back_what_may_begin_a_stop_string(tiny):
     tok = tiny[1].tokenizer
     ids = lambda text: tok.encode(text)
