@@ -503,8 +503,9 @@ LINEAR_KERNEL = dict(
     push=tuple(PushField(name, "u32") for name in (
         "tokens", "in_features", "out_features", "x_type", "weight_type", "bias_type", "y_type", "has_bias")),
 )
-# The decode's matrix-vector product: each workgroup takes LINEAR_GEMV_ROWS weight rows (32 threads a row, each
-# reading 16-byte chunks of it) for up to LINEAR_GEMV_TOKENS tokens, so a weight is read once for all of them.
+# The decode's matrix-vector product: each workgroup takes LINEAR_GEMV_ROWS weight rows (GLSL: 32 threads for two
+# rows, WGSL: for one, each reading 16-byte chunks of them) for up to LINEAR_GEMV_TOKENS tokens, so a weight is read
+# once for all of them.
 # Workgroups: ceil(out_features / LINEAR_GEMV_ROWS) x ceil(tokens / LINEAR_GEMV_TOKENS), row groups fastest,
 # numbered linearly over a folded grid.
 # Its CPU kernel (target "cpu", shaders/linear_gemv_cpu.comp): one subgroup a workgroup, LINEAR_GEMV_CPU_ROWS rows
@@ -514,7 +515,7 @@ LINEAR_GEMV = KernelABI(op="linear_gemv", workgroup_size=(128, 1, 1), spec_ids=L
                         target_spec_constants=(("cpu", ((LinearSpec.TOKENS, "uint32"), (LinearSpec.WEIGHT_TYPE, "uint32"),
                                                          (LinearSpec.X_TYPE, "uint32"))),),
                         **LINEAR_KERNEL)
-LINEAR_GEMV_ROWS = 4
+LINEAR_GEMV_ROWS = {"glsl": 8, "wgsl": 4}   # rows a workgroup, by backend (GLSL: two a subgroup of 32)
 LINEAR_GEMV_TOKENS = 8
 LINEAR_GEMV_CPU_ROWS = 32
 # The prefill's matrix product: 64 x 64 tiles of y (tokens x out_features) through shared memory, 16 of in_features

@@ -178,7 +178,7 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
                 constants = {LinearSpec.TOKENS: pass_tokens, LinearSpec.WEIGHT_TYPE: q_type_code(types["weight"].tag),
                              LinearSpec.X_TYPE: q_type_code(types["x"].tag)}
             elif gemv:
-                groups = -(-out_features // LINEAR_GEMV_ROWS) * -(-tokens // LINEAR_GEMV_TOKENS)
+                groups = -(-out_features // LINEAR_GEMV_ROWS[name]) * -(-tokens // LINEAR_GEMV_TOKENS)
             else:
                 groups = -(-out_features // LINEAR_GEMM_TILE) * -(-tokens // LINEAR_GEMM_TILE)
             push = abi.pack_push(
