@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
 from .. import config
-from ..dtypes import CACHE_TYPES, storage_type
+from ..dtypes import CACHE_TYPES, fp8_scale, storage_type
 from ..ops import cache_ops, checks
 from ..ops.decode_plan import DecodePlan
 from ..ops.layouts import LAYOUTS, MAX_HEAD_SIZE, CacheSpec, check_block_size
@@ -58,6 +58,10 @@ class KVCache(Owned):
         None means the default device.
     backend : {"glsl", "wgsl"}, optional
         The kernel language of its ops; None means PAGEDVK_BACKEND, else "glsl".
+    k_scale, v_scale : float, default 1.0
+        fp8 caches (float8_e4m3fn, float8_e5m2) hold key / k_scale and value / v_scale, saturated to the type's
+        range, and attention multiplies back (vLLM's kv-cache scales): `write` and the plans made here use them.
+        Positive and finite; other cache types ignore them.
 
     Attributes
     ----------
@@ -76,7 +80,8 @@ class KVCache(Owned):
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, block_size: int = 16,
                  dtype: DTypeLike = np.float16, layout: str = "vllm", num_blocks: int | None = None,
                  memory_fraction: float | None = None, num_host_blocks: int = 0, prefix_caching: bool = True,
-                 device: DeviceLike = None, backend: str | None = None) -> None:
+                 device: DeviceLike = None, backend: str | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
         # Every argument is checked here, by name, before anything is allocated: bad ones were accepted and
         # failed at the first write.
         if (num_blocks is None) == (memory_fraction is None):
@@ -84,6 +89,9 @@ class KVCache(Owned):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
         checks.integer("num_layers", num_layers, 1)
+        # fp8 caches hold key / k_scale and value / v_scale (vLLM's per-layer scales, one pair for every layer here);
+        # every write and plan of this cache uses them, and other cache types ignore them
+        self.k_scale, self.v_scale = fp8_scale("k_scale", k_scale), fp8_scale("v_scale", v_scale)
         checks.integer("num_kv_heads", num_kv_heads, 1)
         checks.integer("block_size", block_size, 1)
         checks.integer("num_host_blocks", num_host_blocks, 0)
@@ -151,7 +159,8 @@ class KVCache(Owned):
         on_device = isinstance(slots, DeviceArray)
         slots = slots if on_device else np.asarray(slots, np.int32)
         cache_ops.reshape_and_cache(k, v, self.key[layer], self.value[layer], slots, layout=self.layout,
-                                    backend=self.backend, validate=not on_device)
+                                    k_scale=self.k_scale, v_scale=self.v_scale, backend=self.backend,
+                                    validate=not on_device)
 
     def copy_blocks(self, pairs: ArrayLike) -> None:
         """Copy-on-write copies in every layer's caches, in one submission.
@@ -214,7 +223,7 @@ class KVCache(Owned):
             out[rows], _ = paged_attention_prefill(
                 np.ascontiguousarray(q[rows]), self.key[layer], self.value[layer],
                 np.ascontiguousarray(batch.block_tables[prefill]), np.ascontiguousarray(batch.seq_lens[prefill]), loc,
-                layout=self.layout, backend=self.backend)
+                layout=self.layout, backend=self.backend, k_scale=self.k_scale, v_scale=self.v_scale)
         return out
 
     def _decode_plan(self, batch, rows, num_heads: int) -> DecodePlan:
@@ -253,8 +262,8 @@ class KVCache(Owned):
         query_dtype : numpy dtype, optional
             As for DecodePlan: None means the cache's dtype where it is a query type, else float16.
         **options
-            DecodePlan's other arguments (scale, k_scale, v_scale, validate, partition_size, the attention variants,
-            kernel).
+            DecodePlan's other arguments (scale, validate, partition_size, the attention variants, kernel; k_scale and
+            v_scale default to the cache's).
 
         Returns
         -------
@@ -262,6 +271,7 @@ class KVCache(Owned):
             Run it on ``cache.key[layer], cache.value[layer]``; `update` it for the next step.
         """
         s = self.spec
+        options = {"k_scale": self.k_scale, "v_scale": self.v_scale, **options}
         return DecodePlan(block_tables, seq_lens, num_heads=num_heads, num_kv_heads=s.num_kv_heads,
                           head_size=s.head_size, block_size=s.block_size, num_blocks=s.num_blocks, dtype=self.dtype,
                           query_dtype=query_dtype, layout=self.layout, device=self.device, backend=self.backend,
@@ -276,13 +286,15 @@ class KVCache(Owned):
         block_tables, seq_lens, query_start_loc
             As for `PrefillPlan` (`blocks.block_tables(...)` gives the first two).
         **options
-            PrefillPlan's other arguments (scale, causal, validate, the attention variants, kernel).
+            PrefillPlan's other arguments (scale, causal, validate, the attention variants, kernel; k_scale and
+            v_scale default to the cache's).
 
         Returns
         -------
         PrefillPlan
             Run it on ``cache.key[layer], cache.value[layer]``; `update` it for the next step.
         """
+        options = {"k_scale": self.k_scale, "v_scale": self.v_scale, **options}
         return PrefillPlan(block_tables, seq_lens, query_start_loc, layout=self.layout, backend=self.backend,
                            device=self.device, **options)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..testing.reference import cache_element
 from .llama import Model, ModelConfig
 
 
@@ -30,11 +31,11 @@ def rope(x: np.ndarray, positions: np.ndarray, config: ModelConfig) -> np.ndarra
     return out
 
 
-def forward(model: Model, tokens, kv_dtype=None) -> np.ndarray:
+def forward(model: Model, tokens, kv_dtype=None, k_scale: float = 1.0, v_scale: float = 1.0) -> np.ndarray:
     """Logits [n, vocab] (float64) of every position of one sequence of token ids [n], causal.
 
     kv_dtype: keys and values rounded to this numpy dtype before attention, as a cache of that type holds them
-    (None: float64).
+    (None: float64); an fp8 cache holds key / k_scale and value / v_scale (saturated), multiplied back when read.
     """
     c = model.config
     tokens = np.asarray(tokens)
@@ -43,8 +44,13 @@ def forward(model: Model, tokens, kv_dtype=None) -> np.ndarray:
     def w(name):
         return np.asarray(model.tensors[name], np.float64)
 
-    def kv(t):
-        return t if kv_dtype is None else t.astype(kv_dtype).astype(np.float64)
+    fp8 = kv_dtype is not None and np.dtype(kv_dtype).itemsize == 1
+
+    def kv(t, scale):
+        if kv_dtype is None:
+            return t
+        held = cache_element(t, kv_dtype, scale).astype(np.float64)
+        return held * np.float32(scale) if fp8 else held
 
     x = w("token_embd.weight")[tokens]
     causal = np.tril(np.ones((n, n), bool))
@@ -58,8 +64,8 @@ def forward(model: Model, tokens, kv_dtype=None) -> np.ndarray:
         if c.qkv_bias:
             q, k, v = q + lw("attn_q", "bias"), k + lw("attn_k", "bias"), v + lw("attn_v", "bias")
         q = rope(q.reshape(n, c.num_heads, c.head_size), positions, c)
-        k = kv(rope(k.reshape(n, c.num_kv_heads, c.head_size), positions, c))
-        v = kv(v.reshape(n, c.num_kv_heads, c.head_size))
+        k = kv(rope(k.reshape(n, c.num_kv_heads, c.head_size), positions, c), k_scale)
+        v = kv(v.reshape(n, c.num_kv_heads, c.head_size), v_scale)
         attn = np.empty((n, c.num_heads, c.head_size))
         for head in range(c.num_heads):
             logits = q[:, head] @ k[:, head // group].T / np.sqrt(c.head_size)
@@ -73,9 +79,10 @@ def forward(model: Model, tokens, kv_dtype=None) -> np.ndarray:
     return rms_norm(x, w("output_norm.weight"), c.rms_eps) @ np.asarray(model.lm_head, np.float64).T
 
 
-def greedy(model: Model, prompt, max_new_tokens: int, kv_dtype=None) -> list[int]:
+def greedy(model: Model, prompt, max_new_tokens: int, kv_dtype=None, k_scale: float = 1.0,
+           v_scale: float = 1.0) -> list[int]:
     """The argmax continuation of a prompt (token ids), max_new_tokens long."""
     tokens = list(prompt)
     for _ in range(max_new_tokens):
-        tokens.append(int(np.argmax(forward(model, tokens, kv_dtype)[-1])))
+        tokens.append(int(np.argmax(forward(model, tokens, kv_dtype, k_scale, v_scale)[-1])))
     return tokens[len(prompt):]

@@ -156,7 +156,9 @@ class ModelRunner(Owned):
     model : Model
         From `pagedvk.load_model`.
     cache_dtype : numpy dtype, default float16
-        The KV cache's type: float16 or float32 (any `KVCache` dtype: bfloat16, fp8 with unit scales).
+        The KV cache's type: float16 or float32 (any `KVCache` dtype: bfloat16, float8_e4m3fn, float8_e5m2).
+    k_scale, v_scale : float, default 1.0
+        An fp8 cache's scales (`KVCache`'s): it holds key / k_scale and value / v_scale.
     max_context : int, optional
         Tokens per sequence, prompt and generated together; None means the model's context_length. Sizes the block
         tables and the rotary table.
@@ -185,7 +187,8 @@ class ModelRunner(Owned):
 
     def __init__(self, model: Model, *, cache_dtype=np.float16, max_context: int | None = None, max_batch: int = 1,
                  block_size: int = 16, num_blocks: int | None = None, num_host_blocks: int = 0,
-                 prefix_caching: bool = True, device: DeviceLike = None, backend: str | None = None) -> None:
+                 prefix_caching: bool = True, device: DeviceLike = None, backend: str | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         self._closed = True
         c = self.config = model.config
         self.model = model
@@ -197,7 +200,7 @@ class ModelRunner(Owned):
         num_blocks = self.max_batch * self.max_blocks if num_blocks is None else checks.integer(
             "num_blocks", num_blocks, self.max_blocks)   # one sequence of max_context tokens at least
         self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_size, block_size=block_size, dtype=cache_dtype,
-                             num_blocks=num_blocks, num_host_blocks=num_host_blocks,
+                             num_blocks=num_blocks, num_host_blocks=num_host_blocks, k_scale=k_scale, v_scale=v_scale,
                              prefix_caching=prefix_caching, device=self.device, backend=backend)
         self._closed, self._uploaded = False, []
         self._decode_steps = {}    # batch size -> (RecordedStep, DecodePlan, Activations rows, Sampler rows)

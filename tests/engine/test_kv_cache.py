@@ -127,3 +127,28 @@ def test_write_takes_device_arrays_without_reading_them_back(rng, monkeypatch):
     np.testing.assert_array_equal(cache.key[0].numpy(), want_k)
     np.testing.assert_array_equal(cache.value[0].numpy(), want_v)
     cache.close()
+
+
+@pytest.mark.parametrize("name, value", [("k_scale", 0.0), ("v_scale", float("nan")), ("k_scale", [1.0, 2.0])])
+def test_rejected_scales(device, name, value):
+    with pytest.raises(ValueError, match=f"{name} must be one positive finite number"):
+        pagedvk.KVCache(2, 2, 16, num_blocks=4, dtype=ml_dtypes.float8_e4m3fn, device=device, **{name: value})
+
+
+def test_fp8_scales_reach_writes_and_plans(rng, device):
+    """What an fp8 cache with scales holds, and what its plans read back, are reference.cache_element's."""
+    cache = pagedvk.KVCache(1, 2, 16, block_size=16, num_blocks=2, dtype=ml_dtypes.float8_e4m3fn, device=device,
+                            k_scale=0.25, v_scale=8.0, prefix_caching=False)
+    k, v = rng.standard_normal((3, 2, 16)).astype(np.float32) * 20, rng.standard_normal((3, 2, 16)).astype(np.float32)
+    slots = cache.blocks.add_sequence(0, [1, 2, 3]).slots
+    cache.write(0, k, v, slots)
+    tables, lens = cache.blocks.block_tables([0], 2)
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    with cache.decode_plan(tables, lens, num_heads=4, query_dtype=np.float32) as plan:
+        got = plan.run(q, cache.key[0], cache.value[0])
+    reference = pagedvk.testing.reference
+    kq = reference.cache_element(k, ml_dtypes.float8_e4m3fn, 0.25).astype(np.float64) * 0.25
+    vq = reference.cache_element(v, ml_dtypes.float8_e4m3fn, 8.0).astype(np.float64) * 8.0
+    want = np.stack([reference.attention(q[0, h][None], kq[:, h // 2], vq[:, h // 2], 16 ** -0.5)[0][0]
+                     for h in range(4)])
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)

@@ -150,7 +150,9 @@ def test_norm_rope_on_converted_weights_is_neox_rope_on_the_originals(rng):
 
 def run(model, prompts, backend="glsl", cache_dtype=np.float16, **options):
     """(tokens [len(prompts), new], first step's logits [len(prompts), vocab]) of Runner.generate."""
-    with pagedvk.ModelRunner(model, cache_dtype=cache_dtype, max_batch=len(prompts), backend=backend) as runner:
+    scales = {k: options.pop(k) for k in ("k_scale", "v_scale") if k in options}
+    with pagedvk.ModelRunner(model, cache_dtype=cache_dtype, max_batch=len(prompts), backend=backend,
+                             **scales) as runner:
         steps, first = [], None
         for tokens in runner.generate(prompts, options.pop("max_new_tokens", NEW_TOKENS), **options):
             first = runner.logits.numpy() if first is None else first
@@ -171,6 +173,22 @@ def test_greedy_tokens_and_logits_match_the_float64_reference(files, name, backe
         ref = reference.forward(want, prompt, cache_dtype)[-1]
         assert np.linalg.norm(logits[row] - ref) <= 1e-4 * np.linalg.norm(ref)
         assert tokens[row].tolist() == reference.greedy(want, prompt, NEW_TOKENS, cache_dtype)
+
+
+def test_fp8_cache_scales(files):
+    """An fp8 cache with scales (k_scale small: finer keys; v_scale large: coarser values) gives the reference's
+    logits and tokens with the same scales, and not the unit scales' (the scales reach the writes and the plans)."""
+    path, want = files["llama-f16"]
+    e4m3 = ml_dtypes.float8_e4m3fn
+    tokens, logits = run(pagedvk.load_model(path), PROMPTS, "glsl", e4m3, k_scale=0.03, v_scale=4.0)
+    for row, prompt in enumerate(PROMPTS):
+        ref = reference.forward(want, prompt, e4m3, 0.03, 4.0)[-1]
+        assert np.linalg.norm(logits[row] - ref) <= 1e-4 * np.linalg.norm(ref)
+        unit = reference.forward(want, prompt, e4m3)[-1]
+        assert np.linalg.norm(unit - ref) > 1e-2 * np.linalg.norm(ref)
+        assert tokens[row].tolist() == reference.greedy(want, prompt, NEW_TOKENS, e4m3, 0.03, 4.0)
+    with pytest.raises(ValueError, match="k_scale must be one positive finite number"):
+        pagedvk.ModelRunner(pagedvk.load_model(path), k_scale=0.0)
 
 
 def test_each_decode_step_is_one_recorded_step(files):
