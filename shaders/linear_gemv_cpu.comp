@@ -22,6 +22,16 @@
 // The stripe loop does not unroll (a bound known at run time): llvmpipe makes every memory instruction a loop
 // over the lanes, and unrolling many of them multiplies its compile time.
 //
+// x held in registers (HELD > 0, the host's choice where HELD * TOKENS is small: catalogue.LINEAR_GEMV_CPU_HELD):
+// every lane loads x's chunks that it multiplies (chunk i * lanes + lane of each row, HELD of them a token) once for
+// all the workgroup's rows, then walks the rows one at a time, loading only weights. The passes above load a lane's
+// x chunk again for every ROWS rows: as many loads again as the weights' for 16-bit weights and 8 rows, each a loop
+// over the lanes. A row's sums meet with subgroupAdd; lane r keeps the sum of row r of each group of `lanes` rows
+// and the lanes store their rows together, one store_y a group. The loops over HELD and TOKENS unroll once the
+// constants are set, so the arrays stay in registers (spilled to the stack as whole vectors, not lane by lane).
+// SmolLM2's rows of 576 and 1536 float16 weights moved 2-3x the bytes a second of the passes on lavapipe
+// (BENCHMARKS.md, "SmolLM2 on lavapipe: where a decode step goes").
+//
 // Reads are bounded as in linear_gemv.comp: rows start on a chunk boundary when in_features is a multiple of the
 // chunk's elements (8, float32: 4), and whole chunks are read; otherwise a chunk may straddle two rows and each
 // element is checked against the row. Nothing past the weight array's last chunk is read, nor past x's tokens.
@@ -31,7 +41,11 @@
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #include "linear_common.glsl"
 
-layout(local_size_x = 128, local_size_y = 1, local_size_z = 1) in;
+// The workgroup is one subgroup: LANES (catalogue.LinearSpec.LANES), the device's subgroup size, set by the host; 128
+// where unset. Idle subgroups are not free on llvmpipe: a `return` in a branch only masks the lanes off, and the
+// code after it still runs once, lane by lane for every load (the held path below, whose x loads are straight-line
+// code, ran 5x slower in workgroups of 128).
+layout(local_size_x = 128, local_size_x_id = 4, local_size_y = 1, local_size_z = 1) in;
 
 const uint ROWS = 8u;        // rows a pass
 const uint BLOCKS = 4u;      // passes a workgroup: ROWS * BLOCKS rows (catalogue.LINEAR_GEMV_CPU_ROWS)
@@ -42,8 +56,13 @@ const uint ANY_TYPE = 3u;    // a type constant left unset: read the push consta
 layout(constant_id = 0) const uint TOKENS = 8u;
 layout(constant_id = 1) const uint WEIGHT_TYPE = ANY_TYPE;
 layout(constant_id = 2) const uint X_TYPE = ANY_TYPE;
+// x chunks a lane holds a token (catalogue.LinearSpec.HELD): at least ceil(in_features / chunk / lanes) for the held
+// path; 0 (or too few for the subgroup the device gives) runs the passes.
+layout(constant_id = 3) const uint HELD = 0u;
+const uint HELD_SIZE = HELD > 0u ? HELD : 1u;   // an array's size: at least 1
 
 float acc[ROWS][TOKENS];   // [row][token]: this lane's float32 sums
+vec4 xlo[HELD_SIZE][TOKENS], xhi[HELD_SIZE][TOKENS];   // the held path's x: elements 0-3 and 4-7 of each chunk
 
 // Elements i .. i + 3 of x (i a multiple of 4) in type xt.
 vec4 x4(uint i, uint xt) {
@@ -145,9 +164,55 @@ void finish(uint lane, uint lanes, uint n0, uint rows, uint t0, uint group) {
     }
 }
 
+// The held path (whole chunks, HELD * lanes >= the row's chunks): rows first .. end - 1 for the pass's tokens.
+void held_rows(uint wt, uint xt, uint lane, uint lanes, uint first, uint end, uint t0, uint group) {
+    const uint K = pc.in_features, per = wt == T_F32 ? 4u : 8u, row_chunks = K / per;
+    [[unroll]] for (uint i = 0u; i < HELD; i++) {
+        const uint c = i * lanes + lane;
+        [[unroll]] for (uint t = 0u; t < TOKENS; t++) {
+            xlo[i][t] = vec4(0.0); xhi[i][t] = vec4(0.0);
+            if (c < row_chunks && t < group) {
+                const uint xi = (t0 + t) * K + c * per;
+                xlo[i][t] = x4(xi, xt);
+                if (per == 8u) xhi[i][t] = x4(xi + 4u, xt);
+            }
+        }
+    }
+    [[dont_unroll]] for (uint r0 = first; r0 < end; r0 += lanes) {
+        const uint rows = min(lanes, end - r0);
+        float mine[TOKENS];   // lane r: row r0 + r's sums
+        [[unroll]] for (uint t = 0u; t < TOKENS; t++) mine[t] = 0.0;
+        [[dont_unroll]] for (uint r = 0u; r < rows; r++) {
+            float sums[TOKENS];
+            [[unroll]] for (uint t = 0u; t < TOKENS; t++) sums[t] = 0.0;
+            const uint g0 = (r0 + r) * row_chunks;
+            [[unroll]] for (uint i = 0u; i < HELD; i++) {
+                const uint c = i * lanes + lane;
+                const uvec4 w = c < row_chunks ? weight[g0 + c] : uvec4(0u);
+                vec4 lo, hi;
+                unpack(w, wt, lo, hi);
+                [[unroll]] for (uint t = 0u; t < TOKENS; t++) {
+                    sums[t] += dot(lo, xlo[i][t]) + (per == 8u ? dot(hi, xhi[i][t]) : 0.0);
+                }
+            }
+            [[unroll]] for (uint t = 0u; t < TOKENS; t++) {
+                const float sum = subgroupAdd(sums[t]);
+                if (lane == r) mine[t] = sum;
+            }
+        }
+        if (lane < rows) {
+            const float b = bias_of(r0 + lane);
+            [[unroll]] for (uint t = 0u; t < TOKENS; t++) {
+                if (t < group) store_y((t0 + t) * pc.out_features + r0 + lane, mine[t] + b);
+            }
+        }
+    }
+}
+
 void main() {
     if (gl_SubgroupID != 0u) return;   // one subgroup takes the workgroup's work: no barrier anywhere
-    const uint lane = gl_SubgroupInvocationID, lanes = gl_SubgroupSize;
+    // a workgroup narrower than the subgroup leaves its last lanes out
+    const uint lane = gl_SubgroupInvocationID, lanes = min(gl_SubgroupSize, gl_WorkGroupSize.x);
     const uint row_groups = (pc.out_features + ROWS * BLOCKS - 1u) / (ROWS * BLOCKS);
     const uint wg = workgroup_index();
     if (wg >= row_groups * ((pc.tokens + TOKENS - 1u) / TOKENS) || lanes < MIN_LANES) return;
@@ -158,7 +223,10 @@ void main() {
     const uint wt = WEIGHT_TYPE != ANY_TYPE ? WEIGHT_TYPE : pc.weight_type;
     const uint xt = X_TYPE != ANY_TYPE ? X_TYPE : pc.x_type;
 
-    if (pc.in_features % chunk_elements() == 0u) {
+    const uint per = wt == T_F32 ? 4u : 8u;
+    if (HELD > 0u && pc.in_features % per == 0u && HELD * lanes >= pc.in_features / per) {
+        held_rows(wt, xt, lane, lanes, first, end, t0, group);
+    } else if (pc.in_features % chunk_elements() == 0u) {
         // the test is outside the passes: llvmpipe runs both sides of a branch, the one not taken masked off
         [[dont_unroll]] for (uint n0 = first; n0 < end; n0 += ROWS) {
             const uint rows = min(ROWS, pc.out_features - n0);

@@ -480,12 +480,15 @@ ROTARY_EMBEDDING = KernelABI(
 
 class LinearSpec(enum.IntEnum):
     """LINEAR_GEMV's CPU kernel's (shaders/linear_gemv_cpu.comp), set per launch by pagedvk/ops/linear.py: the tokens
-    of a pass (its loops over them unroll) and the weight's and x's QUERY_TYPES codes (no type branch left in its
-    loop; 3 leaves one to the push constants)."""
+    of a pass (its loops over them unroll), the weight's and x's QUERY_TYPES codes (no type branch left in its
+    loop; 3 leaves one to the push constants), the x chunks a lane holds in registers a token (0: none) and the
+    workgroup's size (local_size_x_id: the device's subgroup size, one subgroup a workgroup)."""
 
     TOKENS = 0
     WEIGHT_TYPE = 1
     X_TYPE = 2
+    HELD = 3
+    LANES = 4
 
 
 # A linear layer, y = x @ weight.T (+ bias) (pagedvk/ops/linear.py): x [tokens, in_features], weight [out_features,
@@ -508,16 +511,23 @@ LINEAR_KERNEL = dict(
 # once for all of them.
 # Workgroups: ceil(out_features / LINEAR_GEMV_ROWS) x ceil(tokens / LINEAR_GEMV_TOKENS), row groups fastest,
 # numbered linearly over a folded grid.
-# Its CPU kernel (target "cpu", shaders/linear_gemv_cpu.comp): one subgroup a workgroup, LINEAR_GEMV_CPU_ROWS rows
-# (passes of 8), LinearSpec.TOKENS tokens a pass; workgroups ceil(out_features / LINEAR_GEMV_CPU_ROWS) x ceil(tokens / TOKENS),
-# numbered likewise. pagedvk/ops/linear.py chooses it (linear_target).
+# Its CPU kernel (target "cpu", shaders/linear_gemv_cpu.comp): one subgroup a workgroup (its size specialized to the
+# subgroup's; 128 where unset, as declared here), LINEAR_GEMV_CPU_ROWS rows
+# (passes of 8, or one row at a time with x held in registers), LinearSpec.TOKENS tokens a pass; workgroups
+# ceil(out_features / LINEAR_GEMV_CPU_ROWS) x ceil(tokens / TOKENS), numbered likewise. pagedvk/ops/linear.py chooses
+# it (linear_target).
 LINEAR_GEMV = KernelABI(op="linear_gemv", workgroup_size=(128, 1, 1), spec_ids=LinearSpec, targets=TARGETS,
                         target_spec_constants=(("cpu", ((LinearSpec.TOKENS, "uint32"), (LinearSpec.WEIGHT_TYPE, "uint32"),
-                                                         (LinearSpec.X_TYPE, "uint32"))),),
+                                                         (LinearSpec.X_TYPE, "uint32"), (LinearSpec.HELD, "uint32"),
+                                                         (LinearSpec.LANES, "uint32"))),),
                         **LINEAR_KERNEL)
 LINEAR_GEMV_ROWS = {"glsl": 8, "wgsl": 4}   # rows a workgroup, by backend (GLSL: two a subgroup of 32)
 LINEAR_GEMV_TOKENS = 8
 LINEAR_GEMV_CPU_ROWS = 32
+# The CPU kernel holds x in registers where a lane's chunks times the pass's tokens are at most this many: llvmpipe
+# compiles the unrolled loops in about 1-4 s up to it (24 chunks of one token: a row of 1536 16-bit weights over 8
+# lanes), 8-50 s at 96-192 (2026-12-06).
+LINEAR_GEMV_CPU_HELD = 24
 # The prefill's matrix product: 64 x 64 tiles of y (tokens x out_features) through shared memory, 16 of in_features
 # a step, each thread 4 x 4 outputs. Workgroups: ceil(out_features / 64) x ceil(tokens / 64), column tiles fastest,
 # numbered linearly over a folded grid.

@@ -10,8 +10,8 @@ import numpy as np
 from ..dtypes import QUERY_TYPES, storage_type
 from ..kernels import modules
 from ..kernels.abi import q_type_code
-from ..kernels.catalogue import (LINEAR_GEMM, LINEAR_GEMM_TILE, LINEAR_GEMV, LINEAR_GEMV_CPU_ROWS, LINEAR_GEMV_ROWS,
-                                  LINEAR_GEMV_TOKENS, LinearSpec)
+from ..kernels.catalogue import (LINEAR_GEMM, LINEAR_GEMM_TILE, LINEAR_GEMV, LINEAR_GEMV_CPU_HELD, LINEAR_GEMV_CPU_ROWS,
+                                  LINEAR_GEMV_ROWS, LINEAR_GEMV_TOKENS, LinearSpec)
 from ..kernels.matrix import MATRIX_KIND, matrix_unavailable
 from ..runtime.array import Array, DeviceArray, asarray, empty, segment_limit
 from ..runtime.pipeline import fold_grid
@@ -65,6 +65,22 @@ def cpu_pass_tokens(tokens: int) -> int:
     a decode's few tokens run no idle sums and a device builds at most four such pipelines per type pair."""
     n = min(max(tokens, 1), LINEAR_GEMV_TOKENS)
     return 1 << (n - 1).bit_length()
+
+
+def cpu_lanes(info) -> int:
+    """The CPU kernel's workgroup size (LinearSpec.LANES): one subgroup, the device's."""
+    return info.subgroup_size
+
+
+def cpu_held_chunks(in_features: int, weight_tag: str, lanes: int, pass_tokens: int) -> int:
+    """The x chunks a lane of the CPU kernel holds in registers a token (LinearSpec.HELD): enough for a row's chunks
+    of 16 bytes of weights over the subgroup's lanes, or 0 (x read again every pass) where rows straddle chunks or
+    the chunks times the pass's tokens exceed LINEAR_GEMV_CPU_HELD (the compile time grows with them)."""
+    per = 4 if weight_tag == "f32" else 8
+    if in_features % per:
+        return 0
+    held = -(-in_features // per // lanes)
+    return held if held * pass_tokens <= LINEAR_GEMV_CPU_HELD else 0
 
 
 def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None = None, *,
@@ -180,7 +196,10 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
                 pass_tokens = cpu_pass_tokens(tokens)
                 groups = -(-out_features // LINEAR_GEMV_CPU_ROWS) * -(-tokens // pass_tokens)
                 constants = {LinearSpec.TOKENS: pass_tokens, LinearSpec.WEIGHT_TYPE: q_type_code(types["weight"].tag),
-                             LinearSpec.X_TYPE: q_type_code(types["x"].tag)}
+                             LinearSpec.X_TYPE: q_type_code(types["x"].tag),
+                             LinearSpec.HELD: cpu_held_chunks(in_features, types["weight"].tag,
+                                                              cpu_lanes(device.info), pass_tokens),
+                             LinearSpec.LANES: cpu_lanes(device.info)}
             elif gemv:
                 groups = -(-out_features // LINEAR_GEMV_ROWS[name]) * -(-tokens // LINEAR_GEMV_TOKENS)
             else:

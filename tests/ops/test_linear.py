@@ -145,6 +145,29 @@ def test_cpu_kernel_chosen(rng, device):
     assert [linear_ops.cpu_pass_tokens(t) for t in (0, 1, 2, 3, 4, 5, 8, 9, 33)] == [1, 1, 2, 4, 4, 8, 8, 8, 8]
 
 
+def test_cpu_kernel_holds_x_where_it_fits(rng, device, monkeypatch):
+    """The CPU kernel holds x in registers where a lane's chunks times the pass's tokens fit LINEAR_GEMV_CPU_HELD (the
+    rule), and its results do not depend on it: held, too few held for the subgroup (the kernel then runs its
+    passes), and workgroups narrower than the subgroup."""
+    held = linear_ops.cpu_held_chunks
+    assert [held(576, "f16", 8, 1), held(576, "f32", 8, 1), held(1536, "bf16", 8, 1), held(1536, "f32", 8, 1)] == \
+        [9, 18, 24, 0]
+    assert [held(576, "f16", 8, 2), held(576, "f16", 8, 4), held(100, "f32", 8, 4), held(100, "f16", 8, 1)] == \
+        [9, 0, 4, 0]   # 9 x 4 tokens is over; rows of 100 16-bit weights straddle 16-byte chunks
+    assert held(576, "f16", 4, 1) == 18
+    x, w = random(rng, (1, 576), np.float32), random(rng, (33, 576), np.float16)
+    xd, wd = pagedvk.asarray(x, device), pagedvk.asarray(w, device)
+    ref = reference.linear(x, w)
+    results = [pagedvk.linear(xd, wd, kernel="gemv-cpu").numpy()]
+    monkeypatch.setattr(linear_ops, "cpu_held_chunks", lambda *args: 1)   # fewer than the row's chunks need
+    results.append(pagedvk.linear(xd, wd, kernel="gemv-cpu").numpy())
+    monkeypatch.setattr(linear_ops, "cpu_held_chunks", held)
+    monkeypatch.setattr(linear_ops, "cpu_lanes", lambda info: 4)           # 4 invocations a workgroup
+    results.append(pagedvk.linear(xd, wd, kernel="gemv-cpu").numpy())
+    for y in results:
+        assert rel_error(y, ref) <= 1e-5
+
+
 def test_return_types(rng, device):
     x, w, b = random(rng, (2, 64), np.float16), random(rng, (24, 64), np.float32), random(rng, 24, np.float32)
     ref = reference.linear(x, w, b)
