@@ -213,6 +213,7 @@ class KernelABI:
     # says)
     matrix_variants: tuple = ()
     matrix_accesses: tuple = CACHE_ACCESS
+    matrix_workgroup_size: tuple | None = None   # the matrix modules' where it differs from workgroup_size
     # the backends with matrix modules (shaders/<op>_coopmat.comp, .wgsl): WGSL's are built for the
     # matrix_variants whose cache and query types are in wgsl_matrix_types (matrix_variants_for) and the cache
     # accesses WGSL has
@@ -233,6 +234,10 @@ class KernelABI:
     # TARGETS tags of the op's device-shaped GLSL sources, built as its generic modules are (storage, head sizes,
     # accesses), not reducing in shared memory
     targets: tuple = ()
+
+    def workgroup_size_of(self, key: VariantKey) -> tuple:
+        """The module's local size: matrix_workgroup_size for a matrix module where set, else workgroup_size."""
+        return self.matrix_workgroup_size if key.matrix and self.matrix_workgroup_size else self.workgroup_size
 
     def spec_id(self, name: str) -> enum.IntEnum | None:
         """spec_ids' member `name` (VARIANTS, Q_TYPE), None where the kernel has no such constant."""

@@ -534,7 +534,7 @@ LINEAR_GEMV_CPU_HELD = 24
 # Its cooperative-matrix module (shaders/linear_gemm_coopmat.comp: float16 weights, 128 invocations, the same tiles and
 # grid), which pagedvk/ops/linear.py picks where the device has the multiply: its storage axis is the weights'.
 LINEAR_GEMM = KernelABI(op="linear_gemm", workgroup_size=(256, 1, 1), matrix_variants=(("coopmat", "f16", "", 0),),
-                        matrix_accesses=("",), **LINEAR_KERNEL)
+                        matrix_accesses=("",), matrix_workgroup_size=(128, 1, 1), **LINEAR_KERNEL)
 LINEAR_GEMM_TILE = 64
 
 # One token per row of logits (pagedvk/ops/sampling.py): greedy, or temperature, top-k and top-p then a seeded draw,
