@@ -12,7 +12,9 @@ layout(std430, set = 0, binding = 0) readonly buffer X { uint x[]; };       // [
 // weight chunk, held it to 0.67 TB/s)
 layout(std430, set = 0, binding = 0) readonly buffer XQuads { uvec4 x_quads[]; };
 layout(std430, set = 0, binding = 0) readonly buffer XPairs { uvec2 x_pairs[]; };
+#ifndef WEIGHT_TEXELS   // the kernel declares binding 1 itself (linear_gemv_cpu.comp: a texel buffer)
 layout(std430, set = 0, binding = 1) readonly buffer W { uvec4 weight[]; };     // [out_features, in_features]
+#endif
 layout(std430, set = 0, binding = 2) readonly buffer B { uint bias[]; };    // [out_features]
 layout(std430, set = 0, binding = 3) buffer Y { uint y[]; };                // [tokens, out_features]
 
@@ -66,6 +68,7 @@ void unpack_chunk(uvec4 c, out float v[8]) {
     }
 }
 
+#ifndef WEIGHT_TEXELS
 // Weight element g (counted over the whole [out_features, in_features] array).
 float weight_element(uint g) {
     const uint per = chunk_elements(), e = g % per;
@@ -73,6 +76,7 @@ float weight_element(uint g) {
     if (pc.weight_type == T_F32) return uintBitsToFloat(c[e]);
     return from_word(c[e >> 1], e, pc.weight_type);
 }
+#endif
 
 // The bias of output feature n (0 without one).
 float bias_of(uint n) { return pc.has_bias != 0u ? ELEMENT(bias, n, pc.bias_type) : 0.0; }

@@ -92,6 +92,10 @@ TARGETS = ("cpu",)
 class Binding:
     name: str
     readonly: bool
+    # bound as a storage texel buffer of 16-byte texels (VK_FORMAT_R32G32B32A32_UINT; GLSL `layout(rgba32ui)
+    # uimageBuffer`) instead of a storage buffer: llvmpipe loads such a texel with vector instructions, where it loads
+    # a storage buffer's 16 bytes as four 32-bit loads, lane by lane (shaders/linear_gemv_cpu.comp's weights)
+    texels: bool = False
 
 
 @dataclass(frozen=True)
@@ -229,6 +233,7 @@ class KernelABI:
     spec_constants: tuple = ()
     matrix_spec_constants: tuple = ()
     target_spec_constants: tuple = ()   # ((TARGETS tag, its source's), ...) where they differ
+    target_bindings: tuple = ()         # ((TARGETS tag, its source's bindings), ...) where they differ in kind
     # head sizes whose WGSL modules are also built with the layout and group width fixed (DECODE_FIXED)
     fixed_head_sizes: tuple = ()
     # TARGETS tags of the op's device-shaped GLSL sources, built as its generic modules are (storage, head sizes,
@@ -283,7 +288,10 @@ class KernelABI:
 
     def bindings_for(self, key: VariantKey) -> tuple:
         """The module's bindings: the declared ones, then, for caches read in segments, the bindings of
-        segments 1 .. KV_SEGMENTS - 1 of each cache (segment 0 is key_cache / value_cache)."""
+        segments 1 .. KV_SEGMENTS - 1 of each cache (segment 0 is key_cache / value_cache); a target's own where
+        target_bindings gives them."""
+        if key.target and key.target in dict(self.target_bindings):
+            return dict(self.target_bindings)[key.target]
         if key.access != "seg":
             return self.bindings
         return self.bindings + tuple(Binding(f"{cache}_{i}", readonly=not self.writes_cache)

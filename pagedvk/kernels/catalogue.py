@@ -516,10 +516,15 @@ LINEAR_KERNEL = dict(
 # (passes of 8, or one row at a time with x held in registers), LinearSpec.TOKENS tokens a pass; workgroups
 # ceil(out_features / LINEAR_GEMV_CPU_ROWS) x ceil(tokens / TOKENS), numbered likewise. pagedvk/ops/linear.py chooses
 # it (linear_target).
+# The CPU kernel reads the weight as a storage texel buffer of 16-byte chunks (Binding.texels): lavapipe loads a texel
+# with vector instructions, where a storage buffer's chunk is four loads lane by lane; SmolLM2's linear layers ran
+# about 2x faster so (BENCHMARKS.md, "SmolLM2 on lavapipe: where a decode step goes").
 LINEAR_GEMV = KernelABI(op="linear_gemv", workgroup_size=(128, 1, 1), spec_ids=LinearSpec, targets=TARGETS,
                         target_spec_constants=(("cpu", ((LinearSpec.TOKENS, "uint32"), (LinearSpec.WEIGHT_TYPE, "uint32"),
                                                          (LinearSpec.X_TYPE, "uint32"), (LinearSpec.HELD, "uint32"),
                                                          (LinearSpec.LANES, "uint32"))),),
+                        target_bindings=(("cpu", tuple(Binding(b.name, b.readonly, texels=b.name == "weight")
+                                                       for b in LINEAR_KERNEL["bindings"])),),
                         **LINEAR_KERNEL)
 LINEAR_GEMV_ROWS = {"glsl": 8, "wgsl": 4}   # rows a workgroup, by backend (GLSL: two a subgroup of 32)
 LINEAR_GEMV_TOKENS = 8

@@ -23,7 +23,7 @@ MAGIC = 0x07230203
 # against spirv-dis).
 OP_NAME, OP_MEMBER_NAME, OP_EXTENSION = 5, 6, 10
 OP_MEMORY_MODEL, OP_ENTRY_POINT, OP_EXECUTION_MODE, OP_CAPABILITY = 14, 15, 16, 17
-OP_TYPE_BOOL, OP_TYPE_INT, OP_TYPE_FLOAT, OP_TYPE_VECTOR = 20, 21, 22, 23
+OP_TYPE_BOOL, OP_TYPE_INT, OP_TYPE_FLOAT, OP_TYPE_VECTOR, OP_TYPE_IMAGE = 20, 21, 22, 23, 25
 OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY, OP_TYPE_STRUCT, OP_TYPE_POINTER = 28, 29, 30, 32
 OP_CONSTANT, OP_CONSTANT_COMPOSITE, OP_CONSTANT_NULL = 43, 44, 46
 OP_SPEC_CONSTANT_TRUE, OP_SPEC_CONSTANT_FALSE, OP_SPEC_CONSTANT, OP_SPEC_CONSTANT_COMPOSITE = 48, 49, 50, 51
@@ -35,7 +35,7 @@ OP_CONTROL_BARRIER = 224
 OP_LOOP_MERGE, OP_SELECTION_MERGE, OP_LABEL, OP_BRANCH, OP_BRANCH_CONDITIONAL = 246, 247, 248, 249, 250
 OP_EXECUTION_MODE_ID = 331
 OP_TYPE_COOPERATIVE_MATRIX_KHR, OP_COOPERATIVE_MATRIX_LOAD_KHR, OP_COOPERATIVE_MATRIX_STORE_KHR = 4456, 4457, 4458
-_TYPE_OPS = {OP_TYPE_BOOL, OP_TYPE_INT, OP_TYPE_FLOAT, OP_TYPE_VECTOR, OP_TYPE_ARRAY,
+_TYPE_OPS = {OP_TYPE_BOOL, OP_TYPE_INT, OP_TYPE_FLOAT, OP_TYPE_VECTOR, OP_TYPE_IMAGE, OP_TYPE_ARRAY,
              OP_TYPE_RUNTIME_ARRAY, OP_TYPE_STRUCT, OP_TYPE_POINTER}
 
 # Decorations, builtins, storage classes, memory models, execution model / modes, loop controls, scopes.
@@ -43,7 +43,8 @@ DEC_SPEC_ID, DEC_BLOCK, DEC_BUFFER_BLOCK, DEC_ARRAY_STRIDE, DEC_BUILTIN = 1, 2, 
 DEC_VOLATILE, DEC_COHERENT = 21, 23
 DEC_NON_WRITABLE, DEC_BINDING, DEC_DESCRIPTOR_SET, DEC_OFFSET = 24, 33, 34, 35
 BUILTIN_WORKGROUP_SIZE = 25
-SC_INPUT, SC_UNIFORM, SC_OUTPUT, SC_WORKGROUP, SC_PRIVATE, SC_FUNCTION = 1, 2, 3, 4, 6, 7
+SC_UNIFORM_CONSTANT, SC_INPUT, SC_UNIFORM, SC_OUTPUT, SC_WORKGROUP, SC_PRIVATE, SC_FUNCTION = 0, 1, 2, 3, 4, 6, 7
+DIM_BUFFER, IMAGE_STORAGE = 5, 2   # OpTypeImage's Dim Buffer, and its Sampled operand for an image read without a sampler
 SC_PUSH_CONSTANT, SC_STORAGE_BUFFER = 9, 12
 MEMORY_MODEL_GLSL450, MEMORY_MODEL_VULKAN = 1, 3
 MODEL_GLCOMPUTE = 5
@@ -101,7 +102,7 @@ class SpirvError(ValueError):
 class Binding:
     set: int
     binding: int
-    kind: str  # "storage_buffer" | "uniform_buffer"
+    kind: str  # "storage_buffer" | "uniform_buffer" | "storage_texel_buffer"
     readonly: bool
     name: str
 
@@ -314,9 +315,20 @@ def reflect(spirv: bytes) -> Reflection:
     m = _Module(module_words(bytes(spirv)))
     bindings, push = [], []
     for ptr, var, storage in m.variables:
-        if storage not in (SC_UNIFORM, SC_STORAGE_BUFFER, SC_PUSH_CONSTANT):
+        if storage not in (SC_UNIFORM_CONSTANT, SC_UNIFORM, SC_STORAGE_BUFFER, SC_PUSH_CONSTANT):
             continue
         block = m.type(ptr)[1][1]  # OpTypePointer operands: storage class, pointee
+        if storage == SC_UNIFORM_CONSTANT:
+            # a storage texel buffer (GLSL's imageBuffer): OpTypeImage with Dim Buffer, read without a sampler
+            op, operands = m.types.get(block, (None, ()))   # sampled type, dim, depth, arrayed, MS, sampled, format
+            if op != OP_TYPE_IMAGE or operands[1] != DIM_BUFFER or operands[5] != IMAGE_STORAGE:
+                raise SpirvError(f"variable %{var}: only storage texel buffers are supported among images and "
+                                 "samplers")
+            var_deco = m.decos.get(var, {})
+            bindings.append(Binding(set=var_deco.get(DEC_DESCRIPTOR_SET, [0])[0],
+                                    binding=var_deco.get(DEC_BINDING, [0])[0], kind="storage_texel_buffer",
+                                    readonly=DEC_NON_WRITABLE in var_deco, name=m.names.get(var) or ""))
+            continue
         op = m.type(block)[0]
         if op in (OP_TYPE_ARRAY, OP_TYPE_RUNTIME_ARRAY):
             raise SpirvError("descriptor arrays not supported")
@@ -351,6 +363,7 @@ def reflect(spirv: bytes) -> Reflection:
             kind=kind, readonly=readonly,
             name=m.names.get(var) or m.names.get(block) or ""))
     push.sort(key=lambda p: p.offset)
+    bindings.sort(key=lambda b: (b.set, b.binding))   # images and blocks are declared apart
     local_size, spec_ids = m.local_size(m.entries[0][0] if m.entries else None)
     spec_constants = {m.spec_id(c): m.type_name(t) for c, (t, _, spec) in m.consts.items()
                       if spec and m.spec_id(c) is not None}

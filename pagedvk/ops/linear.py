@@ -14,7 +14,7 @@ from ..kernels.catalogue import (LINEAR_GEMM, LINEAR_GEMM_TILE, LINEAR_GEMV, LIN
                                   LINEAR_GEMV_ROWS, LINEAR_GEMV_TOKENS, LinearSpec)
 from ..kernels.matrix import MATRIX_KIND, matrix_unavailable
 from ..runtime.array import Array, DeviceArray, asarray, empty, segment_limit
-from ..runtime.pipeline import fold_grid
+from ..runtime.pipeline import TEXEL_BYTES, fold_grid
 from ..runtime.recording import active_recording, dispatch, require_device_arrays
 from . import checks
 from .opargs import backend_name, device_of
@@ -67,6 +67,20 @@ def cpu_pass_tokens(tokens: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def cpu_texels_refused(info, weight) -> str | None:
+    """Why the CPU kernel cannot bind `weight` as its texel buffer on this device (more texels than
+    maxTexelBufferElements, or a view starting off minTexelBufferOffsetAlignment), or None where it can."""
+    offset = weight.offset if isinstance(weight, DeviceArray) else 0
+    texels = -(-weight.nbytes // TEXEL_BYTES)
+    if texels > info.max_texel_buffer_elements:
+        return (f"its {texels} texels of {TEXEL_BYTES} bytes are more than {info.name} binds as a texel buffer "
+                f"(maxTexelBufferElements {info.max_texel_buffer_elements})")
+    if offset % info.min_texel_buffer_offset_alignment:
+        return (f"it starts {offset} bytes into its buffer, off {info.name}'s minTexelBufferOffsetAlignment "
+                f"({info.min_texel_buffer_offset_alignment})")
+    return None
+
+
 def cpu_lanes(info) -> int:
     """The CPU kernel's workgroup size (LinearSpec.LANES): one subgroup, the device's."""
     return info.subgroup_size
@@ -108,7 +122,9 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
         it can run, else "gemm" (float32 x: the matrix units' sums are not float32's). "gemv" runs in
         the device's shape (`linear_target`): shaders/linear_gemv_cpu.comp on CPU devices (lavapipe), where
         subgroup arithmetic (subgroups of at least 4) and the GLSL backend allow, else shaders/linear_gemv.comp;
-        "gemv-cpu" and "gemv-gpu" force one shape, whatever the device (the CPU one where it can run).
+        "gemv-cpu" and "gemv-gpu" force one shape, whatever the device (the CPU one where it can run). The CPU
+        kernel binds the weight as a storage texel buffer: where the device's texel-buffer limits refuse it
+        (`cpu_texels_refused`), "auto" and "gemv" run the other kernel and "gemv-cpu" raises.
     backend : {"glsl", "wgsl"}, optional
         The kernel language; None means PAGEDVK_BACKEND, else "glsl".
 
@@ -175,6 +191,11 @@ def linear(x: Array, weight: Array, bias: Array | None = None, out: Array | None
                                      and types["x"].tag != "f32")
     gemv = chosen not in ("gemm", "coopmat")
     target = linear_target(device.info, name, chosen) if gemv else ""
+    refused = cpu_texels_refused(device.info, weight) if target == "cpu" else None
+    if refused and chosen == "gemv-cpu":
+        raise ValueError(f"weight cannot be read by kernel 'gemv-cpu', which binds it as a texel buffer: {refused}")
+    if refused:
+        target = ""   # the GPU-shaped kernel reads it as a storage buffer
     abi = LINEAR_GEMV if gemv else LINEAR_GEMM
 
     temporaries = []

@@ -74,12 +74,14 @@ class DeviceCommands:
                     return self._allocate_set(pool, layout), pool
                 except (vk.VkErrorOutOfPoolMemory, vk.VkErrorFragmentedPool):
                     continue
-            size = vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-                                           descriptorCount=DESCRIPTORS_PER_POOL)
+            sizes = [vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                             descriptorCount=DESCRIPTORS_PER_POOL),
+                     vk.VkDescriptorPoolSize(type=vk.VK_DESCRIPTOR_TYPE_STORAGE_TEXEL_BUFFER,   # Binding.texels
+                                             descriptorCount=DESCRIPTORS_PER_POOL // 4)]
             pool = vk.vkCreateDescriptorPool(self.handle, vk.VkDescriptorPoolCreateInfo(
                 sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO,
                 flags=vk.VK_DESCRIPTOR_POOL_CREATE_FREE_DESCRIPTOR_SET_BIT,
-                maxSets=DESCRIPTORS_PER_POOL // 4, poolSizeCount=1, pPoolSizes=[size]), None)
+                maxSets=DESCRIPTORS_PER_POOL // 4, poolSizeCount=len(sizes), pPoolSizes=sizes), None)
             self._descriptor_pools.append(pool)
             return self._allocate_set(pool, layout), pool
 

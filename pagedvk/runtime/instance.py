@@ -161,6 +161,9 @@ class DeviceInfo:
         VK_KHR_cooperative_matrix.
     max_storage_buffer_range, max_allocation_bytes, min_storage_buffer_offset_alignment : int
         The limits that decide how device arrays are split and bound.
+    max_texel_buffer_elements, min_texel_buffer_offset_alignment : int
+        Where a kernel binds an array as a storage texel buffer (Binding.texels): its texels at most, and where it
+        may start.
     max_workgroup_count : tuple of int
         maxComputeWorkGroupCount: workgroups per grid dimension.
     compute_units : int
@@ -204,6 +207,9 @@ class DeviceInfo:
     subgroup_shuffle: bool = True
     # subgroupAny in compute shaders (VK_SUBGROUP_FEATURE_VOTE_BIT): the cooperative-matrix decode needs it
     subgroup_vote: bool = True
+    # maxTexelBufferElements and minTexelBufferOffsetAlignment (Vulkan guarantees 65536 and allows up to 256)
+    max_texel_buffer_elements: int = 65536
+    min_texel_buffer_offset_alignment: int = 256
     # maxComputeSharedMemorySize: bytes of workgroup memory a compute shader may declare (Vulkan guarantees 16 KiB;
     # the WGSL prefill forward needs more: catalogue.PREFILL_WGSL_SHARED_BYTES)
     max_shared_memory: int = 16384
@@ -357,6 +363,8 @@ def describe(index: int, pd, instance) -> DeviceInfo:
         min_storage_buffer_offset_alignment=props.limits.minStorageBufferOffsetAlignment,
         max_workgroup_count=tuple(props.limits.maxComputeWorkGroupCount), compute_units=int(compute_units),
         max_shared_memory=int(props.limits.maxComputeSharedMemorySize),
+        max_texel_buffer_elements=int(props.limits.maxTexelBufferElements),
+        min_texel_buffer_offset_alignment=int(props.limits.minTexelBufferOffsetAlignment),
         extensions=extensions, matrix_shapes=matrix_shapes(instance, pd, extensions), handle=pd)
 
 

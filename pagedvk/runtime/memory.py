@@ -82,8 +82,9 @@ class Buffer(Owned):
         self.nbytes = nbytes
         self.size = max(16, (nbytes + 15) // 16 * 16)
         self.handle = self.memory = self.mapped = None
-        usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
-                 | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+        # storage texel buffer too: a kernel may bind any array as one (abi.Binding.texels)
+        usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_STORAGE_TEXEL_BUFFER_BIT
+                 | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
         addressable = device.buffer_device_address and not host_visible
         if addressable:   # kernels may reach it through its address (caches larger than one binding)
             usage |= BUFFER_USAGE_SHADER_DEVICE_ADDRESS

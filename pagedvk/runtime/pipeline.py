@@ -35,8 +35,9 @@ def fold_grid(workgroups: int, limits: tuple) -> tuple:
 
 
 class Pipeline(Owned):
-    """A compute pipeline, its descriptor-set layout (one storage buffer per declared binding) and its
-    pipeline layout (one push-constant range of the declared size)."""
+    """A compute pipeline, its descriptor-set layout (one storage buffer per declared binding, or a storage texel
+    buffer of 16-byte texels where the binding says `texels`) and its pipeline layout (one push-constant range of
+    the declared size)."""
 
     def __init__(self, device: Device, abi, spirv: bytes, name: str, bindings: tuple | None = None,
                  specialization: dict | None = None):
@@ -48,8 +49,8 @@ class Pipeline(Owned):
         with device.creating() as d:   # no close() of the device meanwhile (Device.creating)
             try:
                 bindings = [vk.VkDescriptorSetLayoutBinding(
-                    binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, descriptorCount=1,
-                    stageFlags=STAGE) for i in range(len(self.bindings))]
+                    binding=i, descriptorType=descriptor_type(b), descriptorCount=1,
+                    stageFlags=STAGE) for i, b in enumerate(self.bindings)]
                 self.set_layout = vk.vkCreateDescriptorSetLayout(d, vk.VkDescriptorSetLayoutCreateInfo(
                     sType=vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO, bindingCount=len(bindings),
                     pBindings=bindings), None)
@@ -114,6 +115,16 @@ class Pipeline(Owned):
 
 
 
+TEXEL_FORMAT = vk.VK_FORMAT_R32G32B32A32_UINT   # a texel binding's 16-byte texels (GLSL rgba32ui)
+TEXEL_BYTES = 16
+
+
+def descriptor_type(binding) -> int:
+    """A declared binding's descriptor type: a storage buffer, or a storage texel buffer (abi.Binding.texels)."""
+    return (vk.VK_DESCRIPTOR_TYPE_STORAGE_TEXEL_BUFFER if getattr(binding, "texels", False)
+            else vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER)
+
+
 def specialization_info(values: dict):
     """VkSpecializationInfo for {constant id: value}, each value 4 bytes (VkBool32 or a 32-bit int)."""
     if not values:
@@ -142,27 +153,45 @@ class DescriptorSet(Owned):
         device = pipeline.device
         if len(buffers) != len(pipeline.bindings):
             raise ValueError(f"{pipeline.name} takes {len(pipeline.bindings)} buffers, got {len(buffers)}")
-        align = device.info.min_storage_buffer_offset_alignment
-        for i, b in enumerate(buffers):
+        info = device.info
+        for i, (b, binding) in enumerate(zip(buffers, pipeline.bindings)):
+            texels = getattr(binding, "texels", False)
+            align, limit = ((info.min_texel_buffer_offset_alignment, "minTexelBufferOffsetAlignment") if texels else
+                            (info.min_storage_buffer_offset_alignment, "minStorageBufferOffsetAlignment"))
             if b.offset % align:
                 raise ValueError(f"binding {i} of {pipeline.name}: a buffer range must start at a multiple of "
-                                 f"{align} bytes (minStorageBufferOffsetAlignment of {device.info.name}), "
-                                 f"got offset {b.offset}")
+                                 f"{align} bytes ({limit} of {info.name}), got offset {b.offset}")
+            if texels and b.size > info.max_texel_buffer_elements * TEXEL_BYTES:
+                raise ValueError(f"binding {i} of {pipeline.name}: {b.size // TEXEL_BYTES} texels of "
+                                 f"{TEXEL_BYTES} bytes, more than {info.name} binds as a texel buffer "
+                                 f"(maxTexelBufferElements {info.max_texel_buffer_elements})")
         self.device = device
         self._buffers = tuple(weakref.ref(b) for b in buffers)
         if device.debug_names:   # each buffer by the role it is bound in ("k_cache of paged_decode...")
             for b, binding in zip(buffers, pipeline.bindings):
                 b.name_role(f"{binding.name} of {pipeline.name}")
-        infos = [vk.VkDescriptorBufferInfo(buffer=b.handle, offset=b.offset, range=b.size) for b in buffers]
         with device.lock:   # the pool, and no close() between the allocation and the write
-            self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
+            views = []
+            try:
+                for b, binding in zip(buffers, pipeline.bindings):   # a texel binding's view of its range
+                    views.append(vk.vkCreateBufferView(device.handle, vk.VkBufferViewCreateInfo(
+                        sType=vk.VK_STRUCTURE_TYPE_BUFFER_VIEW_CREATE_INFO, buffer=b.handle, format=TEXEL_FORMAT,
+                        offset=b.offset, range=b.size), None) if getattr(binding, "texels", False) else None)
+                self.handle, self.pool = device.allocate_descriptor_set(pipeline.set_layout)
+            except vk.VkError as e:
+                _free_set(device.handle, None, None, views)
+                raise_vk(e, f"binding the buffers of {pipeline.name}")
             writes = [vk.VkWriteDescriptorSet(
                 sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=self.handle, dstBinding=i, descriptorCount=1,
-                descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[info])
-                for i, info in enumerate(infos)]
+                descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_TEXEL_BUFFER, pTexelBufferView=[view])
+                if view is not None else vk.VkWriteDescriptorSet(
+                sType=vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, dstSet=self.handle, dstBinding=i, descriptorCount=1,
+                descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                pBufferInfo=[vk.VkDescriptorBufferInfo(buffer=b.handle, offset=b.offset, range=b.size)])
+                for i, (b, view) in enumerate(zip(buffers, views))]
             vk.vkUpdateDescriptorSets(device.handle, len(writes), writes, 0, None)
-            self._finalizer = device.own(self, functools.partial(
-                vk.vkFreeDescriptorSets, device.handle, self.pool, 1, [self.handle]))
+            self._finalizer = device.own(self, functools.partial(_free_set, device.handle, self.pool, self.handle,
+                                                                  views))
 
     @property
     def buffers(self) -> tuple:
@@ -171,6 +200,15 @@ class DescriptorSet(Owned):
 
     def _drop_handles(self) -> None:
         self.handle = None
+
+
+def _free_set(d, pool, handle, views) -> None:
+    """A descriptor set's, and its texel bindings' buffer views (None where a binding has none)."""
+    if handle is not None:
+        vk.vkFreeDescriptorSets(d, pool, 1, [handle])
+    for view in views:
+        if view is not None:
+            vk.vkDestroyBufferView(d, view, None)
 
 
 def require_open_buffers(buffers) -> None:

@@ -168,6 +168,41 @@ def test_cpu_kernel_holds_x_where_it_fits(rng, device, monkeypatch):
         assert rel_error(y, ref) <= 1e-5
 
 
+def test_cpu_kernel_binds_weight_as_texels_where_the_device_allows(rng, device, monkeypatch):
+    """The CPU kernel binds the weight as a storage texel buffer: a weight past maxTexelBufferElements, or a view
+    starting off minTexelBufferOffsetAlignment, runs on the GPU-shaped kernel for "auto" and "gemv" and is refused,
+    named, for a forced "gemv-cpu" (nothing written); the descriptor set refuses such a binding too."""
+    x, w = random(rng, (2, 64), np.float32), random(rng, (48, 64), np.float16)
+    xd, wd = pagedvk.asarray(x, device), pagedvk.asarray(w, device)
+    ref = reference.linear(x, w[16:40])
+    made_up = SimpleNamespace(name="made-up", max_texel_buffer_elements=96, min_texel_buffer_offset_alignment=256)
+    refused = linear_ops.cpu_texels_refused
+    assert refused(made_up, wd[16:22]) is None                      # 48 texels at byte 2048
+    assert "its 384 texels of 16 bytes are more than made-up binds" in refused(made_up, wd)
+    assert "starts 2176 bytes into its buffer, off made-up's minTexelBufferOffsetAlignment (256)" in \
+        refused(made_up, wd[17:18])
+    assert "(maxTexelBufferElements 96)" in refused(made_up, w)      # a numpy weight: its bytes
+    monkeypatch.setattr(linear_ops, "cpu_texels_refused", lambda info, weight: "made-up reason")
+    for kernel in ("auto", "gemv"):
+        assert rel_error(pagedvk.linear(xd, wd[16:40], kernel=kernel).numpy(), ref) <= 1e-5
+    out = pagedvk.asarray(np.full((2, 24), 7.0, np.float32), device)
+    with pytest.raises(ValueError, match="weight cannot be read by kernel 'gemv-cpu', which binds it as a texel "
+                                         "buffer: made-up reason"):
+        pagedvk.linear(xd, wd[16:40], out=out, kernel="gemv-cpu")
+    np.testing.assert_array_equal(out.numpy(), 7.0)
+    if device.info.min_texel_buffer_offset_alignment > 4:   # the descriptor set's own check
+        from pagedvk.runtime.pipeline import DescriptorSet
+        from pagedvk.runtime.memory import BufferRange
+        from pagedvk.kernels import modules
+        from pagedvk.kernels.catalogue import LINEAR_GEMV
+        pipeline = modules.pipeline(device, LINEAR_GEMV, LINEAR_GEMV.key("glsl", target="cpu"),
+                                    constants={0: 1, 1: 1, 2: 0, 3: 0, 4: device.info.subgroup_size})
+        misaligned = BufferRange(wd.buffer, 4, 64)
+        with pytest.raises(ValueError, match=r"binding 1 of .*: a buffer range must start at a multiple of \d+ bytes "
+                                             r"\(minTexelBufferOffsetAlignment"):
+            DescriptorSet(pipeline, [xd.buffer, misaligned, wd.buffer, out.buffer])
+
+
 def test_return_types(rng, device):
     x, w, b = random(rng, (2, 64), np.float16), random(rng, (24, 64), np.float32), random(rng, 24, np.float32)
     ref = reference.linear(x, w, b)

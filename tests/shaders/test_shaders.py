@@ -47,14 +47,16 @@ def module_problems(kernel, key) -> list:
     # tests).
     # A binding may be declared more than once (the linear kernels read x's buffer as words and as quads): one
     # binding each, read-only where every declaration of it is.
-    declared = {}
+    declared, kinds = {}, {}
     for b in r.bindings:
         declared[b.set, b.binding] = declared.get((b.set, b.binding), True) and b.readonly
+        kinds.setdefault((b.set, b.binding), b.kind)
     checks = {
         "entry point main": "main" in r.entry_points,
         "workgroup size": r.local_size == kernel.workgroup_size_of(key),
         "binding numbers": list(declared) == [(0, i) for i in range(len(bindings))],
-        "storage buffers only": all(b.kind == "storage_buffer" for b in r.bindings),
+        "storage buffers, and texel buffers where declared": list(kinds.values())
+        == ["storage_texel_buffer" if b.texels else "storage_buffer" for b in bindings],
         f"read-only flags of {[b.name for b in bindings]}": list(declared.values()) == [b.readonly for b in bindings],
         "push-constant size": r.push_constant_size == kernel.push_size,
         "push-constant offsets": [m.offset for m in r.push_constant_members] == list(kernel.push_offsets().values()),

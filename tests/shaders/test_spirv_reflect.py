@@ -64,6 +64,31 @@ def test_buffers(glsl, target, version):
     assert "Shader" in r.capabilities
 
 
+def test_texel_buffers(glsl):
+    # Storage texel buffers (UniformConstant images with Dim Buffer) are bindings too, in binding order whatever the
+    # order of their declarations; readonly is the variable's NonWritable.
+    r = reflect(glsl("""#version 450
+layout(local_size_x = 1) in;
+layout(set = 0, binding = 2) buffer Out { uvec4 v[]; };
+layout(set = 0, binding = 1, rgba32ui) uniform readonly uimageBuffer src;
+layout(set = 0, binding = 0, r32ui) uniform uimageBuffer scratch;
+void main() { v[0] = imageLoad(src, 0); imageStore(scratch, 0, uvec4(1u)); }
+"""))
+    assert r.bindings == (Binding(0, 0, "storage_texel_buffer", False, "scratch"),
+                          Binding(0, 1, "storage_texel_buffer", True, "src"),
+                          Binding(0, 2, "storage_buffer", False, "Out"))
+
+
+def test_samplers_are_refused(glsl):
+    with pytest.raises(SpirvError, match="only storage texel buffers are supported among images and samplers"):
+        reflect(glsl("""#version 450
+layout(local_size_x = 1) in;
+layout(binding = 0) uniform usamplerBuffer s;
+layout(binding = 1) buffer Out { uvec4 v[]; };
+void main() { v[0] = texelFetch(s, 0); }
+"""))
+
+
 def test_partially_readonly_block_is_writable(glsl):
     r = reflect(glsl("""#version 450
 layout(local_size_x = 1) in;
