@@ -322,6 +322,9 @@ def test_pagedvk_serve_answers_and_stops_on_interrupt(tiny):
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from pagedvk.cli import main; sys.exit(main())",
                              "serve", "--model", str(path), "--port", str(port), "--max-batch", "2",
                              "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # not the checkout's root: `python -c` puts the working directory first on sys.path, and
+                            # a checkout's pagedvk without built modules shadowed the installed one (CI's fresh clone)
+                            cwd=str(path.parent),
                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                                 p for p in (str(Path(pagedvk.__file__).parent.parent), os.environ.get("PYTHONPATH"))
                                 if p)))
@@ -337,6 +340,7 @@ def test_pagedvk_serve_answers_and_stops_on_interrupt(tiny):
         assert [m["id"] for m in models] == ["tiny"]
         r = httpx.post(url + "/v1/completions", json=dict(prompt=" the and", max_tokens=5, temperature=0),
                        timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == expected(want, model.tokenizer, model.tokenizer.encode(" the and"),
                                                           5)[0]
     finally:
