@@ -245,11 +245,12 @@ def test_device_lost(rng, monkeypatch, call):
 
 
 def long_case(rng, device):
-    # Still running a nanosecond after its submission: milliseconds on lavapipe; on a GPU, half a GiB of
-    # cache per launch (a fraction of a millisecond, far longer than the few microseconds of Python
-    # between the submission and the wait).
+    # Still running a nanosecond after its submission: tens of milliseconds on lavapipe (2048 tokens a sequence,
+    # a few milliseconds, ended before the wait once in a cold CI run on 2 busy cores, 2026-12-07); on a GPU, half a
+    # GiB of cache per launch (a fraction of a millisecond, far longer than the few microseconds of Python between the
+    # submission and the wait).
     if device.info.type == "cpu":
-        return Case(rng, num_seqs=4, num_heads=8, num_kv_heads=2, head_size=128, block_size=32, seq_lens=[2048] * 4)
+        return Case(rng, num_seqs=4, num_heads=8, num_kv_heads=2, head_size=128, block_size=32, seq_lens=[8192] * 4)
     return Case(rng, num_seqs=64, num_heads=8, num_kv_heads=1, head_size=128, block_size=32, seq_lens=[8192] * 64)
 
 
