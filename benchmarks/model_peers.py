@@ -42,21 +42,11 @@ PEERS = ("pagedvk", "llamacpp", "torch")
 
 # -- the model file ---------------------------------------------------------------------------------------------------
 
-def byte_tokens() -> list[str]:
-    """GPT-2's bytes_to_unicode, in byte order: printable bytes stand for themselves, the others for chr(256 + k)."""
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | \
-        set(range(ord("®"), ord("ÿ") + 1))
-    out, extra = [], 0
-    for b in range(256):
-        out.append(chr(b) if b in printable else chr(256 + extra))
-        extra += b not in printable
-    return out
-
-
 def write_model(path: str, shape: str, seed: int = 0) -> None:
     """A random-weight float16 llama GGUF. Scales as tests/models/tiny_model.py's: unit embedding rows and larger
     layer outputs, so that logits spread and greedy picks are far apart (the peers' tokens can be compared)."""
     import gguf
+    from pagedvk.models.tokenizer import byte_tokens
     layers, hidden, heads, kv_heads, ffn, vocab = SHAPES[shape]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = byte_tokens() + ["Ġt"] + [f"w{i}" for i in range(vocab - 257 - len(specials))] + specials

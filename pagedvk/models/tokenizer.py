@@ -31,6 +31,18 @@ PRE_TOKENIZERS = {
 # Pre-tokenizers whose tokenizer.json takes a whole word that is in the vocabulary without merging it
 IGNORE_MERGES = ("llama-bpe",)
 
+def byte_tokens() -> list[str]:
+    """GPT-2's bytes_to_unicode, in byte order: the 256 tokens a byte-level BPE vocabulary begins with (printable
+    bytes stand for themselves, the others for chr(256 + k)). For writing such vocabularies (tests, benchmarks)."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | \
+        set(range(ord("®"), ord("ÿ") + 1))
+    out, extra = [], 0
+    for b in range(256):
+        out.append(chr(b) if b in printable else chr(256 + extra))
+        extra += b not in printable
+    return out
+
+
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4   # gguf.TokenType: matched in text as a whole
 
 CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagedvk.models.llama import Model, ModelConfig
+from pagedvk.models.tokenizer import byte_tokens
 
 gguf = __import__("pytest").importorskip("gguf")
 
@@ -16,20 +17,6 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
           "{{ '<|im_start|>system\\nYou are a tiny test model<|im_end|>\\n' }}{% endif %}"
           "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
-def byte_tokens() -> list[str]:
-    """GPT-2's bytes_to_unicode: printable bytes stand for themselves, the others for chr(256 + k), in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
 
 
 def vocabulary() -> tuple[list[str], list[int]]:
